@@ -1,0 +1,110 @@
+"""The array module: NumPy on CPUs, CuPy on GPUs, chosen once per process.
+
+Every array the model owns is created through `xp()`. Pure kernels never ask
+which backend is active: they call `array_module(x)` on their input, so the
+same code runs on NumPy and CuPy arrays.
+
+    from mpi_tp import backend
+    backend.use("cupy", comm=MPI.COMM_WORLD)   # each rank takes GPU local_rank % n_gpus
+    xp = backend.xp()
+"""
+from __future__ import annotations
+
+import os
+
+import numpy
+
+_xp = numpy
+_name = "numpy"
+
+
+class BackendError(RuntimeError):
+    """The requested array backend cannot be used on this machine."""
+
+
+def xp():
+    """The active array module (numpy or cupy)."""
+    return _xp
+
+
+def name() -> str:
+    return _name
+
+
+def array_module(a):
+    """numpy or cupy, whichever owns `a` (NumPy for anything that is not a CuPy array)."""
+    if _name == "cupy":
+        import cupy
+        return cupy.get_array_module(a)
+    return numpy
+
+
+def is_device_array(a) -> bool:
+    return _name == "cupy" and type(a).__module__.startswith("cupy")
+
+
+def asnumpy(a):
+    """A host (NumPy) copy of `a`, or `a` itself when it already lives on the host."""
+    if is_device_array(a):
+        return _xp.asnumpy(a)
+    return numpy.asarray(a)
+
+
+def asarray(a, dtype=None):
+    """`a` as an array of the active backend (copied to the GPU under CuPy)."""
+    return _xp.asarray(a, dtype=dtype)
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work; MPI reads device buffers directly, so call before any MPI call."""
+    if _name == "cupy":
+        _xp.cuda.get_current_stream().synchronize()
+
+
+def node_local_rank(comm) -> int:
+    """This rank's index among the ranks on its node (used to pick a GPU)."""
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return local.Get_rank()
+    finally:
+        local.Free()
+
+
+def use(backend: str = "numpy", comm=None) -> None:
+    """Select the array backend for this process, once, before any model is built.
+
+    backend: "numpy" or "cupy". Under CuPy each rank binds to GPU
+    (node-local rank) % (GPUs on the node); `comm` defaults to COMM_WORLD.
+    """
+    global _xp, _name
+    if backend == "numpy":
+        _xp, _name = numpy, "numpy"
+        return
+    if backend != "cupy":
+        raise BackendError(f"unknown backend {backend!r}: use 'numpy' or 'cupy'")
+    try:
+        import cupy
+        n_gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # ImportError, or CUDA present but unusable
+        raise BackendError(
+            f"--backend cupy needs CuPy and a working GPU ({type(e).__name__}: {e}); "
+            "install the 'gpu' extra (pip install 'mpi_tp[gpu]') or use --backend numpy"
+        ) from None
+    if n_gpus == 0:
+        raise BackendError("--backend cupy: CuPy sees no GPU; use --backend numpy")
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    local = int(os.environ.get("MPI_TP_LOCAL_RANK", node_local_rank(comm)))
+    cupy.cuda.Device(local % n_gpus).use()
+    _xp, _name = cupy, "cupy"
+
+
+def scatter_add(target, indices, values) -> None:
+    """target[indices[i]] += values[i] for every i, repeated indices summed (in place)."""
+    if is_device_array(target):
+        import cupyx
+        cupyx.scatter_add(target, indices, values)
+    else:
+        numpy.add.at(target, indices, values)

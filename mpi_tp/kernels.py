@@ -1,0 +1,234 @@
+"""Pure forward/backward kernels for a GPT: no MPI, no classes, no global state.
+
+Every layer is a pair, as in llm.c:
+
+    out, cache = X_forward(inputs...)
+    grads      = X_backward(dout, cache)
+
+Backward returns freshly allocated gradients and never accumulates; the layer
+objects that own parameters add them into their own `.grad` buffers. Kernels
+never modify their inputs or their cache, so a backward may be called twice.
+They run unchanged on NumPy and CuPy arrays (the module comes from the input)
+and keep the input dtype: float32 in, float32 out and float32 gradients.
+
+Legend: B = batch, T = sequence, C = channels, H = heads, D = head size (C/H),
+V = vocab, K = input features, M = output features, N = number of rows (the
+product of all leading axes, e.g. B*T). Under tensor parallelism the caller
+passes local shards (e.g. H_p = H/tp heads, M_p = M/tp columns); the kernels
+do not care.
+"""
+from __future__ import annotations
+
+import math
+
+from mpi_tp.backend import array_module, scatter_add
+
+GELU_SCALE = math.sqrt(2.0 / math.pi)  # Python float: never upcasts float32
+GELU_CUBIC = 0.044715
+
+
+# ---------------------------------------------------------------- linear
+
+def linear_forward(x, w, b=None):
+    """out = x @ w + b. x (..., K), w (K, M) stored (in, out), b (M,) or None."""
+    K, M = w.shape
+    x2 = x.reshape(-1, K)                              # (..., K) -> (N, K): one big GEMM
+    out = x2 @ w                                       # (N, K) @ (K, M) -> (N, M)
+    if b is not None:
+        out += b                                       # fresh temporary: safe in place
+    out = out.reshape(*x.shape[:-1], M)                # (N, M) -> (..., M)
+    return out, (x, w, b is not None)
+
+
+def linear_backward(dout, cache):
+    """dx (..., K), dw (K, M), db (M,) or None when the forward had no bias."""
+    x, w, has_bias = cache
+    K, M = w.shape
+    x2 = x.reshape(-1, K)                              # (..., K) -> (N, K)
+    dout2 = dout.reshape(-1, M)                        # (..., M) -> (N, M)
+    # out = x @ w  =>  dx = dout @ w^T, dw = x^T @ dout
+    dx = (dout2 @ w.T).reshape(x.shape)                # (N, M) @ (M, K) -> (..., K)
+    dw = x2.T @ dout2                                  # (K, N) @ (N, M) -> (K, M)
+    db = dout2.sum(axis=0) if has_bias else None       # (N, M) -> (M,)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------- layernorm
+
+def layernorm_forward(x, w, b, eps=1e-5):
+    """Normalise over the last axis (biased variance): out = (x - mean) * rstd * w + b."""
+    xp = array_module(x)
+    mean = x.mean(axis=-1, keepdims=True)              # (..., C) -> (..., 1)
+    xhat = x - mean                                    # (..., C), fresh
+    var = (xhat * xhat).mean(axis=-1, keepdims=True)   # (..., C) -> (..., 1)
+    rstd = 1.0 / xp.sqrt(var + eps)                    # (..., 1)
+    xhat *= rstd                                       # now the normalised input
+    out = xhat * w
+    out += b
+    return out, (xhat, w, rstd)
+
+
+def layernorm_backward(dout, cache):
+    """dx (..., C), dw (C,), db (C,)."""
+    xhat, w, rstd = cache
+    C = w.shape[0]
+    # out = xhat * w + b
+    dw = (dout * xhat).reshape(-1, C).sum(axis=0)      # (..., C) -> (N, C) -> (C,)
+    db = dout.reshape(-1, C).sum(axis=0)               # (..., C) -> (C,)
+    dxhat = dout * w                                   # (..., C)
+    # xhat = (x - mean) * rstd, with mean and rstd depending on x too:
+    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    mean_dxhat = dxhat.mean(axis=-1, keepdims=True)    # (..., C) -> (..., 1)
+    mean_proj = (dxhat * xhat).mean(axis=-1, keepdims=True)  # (..., C) -> (..., 1)
+    dx = dxhat                                         # fresh temporary, reused in place
+    dx -= mean_dxhat
+    dx -= xhat * mean_proj
+    dx *= rstd
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------- gelu
+
+def gelu_forward(x):
+    """Tanh approximation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
+    xp = array_module(x)
+    u = x * x                                          # fresh temporary, built up in place
+    u *= GELU_CUBIC
+    u += 1.0
+    u *= x
+    u *= GELU_SCALE                                    # u = sqrt(2/pi) * (x + 0.044715 x^3)
+    out = xp.tanh(u, out=u)
+    out += 1.0
+    out *= x
+    out *= 0.5
+    return out, x
+
+
+def gelu_backward(dout, cache):
+    """dx, same shape as x."""
+    xp = array_module(dout)
+    x = cache
+    x2 = x * x
+    t = x2 * GELU_CUBIC
+    t += 1.0
+    t *= x
+    t *= GELU_SCALE
+    xp.tanh(t, out=t)                                  # t = tanh(u), as in the forward
+    # out = 0.5 x (1 + t)  =>  dout/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx,
+    # with du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+    dudx = x2                                          # reuse the temporary
+    dudx *= 3.0 * GELU_CUBIC
+    dudx += 1.0
+    dudx *= GELU_SCALE
+    dx = 1.0 - t * t
+    dx *= x
+    dx *= dudx
+    dx += t
+    dx += 1.0
+    dx *= 0.5
+    dx *= dout
+    return dx
+
+
+# ---------------------------------------------------------------- attention
+
+def _causal_bias(T, dtype, xp):
+    """(T, T): 0 where key s <= query t, -inf above the diagonal."""
+    bias = xp.zeros((T, T), dtype=dtype)
+    bias[xp.arange(T)[None, :] > xp.arange(T)[:, None]] = -math.inf
+    return bias
+
+
+def attention_forward(q, k, v, drop_mask=None):
+    """Causal softmax(q k^T / sqrt(D)) v per head. q, k, v (B, H, T, D) -> out (B, H, T, D).
+
+    drop_mask, if given, is broadcastable to (B, H, T, T) and holds 0 or 1/(1-p);
+    it multiplies the probabilities after the softmax (attention dropout).
+    """
+    xp = array_module(q)
+    T, D = q.shape[-2:]
+    scale = 1.0 / math.sqrt(D)
+    att = q @ k.swapaxes(-1, -2)                       # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    att *= scale
+    att += _causal_bias(T, att.dtype, xp)              # position t sees keys s <= t only
+    # stable softmax over keys, in place; the diagonal is never masked so the max is finite
+    att -= att.max(axis=-1, keepdims=True)
+    xp.exp(att, out=att)
+    att /= att.sum(axis=-1, keepdims=True)
+    probs = att                                        # (B, H, T, T)
+    if drop_mask is not None:
+        drop_mask = drop_mask.astype(probs.dtype, copy=False)  # a float64 mask must not upcast
+        probs_used = probs * drop_mask                 # (B, H, T, T)
+    else:
+        probs_used = probs
+    out = probs_used @ v                               # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    return out, (q, k, v, probs, drop_mask, scale)
+
+
+def attention_backward(dout, cache):
+    """dq, dk, dv, each (B, H, T, D)."""
+    q, k, v, probs, drop_mask, scale = cache
+    probs_used = probs if drop_mask is None else probs * drop_mask  # recomputed, not cached
+    # out = probs_used @ v
+    dv = probs_used.swapaxes(-1, -2) @ dout            # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    dprobs = dout @ v.swapaxes(-1, -2)                 # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    if drop_mask is not None:
+        dprobs *= drop_mask                            # probs_used = probs * drop_mask
+    # softmax: datt = probs * (dprobs - sum_s dprobs * probs); masked entries have probs = 0
+    datt = dprobs
+    datt -= (dprobs * probs).sum(axis=-1, keepdims=True)
+    datt *= probs
+    datt *= scale                                      # att = q @ k^T * scale
+    dq = datt @ k                                      # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    dk = datt.swapaxes(-1, -2) @ q                     # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- embedding
+
+def embedding_forward(ids, table):
+    """out = table[ids]. ids integer (B, T) (any shape), table (V, C) -> out (B, T, C)."""
+    out = table[ids]                                   # (B, T) -> (B, T, C)
+    return out, (ids, table.shape, table.dtype)
+
+
+def embedding_backward(dout, cache):
+    """dtable (V, C): each row of dout added to its id's row, repeated ids summed."""
+    xp = array_module(dout)
+    ids, shape, dtype = cache
+    dtable = xp.zeros(shape, dtype=dtype)              # (V, C)
+    scatter_add(dtable, ids.reshape(-1), dout.reshape(-1, shape[1]))  # (B, T, C) -> (N, C)
+    return dtable
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+def cross_entropy_forward(logits, targets):
+    """Mean over all positions of -log softmax(logits)[target], as a Python float.
+
+    logits (..., V), integer targets (...). The cache holds the probabilities.
+    """
+    xp = array_module(logits)
+    V = logits.shape[-1]
+    logits2 = logits.reshape(-1, V)                    # (..., V) -> (N, V)
+    t = targets.reshape(-1)                            # (...) -> (N,)
+    N = logits2.shape[0]
+    rows = xp.arange(N)
+    shifted = logits2 - logits2.max(axis=1, keepdims=True)  # (N, V), stable: max entry is 0
+    probs = xp.exp(shifted)                            # (N, V)
+    sumexp = probs.sum(axis=1)                         # (N, V) -> (N,)
+    # -log p[target] = log(sum exp) - shifted[target]; never log(0) for unlikely targets
+    loss = float((xp.log(sumexp) - shifted[rows, t]).mean())
+    probs /= sumexp[:, None]
+    return loss, (probs, t, logits.shape)
+
+
+def cross_entropy_backward(dloss, cache):
+    """dlogits (..., V) = dloss * (softmax - onehot(target)) / N."""
+    xp = array_module(cache[0])
+    probs, t, shape = cache
+    N = probs.shape[0]
+    scale = float(dloss) / N                           # Python float: keeps float32
+    dlogits = probs * scale                            # (N, V), fresh
+    dlogits[xp.arange(N), t] -= scale
+    return dlogits.reshape(shape)                      # (N, V) -> (..., V)

@@ -1,0 +1,261 @@
+"""A GPT-2 style transformer whose every layer is split across the tensor-parallel group.
+
+Legend: B = batch, T = sequence, C = channels (n_embd), H = heads, D = C/H head
+size, V = vocabulary; H_p, F_p, V_p = this rank's heads, MLP width and
+vocabulary rows (uneven shards allowed).
+
+    x = wte[idx] + wpe[0:T]                       wte vocab-parallel (1 all-reduce)
+    for each block:
+        x = x + attn(ln_1(x))                     heads split: f, q/k/v column, proj row, g
+        x = x + mlp(ln_2(x))                      fc column, gelu, proj row, g
+    logits_p = ln_f(x) @ wte_p^T                  tied head, this rank's vocab columns (f)
+    loss = vocab-parallel cross-entropy           2 small all-reduces, no gather
+
+Per block the forward pass all-reduces twice (after attention, after the MLP)
+and so does the backward (the two f's), B*T*C values each (Megatron-LM, sec. 3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy
+
+from . import backend
+from . import kernels as K
+from .comm import copy_to_tp, copy_to_tp_backward
+from .layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from .loss import VocabParallelCrossEntropy
+from .module import Module
+from .params import make_param
+from .topology import Topology, TopologyError, check_splittable, offsets, split_sizes
+
+
+class ConfigError(ValueError):
+    """A model or run configuration that cannot work; the message says what to change."""
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64      # longest sequence (positions in wpe)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+    def validate(self, tp: int = 1) -> None:
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if int(getattr(self, key)) < 1:
+                raise ConfigError(f"{key} must be a positive integer, got {getattr(self, key)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_head = {self.n_head} must divide n_embd = {self.n_embd} "
+                              f"(head size = n_embd / n_head)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if tp > self.n_head:
+            raise ConfigError(f"tensor-parallel size {tp} exceeds n_head = {self.n_head}: every rank "
+                              f"needs at least one attention head; use at most {self.n_head} ranks "
+                              f"or more heads")
+        try:
+            check_splittable(self.vocab_size, tp, "vocab_size")
+        except TopologyError as e:
+            raise ConfigError(str(e)) from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Dropout:
+    """Inverted dropout whose masks come from a random stream keyed by (seed, step, site).
+
+    Keying by site instead of drawing from one running generator gives Megatron's
+    semantics for free: a mask keyed by a global head index differs between the
+    ranks that own different heads, and a mask keyed only by the layer is the same
+    on every rank of the group. It also makes the masks the same at every
+    tensor-parallel size, so dropout runs are exactly comparable across layouts.
+    """
+
+    def __init__(self, p: float, seed: int):
+        self.p, self.seed, self.step, self.training = p, seed, 0, True
+
+    @property
+    def active(self) -> bool:
+        return self.training and self.p > 0
+
+    def mask(self, shape, dtype, *site):
+        """0 or 1/(1-p), of `shape`, from the stream (seed, step, *site)."""
+        rng = numpy.random.default_rng([self.seed, self.step, *site])
+        keep = rng.random(shape) >= self.p
+        return backend.asarray(keep.astype(dtype) / (1.0 - self.p))
+
+    def head_masks(self, B, T, heads, dtype, layer):
+        """Attention-probability masks (B, H_p, T, T), one stream per global head index."""
+        return backend.xp().stack([self.mask((B, T, T), dtype, layer, 1, h) for h in heads], axis=1)
+
+
+class ParallelAttention(Module):
+    """Causal self-attention with the heads divided among the tensor-parallel ranks."""
+
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int):
+        tp = topo.tp
+        self.group, self.dropout, self.layer = tp, dropout, layer
+        C, H = cfg.n_embd, cfg.n_head
+        self.D = C // H
+        head_sizes = split_sizes(H, tp.size)
+        self.H_p = head_sizes[tp.rank]
+        self.heads = range(offsets(head_sizes)[tp.rank], offsets(head_sizes)[tp.rank] + self.H_p)
+        cols = [h * self.D for h in head_sizes]   # the q/k/v column split follows the head split
+        col = dict(group=tp, dtype=dtype, copy_input=False, sizes=cols, seed=seed)
+        self.q = ColumnParallelLinear(f"{name}/q", C, C, **col)
+        self.k = ColumnParallelLinear(f"{name}/k", C, C, **col)
+        self.v = ColumnParallelLinear(f"{name}/v", C, C, **col)
+        self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed,
+                                      std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def _heads(self, y, B, T):
+        return y.reshape(B, T, self.H_p, self.D).transpose(0, 2, 1, 3)   # (B, T, H_p*D) -> (B, H_p, T, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = copy_to_tp(x, self.group)                                    # f, shared by q, k, v
+        q, k, v = (self._heads(lin.forward(x), B, T) for lin in (self.q, self.k, self.v))
+        mask = (self.dropout.head_masks(B, T, self.heads, x.dtype, self.layer)
+                if self.dropout.active else None)
+        y, cache = K.attention_forward(q, k, v, mask)                    # (B, H_p, T, D)
+        self.save_cache(cache)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, self.H_p * self.D)     # (B, T, H_p*D), rank's columns
+        return self.proj.forward(y)                                      # row split + g -> (B, T, C)
+
+    def backward(self, dout):
+        B, T, C = dout.shape
+        dy = self.proj.backward(dout)                                    # (B, T, H_p*D)
+        dy = self._heads(dy, B, T)
+        dq, dk, dv = K.attention_backward(dy, *self.take_cache())
+        merge = lambda d: d.transpose(0, 2, 1, 3).reshape(B, T, self.H_p * self.D)
+        dx = self.q.backward(merge(dq))
+        dx += self.k.backward(merge(dk))
+        dx += self.v.backward(merge(dv))
+        return copy_to_tp_backward(dx, self.group)                       # f's one all-reduce
+
+
+class ParallelMLP(Module):
+    """fc (column split, C -> 4C) -> GELU on each rank's columns -> proj (row split, 4C -> C) -> g."""
+
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed):
+        C = cfg.n_embd
+        self.fc = ColumnParallelLinear(f"{name}/fc", C, 4 * C, topo.tp, dtype, seed=seed)
+        self.proj = RowParallelLinear(f"{name}/proj", 4 * C, C, topo.tp, dtype, sizes=self.fc.sizes,
+                                      seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, x):
+        h = self.fc.forward(x)                     # (B, T, C) -> (B, T, F_p)
+        h, cache = K.gelu_forward(h)
+        self.save_cache(cache)
+        return self.proj.forward(h)                # (B, T, F_p) -> (B, T, C), all-reduced
+
+    def backward(self, dout):
+        dh = self.proj.backward(dout)
+        dh = K.gelu_backward(dh, *self.take_cache())
+        return self.fc.backward(dh)
+
+
+class Block(Module):
+    """x = x + drop(attn(ln_1(x))); x = x + drop(mlp(ln_2(x)))."""
+
+    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout):
+        name = f"h/{i}"
+        self.i, self.dropout = i, dropout
+        self.ln_1 = LayerNorm(f"{name}/ln_1", cfg.n_embd, dtype)
+        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i)
+        self.ln_2 = LayerNorm(f"{name}/ln_2", cfg.n_embd, dtype)
+        self.mlp = ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed)
+
+    def _residual_drop(self, y, site):
+        # Outside the parallel regions: one mask for the whole group (keyed by layer and site only).
+        if not self.dropout.active:
+            return y, None
+        m = self.dropout.mask(y.shape, y.dtype, self.i, site)
+        return y * m, m
+
+    def forward(self, x):
+        a, m_a = self._residual_drop(self.attn.forward(self.ln_1.forward(x)), 2)
+        x = x + a
+        h, m_h = self._residual_drop(self.mlp.forward(self.ln_2.forward(x)), 3)
+        self.save_cache(m_a, m_h)
+        return x + h
+
+    def backward(self, dout):
+        m_a, m_h = self.take_cache()
+        dh = dout if m_h is None else dout * m_h
+        dx = dout + self.ln_2.backward(self.mlp.backward(dh))
+        da = dx if m_a is None else dx * m_a
+        return dx + self.ln_1.backward(self.attn.backward(da))
+
+
+class GPT(Module):
+    """The whole model on one rank of the tensor-parallel group (tp = 1 is the serial model)."""
+
+    def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0):
+        topo = Topology.serial() if topo is None else topo
+        cfg.validate(topo.tp.size)
+        self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
+        self.dropout = Dropout(cfg.dropout, seed)
+        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed)
+        self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), self.dtype, seed=seed)
+        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout) for i in range(cfg.n_layer)]
+        self.ln_f = LayerNorm("ln_f", cfg.n_embd, self.dtype)
+        self.loss = VocabParallelCrossEntropy(topo.tp, self.wte.start, self.wte.stop)
+
+    def train(self, mode: bool = True) -> "GPT":
+        self.dropout.training = mode
+        return self
+
+    def eval(self) -> "GPT":
+        return self.train(False)
+
+    def hidden(self, idx):
+        """(B, T) token ids -> final hidden states (B, T, C) after ln_f, whole on every rank."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ConfigError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        idx = backend.asarray(idx)
+        x = self.wte.forward(idx) + self.wpe.data[:T]                   # (B, T, C)
+        m = None
+        if self.dropout.active:
+            m = self.dropout.mask(x.shape, x.dtype, -1, 0)
+            x *= m
+        for block in self.h:
+            x = block.forward(x)
+        self.save_cache(T, m)
+        return self.ln_f.forward(x)
+
+    def forward(self, idx, targets=None):
+        """Loss (a float, the same on every rank) when targets are given, else this rank's logits (B, T, V_p)."""
+        logits = self.wte.logits_forward(self.hidden(idx))              # (B, T, V_p)
+        if targets is None:
+            return logits
+        loss = self.loss.forward(logits, backend.asarray(targets))
+        if self.dropout.training:
+            self.dropout.step += 1                                      # next call draws fresh masks
+        return loss
+
+    def backward(self, dloss: float = 1.0) -> None:
+        """Accumulate d(dloss * loss)/d(param) into every Param.grad."""
+        dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dloss)))
+        T, m = self.take_cache()
+        for block in reversed(self.h):
+            dx = block.backward(dx)
+        if m is not None:
+            dx = dx * m
+        self.wpe.grad[:T] += dx.sum(axis=0)
+        self.wte.backward(dx)
+
+    def full_logits(self, idx):
+        """Logits over the whole vocabulary (B, T, V) on every rank: for sampling and tests, not training."""
+        from .comm import gather_from_tp
+        return gather_from_tp(self.forward(idx), self.topo.tp, self.wte.sizes)
+
+    def num_params(self) -> int:
+        """Parameters of the full model (not of this rank's shard)."""
+        return sum(int(numpy.prod(p.global_shape)) for p in self.parameters())

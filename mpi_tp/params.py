@@ -1,0 +1,112 @@
+"""Parameters as shards of full tensors, and an initialisation that is the same at every layout.
+
+A `Param` is this rank's slice of a named full ("master") tensor: the data, its
+gradient, and where the slice sits (`axis`, `start`, `stop`; axis None means
+every rank holds the whole tensor). That record is all that gradient clipping,
+checkpoints and tests need to know about the split.
+
+Initialisation draws the full tensor from a random stream keyed by (seed, name)
+and keeps the slice, one block of rows at a time, so memory stays bounded by a
+block while tp=1 and tp=N models start from identical numbers (style.md, 5).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy
+
+from . import backend
+
+
+@dataclass(eq=False)
+class Param:
+    """One rank's shard of the full tensor `name` (global_shape), and its gradient.
+
+    axis: the dimension that is split across the tensor-parallel group, or None
+    when the tensor is replicated; this rank holds indices [start, stop) of it.
+    decay: whether AdamW applies weight decay (matrices of linear layers).
+    """
+
+    name: str
+    data: object                 # xp array, shape = global shape with axis cut to stop - start
+    global_shape: tuple
+    axis: int | None = None
+    start: int = 0
+    stop: int = 0
+    decay: bool = False
+    grad: object = None          # same shape as data; backward accumulates into it
+
+    def __post_init__(self):
+        if self.grad is None:
+            self.grad = backend.xp().zeros_like(self.data)
+
+    @property
+    def sharded(self) -> bool:
+        return self.axis is not None
+
+    def index(self) -> tuple:
+        """The slice of the full tensor that this shard holds."""
+        idx = [slice(None)] * len(self.global_shape)
+        if self.axis is not None:
+            idx[self.axis] = slice(self.start, self.stop)
+        return tuple(idx)
+
+    def zero_grad(self) -> None:
+        self.grad[...] = 0
+
+
+def _stream(seed: int, name: str) -> numpy.random.Generator:
+    # crc32 is stable across runs and Python versions (str hash() is salted).
+    return numpy.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def normal_shard(name, global_shape, std, seed, dtype, axis=None, start=0, stop=None, block_elems=1 << 20):
+    """This rank's slice of a N(0, std^2) tensor whose numbers depend only on (seed, name)."""
+    global_shape = tuple(global_shape)
+    rng = _stream(seed, name)
+    rows, row_shape = global_shape[0], global_shape[1:]
+    per_row = int(numpy.prod(row_shape)) if row_shape else 1
+    block = max(1, block_elems // per_row)
+    stop = global_shape[axis] if (axis is not None and stop is None) else stop
+    last_row = stop if axis == 0 else rows    # rows past the slice need not be drawn
+    parts = []
+    for r0 in range(0, last_row, block):
+        r1 = min(r0 + block, rows)
+        chunk = rng.standard_normal((r1 - r0,) + row_shape)  # float64 draws: same numbers for every dtype
+        if axis == 0:
+            lo, hi = max(r0, start), min(r1, stop)
+            if lo < hi:
+                parts.append(chunk[lo - r0:hi - r0])
+        elif axis is None:
+            parts.append(chunk)
+        else:
+            idx = [slice(None)] * len(global_shape)
+            idx[axis] = slice(start, stop)
+            parts.append(chunk[tuple(idx)])
+    full = numpy.concatenate(parts, axis=0) * std
+    return backend.asarray(full.astype(dtype))
+
+
+def make_param(name, global_shape, dtype, *, init="normal", std=0.02, seed=0,
+               axis=None, start=0, stop=None, decay=False) -> Param:
+    """Create the shard [start, stop) along `axis` (None: whole) of parameter `name`.
+
+    init: "normal" (N(0, std^2), keyed by seed and name), "zeros" or "ones".
+    """
+    global_shape = tuple(int(s) for s in global_shape)
+    if axis is not None and stop is None:
+        stop = global_shape[axis]
+    local = list(global_shape)
+    if axis is not None:
+        local[axis] = stop - start
+    xp = backend.xp()
+    if init == "normal":
+        data = normal_shard(name, global_shape, std, seed, dtype, axis, start, stop)
+    elif init == "zeros":
+        data = xp.zeros(tuple(local), dtype=dtype)
+    elif init == "ones":
+        data = xp.ones(tuple(local), dtype=dtype)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    return Param(name, data, global_shape, axis, start, stop if axis is not None else 0, decay)

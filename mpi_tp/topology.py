@@ -1,0 +1,100 @@
+"""Who holds what: the process grid and the rule that cuts a dimension into shards.
+
+The world is laid out as a Cartesian grid of shape (dp, tp): tensor-parallel
+groups are consecutive ranks (ranks 0..tp-1 form the first group), so they sit
+on one node when ranks are placed by node, which is where tensor parallelism's
+frequent all-reduces belong. Data parallelism (and later pipeline stages) are
+further grid dimensions; layers only ever see `topo.tp`, so adding one does not
+touch them.
+
+    topo = Topology.create(MPI.COMM_WORLD, tp=2)      # dp = world size / tp
+    topo.tp.rank, topo.tp.size                        # this rank's place in its TP group
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from .comm import CommStats, Group
+
+
+class TopologyError(ValueError):
+    """The requested layout does not fit the world (or a dimension cannot be split)."""
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Cut n units into `parts` shards that differ by at most one unit.
+
+    The first n % parts shards get the extra unit: split_sizes(5, 2) == [3, 2].
+    """
+    if parts < 1:
+        raise TopologyError(f"cannot split into {parts} parts")
+    base, extra = divmod(n, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def offsets(sizes: list[int]) -> list[int]:
+    """Start of each shard: offsets([3, 2]) == [0, 3]."""
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def check_splittable(n: int, parts: int, what: str) -> None:
+    """Refuse a split that would leave some rank an empty shard, with a message that says what to do."""
+    if n < parts:
+        raise TopologyError(
+            f"{what} = {n} cannot be split over {parts} tensor-parallel ranks: some rank would "
+            f"hold nothing; use a tensor-parallel size of at most {n}"
+        )
+
+
+@dataclass
+class Topology:
+    """The process grid and its communicator groups.
+
+    world: every rank of the job.  tp: this rank's tensor-parallel group.
+    dp: its data-parallel group (size 1 until data parallelism is used).
+    stats: the collective counters shared by all groups.
+    """
+
+    world: MPI.Comm
+    tp: Group
+    dp: Group
+    stats: CommStats
+
+    @classmethod
+    def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1) -> "Topology":
+        comm = MPI.COMM_WORLD if comm is None else comm
+        n = comm.Get_size()
+        if tp is None:
+            if n % dp:
+                raise TopologyError(f"world size {n} is not divisible by dp = {dp}")
+            tp = n // dp
+        if tp < 1 or dp < 1 or tp * dp != n:
+            raise TopologyError(
+                f"layout tp={tp} x dp={dp} needs {tp * dp} ranks but the job has {n}; "
+                f"launch with mpiexec -n {tp * dp} or change --tp/--dp"
+            )
+        stats = CommStats()
+        # Rank order is kept (reorder=False) so that tp groups are consecutive world ranks.
+        cart = comm.Create_cart(dims=[dp, tp], periods=[False, False], reorder=False)
+        tp_comm = cart.Sub([False, True])
+        dp_comm = cart.Sub([True, False])
+        cart.Free()
+        return cls(world=comm, tp=Group(tp_comm, "tp", stats), dp=Group(dp_comm, "dp", stats), stats=stats)
+
+    @classmethod
+    def serial(cls) -> "Topology":
+        """A one-rank layout (tp = dp = 1) on COMM_SELF: the serial reference model."""
+        return cls.create(MPI.COMM_SELF, tp=1, dp=1)
+
+    def describe(self) -> dict:
+        return {"world": self.world.Get_size(), "tp": self.tp.size, "dp": self.dp.size}
+
+    def free(self) -> None:
+        for g in (self.tp, self.dp):
+            g.comm.Free()

@@ -1,0 +1,409 @@
+"""Tests for mpi_tp.kernels, the pure forward/backward pairs.
+
+    .venv/bin/python -m pytest -q tests/test_kernels.py
+
+Each backward is checked against central finite differences in float64 (every
+input element, small shapes), each forward against a naive reference written
+independently here, plus dtype preservation, purity (no input or cache is
+modified, grads are fresh) and, when installed, PyTorch autograd and CuPy.
+No MPI: under `mpiexec -n 2 python -m pytest --with-mpi` every rank runs them alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pytest
+
+from mpi_tp import kernels as K
+
+FD_EPS = 1e-6
+FD_TOL = 1e-6
+
+
+def rel_error(a, b) -> float:
+    """max|a - b| / max(max|a|, max|b|, tiny)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    scale = max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0), 1e-300)
+    return float(np.abs(a - b).max(initial=0.0) / scale)
+
+
+def check(name, got, want, tol):
+    err = rel_error(got, want)
+    assert err < tol, f"{name}: relative error {err:.3e} (tolerance {tol:.0e})"
+
+
+def numerical_grad(f: Callable[[], float], x: np.ndarray, eps: float = FD_EPS) -> np.ndarray:
+    """Central differences of the scalar f() with respect to every element of x (perturbed in place)."""
+    assert x.flags.c_contiguous
+    flat = x.reshape(-1)  # a view: writing it perturbs x
+    grad = np.zeros(x.size)
+    for i in range(x.size):
+        old = flat[i]
+        flat[i] = old + eps
+        f_plus = f()
+        flat[i] = old - eps
+        f_minus = f()
+        flat[i] = old
+        grad[i] = (f_plus - f_minus) / (2 * eps)
+    return grad.reshape(x.shape)
+
+
+# ------------------------------------------------------------ one case per kernel
+
+class Case(NamedTuple):
+    inputs: dict                 # name -> array (or None)
+    forward: Callable            # inputs -> (out, cache)
+    backward: Callable           # (dout, cache) -> {input name: grad}
+    wrt: tuple                   # inputs that get a gradient
+
+
+def linear_case(rng, dtype, lead=(2, 3), k=4, m=5, bias=True):
+    inputs = dict(x=rng.standard_normal((*lead, k)).astype(dtype),
+                  w=rng.standard_normal((k, m)).astype(dtype),
+                  b=rng.standard_normal(m).astype(dtype) if bias else None)
+
+    def backward(dout, cache):
+        dx, dw, db = K.linear_backward(dout, cache)
+        return dict(x=dx, w=dw, b=db) if bias else dict(x=dx, w=dw)
+    return Case(inputs, lambda i: K.linear_forward(i["x"], i["w"], i["b"]), backward,
+                ("x", "w", "b") if bias else ("x", "w"))
+
+
+def layernorm_case(rng, dtype, shape=(2, 3, 4), eps=1e-5):
+    c = shape[-1]
+    inputs = dict(x=(rng.standard_normal(shape) * 2 + 0.5).astype(dtype),
+                  w=rng.standard_normal(c).astype(dtype),
+                  b=rng.standard_normal(c).astype(dtype))
+    return Case(inputs, lambda i: K.layernorm_forward(i["x"], i["w"], i["b"], eps=eps),
+                lambda d, c_: dict(zip(("x", "w", "b"), K.layernorm_backward(d, c_))),
+                ("x", "w", "b"))
+
+
+def gelu_case(rng, dtype, shape=(2, 3, 4)):
+    inputs = dict(x=(rng.standard_normal(shape) * 2).astype(dtype))
+    return Case(inputs, lambda i: K.gelu_forward(i["x"]),
+                lambda d, c: dict(x=K.gelu_backward(d, c)), ("x",))
+
+
+def make_drop_mask(rng, shape, p=0.3):
+    return np.where(rng.random(shape) < p, 0.0, 1.0 / (1.0 - p))
+
+
+def attention_case(rng, dtype, shape=(2, 2, 5, 3), mask=None):
+    b, h, t, d = shape
+    mask_shape = {None: None, "full": (b, h, t, t), "broadcast": (1, h, t, t), "2d": (t, t)}[mask]
+    inputs = dict(q=rng.standard_normal(shape).astype(dtype),
+                  k=rng.standard_normal(shape).astype(dtype),
+                  v=rng.standard_normal(shape).astype(dtype),
+                  drop_mask=None if mask is None else make_drop_mask(rng, mask_shape).astype(dtype))
+    return Case(inputs, lambda i: K.attention_forward(i["q"], i["k"], i["v"], i["drop_mask"]),
+                lambda d_, c: dict(zip(("q", "k", "v"), K.attention_backward(d_, c))),
+                ("q", "k", "v"))
+
+
+def embedding_case(rng, dtype, ids_shape=(2, 5), vocab=4, c=3):
+    inputs = dict(ids=rng.integers(0, vocab, size=ids_shape),
+                  table=rng.standard_normal((vocab, c)).astype(dtype))
+    return Case(inputs, lambda i: K.embedding_forward(i["ids"], i["table"]),
+                lambda d, c_: dict(table=K.embedding_backward(d, c_)), ("table",))
+
+
+def cross_entropy_case(rng, dtype, lead=(2, 5), vocab=7):
+    inputs = dict(logits=(rng.standard_normal((*lead, vocab)) * 3).astype(dtype),
+                  targets=rng.integers(0, vocab, size=lead))
+    return Case(inputs, lambda i: K.cross_entropy_forward(i["logits"], i["targets"]),
+                lambda d, c: dict(logits=K.cross_entropy_backward(d, c)), ("logits",))
+
+
+CASES = dict(linear=linear_case, layernorm=layernorm_case, gelu=gelu_case,
+             attention=attention_case, embedding=embedding_case, cross_entropy=cross_entropy_case)
+
+GRAD_CASES = [
+    ("linear", dict(lead=(3,), k=4, m=5)),
+    ("linear", dict(lead=(2, 5), k=3, m=2)),
+    ("linear", dict(lead=(1, 1), k=1, m=1)),
+    ("linear", dict(lead=(2, 3, 1), k=2, m=3, bias=False)),
+    ("layernorm", dict(shape=(2, 5, 4))),
+    ("layernorm", dict(shape=(1, 1, 3))),
+    ("layernorm", dict(shape=(7, 2), eps=1e-3)),
+    ("gelu", dict(shape=(2, 5, 4))),
+    ("gelu", dict(shape=(1,))),
+    ("gelu", dict(shape=(3, 1, 7))),
+    ("attention", dict(shape=(1, 1, 1, 1))),
+    ("attention", dict(shape=(2, 2, 5, 3))),
+    ("attention", dict(shape=(1, 3, 4, 8))),
+    ("attention", dict(shape=(2, 1, 7, 2))),
+    ("attention", dict(shape=(2, 2, 5, 3), mask="full")),
+    ("attention", dict(shape=(1, 3, 4, 2), mask="broadcast")),
+    ("attention", dict(shape=(2, 1, 6, 3), mask="2d")),
+    ("attention", dict(shape=(1, 1, 1, 3), mask="full")),
+    ("embedding", dict(ids_shape=(2, 5), vocab=4, c=3)),
+    ("embedding", dict(ids_shape=(7,), vocab=9, c=1)),
+    ("embedding", dict(ids_shape=(2, 1, 3), vocab=2, c=5)),
+    ("cross_entropy", dict(lead=(2, 5), vocab=7)),
+    ("cross_entropy", dict(lead=(3,), vocab=4)),
+    ("cross_entropy", dict(lead=(1, 1), vocab=1)),
+    ("cross_entropy", dict(lead=(2, 1, 3), vocab=5)),
+]
+GRAD_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in GRAD_CASES]
+
+
+@pytest.mark.parametrize("seed,name,kw", [(s, n, kw) for s, (n, kw) in enumerate(GRAD_CASES)],
+                         ids=GRAD_IDS)
+def test_backward_matches_finite_differences(seed, name, kw):
+    rng = np.random.default_rng(seed)
+    case = CASES[name](rng, np.float64, **kw)
+    out, cache = case.forward(case.inputs)
+    # L = sum(out * G) for a fixed random G, so dL/dout = G
+    G = float(rng.standard_normal()) if np.ndim(out) == 0 else rng.standard_normal(out.shape)
+    grads = case.backward(G, cache)
+
+    def loss():
+        return float(np.sum(case.forward(case.inputs)[0] * G))
+    for inp in case.wrt:
+        assert grads[inp].shape == case.inputs[inp].shape, inp
+        check(f"{name} d{inp}", grads[inp], numerical_grad(loss, case.inputs[inp]), FD_TOL)
+
+
+# ------------------------------------------------------------ forward references
+
+def test_linear_forward_matches_loops():
+    rng = np.random.default_rng(100)
+    x, w, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
+    out, _ = K.linear_forward(x, w, b)
+    want = np.zeros((2, 3, 5))
+    for i, j, m in np.ndindex(*want.shape):
+        want[i, j, m] = sum(x[i, j, k] * w[k, m] for k in range(4)) + b[m]
+    check("linear out", out, want, 1e-12)
+    out_nobias, cache = K.linear_forward(x, w)
+    check("linear out without bias", out_nobias, want - b, 1e-12)
+    assert K.linear_backward(np.ones_like(out), cache)[2] is None
+
+
+def test_layernorm_forward_matches_per_row_statistics():
+    rng = np.random.default_rng(101)
+    x = rng.standard_normal((3, 4, 6)) * 5 + 2
+    w, b = rng.standard_normal(6), rng.standard_normal(6)
+    out, _ = K.layernorm_forward(x, w, b, eps=1e-5)
+    want = np.empty_like(x)
+    for idx in np.ndindex(*x.shape[:-1]):
+        row = [float(v) for v in x[idx]]
+        mu = sum(row) / len(row)
+        var = sum((v - mu) ** 2 for v in row) / len(row)  # biased
+        want[idx] = [(v - mu) / math.sqrt(var + 1e-5) * wi + bi for v, wi, bi in zip(row, w, b)]
+    check("layernorm out", out, want, 1e-12)
+
+
+def test_gelu_forward_matches_formula():
+    x = np.linspace(-6, 6, 49)
+    out, _ = K.gelu_forward(x)
+    want = [0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))) for v in x]
+    check("gelu out", out, want, 1e-14)
+    assert K.gelu_forward(np.array([0.0]))[0][0] == 0.0
+    np.testing.assert_allclose(K.gelu_forward(np.array([1.0]))[0], [0.8411919906082768], rtol=1e-12)
+
+
+def attention_reference(q, k, v, drop_mask=None):
+    """One query at a time: scores against keys 0..t only, softmax, dropout, weighted sum."""
+    B, H, T, D = q.shape
+    mask = np.ones((B, H, T, T)) if drop_mask is None else np.broadcast_to(drop_mask, (B, H, T, T))
+    out = np.zeros_like(q)
+    for b, h, t in np.ndindex(B, H, T):
+        scores = np.array([np.dot(q[b, h, t], k[b, h, s]) / math.sqrt(D) for s in range(t + 1)])
+        p = np.exp(scores - scores.max())
+        p /= p.sum()
+        p *= mask[b, h, t, :t + 1]
+        out[b, h, t] = sum(p[s] * v[b, h, s] for s in range(t + 1))
+    return out
+
+
+@pytest.mark.parametrize("shape,mask", [((2, 3, 5, 4), None), ((1, 2, 6, 3), "full"),
+                                        ((2, 2, 4, 2), "broadcast"), ((1, 1, 1, 5), None)])
+def test_attention_forward_matches_loops(shape, mask):
+    case = attention_case(np.random.default_rng(102), np.float64, shape=shape, mask=mask)
+    i = case.inputs
+    out, _ = case.forward(i)
+    check("attention out", out, attention_reference(i["q"], i["k"], i["v"], i["drop_mask"]), 1e-12)
+
+
+def test_attention_is_causal_and_stable():
+    rng = np.random.default_rng(103)
+    q, k, v = (rng.standard_normal((2, 2, 6, 4)) for _ in range(3))
+    out, _ = K.attention_forward(q * 1e3, k, v)  # huge scores: a naive softmax would overflow
+    assert np.isfinite(out).all()
+    out, _ = K.attention_forward(q, k, v)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 4:] += 10.0  # change the future of positions 0..3
+    v2[:, :, 4:] -= 7.0
+    out2, _ = K.attention_forward(q, k2, v2)
+    np.testing.assert_array_equal(out[:, :, :4], out2[:, :, :4])
+    assert not np.allclose(out[:, :, 4:], out2[:, :, 4:])
+
+
+def test_embedding_forward_and_repeated_ids_sum():
+    table = np.arange(12.0).reshape(4, 3)
+    ids = np.array([[1, 1, 1], [0, 1, 3]])
+    out, cache = K.embedding_forward(ids, table)
+    for bi, ti in np.ndindex(*ids.shape):
+        np.testing.assert_array_equal(out[bi, ti], table[ids[bi, ti]])
+    dout = np.arange(18.0).reshape(2, 3, 3)
+    dtable = K.embedding_backward(dout, cache)
+    want = np.zeros((4, 3))
+    want[1] = dout[0, 0] + dout[0, 1] + dout[0, 2] + dout[1, 1]
+    want[0] = dout[1, 0]
+    want[3] = dout[1, 2]  # row 2 is never used: stays zero
+    np.testing.assert_array_equal(dtable, want)
+
+
+def test_cross_entropy_forward_matches_explicit_softmax():
+    rng = np.random.default_rng(104)
+    logits, targets = rng.standard_normal((3, 4, 6)), rng.integers(0, 6, size=(3, 4))
+    loss, _ = K.cross_entropy_forward(logits, targets)
+    assert isinstance(loss, float)
+    probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    want = -np.mean([np.log(probs[i, j, targets[i, j]]) for i, j in np.ndindex(3, 4)])
+    assert abs(loss - want) < 1e-12 * abs(want)
+    # shifting every logit changes nothing and stays finite far beyond exp's range
+    shifted, _ = K.cross_entropy_forward(logits + 1000.0, targets)
+    assert abs(shifted - want) < 1e-9 * abs(want)
+    # a target with probability below float64's smallest number still gives a finite loss
+    extreme = np.array([[0.0, 2000.0]])
+    assert K.cross_entropy_forward(extreme, np.array([0]))[0] == pytest.approx(2000.0)
+
+
+def test_cross_entropy_backward_closed_form():
+    rng = np.random.default_rng(105)
+    logits, targets = rng.standard_normal((5, 3)), rng.integers(0, 3, size=5)
+    _, cache = K.cross_entropy_forward(logits, targets)
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    want = 2.5 * (probs - np.eye(3)[targets]) / 5
+    check("dlogits", K.cross_entropy_backward(2.5, cache), want, 1e-12)
+
+
+# ------------------------------------------------------------ dtype and purity, every kernel
+
+ALL_KERNELS = [("linear", {}), ("linear", dict(bias=False)), ("layernorm", {}), ("gelu", {}),
+               ("attention", {}), ("attention", dict(mask="full")), ("embedding", {}),
+               ("cross_entropy", {})]
+ALL_IDS = [n + ("-" + "-".join(map(str, kw.values())) if kw else "") for n, kw in ALL_KERNELS]
+
+
+def run_case(case, rng):
+    out, cache = case.forward(case.inputs)
+    G = 1.0 if np.ndim(out) == 0 else rng.standard_normal(out.shape).astype(out.dtype)
+    return out, cache, G
+
+
+@pytest.mark.parametrize("name,kw", ALL_KERNELS, ids=ALL_IDS)
+def test_float32_stays_float32(name, kw):
+    rng = np.random.default_rng(200)
+    case32 = CASES[name](rng, np.float32, **kw)
+    if name == "attention" and case32.inputs["drop_mask"] is not None:
+        case32.inputs["drop_mask"] = case32.inputs["drop_mask"].astype(np.float64)  # must not upcast
+    out, cache, G = run_case(case32, rng)
+    if np.ndim(out) == 0:
+        assert isinstance(out, float)
+        G = np.float64(1.0)  # a float64 scalar dloss must not upcast either
+    else:
+        assert out.dtype == np.float32, out.dtype
+    grads = case32.backward(G, cache)
+    for inp in case32.wrt:
+        assert grads[inp].dtype == np.float32, (inp, grads[inp].dtype)
+    # and the float32 numbers are the float64 ones, rounded
+    inputs64 = {n: (a.astype(np.float64) if a is not None and a.dtype == np.float32 else a)
+                for n, a in case32.inputs.items()}
+    out64, cache64 = case32.forward(inputs64)
+    grads64 = case32.backward(np.asarray(G, dtype=np.float64), cache64)
+    check(f"{name} out float32", out, out64, 1e-5)
+    for inp in case32.wrt:
+        check(f"{name} d{inp} float32", grads[inp], grads64[inp], 1e-5)
+
+
+@pytest.mark.parametrize("name,kw", ALL_KERNELS, ids=ALL_IDS)
+def test_kernels_are_pure_and_grads_fresh(name, kw):
+    rng = np.random.default_rng(201)
+    case = CASES[name](rng, np.float64, **kw)
+    before = {n: None if a is None else a.copy() for n, a in case.inputs.items()}
+    out, cache, G = run_case(case, rng)
+    G_before = np.copy(G)
+    first = case.backward(G, cache)
+    first_values = {n: g.copy() for n, g in first.items() if g is not None}
+    second = case.backward(G, cache)  # the cache survives a backward: nothing accumulated
+    for n, a in case.inputs.items():
+        if a is not None:
+            np.testing.assert_array_equal(a, before[n], err_msg=f"{name} modified input {n}")
+    np.testing.assert_array_equal(G, G_before, err_msg=f"{name} modified dout")
+    for inp in case.wrt:
+        np.testing.assert_array_equal(first_values[inp], second[inp], err_msg=f"{name} d{inp}")
+        assert not np.shares_memory(first[inp], second[inp]), f"{name} d{inp} reuses a buffer"
+        others = [G, *[a for a in case.inputs.values() if a is not None]]
+        assert not any(np.shares_memory(first[inp], o) for o in others if isinstance(o, np.ndarray))
+
+
+# ------------------------------------------------------------ other implementations, when installed
+
+def test_against_torch_autograd():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(300)
+
+    def torch_attention(q, k, v, drop_mask):
+        T, D = q.shape[-2:]
+        att = q @ k.transpose(-1, -2) / math.sqrt(D)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.softmax(att, dim=-1)
+        return (p if drop_mask is None else p * drop_mask) @ v
+
+    refs = {
+        "linear": lambda i: F.linear(i["x"], i["w"].T, i["b"]),
+        "layernorm": lambda i: F.layer_norm(i["x"], i["w"].shape, i["w"], i["b"], eps=1e-5),
+        "gelu": lambda i: F.gelu(i["x"], approximate="tanh"),
+        "attention": lambda i: torch_attention(i["q"], i["k"], i["v"], i["drop_mask"]),
+        "embedding": lambda i: F.embedding(i["ids"], i["table"]),
+        "cross_entropy": lambda i: F.cross_entropy(i["logits"].reshape(-1, i["logits"].shape[-1]),
+                                                   i["targets"].reshape(-1)),
+    }
+    for name, kw in GRAD_CASES:
+        case = CASES[name](rng, np.float64, **kw)
+        out, cache = case.forward(case.inputs)
+        G = 1.0 if np.ndim(out) == 0 else rng.standard_normal(out.shape)
+        grads = case.backward(G, cache)
+        t_in = {n: None if a is None else torch.tensor(a, requires_grad=n in case.wrt)
+                for n, a in case.inputs.items()}
+        t_out = refs[name](t_in)
+        (t_out * torch.as_tensor(G)).sum().backward()
+        check(f"torch {name} out", out, t_out.detach().numpy(), 1e-12)
+        for inp in case.wrt:
+            check(f"torch {name} d{inp}", grads[inp], t_in[inp].grad.numpy(), 1e-10)
+
+
+def test_cupy_matches_numpy(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("CuPy sees no GPU")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("CuPy has no working GPU")
+    from mpi_tp import backend
+    monkeypatch.setattr(backend, "_xp", cupy)  # what backend.use("cupy") sets, undone after the test
+    monkeypatch.setattr(backend, "_name", "cupy")
+    rng = np.random.default_rng(400)
+    for dtype, tol in ((np.float64, 1e-10), (np.float32, 1e-4)):
+        for name, kw in ALL_KERNELS:
+            case = CASES[name](rng, dtype, **kw)
+            out, cache, G = run_case(case, rng)
+            grads = case.backward(G, cache)
+            gpu_in = {n: None if a is None else cupy.asarray(a) for n, a in case.inputs.items()}
+            g_out, g_cache = case.forward(gpu_in)
+            g_grads = case.backward(G if np.ndim(out) == 0 else cupy.asarray(G), g_cache)
+            if np.ndim(out) == 0:
+                assert isinstance(g_out, float)
+            else:
+                assert isinstance(g_out, cupy.ndarray) and g_out.dtype == dtype
+            check(f"cupy {name} out", cupy.asnumpy(g_out) if np.ndim(out) else g_out, out, tol)
+            for inp in case.wrt:
+                assert g_grads[inp].dtype == dtype
+                check(f"cupy {name} d{inp}", cupy.asnumpy(g_grads[inp]), grads[inp], tol)
