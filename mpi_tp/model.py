@@ -83,9 +83,14 @@ class Dropout:
     def active(self) -> bool:
         return self.training and self.p > 0
 
-    def mask(self, shape, dtype, *site):
-        """0 or 1/(1-p), of `shape`, from the stream (seed, step, *site)."""
-        rng = numpy.random.default_rng([self.seed, self.step, *site])
+    def mask(self, shape, dtype, layer, site, head=None):
+        """0 or 1/(1-p), of `shape`, from the stream (seed, step, layer + 1, site[, head]).
+
+        layer -1 is the embedding; site 1 is attention probabilities (one stream per global
+        head), 2 the attention output, 3 the MLP output.
+        """
+        key = [self.seed, self.step, layer + 1, site] + ([] if head is None else [head])
+        rng = numpy.random.default_rng(key)
         keep = rng.random(shape) >= self.p
         return backend.asarray(keep.astype(dtype) / (1.0 - self.p))
 

@@ -1,0 +1,64 @@
+"""Test-session plumbing for running the suite under mpiexec at several world sizes.
+
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi --only-mpi tests
+
+- MPI_TP_EXPECT_WORLD=N (set by tests/run.sh) makes the session stop at once if
+  the launcher started something else (e.g. N one-rank programs).
+- After every test the ranks agree on its outcome: a test that failed on one rank
+  is reported failed on all, and if the ranks cannot agree within
+  MPI_TP_TEST_SYNC_TIMEOUT seconds (one rank failed while the others wait in a
+  collective) the job is aborted with a message instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy
+import pytest
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+SYNC_TIMEOUT = float(os.environ.get("MPI_TP_TEST_SYNC_TIMEOUT", "120"))
+
+
+def pytest_configure(config):
+    expected = os.environ.get("MPI_TP_EXPECT_WORLD")
+    if expected and int(expected) != WORLD.Get_size():
+        raise pytest.UsageError(
+            f"expected an MPI world of {expected} ranks but this process sees {WORLD.Get_size()}: "
+            "the launcher started separate programs (wrong PMI, or srun --mpi=none?)")
+
+
+def _agree(failed: bool) -> bool:
+    """Max of `failed` over the world, or abort the job if the ranks are out of step."""
+    send = numpy.array([int(failed)], dtype="i4")
+    recv = numpy.zeros(1, dtype="i4")
+    req = WORLD.Iallreduce(send, recv, op=MPI.MAX)
+    deadline = time.monotonic() + SYNC_TIMEOUT
+    while not req.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] other ranks did not finish this test within "
+                             f"{SYNC_TIMEOUT:.0f} s (a rank failed while others wait in a collective?): "
+                             "aborting the MPI job\n")
+            sys.stderr.flush()
+            WORLD.Abort(1)
+        time.sleep(0.001)
+    return bool(recv[0])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if WORLD.Get_size() == 1 or report.when != "call":
+        return
+    if _agree(report.failed) and not report.failed:
+        report.outcome = "failed"
+        report.longrepr = f"failed on another rank (rank {WORLD.Get_rank()} passed)"
+
+
+@pytest.fixture
+def world():
+    return WORLD

@@ -1,0 +1,103 @@
+"""Collectives and the conjugate regions, checked against closed forms at every world size."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_tp import comm as C
+from mpi_tp.comm import CommStats, Group
+from mpi_tp.testing import assert_close
+from mpi_tp.topology import Topology, TopologyError, offsets, split_sizes
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture
+def group(world):
+    return Group(world.Dup(), "tp", CommStats())
+
+
+def rank_sum(n):
+    return n * (n - 1) / 2
+
+
+def test_all_reduce_sums_ranks(group):
+    x = np.ones((3, 4)) * group.rank
+    out = group.all_reduce(x)
+    assert out is x                                    # in place
+    assert_close(x, np.full((3, 4), rank_sum(group.size)), 0, "sum of ranks")
+
+
+def test_all_reduce_max(group):
+    x = np.array([float(group.rank), -float(group.rank)])
+    group.all_reduce(x, op=MPI.MAX)
+    assert_close(x, np.array([group.size - 1, 0.0]), 0, "max of ranks")
+
+
+@pytest.mark.parametrize("n", [1, 4, 7, 13])
+def test_all_gather_last_uneven(group, n):
+    if n < group.size:
+        pytest.skip("fewer columns than ranks")
+    sizes = split_sizes(n, group.size)
+    start = offsets(sizes)[group.rank]
+    full = np.arange(2 * 3 * n, dtype=np.float32).reshape(2, 3, n)
+    out = group.all_gather_last(np.ascontiguousarray(full[..., start:start + sizes[group.rank]]), sizes)
+    assert_close(out, full, 0, f"all-gather of {n} columns")
+
+
+def test_scatter_gather_round_trip(group):
+    sizes = split_sizes(11, group.size)
+    x = np.random.default_rng(0).standard_normal((4, 11))
+    part = C.scatter_to_tp(x, group, sizes)
+    assert part.shape == (4, sizes[group.rank])
+    assert_close(C.gather_from_tp(part, group, sizes), x, 0, "gather(scatter(x))")
+    # each is the other's backward
+    assert_close(C.scatter_to_tp_backward(part, group, sizes), x, 0, "scatter backward")
+    assert_close(C.gather_from_tp_backward(x, group, sizes), part, 0, "gather backward")
+
+
+def test_conjugate_pairs(group):
+    x = np.ones(5) * (group.rank + 1)
+    assert C.copy_to_tp(x, group) is x                         # f forward: identity
+    assert C.reduce_from_tp_backward(x, group) is x            # g backward: identity
+    total = rank_sum(group.size) + group.size
+    assert_close(C.copy_to_tp_backward(x.copy(), group), np.full(5, total), 0, "f backward")
+    assert_close(C.reduce_from_tp(x.copy(), group), np.full(5, total), 0, "g forward")
+
+
+def test_counters(group):
+    group.all_reduce(np.zeros(10, dtype=np.float32))
+    group.all_reduce(np.zeros(3, dtype=np.float64))
+    group.all_gather_last(np.zeros((2, 1)), [1] * group.size)
+    snap = group.stats.snapshot()
+    if group.size == 1:
+        assert snap == {}                                      # nothing communicated, nothing counted
+        return
+    assert snap["tp/all_reduce"]["calls"] == 2
+    assert snap["tp/all_reduce"]["bytes"] == 10 * 4 + 3 * 8
+    assert snap["tp/all_gather"] == {"calls": 1, "bytes": 2 * group.size * 8,
+                                     "seconds": snap["tp/all_gather"]["seconds"]}
+
+
+def test_rejects_non_contiguous(group):
+    if group.size == 1:
+        pytest.skip("one-rank groups return before any check")
+    x = np.zeros((4, 4))[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        group.all_reduce(x)
+
+
+def test_split_sizes():
+    for n in range(1, 30):
+        for p in range(1, n + 1):
+            s = split_sizes(n, p)
+            assert sum(s) == n and max(s) - min(s) <= 1 and s == sorted(s, reverse=True)
+    assert split_sizes(5, 2) == [3, 2]
+    assert offsets([3, 2, 2]) == [0, 3, 5]
+
+
+def test_topology_layout(world):
+    topo = Topology.create(world)
+    assert topo.tp.size == world.Get_size() and topo.dp.size == 1
+    assert topo.tp.rank == world.Get_rank()
+    with pytest.raises(TopologyError, match="needs"):
+        Topology.create(world, tp=world.Get_size() + 1)
