@@ -121,6 +121,17 @@ class Group:
         self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0)
         return out
 
+    def broadcast(self, x, root: int = 0):
+        """Every rank's x becomes root's x, in place; returns x."""
+        if self.size == 1:
+            return x
+        _check_buffer(x, f"{self.name}.broadcast")
+        backend.synchronize()
+        t0 = time.perf_counter()
+        self.comm.Bcast(x, root=root)
+        self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
+        return x
+
     def barrier(self) -> None:
         if self.size > 1:
             self.comm.Barrier()

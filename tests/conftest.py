@@ -24,6 +24,8 @@ SYNC_TIMEOUT = float(os.environ.get("MPI_TP_TEST_SYNC_TIMEOUT", "120"))
 
 
 def pytest_configure(config):
+    if WORLD.Get_rank() > 0:      # rank 0 reports in full; the others keep to failures and the summary
+        config.option.verbose = min(config.option.verbose, -1)
     expected = os.environ.get("MPI_TP_EXPECT_WORLD")
     if expected and int(expected) != WORLD.Get_size():
         raise pytest.UsageError(

@@ -1,0 +1,59 @@
+"""The `mpi-tp` command (also `python -m mpi_tp`).
+
+    mpiexec -n 2 mpi-tp train [--option value ...]     train (tensor-parallel over all ranks)
+    mpi-tp train --help                                 every option, with its default
+
+Errors in the input (options, config files, data files, layouts) print one
+message from rank 0 and exit with status 2 on every rank; a crash on any rank
+aborts the whole job (see mpi_tp.runtime).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mpi4py import MPI
+
+from . import __version__, runtime
+
+COMM = MPI.COMM_WORLD
+runtime.limit_blas_threads(COMM)      # before NumPy loads its BLAS (the imports below)
+
+from .config import add_arguments, resolve                                         # noqa: E402
+from .runtime import UsageError, check_world_size, collective_setup, install_abort_hook  # noqa: E402
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that speaks from rank 0 only (every rank parses the same argv)."""
+
+    def _print_message(self, message, file=None):
+        if COMM.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="mpi-tp", description="Megatron-style tensor-parallel GPT training with NumPy/CuPy and MPI.")
+    p.add_argument("--version", action="version", version=f"mpi_tp {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    t = sub.add_parser("train", help="train a byte-level GPT, tensor-parallel over all MPI ranks",
+                       description="Train a byte-level GPT with tensor parallelism over all ranks: "
+                                   "mpiexec -n T mpi-tp train [options]. Options override --config.")
+    add_arguments(t)
+    return p
+
+
+def main(argv=None) -> int:
+    install_abort_hook(COMM)
+    args = build_parser().parse_args(argv)
+    try:
+        check_world_size(COMM)
+        if args.command == "train":
+            from .train import train
+            cfg = collective_setup(resolve, args, comm=COMM)
+            train(cfg, COMM)
+        return 0
+    except UsageError as e:
+        if COMM.Get_rank() == 0:
+            print(f"mpi-tp: error: {e}", file=sys.stderr, flush=True)
+        return e.status

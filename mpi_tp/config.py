@@ -1,0 +1,135 @@
+"""Run configuration as data: one dataclass, JSON files, and --key=value overrides.
+
+Precedence: defaults < --config FILE.json < command-line options. The resolved
+configuration is written into every run's output folder (config.json), so a
+run can be repeated with `mpi-tp train --config runs/X/config.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from .model import ConfigError, GPTConfig
+
+
+def opt(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    # model (GPT-2 style; see mpi_tp.model)
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "attention heads (split among tensor-parallel ranks; must divide n_embd)")
+    n_embd: int = opt(128, "channels (hidden size C)")
+    block_size: int = opt(128, "context length in bytes (sequence length T)")
+    dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
+    # parallel layout
+    tp: int = opt(0, "tensor-parallel size; 0 = the world size")
+    # data
+    data: str = opt("pydoc", "'pydoc' (Python's reference docs, built in), 'shakespeare' (downloaded "
+                    "once, cached) or a path to a text file")
+    val_fraction: float = opt(0.1, "fraction of the corpus (at its end) held out for validation")
+    # optimisation
+    steps: int = opt(1000, "training steps")
+    batch_size: int = opt(16, "sequences per step (every tensor-parallel rank sees the same batch)")
+    optimizer: str = opt("adamw", "optimizer", ["adamw", "sgd"])
+    lr: float = opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "cosine decay ends at min_lr_ratio * lr")
+    warmup: int = opt(50, "linear warm-up steps")
+    weight_decay: float = opt(0.1, "decoupled weight decay on the matrices of linear layers")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    momentum: float = opt(0.9, "SGD momentum")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)")
+    # numerics and reproducibility
+    seed: int = opt(1337, "seed of the initial weights, the batches and dropout")
+    dtype: str = opt("float32", "parameter and activation dtype", ["float32", "float64"])
+    backend: str = opt("numpy", "array backend (cupy = GPUs, one per rank)", ["numpy", "cupy"])
+    # output and reporting
+    out: str = opt("", "output folder (default runs/<date-time>)")
+    log_every: int = opt(10, "print a progress line every N steps (rank 0)")
+    eval_every: int = opt(250, "estimate the validation loss every N steps (and at the end)")
+    eval_batches: int = opt(20, "validation batches per estimate")
+    sample_len: int = opt(300, "bytes of text to generate at the end (0 = none)")
+    prompt: str = opt("The ", "prompt for the final sample")
+    temperature: float = opt(0.8, "sampling temperature for the final sample")
+
+    def model_config(self, vocab_size: int = 256) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout)
+
+    def validate(self, world_size: int) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name} = {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
+        for key in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+        for key in ("warmup", "sample_len"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {self.temperature}")
+        tp = self.tp or world_size
+        if tp != world_size:
+            raise ConfigError(f"--tp {tp} does not match the {world_size} MPI ranks of this job "
+                              f"(only tensor parallelism so far): launch with mpiexec -n {tp}, "
+                              "or leave --tp out")
+        self.model_config().validate(tp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_json(path: str) -> dict:
+    """The keys of a JSON config file, checked against TrainConfig's fields."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found")
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path!r} must hold a JSON object of option: value")
+    known = {f.name: f for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"config file {path!r}: unknown option(s) {', '.join(unknown)}; "
+                          f"see mpi-tp train --help")
+    for k, v in values.items():
+        want = type(known[k].default)
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            values[k] = float(v)
+        elif not isinstance(v, want) or isinstance(v, bool) != (want is bool):
+            raise ConfigError(f"config file {path!r}: {k} should be {want.__name__}, got {v!r}")
+    return values
+
+
+def add_arguments(parser) -> None:
+    """One --option per TrainConfig field (defaults shown in --help), plus --config FILE."""
+    parser.add_argument("--config", metavar="FILE.json",
+                        help="JSON file of options; options given on the command line win")
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else None
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default),
+                            default=None, choices=f.metadata.get("choices"), metavar=None
+                            if f.metadata.get("choices") else f.name.upper(),
+                            help=f"{f.metadata['help']} (default: {default!r})")
+
+
+def resolve(args) -> TrainConfig:
+    """Defaults, then the --config file, then the options given on the command line."""
+    values = load_json(args.config) if args.config else {}
+    for f in fields(TrainConfig):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    return TrainConfig(**values)

@@ -1,0 +1,40 @@
+"""Sampling text from a (tensor-parallel) model, byte by byte.
+
+Every rank of the group runs the same forward passes. Only the last position's
+logits are gathered (V values per step, not B*T*V), and rank 0's choice of the
+next byte is broadcast, so every rank extends the same context.
+"""
+from __future__ import annotations
+
+import numpy
+
+from . import backend
+from .comm import gather_from_tp
+from .model import GPT
+
+
+def sample(model: GPT, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int | None = None,
+           seed: int = 0) -> bytes:
+    """prompt + n_new sampled bytes. The context is cropped to the model's block_size."""
+    was_training = model.dropout.training
+    model.eval()
+    group = model.topo.tp
+    rng = numpy.random.default_rng(seed)
+    tokens = list(prompt) or [ord("\n")]
+    choice = numpy.zeros(1, dtype=numpy.int64)
+    for _ in range(n_new):
+        ctx = numpy.array([tokens[-model.cfg.block_size:]], dtype=numpy.int64)       # (1, T)
+        logits_p = model.forward(ctx)                                                 # (1, T, V_p)
+        last = backend.xp().ascontiguousarray(logits_p[:, -1, :])                     # (1, V_p)
+        logits = backend.asnumpy(gather_from_tp(last, group, model.wte.sizes))[0]     # (V,)
+        logits = logits.astype(numpy.float64) / temperature
+        if top_k is not None and top_k < logits.size:
+            logits[logits < numpy.sort(logits)[-top_k]] = -numpy.inf
+        p = numpy.exp(logits - logits.max())
+        p /= p.sum()
+        if group.rank == 0:
+            choice[0] = rng.choice(p.size, p=p)
+        group.broadcast(choice)
+        tokens.append(int(choice[0]))
+    model.train(was_training)
+    return bytes(tokens)

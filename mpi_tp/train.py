@@ -1,0 +1,164 @@
+"""The training loop: a byte-level GPT trained with tensor parallelism over all ranks.
+
+    mpiexec -n 2 mpi-tp train                      # defaults: Python's docs, ~3 minutes on 2 cores
+    mpiexec -n 4 mpi-tp train --n-embd 256 --steps 2000 --data shakespeare
+
+Every rank builds its shards of the same model and draws the same batch (the
+sampler is a pure function of seed and step), so no data is communicated. Rank
+0 prints progress and writes the run folder:
+
+    config.json      the resolved configuration
+    metrics.jsonl    one JSON object per logged step and per validation estimate
+    run.json         summary: data hash, layout, final losses, timings, communication, sample
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import time
+
+import numpy
+from mpi4py import MPI
+
+from . import __version__, backend
+from .config import TrainConfig
+from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
+from .generate import sample
+from .model import GPT
+from .optim import SGD, AdamW, clip_grad_norm, lr_at
+from .runtime import UsageError, collective_setup, rank0_print
+from .topology import Topology
+
+
+def _load_data(cfg: TrainConfig, comm):
+    if cfg.data == "shakespeare":   # one download: rank 0 fetches into the cache, then everyone reads it
+        collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
+    corpus = load_corpus(cfg.data)
+    train_tokens, val_tokens = split(corpus, cfg.val_fraction)
+    sampler = BatchSampler(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed)
+    val = eval_batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed + 1)
+    return corpus, sampler, val, val_tokens
+
+
+def _make_out_dir(cfg: TrainConfig, comm) -> str:
+    out = cfg.out
+    if not out:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") if comm.Get_rank() == 0 else None
+        out = os.path.join("runs", comm.bcast(stamp))
+    if comm.Get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(f"output folder {out!r} is not writable; pass --out DIR")
+    return out
+
+
+def evaluate(model: GPT, batches) -> float:
+    """Mean loss over fixed batches, without dropout."""
+    was_training = model.dropout.training
+    model.eval()
+    loss = sum(model.forward(x, y) for x, y in batches) / len(batches)
+    model.train(was_training)
+    return loss
+
+
+def environment(comm) -> dict:
+    return {"mpi_tp": __version__, "python": platform.python_version(), "numpy": numpy.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(), "world_size": comm.Get_size(),
+            "backend": backend.name(), "host": platform.node(), "machine": platform.machine()}
+
+
+def _fmt_time(s: float) -> str:
+    return f"{int(s // 60)}:{int(s % 60):02d}"
+
+
+def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
+    """Train as configured; returns the run summary (on every rank)."""
+    collective_setup(cfg.validate, comm.Get_size(), comm=comm)
+    collective_setup(backend.use, cfg.backend, comm, comm=comm)
+    corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
+    out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
+    topo = Topology.create(comm, tp=cfg.tp or comm.Get_size())
+    model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed)
+    params = model.parameters()
+    if cfg.optimizer == "adamw":
+        opt = AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    else:
+        opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    is_root = comm.Get_rank() == 0
+    entropy = unigram_entropy(val_tokens)
+    record = {"config": cfg.to_dict(), "out": out, "layout": topo.describe(),
+              "data": {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256,
+                       "bytes": int(corpus.data.size)},
+              "model": {"parameters": model.num_params(), **model.cfg.to_dict()},
+              "environment": environment(comm)}
+    metrics = None
+    if is_root:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        metrics = open(os.path.join(out, "metrics.jsonl"), "w")
+    rank0_print(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}, "
+                f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
+                f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {out}",
+                comm=comm)
+
+    def log(entry):
+        if metrics is not None:
+            metrics.write(json.dumps(entry) + "\n")
+            metrics.flush()
+
+    tokens_per_step = cfg.batch_size * cfg.block_size
+    t0 = t_log = time.perf_counter()
+    comm_log = topo.stats.total_seconds()
+    losses, val_loss = [], float("nan")
+    for step in range(1, cfg.steps + 1):
+        lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+        x, y = sampler.batch(step - 1)
+        model.zero_grad()
+        loss = model.forward(x, y)
+        if not math.isfinite(loss):       # the same on every rank: all stop together
+            raise UsageError(f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr}) "
+                             f"or raise --warmup", status=3)
+        model.backward()
+        norm = clip_grad_norm(params, topo.tp, cfg.grad_clip)
+        opt.step(lr)
+        losses.append(loss)
+
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            val_loss = evaluate(model, val_batches)
+            log({"step": step, "val_loss": val_loss})
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.perf_counter()
+            n = (step - 1) % cfg.log_every + 1
+            comm_s = topo.stats.total_seconds() - comm_log
+            entry = {"step": step, "loss": sum(losses[-n:]) / n, "lr": lr, "grad_norm": norm,
+                     "step_s": (now - t_log) / n, "tokens_per_s": n * tokens_per_step / (now - t_log),
+                     "comm_s": comm_s, "elapsed_s": now - t0}
+            log(entry)
+            left = (now - t0) / step * (cfg.steps - step)
+            rank0_print(f"step {step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {entry['loss']:.4f} | "
+                        f"val {'-' if math.isnan(val_loss) else f'{val_loss:.4f}'} | lr {lr:.2e} | {entry['tokens_per_s']:,.0f} tok/s | "
+                        f"comm {100 * comm_s / (now - t_log):.0f}% | {_fmt_time(now - t0)} elapsed, "
+                        f"{_fmt_time(left)} left", comm=comm)
+            t_log, comm_log = now, topo.stats.total_seconds()
+
+    train_s = time.perf_counter() - t0
+    record.update({"steps": cfg.steps, "final_train_loss": sum(losses[-cfg.log_every:]) /
+                   len(losses[-cfg.log_every:]), "final_val_loss": val_loss,
+                   "unigram_entropy": entropy, "train_seconds": train_s,
+                   "tokens_per_s": cfg.steps * tokens_per_step / train_s,
+                   "communication": topo.stats.snapshot()})
+    rank0_print(f"done in {_fmt_time(train_s)}: validation loss {val_loss:.4f} nats/byte "
+                f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s", comm=comm)
+    if cfg.sample_len:
+        text = sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed)
+        record["sample"] = text.decode("utf-8", errors="replace")
+        rank0_print("--- sample ---\n" + record["sample"] + "\n--------------", comm=comm)
+    if is_root:
+        metrics.close()
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump(record, f, indent=2)
+    return record

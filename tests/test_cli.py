@@ -1,0 +1,117 @@
+"""The mpi-tp command end to end, launched with mpiexec: training, clear errors, no hangs.
+
+These tests start their own MPI jobs, so they run in the one-rank pass only
+(they carry no mpi marker and the multi-rank passes use --only-mpi).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+TIMEOUT = 240
+
+
+def clean_env():
+    """The parent may itself be an MPI process: drop its launcher's variables so the child job is fresh."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_TP_EXPECT"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def mpirun(n, *args, timeout=TIMEOUT):
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
+
+
+TINY = ["--n-layer", "2", "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "8",
+        "--eval-batches", "4", "--log-every", "10", "--eval-every", "20", "--sample-len", "20"]
+
+
+def test_train_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    r = mpirun(2, "train", *TINY, "--steps", "40", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("step 40/40") == 1                     # progress from rank 0 only
+    assert "--- sample ---" in r.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["layout"] == {"world": 2, "tp": 2, "dp": 1}
+    assert len(run["data"]["sha256"]) == 64
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [l for l in lines if "loss" in l]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, "the loss did not fall"
+    assert run["final_val_loss"] < run["unigram_entropy"] + 1.0
+    assert json.loads((out / "config.json").read_text())["n_head"] == 3
+    assert run["communication"]["tp/all_reduce"]["calls"] > 0
+
+
+def test_config_file_and_override(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8, "steps": 3,
+                               "batch_size": 2, "sample_len": 0, "eval_batches": 1}))
+    out = tmp_path / "run"
+    r = mpirun(1, "train", "--config", str(cfg), "--steps", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads((out / "config.json").read_text())
+    assert resolved["steps"] == 2 and resolved["n_embd"] == 8
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n-head", "3", "--n-embd", "16"], "must divide n_embd"),
+    (["--n-head", "1", "--n-embd", "16"], "exceeds n_head"),
+    (["--tp", "3"], "does not match the 2 MPI ranks"),
+    (["--data", "/nonexistent/file.txt"], "not found"),
+    (["--steps", "0"], "steps must be at least 1"),
+    (["--block-size", "100000", "--data", "__SMALL__"], "block"),
+])
+def test_errors_are_one_clear_message(tmp_path, args, message):
+    small = tmp_path / "small.txt"
+    small.write_text("hello world " * 20)
+    args = [str(small) if a == "__SMALL__" else a for a in args]
+    r = mpirun(2, "train", "--out", str(tmp_path / "o"), *args, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("mpi-tp: error:") == 1, r.stderr     # one message, from one rank
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_option_and_config_file(tmp_path):
+    r = mpirun(2, "train", "--n-layer", "two", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("invalid int value") == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"n_layers": 3}')
+    r = mpirun(2, "train", "--config", str(bad), timeout=60)
+    assert r.returncode == 2 and "unknown option(s) n_layers" in r.stderr
+
+
+def test_crash_on_one_rank_aborts_the_job(tmp_path):
+    """Rank 1 raises while rank 0 waits in a collective: the job must end, not hang."""
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        from mpi_tp.runtime import install_abort_hook
+        install_abort_hook()
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            raise RuntimeError("boom on rank 1")
+        MPI.COMM_WORLD.Barrier()          # would wait forever without the abort
+    """))
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=60, env=clean_env())
+    assert r.returncode != 0
+    assert "[rank 1]" in r.stderr and "boom on rank 1" in r.stderr
+    assert r.stderr.count("RuntimeError: boom on rank 1") == 1     # shown once
+
+
+def test_separate_programs_are_refused(tmp_path):
+    """A launcher that starts N one-rank programs (srun --mpi=none) is caught, not trained N times."""
+    env = clean_env()
+    env.update(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2")
+    r = subprocess.run([sys.executable, "-m", "mpi_tp", "train", "--steps", "1"], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "separate programs" in r.stderr
