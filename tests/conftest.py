@@ -33,8 +33,8 @@ def pytest_configure(config):
             "the launcher started separate programs (wrong PMI, or srun --mpi=none?)")
 
 
-def _agree(failed: bool) -> bool:
-    """Max of `failed` over the world, or abort the job if the ranks are out of step."""
+def _agree(failed: bool, detail: str = "") -> bool:
+    """Max of `failed` over the world, or abort the job (showing `detail`) if the ranks are out of step."""
     send = numpy.array([int(failed)], dtype="i4")
     recv = numpy.zeros(1, dtype="i4")
     req = WORLD.Iallreduce(send, recv, op=MPI.MAX)
@@ -43,7 +43,7 @@ def _agree(failed: bool) -> bool:
         if time.monotonic() > deadline:
             sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] other ranks did not finish this test within "
                              f"{SYNC_TIMEOUT:.0f} s (a rank failed while others wait in a collective?): "
-                             "aborting the MPI job\n")
+                             f"aborting the MPI job\n{detail}\n")
             sys.stderr.flush()
             WORLD.Abort(1)
         time.sleep(0.001)
@@ -56,7 +56,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if WORLD.Get_size() == 1 or report.when != "call":
         return
-    if _agree(report.failed) and not report.failed:
+    detail = f"{item.nodeid} failed on rank {WORLD.Get_rank()}:\n{report.longreprtext}" if report.failed else ""
+    if _agree(report.failed, detail) and not report.failed:
         report.outcome = "failed"
         report.longrepr = f"failed on another rank (rank {WORLD.Get_rank()} passed)"
 

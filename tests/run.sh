@@ -5,7 +5,7 @@
 #
 # Pass 1 runs every test in one process (kernels, data, CLI jobs that start their
 # own mpiexec, and the MPI tests at world size 1). Passes 2 and 4 run the MPI tests
-# (those marked @pytest.mark.mpi) under mpiexec. Each pass must run at least one
+# (those marked @pytest.mark.mpi, selected with -m mpi) under mpiexec. Each pass must run at least one
 # test and pass; a pass that hangs is killed after MPI_TP_PASS_TIMEOUT seconds.
 # Extra arguments go to every pytest call (e.g. -k attention).
 set -u
@@ -34,7 +34,7 @@ pass() {  # pass NAME CMD...: run one pytest pass; pytest exit 5 (no tests ran) 
 PYTEST=(-m pytest -p no:cacheprovider -q --with-mpi tests "$@")
 MPI_TP_EXPECT_WORLD=1 pass "world size 1" "$PY" "${PYTEST[@]}"
 for n in 2 4; do
-  MPI_TP_EXPECT_WORLD=$n pass "world size $n" "$MPIEXEC" -n "$n" "$PY" -m mpi4py "${PYTEST[@]}" --only-mpi
+  MPI_TP_EXPECT_WORLD=$n pass "world size $n" "$MPIEXEC" -n "$n" "$PY" -m mpi4py "${PYTEST[@]}" -m mpi
 done
 
 if [ ${#failed[@]} -gt 0 ]; then

@@ -1,7 +1,7 @@
 """The mpi-tp command end to end, launched with mpiexec: training, clear errors, no hangs.
 
 These tests start their own MPI jobs, so they run in the one-rank pass only
-(they carry no mpi marker and the multi-rank passes use --only-mpi).
+(they carry no mpi marker; the multi-rank passes select -m mpi).
 """
 import json
 import os
