@@ -11,7 +11,7 @@ pair in which one side communicates and the other does not:
     gather_from_tp   all-gather (last axis)        keep this rank's slice
 
 All transfers use mpi4py's buffer (uppercase) methods on contiguous arrays,
-so nothing is pickled. Each call is recorded in `CommStats` (calls, bytes,
+so nothing is pickled. CuPy arrays are staged through host memory. Each call is recorded in `CommStats` (calls, bytes,
 seconds per group and kind); one-rank groups return before any MPI call and
 record nothing, since nothing is communicated.
 
@@ -67,6 +67,25 @@ def _check_buffer(x, what: str) -> None:
         raise ValueError(f"{what}: unsupported dtype {x.dtype}")
 
 
+def _staged(x):
+    """A host buffer for MPI: x itself for NumPy arrays, a host copy for CuPy arrays.
+
+    GPU arrays are staged through host memory so that any MPI library works
+    (CUDA-aware MPI, which could take device pointers directly, is not assumed).
+    """
+    if backend.is_device_array(x):
+        backend.synchronize()
+        return x.get()
+    return x
+
+
+def _unstage(x, host):
+    """Copy a staged host buffer back into the GPU array x (no-op for NumPy)."""
+    if host is not x:
+        x.set(host)
+    return x
+
+
 class Group:
     """An MPI communicator of ranks that cooperate on one parallel dimension, with counted collectives."""
 
@@ -87,9 +106,10 @@ class Group:
         if self.size == 1:
             return x
         _check_buffer(x, f"{self.name}.all_reduce")
-        backend.synchronize()
         t0 = time.perf_counter()
-        self.comm.Allreduce(MPI.IN_PLACE, x, op=op)
+        buf = _staged(x)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+        _unstage(x, buf)
         self.stats.record(f"{self.name}/all_reduce", x.nbytes, time.perf_counter() - t0)
         return x
 
@@ -109,10 +129,10 @@ class Group:
         rows = int(numpy.prod(lead))
         counts = [rows * s for s in sizes]
         displs = [sum(counts[:r]) for r in range(self.size)]
-        flat = xp.empty(sum(counts), dtype=x.dtype)  # rank-major: [rank 0's block | rank 1's block | ...]
-        backend.synchronize()
         t0 = time.perf_counter()
-        self.comm.Allgatherv(x, [flat, (counts, displs)])
+        flat = numpy.empty(sum(counts), dtype=x.dtype)   # rank-major: [rank 0's block | rank 1's block | ...]
+        self.comm.Allgatherv(_staged(x), [flat, (counts, displs)])
+        flat = xp.asarray(flat)                          # back to the GPU under CuPy
         out = xp.empty(lead + (sum(sizes),), dtype=x.dtype)
         col = 0
         for r, s in enumerate(sizes):  # each block is (..., s); lay it into its columns
@@ -126,9 +146,10 @@ class Group:
         if self.size == 1:
             return x
         _check_buffer(x, f"{self.name}.broadcast")
-        backend.synchronize()
         t0 = time.perf_counter()
-        self.comm.Bcast(x, root=root)
+        buf = _staged(x)
+        self.comm.Bcast(buf, root=root)
+        _unstage(x, buf)
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
         return x
 
