@@ -47,8 +47,12 @@ class TrainConfig:
     seed: int = opt(1337, "seed of the initial weights, the batches and dropout")
     dtype: str = opt("float32", "parameter and activation dtype", ["float32", "float64"])
     backend: str = opt("numpy", "array backend (cupy = GPUs, one per rank)", ["numpy", "cupy"])
-    # output and reporting
-    out: str = opt("", "output folder (default runs/<date-time>)")
+    # output, checkpoints and reporting
+    out: str = opt("", "output folder (default runs/<date-time>); checkpoints go to OUT/checkpoints")
+    save_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
+    keep: int = opt(3, "keep the newest K checkpoints (0: all)")
+    resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints, if there is one")
+    init_from: str = opt("", "continue from this checkpoint (a checkpoint folder or step-N folder)")
     log_every: int = opt(10, "print a progress line every N steps (rank 0)")
     eval_every: int = opt(250, "estimate the validation loss every N steps (and at the end)")
     eval_batches: int = opt(20, "validation batches per estimate")
@@ -68,13 +72,17 @@ class TrainConfig:
         for key in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        for key in ("warmup", "sample_len"):
+        for key in ("warmup", "sample_len", "save_every", "keep"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.resume and not self.out:
+            raise ConfigError("--resume needs --out: the folder of the run to continue")
+        if self.resume and self.init_from:
+            raise ConfigError("use either --resume or --init-from, not both")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
         tp = self.tp or world_size
@@ -119,6 +127,10 @@ def add_arguments(parser) -> None:
                         help="JSON file of options; options given on the command line win")
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
+        if isinstance(default, bool):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_const",
+                                const=True, default=None, help=f.metadata["help"])
+            continue
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default),
                             default=None, choices=f.metadata.get("choices"), metavar=None
                             if f.metadata.get("choices") else f.name.upper(),

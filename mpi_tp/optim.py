@@ -56,6 +56,10 @@ class SGD:
         self.buf = [backend.xp().zeros_like(p.data) for p in params] if momentum else None
         self.t = 0
 
+    def state_tensors(self) -> dict:
+        """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>)."""
+        return {"momentum": self.buf} if self.buf is not None else {}
+
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr
         self.t += 1
@@ -84,6 +88,10 @@ class AdamW:
         self.m = [xp.zeros_like(p.data) for p in params]
         self.v = [xp.zeros_like(p.data) for p in params]
         self.t = 0
+
+    def state_tensors(self) -> dict:
+        """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>)."""
+        return {"m": self.m, "v": self.v}
 
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr

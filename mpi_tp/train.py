@@ -10,6 +10,11 @@ sampler is a pure function of seed and step), so no data is communicated. Rank
     config.json      the resolved configuration
     metrics.jsonl    one JSON object per logged step and per validation estimate
     run.json         summary: data hash, layout, final losses, timings, communication, sample
+    checkpoints/     sharded HDF5 checkpoints (mpi_tp.checkpoint), every --save-every steps and at the end
+
+`--resume` continues the run in --out from its newest checkpoint, bitwise as if
+it had never stopped: the weights, AdamW moments and step count come from the
+checkpoint, the batches and dropout masks are pure functions of (seed, step).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import numpy
 from mpi4py import MPI
 
 from . import __version__, backend
+from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
 from .generate import sample
@@ -53,6 +59,31 @@ def _make_out_dir(cfg: TrainConfig, comm) -> str:
         if not os.access(out, os.W_OK):
             raise PermissionError(f"output folder {out!r} is not writable; pass --out DIR")
     return out
+
+
+def _find_start(cfg: TrainConfig, out: str):
+    """The checkpoint to continue from (--resume: the run's own newest; --init-from: the one named), or None."""
+    if cfg.init_from:
+        return ckpt_io.Checkpoint(cfg.init_from)
+    root = os.path.join(out, "checkpoints")
+    if cfg.resume and ckpt_io.complete_steps(root):
+        return ckpt_io.Checkpoint(root)
+    return None
+
+
+def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
+    """Load a checkpoint into model and optimizer; returns the step it was saved at."""
+    if cfg.resume and start.meta.get("data", {}).get("sha256") not in (None, corpus.sha256):
+        raise ckpt_io.CheckpointError(f"checkpoint {start.dir} was trained on other data (sha256 "
+                                      f"{start.meta['data']['sha256'][:12]}, now {corpus.sha256[:12]}): "
+                                      "resume with the same --data, or use --init-from to fine-tune")
+    saved_opt = start.meta.get("train_config", {}).get("optimizer", cfg.optimizer)
+    if saved_opt != cfg.optimizer:
+        raise ckpt_io.CheckpointError(f"checkpoint {start.dir} holds {saved_opt} state but this run uses "
+                                      f"--optimizer {cfg.optimizer}")
+    ckpt_io.load_into(start, model, opt)
+    model.dropout.step = int(start.meta.get("rng", {}).get("dropout_step", start.step))
+    return start.step
 
 
 def evaluate(model: GPT, batches) -> float:
@@ -88,6 +119,23 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     else:
         opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
+    start = collective_setup(_find_start, cfg, out, comm=comm)
+    first = 1
+    if start is not None:
+        with start:
+            first = collective_setup(_restore, start, model, opt, cfg, corpus, comm=comm) + 1
+        rank0_print(f"continuing from {start.dir} (step {first - 1})", comm=comm)
+    ckpt_root = os.path.join(out, "checkpoints")
+
+    def save(step):
+        meta = {"config": model.cfg.to_dict(), "train_config": cfg.to_dict(), "optimizer_t": opt.t,
+                "rng": {"seed": cfg.seed, "dropout_step": model.dropout.step},
+                "data": {"name": corpus.name, "sha256": corpus.sha256, "position": step,
+                         "sampler": "batch(step) is a pure function of (seed, step)"}}
+        t = time.perf_counter()
+        path = ckpt_io.save(ckpt_root, step, model, opt, meta, keep=cfg.keep)
+        rank0_print(f"saved {path} in {time.perf_counter() - t:.2f} s", comm=comm)
+
     is_root = comm.Get_rank() == 0
     entropy = unigram_entropy(val_tokens)
     record = {"config": cfg.to_dict(), "out": out, "layout": topo.describe(),
@@ -99,7 +147,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     if is_root:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        metrics = open(os.path.join(out, "metrics.jsonl"), "w")
+        metrics = open(os.path.join(out, "metrics.jsonl"), "a" if first > 1 else "w")
     rank0_print(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}, "
                 f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
                 f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {out}",
@@ -114,7 +162,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     t0 = t_log = time.perf_counter()
     comm_log = topo.stats.total_seconds()
     losses, val_loss = [], float("nan")
-    for step in range(1, cfg.steps + 1):
+    for step in range(first, cfg.steps + 1):
         lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
         x, y = sampler.batch(step - 1)
         model.zero_grad()
@@ -132,24 +180,27 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
             log({"step": step, "val_loss": val_loss})
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.perf_counter()
-            n = (step - 1) % cfg.log_every + 1
+            n = min((step - 1) % cfg.log_every + 1, len(losses))
             comm_s = topo.stats.total_seconds() - comm_log
             entry = {"step": step, "loss": sum(losses[-n:]) / n, "lr": lr, "grad_norm": norm,
                      "step_s": (now - t_log) / n, "tokens_per_s": n * tokens_per_step / (now - t_log),
                      "comm_s": comm_s, "elapsed_s": now - t0}
             log(entry)
-            left = (now - t0) / step * (cfg.steps - step)
+            left = (now - t0) / (step - first + 1) * (cfg.steps - step)
             rank0_print(f"step {step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {entry['loss']:.4f} | "
                         f"val {'-' if math.isnan(val_loss) else f'{val_loss:.4f}'} | lr {lr:.2e} | {entry['tokens_per_s']:,.0f} tok/s | "
                         f"comm {100 * comm_s / (now - t_log):.0f}% | {_fmt_time(now - t0)} elapsed, "
                         f"{_fmt_time(left)} left", comm=comm)
             t_log, comm_log = now, topo.stats.total_seconds()
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            save(step)
 
     train_s = time.perf_counter() - t0
-    record.update({"steps": cfg.steps, "final_train_loss": sum(losses[-cfg.log_every:]) /
-                   len(losses[-cfg.log_every:]), "final_val_loss": val_loss,
+    tail = losses[-cfg.log_every:] or [float("nan")]
+    record.update({"steps": cfg.steps, "first_step": first, "final_train_loss": sum(tail) / len(tail),
+                   "final_val_loss": val_loss,
                    "unigram_entropy": entropy, "train_seconds": train_s,
-                   "tokens_per_s": cfg.steps * tokens_per_step / train_s,
+                   "tokens_per_s": len(losses) * tokens_per_step / train_s,
                    "communication": topo.stats.snapshot()})
     rank0_print(f"done in {_fmt_time(train_s)}: validation loss {val_loss:.4f} nats/byte "
                 f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s", comm=comm)
