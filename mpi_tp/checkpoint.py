@@ -354,6 +354,17 @@ def check_model_config(ckpt: Checkpoint, cfg) -> None:
                               "options) or start a new run")
 
 
+def rng_state(model) -> dict:
+    """The random state a resume needs: dropout masks are keyed by (seed, step), nothing else is drawn."""
+    return {"dropout_seed": model.dropout.seed, "dropout_step": model.dropout.step}
+
+
+def restore_rng(ckpt: Checkpoint, model) -> None:
+    rng = ckpt.meta.get("rng", {})
+    model.dropout.seed = int(rng.get("dropout_seed", model.dropout.seed))
+    model.dropout.step = int(rng.get("dropout_step", ckpt.step))
+
+
 def load_into(ckpt: Checkpoint, model, optimizer=None) -> None:
     """Fill this rank's shards (and the optimizer's) from the checkpoint, whatever layout saved it."""
     check_model_config(ckpt, model.cfg)

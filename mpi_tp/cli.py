@@ -2,6 +2,9 @@
 
     mpiexec -n 2 mpi-tp train [--option value ...]     train (tensor-parallel over all ranks)
     mpi-tp train --help                                 every option, with its default
+    mpiexec -n 2 mpi-tp eval --checkpoint C --data F    loss of a saved model on a text file
+    mpiexec -n 2 mpi-tp generate --checkpoint C         sample text from a saved model
+    mpi-tp inspect C / mpi-tp export C OUT.h5           look into / flatten a checkpoint
 
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
@@ -40,7 +43,17 @@ def build_parser() -> Parser:
                        description="Train a byte-level GPT with tensor parallelism over all ranks: "
                                    "mpiexec -n T mpi-tp train [options]. Options override --config.")
     add_arguments(t)
+    t.set_defaults(run=_train)
+    from .tools import add_parsers
+    add_parsers(sub)
     return p
+
+
+def _train(args, comm) -> int:
+    from .train import train
+    cfg = collective_setup(resolve, args, comm=comm)
+    train(cfg, comm)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -48,11 +61,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_world_size(COMM)
-        if args.command == "train":
-            from .train import train
-            cfg = collective_setup(resolve, args, comm=COMM)
-            train(cfg, COMM)
-        return 0
+        return args.run(args, COMM)
     except UsageError as e:
         if COMM.Get_rank() == 0:
             print(f"mpi-tp: error: {e}", file=sys.stderr, flush=True)

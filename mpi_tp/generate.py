@@ -38,3 +38,10 @@ def sample(model: GPT, prompt: bytes, n_new: int, temperature: float = 0.8, top_
         tokens.append(int(choice[0]))
     model.train(was_training)
     return bytes(tokens)
+
+
+def printable(data: bytes) -> str:
+    """Sampled bytes as text for a terminal: invalid UTF-8 and control characters (but newlines
+    and tabs) are shown as escapes rather than sent raw."""
+    text = data.decode("utf-8", errors="backslashreplace")
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)

@@ -32,7 +32,7 @@ from . import __version__, backend
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
-from .generate import sample
+from .generate import printable, sample
 from .model import GPT
 from .optim import SGD, AdamW, clip_grad_norm, lr_at
 from .runtime import UsageError, collective_setup, rank0_print
@@ -82,7 +82,7 @@ def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
         raise ckpt_io.CheckpointError(f"checkpoint {start.dir} holds {saved_opt} state but this run uses "
                                       f"--optimizer {cfg.optimizer}")
     ckpt_io.load_into(start, model, opt)
-    model.dropout.step = int(start.meta.get("rng", {}).get("dropout_step", start.step))
+    ckpt_io.restore_rng(start, model)
     return start.step
 
 
@@ -129,7 +129,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
 
     def save(step):
         meta = {"config": model.cfg.to_dict(), "train_config": cfg.to_dict(), "optimizer_t": opt.t,
-                "rng": {"seed": cfg.seed, "dropout_step": model.dropout.step},
+                "rng": ckpt_io.rng_state(model),
                 "data": {"name": corpus.name, "sha256": corpus.sha256, "position": step,
                          "sampler": "batch(step) is a pure function of (seed, step)"}}
         t = time.perf_counter()
@@ -206,7 +206,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                 f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s", comm=comm)
     if cfg.sample_len:
         text = sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed)
-        record["sample"] = text.decode("utf-8", errors="replace")
+        record["sample"] = printable(text)
         rank0_print("--- sample ---\n" + record["sample"] + "\n--------------", comm=comm)
     if is_root:
         metrics.close()

@@ -1,0 +1,181 @@
+"""Commands on saved checkpoints: eval, generate (at any world size), inspect and export.
+
+    mpiexec -n 2 mpi-tp eval --checkpoint runs/X/checkpoints --data notes.txt [--json]
+    mpiexec -n 2 mpi-tp generate --checkpoint runs/X/checkpoints --prompt "The "
+    mpi-tp inspect runs/X/checkpoints           # layout, tensors, full integrity check
+    mpi-tp export runs/X/checkpoints model.h5   # one self-contained file of full tensors (.h5 or .npz)
+
+eval and generate rebuild the saved model at tensor-parallel size = world size,
+whatever size saved it; inspect and export work on rank 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy
+
+from . import checkpoint as ckpt_io
+from .data import DataError, load_corpus
+from .generate import printable, sample
+from .model import GPT, GPTConfig
+from .runtime import collective_setup, rank0_print
+from .topology import Topology
+
+
+def load_model(path: str, comm, dtype: str | None = None):
+    """(model, checkpoint): the saved model rebuilt at tp = world size and filled from the checkpoint."""
+    def build():
+        ck = ckpt_io.Checkpoint(path)
+        cfg = GPTConfig(**ck.meta["config"])
+        model = GPT(cfg, Topology.create(comm), dtype=dtype or ck.meta.get("dtypes", "float32"))
+        return model, ck
+    model, ck = collective_setup(build, comm=comm)
+    with ck:
+        collective_setup(ckpt_io.load_into, ck, model, comm=comm)
+    return model.eval(), ck
+
+
+def eval_windows(tokens: numpy.ndarray, S: int, batch_size: int):
+    """Batches (x, y) of the windows starting at 0, S, 2S, ... that hold S + 1 bytes."""
+    starts = numpy.arange(0, tokens.size - S, S)       # start + S + 1 <= size
+    if starts.size == 0:
+        raise DataError(f"the evaluation text has {tokens.size} bytes; one window needs {S + 1} "
+                        f"(block_size + 1): use a longer file")
+    for i in range(0, starts.size, batch_size):
+        idx = starts[i:i + batch_size, None] + numpy.arange(S + 1)[None, :]     # (b, S + 1)
+        w = tokens[idx].astype(numpy.int64)
+        yield w[:, :-1], w[:, 1:]
+
+
+def evaluate_file(model: GPT, tokens: numpy.ndarray, batch_size: int = 16) -> tuple[float, int]:
+    """(mean next-token cross-entropy in nats, number of targets) over the text's windows."""
+    total, count = 0.0, 0
+    for x, y in eval_windows(tokens, model.cfg.block_size, batch_size):
+        total += model.forward(x, y) * y.size          # the loss is a mean over the batch's targets
+        count += y.size
+    return total / count, count
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {n}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    x = float(value)
+    if not x > 0:
+        raise ValueError(f"must be positive, got {x}")
+    return x
+
+
+def cmd_eval(args, comm) -> int:
+    corpus = collective_setup(load_corpus, args.data, comm=comm)
+    model, ck = load_model(args.checkpoint, comm, args.dtype)
+    tokens = corpus.data
+    loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
+    result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,
+              "data_sha256": corpus.sha256, "tp": model.topo.tp.size, "dtype": str(model.dtype)}
+    if args.json:
+        rank0_print(json.dumps(result), comm=comm)
+    else:
+        rank0_print(f"{ck.dir} (step {ck.step}) on {corpus.name}: {loss:.6f} nats/token over {n:,} "
+                    f"tokens (perplexity {numpy.exp(loss):.3f}), tp={result['tp']}, {result['dtype']}",
+                    comm=comm)
+    return 0
+
+
+def cmd_generate(args, comm) -> int:
+    model, ck = load_model(args.checkpoint, comm, args.dtype)
+    text = sample(model, args.prompt.encode(), args.max_new_tokens, args.temperature,
+                  args.top_k or None, args.seed)
+    rank0_print(printable(text), comm=comm)
+    return 0
+
+
+def _on_rank0(fn, comm) -> int:
+    """Run fn on rank 0 only; every rank returns its status (errors become one message)."""
+    status = collective_setup(lambda: fn() if comm.Get_rank() == 0 else 0, comm=comm)
+    return comm.bcast(status)
+
+
+def cmd_inspect(args, comm) -> int:
+    def run():
+        with ckpt_io.Checkpoint(args.checkpoint) as ck:
+            m = ck.meta
+            print(f"checkpoint {ck.dir}")
+            print(f"  format {ckpt_io.FORMAT} v{ckpt_io.VERSION}; step {ck.step}; saved at tp={m['layout']['tp']}; "
+                  f"data {m.get('data', {}).get('name')} (sha256 {str(m.get('data', {}).get('sha256'))[:12]})")
+            print(f"  model {json.dumps(m['config'])}")
+            total = 0
+            print(f"  {'tensor':<34} {'shape':>14} {'dtype':>8} {'MB':>8}  split")
+            for name, t in ck.tensors.items():
+                nbytes = int(numpy.prod(t["shape"])) * numpy.dtype(t["dtype"]).itemsize
+                total += nbytes
+                split = "replicated" if t["axis"] is None else \
+                    f"axis {t['axis']}: " + " ".join(f"{a}:{b}" for _, a, b in t["pieces"])
+                print(f"  {name:<34} {str(tuple(t['shape'])):>14} {numpy.dtype(t['dtype']).name:>8} "
+                      f"{nbytes / 1e6:>8.3f}  {split}")
+            print(f"  {len(ck.tensors)} tensors, {total / 1e6:.2f} MB in {len(ck.shards)} shards")
+            problems = ck.verify()
+        for p in problems:
+            print(f"  PROBLEM: {p}")
+        print("  integrity: " + ("OK (every shard's SHA-256 and every dataset's checksum)" if not problems
+                                 else f"{len(problems)} problem(s)"))
+        return 1 if problems else 0
+    return _on_rank0(run, comm)
+
+
+def cmd_export(args, comm) -> int:
+    def run():
+        out = args.out
+        if not out.endswith((".h5", ".hdf5", ".npz")):
+            raise ValueError(f"export: {out!r} should end in .h5 or .npz")
+        with ckpt_io.Checkpoint(args.checkpoint) as ck:
+            tensors = {name: ck.read(name) for name in ck.tensors if args.optimizer or name.startswith("model/")}
+            meta = {k: json.dumps(v) for k, v in ck.meta.items()}
+        tmp = out + ".tmp" + (".npz" if out.endswith(".npz") else "")
+        if out.endswith(".npz"):
+            numpy.savez(tmp, **tensors, **{f"meta/{k}": numpy.array(v) for k, v in meta.items()})
+        else:
+            with h5py.File(tmp, "w") as f:
+                for k, v in meta.items():
+                    f.attrs[k] = v
+                for name, value in tensors.items():
+                    f.create_dataset(name, data=value)
+        os.replace(tmp, out)          # a half-written export never takes the place of a good one
+        print(f"wrote {out}: {len(tensors)} full tensors from {ck.dir} (step {ck.step})")
+        return 0
+    return _on_rank0(run, comm)
+
+
+def add_parsers(sub) -> None:
+    e = sub.add_parser("eval", help="mean next-token cross-entropy of a checkpoint on a text file",
+                       description="Mean next-token cross-entropy (nats per token) of a saved model on a "
+                                   "text: windows of block_size + 1 bytes starting at 0, S, 2S, ...")
+    e.add_argument("--checkpoint", required=True, help="checkpoint folder (its latest step) or a step-N folder")
+    e.add_argument("--data", required=True, help="text file (or 'pydoc' / 'shakespeare')")
+    e.add_argument("--json", action="store_true", help="print one JSON line")
+    e.add_argument("--batch-size", type=_positive, default=16, help="windows per forward pass (default 16)")
+    e.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    e.set_defaults(run=cmd_eval)
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
+    g.add_argument("--prompt", default="The ", help="text to continue (default 'The ')")
+    g.add_argument("--max-new-tokens", type=_positive, default=200, help="bytes to generate (default 200)")
+    g.add_argument("--temperature", type=_positive_float, default=0.8, help="sampling temperature (default 0.8)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    g.set_defaults(run=cmd_generate)
+    i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")
+    i.add_argument("checkpoint", help="checkpoint folder or a step-N folder")
+    i.set_defaults(run=cmd_inspect)
+    x = sub.add_parser("export", help="write a checkpoint's full tensors to one .h5 or .npz file")
+    x.add_argument("checkpoint", help="checkpoint folder or a step-N folder")
+    x.add_argument("out", help="output file, .h5 or .npz")
+    x.add_argument("--optimizer", action="store_true", help="include the optimizer state (optim/...)")
+    x.set_defaults(run=cmd_export)
