@@ -106,3 +106,16 @@ def test_inspect_and_export(tmp_path):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.count("mpi-tp: error:") == 1 and "shard-00-of-02.h5" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_init_from_at_another_size(tmp_path):
+    a, c = str(tmp_path / "a"), str(tmp_path / "c")
+    assert mpirun(2, "train", *TINY, "--steps", "4", "--out", a).returncode == 0
+    r = mpirun(1, "train", *TINY, "--steps", "6", "--out", c, "--init-from", os.path.join(a, "checkpoints"))
+    assert r.returncode == 0, r.stderr
+    assert "(step 4)" in r.stdout
+    steps = [json.loads(l)["step"] for l in open(os.path.join(c, "metrics.jsonl")) if '"loss"' in l]
+    assert steps == [5, 6]
+    r = mpirun(1, "train", *TINY, "--n-embd", "30", "--steps", "6", "--out", str(tmp_path / "d"),
+               "--init-from", os.path.join(a, "checkpoints"))
+    assert r.returncode == 2 and "n_embd: checkpoint 24 vs model 30" in r.stderr
