@@ -13,7 +13,7 @@ A checkpoint root holds one directory per saved step and a `latest` pointer:
 full (C, C) matrix, read from the shards by HDF5 itself. docs/checkpoints.md
 describes the format.
 
-Nothing is lost: shards and index are written into `ROOT/.tmp-step-N`, fsynced,
+Nothing is lost: shards and index are written into `ROOT/.step-N.tmp`, fsynced,
 and only then is the directory renamed to `step-N` (atomic) and `latest`
 replaced (atomic). A process killed at any moment leaves the previous
 checkpoint complete and `latest` naming it. Old steps are deleted only after a
@@ -149,7 +149,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     def prepare():
         if group.rank == 0:
             os.makedirs(root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)      # debris of an earlier, interrupted save
+            _clean_debris(root)
             os.makedirs(tmp)
     collective_setup(prepare, comm=comm)
 
@@ -189,11 +189,27 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
             os.fsync(f.fileno())
         os.replace(pointer, os.path.join(root, "latest"))
         _fsync_path(root)
-        if keep > 0:
-            for old_step in complete_steps(root)[:-keep]:
+        if keep > 0:   # the step just written always stays, with the keep - 1 highest others
+            others = [s for s in complete_steps(root) if s != step]
+            for old_step in others[:max(0, len(others) - (keep - 1))]:
                 shutil.rmtree(os.path.join(root, step_dir_name(old_step)), ignore_errors=True)
     collective_setup(publish, comm=comm)
     return final
+
+
+def _clean_debris(root: str) -> None:
+    """Remove what interrupted saves left: `.step-N.tmp` folders (never published) and `step-N.old`
+    folders (a re-saved step moved aside); an `.old` whose replacement never arrived is put back."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".step-") and name.endswith(".tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith("step-") and name.endswith(".old"):
+            final = path[:-len(".old")]
+            if not os.path.exists(final) and os.path.isfile(os.path.join(path, "index.h5")):
+                os.rename(path, final)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- finding and opening

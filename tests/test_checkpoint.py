@@ -186,3 +186,27 @@ def test_keep_deletes_only_older_complete_steps(world, shared_dir):
     with open(os.path.join(shared_dir, "latest")) as f:
         assert f.read().strip() == "step-00000004"
     assert not [n for n in os.listdir(shared_dir) if n.startswith(".")]    # no temporary debris
+
+
+def test_keep_never_deletes_the_step_just_written(world, shared_dir):
+    """Continuing from an earlier step into a folder that holds later ones (--init-from)."""
+    model, opt = trained(Topology.create(world), steps=1)
+    for step in (5, 6, 2):
+        ck.save(shared_dir, step, model, opt, meta(model, opt), keep=2)
+    assert ck.complete_steps(shared_dir) == [2, 6]
+    with ck.Checkpoint(shared_dir) as c:
+        assert c.step == 2                                   # latest names what was just saved
+
+
+def test_resave_and_debris(world, shared_dir):
+    model, opt = trained(Topology.create(world), steps=1)
+    ck.save(shared_dir, 3, model, opt, meta(model, opt))
+    if world.Get_rank() == 0:   # what a crash mid-resave leaves: the step moved aside, a stale temp folder
+        os.rename(os.path.join(shared_dir, "step-00000003"), os.path.join(shared_dir, "step-00000003.old"))
+        os.makedirs(os.path.join(shared_dir, ".step-00000009.tmp"))
+    world.Barrier()
+    ck.save(shared_dir, 4, model, opt, meta(model, opt))
+    assert ck.complete_steps(shared_dir) == [3, 4]           # the moved-aside step was put back
+    assert sorted(os.listdir(shared_dir)) == ["latest", "step-00000003", "step-00000004"]
+    ck.save(shared_dir, 4, model, opt, meta(model, opt))    # re-saving a step replaces it
+    assert sorted(os.listdir(shared_dir)) == ["latest", "step-00000003", "step-00000004"]
