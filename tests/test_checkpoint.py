@@ -186,6 +186,7 @@ def test_keep_deletes_only_older_complete_steps(world, shared_dir):
     with open(os.path.join(shared_dir, "latest")) as f:
         assert f.read().strip() == "step-00000004"
     assert not [n for n in os.listdir(shared_dir) if n.startswith(".")]    # no temporary debris
+    world.Barrier()
 
 
 def test_keep_never_deletes_the_step_just_written(world, shared_dir):
@@ -208,5 +209,6 @@ def test_resave_and_debris(world, shared_dir):
     ck.save(shared_dir, 4, model, opt, meta(model, opt))
     assert ck.complete_steps(shared_dir) == [3, 4]           # the moved-aside step was put back
     assert sorted(os.listdir(shared_dir)) == ["latest", "step-00000003", "step-00000004"]
+    world.Barrier()                                          # everyone has looked before the next save
     ck.save(shared_dir, 4, model, opt, meta(model, opt))    # re-saving a step replaces it
     assert sorted(os.listdir(shared_dir)) == ["latest", "step-00000003", "step-00000004"]
