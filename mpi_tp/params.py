@@ -26,6 +26,12 @@ class Param:
     axis: the dimension that is split across the tensor-parallel group, or None
     when the tensor is replicated; this rank holds indices [start, stop) of it.
     decay: whether AdamW applies weight decay (matrices of linear layers).
+
+    Storage: `data` is usually its own array. Several parameters can instead be
+    views into one contiguous array (`base`, with `data = base[view]`), e.g.
+    attention's q, k and v weights side by side so that one GEMM computes all
+    three. Whatever works elementwise on whole arrays (the optimizer, the
+    gradient norm) iterates over the bases (`storages`), never over views.
     """
 
     name: str
@@ -36,10 +42,15 @@ class Param:
     stop: int = 0
     decay: bool = False
     grad: object = None          # same shape as data; backward accumulates into it
+    base: object = None          # the contiguous array holding data (data itself unless fused)
+    grad_base: object = None     # the same for grad
+    view: tuple = ()             # data = base[view]
 
     def __post_init__(self):
         if self.grad is None:
             self.grad = backend.xp().zeros_like(self.data)
+        if self.base is None:
+            self.base, self.grad_base = self.data, self.grad
 
     @property
     def sharded(self) -> bool:
@@ -54,6 +65,39 @@ class Param:
 
     def zero_grad(self) -> None:
         self.grad[...] = 0
+
+
+def fuse_last_axis(params: list[Param]):
+    """Move params (same leading shape) into one array, side by side along the last axis.
+
+    Each Param's data and grad become views of the shared base arrays, which are
+    returned: (data base, grad base). fuse_last_axis([q, k, v]) gives (C, 3 C_p).
+    """
+    xp = backend.xp()
+    base = xp.concatenate([p.data for p in params], axis=-1)
+    grad_base = xp.concatenate([p.grad for p in params], axis=-1)
+    at = 0
+    for p in params:
+        n = p.data.shape[-1]
+        view = (Ellipsis, slice(at, at + n))
+        p.data, p.grad, p.base, p.grad_base, p.view = base[view], grad_base[view], base, grad_base, view
+        at += n
+    return base, grad_base
+
+
+def storages(params: list[Param]) -> list[tuple]:
+    """The distinct contiguous arrays behind params: [(base, grad_base, [params viewing it])]."""
+    out, seen = [], {}
+    for p in params:
+        key = id(p.base)
+        if key not in seen:
+            seen[key] = len(out)
+            out.append((p.base, p.grad_base, []))
+        out[seen[key]][2].append(p)
+    for base, _, members in out:
+        if len({(m.decay, m.sharded) for m in members}) > 1:
+            raise ValueError(f"params {[m.name for m in members]} share storage but differ in decay or sharding")
+    return out
 
 
 def _stream(seed: int, name: str) -> numpy.random.Generator:

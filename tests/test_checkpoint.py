@@ -83,7 +83,7 @@ def test_virtual_view_equals_gathered_model(world, shared_dir):
     step_dir = ck.save(shared_dir, 7, model, opt, meta(model, opt))
     full = {p.name: gather_full(p, world) for p in model.parameters()}
     moments = {p.name: gather_full(type(p)(p.name, m, p.global_shape, p.axis, p.start, p.stop), world)
-               for p, m in zip(opt.params, opt.m)}
+               for p, m in zip(opt.params, opt.state_tensors()["m"])}
     ok = True
     if world.Get_rank() == 0:
         with h5py.File(os.path.join(step_dir, "index.h5"), "r") as f:   # plain h5py, no mpi_tp code
