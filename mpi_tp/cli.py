@@ -5,6 +5,7 @@
     mpiexec -n 2 mpi-tp eval --checkpoint C --data F    loss of a saved model on a text file
     mpiexec -n 2 mpi-tp generate --checkpoint C         sample text from a saved model
     mpi-tp inspect C / mpi-tp export C OUT.h5           look into / flatten a checkpoint
+    mpiexec -n 2 mpi-tp bench --shape c                 timed steps against the machine's limits
 
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
@@ -46,6 +47,8 @@ def build_parser() -> Parser:
     t.set_defaults(run=_train)
     from .tools import add_parsers
     add_parsers(sub)
+    from .bench import add_parser as add_bench
+    add_bench(sub)
     return p
 
 

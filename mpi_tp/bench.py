@@ -1,0 +1,208 @@
+"""`mpi-tp bench`: timed training steps with the machine's own limits measured in the same run.
+
+    OMP_NUM_THREADS=1 mpi-tp bench --shape c                  # T = 1, one BLAS thread
+    mpiexec -n 2 mpi-tp bench --shape c --json out.jsonl      # T = 2, one thread per rank
+    mpiexec -n 2 mpi-tp bench --sweep                         # step time against the work
+
+Per step: forward + loss, backward, gradient clipping and AdamW, after warm-up
+steps; a step's time is the slowest rank's. Model FLOPs follow the PaLM/Megatron
+count used by the PyTorch peer (../shared/peers/torch_tp):
+
+    FLOP/step = tokens * (6 * N_mm + 12 * L * C * S),   N_mm = 12 L C^2 + V C
+
+(N_mm: the weights of all matrix products, the tied head included; the second
+term is attention's QK^T and AV, forward and backward, over the full S x S). Per
+rank it is divided by T. It is set against the GEMM peak measured here, in the
+same run, with every rank multiplying at once on its own threads (two concurrent
+single-thread GEMMs on 2 cores reach less than twice one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+
+import numpy
+from mpi4py import MPI
+
+from . import backend
+from .model import GPT, GPTConfig
+from .optim import AdamW, clip_grad_norm
+from .runtime import rank0_print
+from .topology import Topology
+
+SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
+    "a": (256, 4, 4, 128, 8),
+    "b": (512, 8, 4, 128, 8),
+    "c": (1024, 16, 2, 128, 4),
+}
+
+
+def model_flops(C, L, S, B, V=256) -> float:
+    n_mm = 12 * L * C * C + V * C
+    return B * S * (6 * n_mm + 12 * L * C * S)
+
+
+def gemm_peak(comm, n=2048, dtype="float32", reps=5) -> float:
+    """GFLOP/s of one rank's n^3 GEMM while every rank runs the same GEMM (median of reps)."""
+    xp = backend.xp()
+    a = xp.asarray(numpy.random.default_rng(0).random((n, n), dtype=numpy.float32).astype(dtype))
+    b = a.T.copy()
+    a @ b
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t = time.perf_counter()
+        a @ b
+        backend.synchronize()
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / numpy.median(times) / 1e9
+
+
+def allreduce_overhead(topo, shape, dtype, reps=30) -> dict:
+    """Median seconds of our counted all-reduce and of a bare mpi4py Allreduce on the same buffer."""
+    if topo.tp.size == 1:
+        return {}
+    buf = backend.xp().ones(shape, dtype=dtype)
+    out = {}
+    for name, fn in (("bare", lambda: topo.tp.comm.Allreduce(MPI.IN_PLACE, buf)),
+                     ("mpi_tp", lambda: topo.tp.all_reduce(buf))):
+        fn()
+        ts = []
+        for _ in range(reps):
+            topo.tp.comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        out[name] = float(numpy.median(ts))
+    return out
+
+
+def environment(comm) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    blas = {}
+    try:
+        from threadpoolctl import threadpool_info
+        info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+        if info:
+            blas = {k: info[0].get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+    except ImportError:
+        cfg = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = {"internal_api": cfg.get("name"), "version": cfg.get("version")}
+    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas,
+            "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
+            "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0) -> dict:
+    topo = Topology.create(comm)
+    model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed)
+    params = model.parameters()
+    opt = AdamW(params, lr=1e-4)
+    rng = numpy.random.default_rng(seed)
+    x, y = rng.integers(0, 256, (B, S)), rng.integers(0, 256, (B, S))
+    phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
+    comm_s, comm_bytes = [], []
+    for i in range(warmup + steps):
+        topo.stats.reset()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        model.zero_grad()
+        model.forward(x, y)
+        t1 = time.perf_counter()
+        model.backward()
+        t2 = time.perf_counter()
+        clip_grad_norm(params, topo.tp, 1.0)
+        opt.step()
+        backend.synchronize()
+        t3 = time.perf_counter()
+        if i >= warmup:
+            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                phases[k].append(comm.allreduce(v, op=MPI.MAX))        # the slowest rank's
+            comm_s.append({k: v["seconds"] for k, v in topo.stats.snapshot().items()})
+            comm_bytes.append(topo.stats.total_bytes())
+    step = numpy.array(phases["step"])
+    flops = model_flops(C, L, S, B)
+    kinds = sorted({k for d in comm_s for k in d})
+    comm_med = {k: float(numpy.median([d.get(k, 0.0) for d in comm_s])) for k in kinds}
+    peak = gemm_peak(comm)
+    peak = comm.allreduce(peak, op=MPI.SUM) / comm.Get_size()
+    ar = allreduce_overhead(topo, (B, S, C), dtype)
+    med = float(numpy.median(step))
+    result = {
+        "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": topo.tp.size,
+        "dtype": dtype, "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
+                                                   "max": 1e3 * step.max()},
+        "tokens_per_s": B * S / med, "model_gflop_per_step": flops / 1e9,
+        "model_gflops_per_rank": flops / med / topo.tp.size / 1e9, "gemm_peak_gflops_per_rank": peak,
+        "phases_ms": {k: 1e3 * float(numpy.median(v)) for k, v in phases.items() if k != "step"},
+        "comm_ms": {k: 1e3 * v for k, v in comm_med.items()},
+        "comm_bytes_per_step": int(numpy.median(comm_bytes)) if comm_bytes else 0,
+        "allreduce_BSC_ms": {k: 1e3 * v for k, v in ar.items()},
+        "peak_rss_mb_per_rank": comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX) / 1024,
+        "state_mb_per_rank": sum(p.data.nbytes for p in params) * 4 / 2**20,    # weights, grads, m, v
+    }
+    result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
+    result["phases_ms"]["compute"] = (result["phases_ms"]["forward"] + result["phases_ms"]["backward"]
+                                      - sum(result["comm_ms"].values()))
+    return result
+
+
+def print_table(r: dict, comm) -> None:
+    s = r["shape"]
+    ph = r["phases_ms"]
+    comm_txt = ", ".join(f"{k} {v:.1f}" for k, v in r["comm_ms"].items()) or "none"
+    ar = r["allreduce_BSC_ms"]
+    ar_txt = (f"; one (B,S,C) all-reduce {ar['mpi_tp']:.2f} ms vs bare Allreduce {ar['bare']:.2f} ms"
+              if ar else "")
+    rank0_print(
+        f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} tp={r['tp']} "
+        f"{r['dtype']}: step {r['step_ms']['median']:.1f} ms (min {r['step_ms']['min']:.1f}, max "
+        f"{r['step_ms']['max']:.1f}), {r['tokens_per_s']:,.0f} tok/s\n"
+        f"  model {r['model_gflops_per_rank']:.1f} GFLOP/s per rank = {100 * r['fraction_of_gemm_peak']:.0f}% of "
+        f"the GEMM peak measured now ({r['gemm_peak_gflops_per_rank']:.1f} GFLOP/s per rank)\n"
+        f"  forward {ph['forward']:.1f} ms, backward {ph['backward']:.1f} ms, clip+optimizer "
+        f"{ph['optimizer']:.1f} ms; compute {ph['compute']:.1f} ms; communication (ms): {comm_txt}{ar_txt}\n"
+        f"  {r['comm_bytes_per_step'] / 1e6:.2f} MB communicated per step; peak RSS "
+        f"{r['peak_rss_mb_per_rank']:.0f} MB per rank (model state {r['state_mb_per_rank']:.0f} MB)", comm=comm)
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="time training steps against this machine's GEMM and MPI limits",
+                       description=__doc__.split("\n\n")[0])
+    b.add_argument("--shape", choices=sorted(SHAPES), action="append",
+                   help="a preset (repeatable): a = 256/4/4/128/8, b = 512/8/4/128/8, c = 1024/16/2/128/4 "
+                        "(C/heads/layers/seq/batch); default a, b, c")
+    b.add_argument("--sweep", action="store_true", help="sweep hidden size and sequence length instead")
+    b.add_argument("--steps", type=int, default=10, help="timed steps per shape (default 10)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    b.add_argument("--json", metavar="FILE", help="append one JSON line per shape to FILE")
+    b.set_defaults(run=cmd_bench)
+
+
+def cmd_bench(args, comm) -> int:
+    if args.sweep:
+        shapes = [(C, max(1, C // 64), 2, S, 4) for C in (128, 256, 512, 1024) for S in (64, 128, 256, 512)]
+    else:
+        shapes = [SHAPES[s] for s in (args.shape or ["a", "b", "c"])]
+    env = environment(comm)
+    rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
+                f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; {env['date']}", comm=comm)
+    for C, H, L, S, B in shapes:
+        r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype)
+        r["environment"] = env
+        print_table(r, comm)
+        if args.json and comm.Get_rank() == 0:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    return 0
