@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from . import backend
 from .model import GPT, GPTConfig
-from .optim import AdamW, clip_grad_norm
+from .optim import AdamW, clip_coefficient, grad_norm
 from .runtime import rank0_print
 from .topology import Topology
 
@@ -121,8 +121,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0) 
         t1 = time.perf_counter()
         model.backward()
         t2 = time.perf_counter()
-        clip_grad_norm(params, topo.tp, 1.0)
-        opt.step()
+        opt.step(grad_scale=clip_coefficient(grad_norm(params, topo.tp), 1.0))
         backend.synchronize()
         t3 = time.perf_counter()
         if i >= warmup:

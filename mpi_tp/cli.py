@@ -22,6 +22,7 @@ from . import __version__, runtime
 
 COMM = MPI.COMM_WORLD
 runtime.limit_blas_threads(COMM)      # before NumPy loads its BLAS (the imports below)
+runtime.keep_freed_memory()           # no page faults on each step's fresh activation arrays
 
 from .config import add_arguments, resolve                                         # noqa: E402
 from .runtime import UsageError, check_world_size, collective_setup, install_abort_hook  # noqa: E402

@@ -40,15 +40,20 @@ def linear_forward(x, w, b=None):
     return out, (x, w, b is not None)
 
 
-def linear_backward(dout, cache):
-    """dx (..., K), dw (K, M), db (M,) or None when the forward had no bias."""
+def linear_backward(dout, cache, dw_out=None):
+    """dx (..., K), dw (K, M), db (M,) or None when the forward had no bias.
+
+    dw_out: an array (K, M) to write dw into instead of a fresh one (the caller's
+    zeroed gradient: one pass over it instead of a new array plus an addition).
+    """
     x, w, has_bias = cache
     K, M = w.shape
+    xp = array_module(dout)
     x2 = x.reshape(-1, K)                              # (..., K) -> (N, K)
     dout2 = dout.reshape(-1, M)                        # (..., M) -> (N, M)
     # out = x @ w  =>  dx = dout @ w^T, dw = x^T @ dout
     dx = (dout2 @ w.T).reshape(x.shape)                # (N, M) @ (M, K) -> (..., K)
-    dw = x2.T @ dout2                                  # (K, N) @ (N, M) -> (K, M)
+    dw = xp.matmul(x2.T, dout2, out=dw_out)            # (K, N) @ (N, M) -> (K, M)
     db = dout2.sum(axis=0) if has_bias else None       # (N, M) -> (M,)
     return dx, dw, db
 
@@ -97,46 +102,46 @@ def gelu_forward(x):
     u += 1.0
     u *= x
     u *= GELU_SCALE                                    # u = sqrt(2/pi) * (x + 0.044715 x^3)
-    out = xp.tanh(u, out=u)
-    out += 1.0
+    t = xp.tanh(u, out=u)                              # kept for the backward: no second tanh
+    out = t + 1.0
     out *= x
     out *= 0.5
-    return out, x
+    return out, (x, t)
 
 
 def gelu_backward(dout, cache):
     """dx, same shape as x."""
-    xp = array_module(dout)
-    x = cache
-    x2 = x * x
-    t = x2 * GELU_CUBIC
-    t += 1.0
-    t *= x
-    t *= GELU_SCALE
-    xp.tanh(t, out=t)                                  # t = tanh(u), as in the forward
-    # out = 0.5 x (1 + t)  =>  dout/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx,
-    # with du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-    dudx = x2                                          # reuse the temporary
-    dudx *= 3.0 * GELU_CUBIC
-    dudx += 1.0
-    dudx *= GELU_SCALE
-    dx = 1.0 - t * t
+    x, t = cache
+    # out = 0.5 x (1 + t), t = tanh(u), u = a (x + c x^3)
+    #   => dout/dx = 0.5 [(1 + t) + x (1 - t^2) a (1 + 3 c x^2)]
+    dx = t * t
+    xp = array_module(dx)
+    xp.subtract(1.0, dx, out=dx)                       # 1 - t^2
     dx *= x
-    dx *= dudx
+    s = x * x
+    s *= 3.0 * GELU_CUBIC * GELU_SCALE
+    s += GELU_SCALE                                    # a (1 + 3 c x^2)
+    dx *= s
     dx += t
     dx += 1.0
-    dx *= 0.5
     dx *= dout
+    dx *= 0.5
     return dx
 
 
 # ---------------------------------------------------------------- attention
 
+_BIAS = {}
+
+
 def _causal_bias(T, dtype, xp):
-    """(T, T): 0 where key s <= query t, -inf above the diagonal."""
-    bias = xp.zeros((T, T), dtype=dtype)
-    bias[xp.arange(T)[None, :] > xp.arange(T)[:, None]] = -math.inf
-    return bias
+    """(T, T): 0 where key s <= query t, -inf above the diagonal (made once per size and dtype)."""
+    key = (T, str(dtype), xp.__name__)
+    if key not in _BIAS:
+        bias = xp.zeros((T, T), dtype=dtype)
+        bias[xp.arange(T)[None, :] > xp.arange(T)[:, None]] = -math.inf
+        _BIAS[key] = bias
+    return _BIAS[key]
 
 
 def attention_forward(q, k, v, drop_mask=None):
@@ -148,13 +153,13 @@ def attention_forward(q, k, v, drop_mask=None):
     xp = array_module(q)
     T, D = q.shape[-2:]
     scale = 1.0 / math.sqrt(D)
-    att = q @ k.swapaxes(-1, -2)                       # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
-    att *= scale
+    qs = q * scale                                     # (B, H, T, D): scaling q is cheaper than (T, T)
+    att = qs @ k.swapaxes(-1, -2)                      # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
     att += _causal_bias(T, att.dtype, xp)              # position t sees keys s <= t only
     # stable softmax over keys, in place; the diagonal is never masked so the max is finite
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
-    att /= att.sum(axis=-1, keepdims=True)
+    att *= 1.0 / att.sum(axis=-1, keepdims=True)
     probs = att                                        # (B, H, T, T)
     if drop_mask is not None:
         drop_mask = drop_mask.astype(probs.dtype, copy=False)  # a float64 mask must not upcast
@@ -162,25 +167,27 @@ def attention_forward(q, k, v, drop_mask=None):
     else:
         probs_used = probs
     out = probs_used @ v                               # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
-    return out, (q, k, v, probs, drop_mask, scale)
+    return out, (qs, k, v, probs, drop_mask, scale)
 
 
 def attention_backward(dout, cache):
     """dq, dk, dv, each (B, H, T, D)."""
-    q, k, v, probs, drop_mask, scale = cache
+    qs, k, v, probs, drop_mask, scale = cache
+    xp = array_module(dout)
     probs_used = probs if drop_mask is None else probs * drop_mask  # recomputed, not cached
     # out = probs_used @ v
     dv = probs_used.swapaxes(-1, -2) @ dout            # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
-    dprobs = dout @ v.swapaxes(-1, -2)                 # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    datt = dout @ v.swapaxes(-1, -2)                   # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
     if drop_mask is not None:
-        dprobs *= drop_mask                            # probs_used = probs * drop_mask
+        datt *= drop_mask                              # probs_used = probs * drop_mask
     # softmax: datt = probs * (dprobs - sum_s dprobs * probs); masked entries have probs = 0
-    datt = dprobs
-    datt -= (dprobs * probs).sum(axis=-1, keepdims=True)
+    rowdot = xp.einsum("...ts,...ts->...t", datt, probs)[..., None]   # (B, H, T, 1), no (T, T) temporary
+    datt -= rowdot
     datt *= probs
-    datt *= scale                                      # att = q @ k^T * scale
+    # att = (q * scale) @ k^T: the scale goes on the (T, D) results, not on (T, T)
     dq = datt @ k                                      # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
-    dk = datt.swapaxes(-1, -2) @ q                     # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    dq *= scale
+    dk = datt.swapaxes(-1, -2) @ qs                    # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
     return dq, dk, dv
 
 

@@ -14,7 +14,7 @@ from . import kernels as K
 from .comm import (Group, copy_to_tp, copy_to_tp_backward, gather_from_tp, gather_from_tp_backward,
                    reduce_from_tp, reduce_from_tp_backward, scatter_to_tp, scatter_to_tp_backward)
 from .module import Module
-from .params import make_param
+from .params import accumulate_base, fuse_last_axis, make_param
 from .topology import check_splittable, offsets, split_sizes
 
 
@@ -27,6 +27,19 @@ def _shard(n: int, group: Group, sizes, what: str):
         raise ValueError(f"{what}: shard sizes {sizes} do not cut {n} units over {group.size} ranks")
     start = offsets(sizes)[group.rank]
     return list(sizes), start, start + sizes[group.rank]
+
+
+def _linear_backward(dout, cache, weights):
+    """linear_backward, accumulating dW into the weights' (shared) gradient: while that still
+    holds zeros, the GEMM writes straight into it (no new array, no extra pass)."""
+    grad = weights[0].grad_base
+    fresh = all(p.fresh for p in weights)
+    dx, dw, db = K.linear_backward(dout, cache, dw_out=grad if fresh else None)
+    if not fresh:
+        accumulate_base(weights, dw)
+    for p in weights:
+        p.fresh = False
+    return dx, db
 
 
 class LayerNorm(Module):
@@ -44,8 +57,8 @@ class LayerNorm(Module):
 
     def backward(self, dout):
         dx, dw, db = K.layernorm_backward(dout, *self.take_cache())
-        self.weight.grad += dw
-        self.bias.grad += db
+        self.weight.accumulate(dw)
+        self.bias.accumulate(db)
         return dx
 
 
@@ -63,25 +76,47 @@ class ColumnParallelLinear(Module):
              gather (optional): Y = [Y_1 ... Y_p] (all-gather), else Y_i stays split
 
     The weight is stored (in, out) so that y = x @ A + b. Rank i holds A_i (K, M_i).
-    copy_input=False leaves f to the caller, so that several column layers reading
-    the same X (attention's q, k, v) share one backward all-reduce.
+    copy_input=False leaves f to the caller.
+
+    parts: several column-parallel layers that read the same X, computed as one.
+    parts=("q", "k", "v") makes three parameters {name}/q/weight, ... (each (K, M),
+    split as above) whose shards sit side by side in one (K, 3 M_i) array, so
+    that one GEMM gives the rank's [q_i | k_i | v_i] columns and the backward
+    needs one GEMM and one all-reduce for dX instead of three.
     """
 
     def __init__(self, name, in_features, out_features, group: Group, dtype, *, bias=True,
-                 gather_output=False, copy_input=True, sizes=None, std=0.02, seed=0):
+                 gather_output=False, copy_input=True, sizes=None, std=0.02, seed=0, parts=None):
         self.group = group
         self.sizes, start, stop = _shard(out_features, group, sizes, f"{name}: output features")
         self.gather_output, self.copy_input = gather_output, copy_input
-        self.weight = make_param(f"{name}/weight", (in_features, out_features), dtype, std=std, seed=seed,
-                                 axis=1, start=start, stop=stop, decay=True)        # A_i: (K, M_i)
-        self.bias = (make_param(f"{name}/bias", (out_features,), dtype, init="zeros", axis=0,
-                                start=start, stop=stop) if bias else None)          # b_i: (M_i,)
+        if parts and gather_output:
+            raise ValueError(f"{name}: gather_output needs a single part")
+        names = [f"{name}/{part}" for part in parts] if parts else [name]
+        self.weights = [make_param(f"{n}/weight", (in_features, out_features), dtype, std=std, seed=seed,
+                                   axis=1, start=start, stop=stop, decay=True)      # A_i: (K, M_i)
+                        for n in names]
+        self.biases = [make_param(f"{n}/bias", (out_features,), dtype, init="zeros", axis=0,
+                                  start=start, stop=stop) for n in names] if bias else []   # b_i: (M_i,)
+        if parts:
+            fuse_last_axis(self.weights)                              # (K, parts * M_i)
+            if bias:
+                fuse_last_axis(self.biases)
+
+    @property
+    def weight(self):
+        return self.weights[0]
+
+    @property
+    def bias(self):
+        return self.biases[0] if self.biases else None
 
     def forward(self, x):
         if self.copy_input:
             x = copy_to_tp(x, self.group)
-        y, cache = K.linear_forward(x, self.weight.data, None if self.bias is None else self.bias.data)
-        self.save_cache(cache)                                        # (B, T, K) -> (B, T, M_i)
+        b = self.biases[0].base if self.biases else None
+        y, cache = K.linear_forward(x, self.weights[0].base, b)       # (B, T, K) -> (B, T, parts * M_i)
+        self.save_cache(cache)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.sizes)             # (B, T, M_i) -> (B, T, M)
         return y
@@ -89,10 +124,9 @@ class ColumnParallelLinear(Module):
     def backward(self, dout):
         if self.gather_output:
             dout = gather_from_tp_backward(dout, self.group, self.sizes)
-        dx, dw, db = K.linear_backward(dout, *self.take_cache())
-        self.weight.grad += dw
-        if self.bias is not None:
-            self.bias.grad += db
+        dx, db = _linear_backward(dout, self.take_cache()[0], self.weights)
+        if self.biases:
+            accumulate_base(self.biases, db)
         if self.copy_input:
             dx = copy_to_tp_backward(dx, self.group)
         return dx
@@ -136,10 +170,9 @@ class RowParallelLinear(Module):
 
     def backward(self, dout):
         if self.bias is not None:
-            self.bias.grad += dout.reshape(-1, dout.shape[-1]).sum(axis=0)
+            self.bias.accumulate(dout.reshape(-1, dout.shape[-1]).sum(axis=0))
         dout = reduce_from_tp_backward(dout, self.group)
-        dx, dw, _ = K.linear_backward(dout, *self.take_cache())
-        self.weight.grad += dw
+        dx, _ = _linear_backward(dout, self.take_cache()[0], [self.weight])
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)
         return dx
@@ -180,7 +213,7 @@ class VocabParallelEmbedding(Module):
         dout = reduce_from_tp_backward(dout, self.group)
         if outside is not None:
             dout = dout * ~outside[..., None]                         # rows other ranks own get nothing
-        self.weight.grad += K.embedding_backward(dout, cache)
+        self.weight.accumulate(K.embedding_backward(dout, cache))
 
     def logits_forward(self, x):
         """Tied output layer: (B, T, C) -> (B, T, V_i) = x @ E_i^T, behind f."""
@@ -194,5 +227,5 @@ class VocabParallelEmbedding(Module):
         if cache is None:
             raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
         dx, dwt, _ = K.linear_backward(dlogits, cache)                # dwt: (C, V_i)
-        self.weight.grad += dwt.T
+        self.weight.accumulate(dwt.T)
         return copy_to_tp_backward(dx, self.group)

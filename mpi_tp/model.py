@@ -23,7 +23,6 @@ import numpy
 
 from . import backend
 from . import kernels as K
-from .comm import copy_to_tp, copy_to_tp_backward
 from .layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .module import Module
@@ -111,20 +110,16 @@ class ParallelAttention(Module):
         self.H_p = head_sizes[tp.rank]
         self.heads = range(offsets(head_sizes)[tp.rank], offsets(head_sizes)[tp.rank] + self.H_p)
         cols = [h * self.D for h in head_sizes]   # the q/k/v column split follows the head split
-        col = dict(group=tp, dtype=dtype, copy_input=False, sizes=cols, seed=seed)
-        self.q = ColumnParallelLinear(f"{name}/q", C, C, **col)
-        self.k = ColumnParallelLinear(f"{name}/k", C, C, **col)
-        self.v = ColumnParallelLinear(f"{name}/v", C, C, **col)
+        # q, k and v: three column-parallel layers behind one f, computed as one GEMM (parts)
+        self.qkv = ColumnParallelLinear(name, C, C, tp, dtype, sizes=cols, seed=seed, parts=("q", "k", "v"))
         self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed,
                                       std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    def _heads(self, y, B, T):
-        return y.reshape(B, T, self.H_p, self.D).transpose(0, 2, 1, 3)   # (B, T, H_p*D) -> (B, H_p, T, D)
-
     def forward(self, x):
         B, T, C = x.shape
-        x = copy_to_tp(x, self.group)                                    # f, shared by q, k, v
-        q, k, v = (self._heads(lin.forward(x), B, T) for lin in (self.q, self.k, self.v))
+        qkv = self.qkv.forward(x).reshape(B, T, 3, self.H_p, self.D)   # (B, T, 3 H_p D): [q_i | k_i | v_i]
+        # one copy into head-major order, so that the batched attention products see contiguous heads
+        q, k, v = backend.xp().ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))  # each (B, H_p, T, D)
         mask = (self.dropout.head_masks(B, T, self.heads, x.dtype, self.layer)
                 if self.dropout.active else None)
         y, cache = K.attention_forward(q, k, v, mask)                    # (B, H_p, T, D)
@@ -134,14 +129,12 @@ class ParallelAttention(Module):
 
     def backward(self, dout):
         B, T, C = dout.shape
-        dy = self.proj.backward(dout)                                    # (B, T, H_p*D)
-        dy = self._heads(dy, B, T)
-        dq, dk, dv = K.attention_backward(dy, *self.take_cache())
-        merge = lambda d: d.transpose(0, 2, 1, 3).reshape(B, T, self.H_p * self.D)
-        dx = self.q.backward(merge(dq))
-        dx += self.k.backward(merge(dk))
-        dx += self.v.backward(merge(dv))
-        return copy_to_tp_backward(dx, self.group)                       # f's one all-reduce
+        dy = self.proj.backward(dout).reshape(B, T, self.H_p, self.D)   # (B, T, H_p*D)
+        grads = K.attention_backward(dy.transpose(0, 2, 1, 3), *self.take_cache())
+        dqkv = backend.xp().empty((B, T, 3, self.H_p, self.D), dtype=dout.dtype)
+        for j, d in enumerate(grads):                                    # dq, dk, dv: (B, H_p, T, D)
+            dqkv[:, :, j] = d.transpose(0, 2, 1, 3)
+        return self.qkv.backward(dqkv.reshape(B, T, 3 * self.H_p * self.D))   # one GEMM, f's all-reduce
 
 
 class ParallelMLP(Module):
@@ -254,6 +247,7 @@ class GPT(Module):
         if m is not None:
             dx = dx * m
         self.wpe.grad[:T] += dx.sum(axis=0)
+        self.wpe.fresh = False
         self.wte.backward(dx)
 
     def full_logits(self, idx):

@@ -16,14 +16,15 @@ class Module:
 
     def parameters(self) -> list[Param]:
         """Every Param of this module and its children, in definition order."""
-        out = []
+        out, seen = [], set()
         for value in vars(self).values():
             items = value if isinstance(value, (list, tuple)) else [value]
             for item in items:
-                if isinstance(item, Param):
-                    out.append(item)
-                elif isinstance(item, Module):
-                    out.extend(item.parameters())
+                found = [item] if isinstance(item, Param) else item.parameters() if isinstance(item, Module) else []
+                for p in found:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
         return out
 
     def zero_grad(self) -> None:

@@ -27,16 +27,23 @@ def grad_norm(params: list[Param], group: Group) -> float:
     return math.sqrt(float(buf[0]) + math.fsum(replicated))
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor that brings a gradient of this norm down to max_norm (1 when it is not above)."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
+
+
 def clip_grad_norm(params: list[Param], group: Group, max_norm: float) -> float:
     """Scale all gradients so that their global norm is at most max_norm (<= 0: no clipping).
 
-    Returns the norm before clipping.
+    Returns the norm before clipping. (The training loop instead passes
+    clip_coefficient(...) to the optimizer's step as grad_scale, which applies it
+    inside the update and saves a pass over every gradient.)
     """
     norm = grad_norm(params, group)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            p.grad *= scale
+    scale = clip_coefficient(norm, max_norm)
+    if scale != 1.0:
+        for _, grad, _ in storages(params):
+            grad *= scale
     return norm
 
 
@@ -73,7 +80,8 @@ class _Optimizer:
         self._where = [where[id(p.base)] for p in params]
         self.state = {k: [xp.zeros_like(base) for base, _, _ in self.storages] for k in kinds}
         dtype = self.storages[0][0].dtype if self.storages else "float32"
-        self._scratch = xp.empty(min(BLOCK, max((b.size for b, _, _ in self.storages), default=1)), dtype)
+        n = min(BLOCK, max((b.size for b, _, _ in self.storages), default=1))
+        self._scratch, self._scaled = xp.empty(n, dtype), xp.empty(n, dtype)
         self.t = 0
 
     def state_tensors(self) -> dict:
@@ -90,7 +98,16 @@ class _Optimizer:
     def _scratch_for(self, n: int):
         if n > self._scratch.size:       # one block per storage on GPUs
             self._scratch = backend.xp().empty(n, self._scratch.dtype)
+            self._scaled = backend.xp().empty(n, self._scratch.dtype)
         return self._scratch[:n]
+
+    def _grad_block(self, g, grad_scale: float):
+        """The gradient block, times grad_scale (gradient clipping) when that is not 1."""
+        if grad_scale == 1.0:
+            return g
+        out = self._scaled[:g.size]
+        backend.xp().multiply(g, grad_scale, out=out)
+        return out
 
 
 class SGD(_Optimizer):
@@ -100,18 +117,20 @@ class SGD(_Optimizer):
         super().__init__(params, ("momentum",) if momentum else ())
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
 
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
+        """One update; grad_scale multiplies every gradient first (clip_coefficient)."""
         xp = backend.xp()
         lr = self.lr if lr is None else lr
         self.t += 1
         for p, g, decay, *buf in self._flat():
             for b in _blocks(p.size):
                 s = self._scratch_for(b.stop - b.start)
+                gb = self._grad_block(g[b], grad_scale)
                 if self.weight_decay and decay:
                     xp.multiply(p[b], self.weight_decay, out=s)
-                    s += g[b]                      # g + wd * p
+                    s += gb                        # g + wd * p
                 else:
-                    s[...] = g[b]
+                    s[...] = gb
                 if buf:
                     buf[0][b] *= self.momentum
                     buf[0][b] += s
@@ -140,7 +159,8 @@ class AdamW(_Optimizer):
     def v(self):
         return self.state["v"]
 
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
+        """One update; grad_scale multiplies every gradient first (clip_coefficient)."""
         xp = backend.xp()
         lr = self.lr if lr is None else lr
         self.t += 1
@@ -150,7 +170,8 @@ class AdamW(_Optimizer):
             shrink = 1.0 - lr * self.weight_decay if (self.weight_decay and decay) else None
             for b in _blocks(p.size):
                 s = self._scratch_for(b.stop - b.start)
-                pb, gb, mb, vb = p[b], g[b], m[b], v[b]
+                pb, mb, vb = p[b], m[b], v[b]
+                gb = self._grad_block(g[b], grad_scale)
                 if shrink is not None:
                     pb *= shrink                                # decoupled: not part of the moments
                 mb *= self.b1

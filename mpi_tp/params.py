@@ -45,6 +45,7 @@ class Param:
     base: object = None          # the contiguous array holding data (data itself unless fused)
     grad_base: object = None     # the same for grad
     view: tuple = ()             # data = base[view]
+    fresh: bool = True           # grad still holds the zeros of zero_grad (nothing accumulated yet)
 
     def __post_init__(self):
         if self.grad is None:
@@ -65,6 +66,19 @@ class Param:
 
     def zero_grad(self) -> None:
         self.grad[...] = 0
+        self.fresh = True
+
+    def accumulate(self, value) -> None:
+        """grad += value (what every backward does with a parameter's gradient)."""
+        self.grad += value
+        self.fresh = False
+
+
+def accumulate_base(params: list["Param"], value) -> None:
+    """grad_base += value for parameters that share one gradient base (fused parameters)."""
+    params[0].grad_base += value
+    for p in params:
+        p.fresh = False
 
 
 def fuse_last_axis(params: list[Param]):

@@ -34,7 +34,7 @@ from .config import TrainConfig
 from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
 from .generate import printable, sample
 from .model import GPT
-from .optim import SGD, AdamW, clip_grad_norm, lr_at
+from .optim import SGD, AdamW, clip_coefficient, grad_norm, lr_at
 from .runtime import UsageError, collective_setup, rank0_print
 from .topology import Topology
 
@@ -171,8 +171,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
             raise UsageError(f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr}) "
                              f"or raise --warmup", status=3)
         model.backward()
-        norm = clip_grad_norm(params, topo.tp, cfg.grad_clip)
-        opt.step(lr)
+        norm = grad_norm(params, topo.tp)
+        opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
         losses.append(loss)
 
         if step % cfg.eval_every == 0 or step == cfg.steps:
