@@ -30,7 +30,7 @@ from mpi4py import MPI
 from . import backend
 from .model import GPT, GPTConfig
 from .optim import AdamW, clip_coefficient, grad_norm
-from .runtime import rank0_print
+from .runtime import collective_setup, rank0_print
 from .topology import Topology
 
 SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
@@ -181,6 +181,8 @@ def add_parser(sub) -> None:
     b.add_argument("--shape", choices=sorted(SHAPES), action="append",
                    help="a preset (repeatable): a = 256/4/4/128/8, b = 512/8/4/128/8, c = 1024/16/2/128/4 "
                         "(C/heads/layers/seq/batch); default a, b, c")
+    b.add_argument("--custom", metavar="C,H,L,S,B", action="append", default=[],
+                   help="a shape of your own (repeatable): channels, heads, layers, sequence, batch")
     b.add_argument("--sweep", action="store_true", help="sweep hidden size and sequence length instead")
     b.add_argument("--steps", type=int, default=10, help="timed steps per shape (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
@@ -189,11 +191,31 @@ def add_parser(sub) -> None:
     b.set_defaults(run=cmd_bench)
 
 
-def cmd_bench(args, comm) -> int:
+def _shapes(args, tp: int) -> list[tuple]:
+    """The shapes to run, each checked against the layout before anything starts."""
     if args.sweep:
         shapes = [(C, max(1, C // 64), 2, S, 4) for C in (128, 256, 512, 1024) for S in (64, 128, 256, 512)]
     else:
-        shapes = [SHAPES[s] for s in (args.shape or ["a", "b", "c"])]
+        custom = []
+        for text in args.custom:
+            try:
+                C, H, L, S, B = (int(v) for v in text.split(","))
+            except ValueError:
+                raise ValueError(f"--custom {text!r}: give five integers C,H,L,S,B, e.g. 2048,16,2,64,2") from None
+            custom.append((C, H, L, S, B))
+        presets = args.shape or ([] if custom else ["a", "b", "c"])
+        shapes = [SHAPES[s] for s in presets] + custom
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    for C, H, L, S, B in shapes:
+        if B < 1:
+            raise ValueError(f"batch must be at least 1, got {B}")
+        GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S).validate(tp)
+    return shapes
+
+
+def cmd_bench(args, comm) -> int:
+    shapes = collective_setup(_shapes, args, comm.Get_size(), comm=comm)
     env = environment(comm)
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
                 f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; {env['date']}", comm=comm)

@@ -115,3 +115,16 @@ def test_separate_programs_are_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mpi_tp", "train", "--steps", "1"], capture_output=True,
                        text=True, timeout=60, env=env)
     assert r.returncode == 2 and "separate programs" in r.stderr
+
+
+def test_bench_reports(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    r = mpirun(2, "bench", "--custom", "32,2,1,16,2", "--steps", "2", "--warmup", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["tp"] == 2 and row["model_gflop_per_step"] > 0 and row["gemm_peak_gflops_per_rank"] > 0
+    L, B, S, C = 1, 2, 16, 32
+    assert row["comm_bytes_per_step"] == ((4 * L + 2) * B * S * C + 3 * B * S) * 4 + 8   # docs' closed form
+    assert {"bare", "mpi_tp"} <= set(row["allreduce_BSC_ms"])
+    r = mpirun(2, "bench", "--custom", "32,3,1,16,2", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
