@@ -147,3 +147,22 @@ def test_backward_without_forward(world):
     _, par = pair(world)
     with pytest.raises(RuntimeError, match="without"):
         par.backward()
+
+
+class NoPickle:
+    """A communicator that refuses mpi4py's lowercase (pickling) methods and passes the rest on."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        if name[0].islower() and name not in ("py2f",):
+            raise AssertionError(f"pickled MPI call {name}() on a per-step path")
+        return getattr(self._comm, name)
+
+
+def test_no_pickled_calls_in_a_training_step(world):
+    _, par = pair(world, dropout=0.1)
+    par.topo.tp.comm = NoPickle(par.topo.tp.comm)
+    train(par, 2, AdamW, lr=1e-3)          # forward, backward, clipping, update: buffer methods only
+    par.topo.tp.comm = par.topo.tp.comm._comm
