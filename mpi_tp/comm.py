@@ -16,7 +16,11 @@ seconds per group and kind); one-rank groups return before any MPI call and
 record nothing, since nothing is communicated.
 
 Bytes are the size of the array each rank ends up with: an all-reduce of
-(B, T, C) float32 counts B*T*C*4, an all-gather counts the gathered array.
+(B, T, C) float32 counts B*T*C*4, an all-gather counts the gathered array, a
+reduce-scatter the array that is reduced. Wire bytes are what each rank sends
+in the bandwidth-optimal (ring) algorithm for a group of p ranks: all-reduce
+2n(p-1)/p, all-gather and reduce-scatter n(p-1)/p each. So a reduce-scatter
+followed by an all-gather moves exactly what one all-reduce moves.
 """
 from __future__ import annotations
 
@@ -35,22 +39,23 @@ class CommStats:
     def __init__(self):
         self.calls = defaultdict(int)
         self.bytes = defaultdict(int)
+        self.wire = defaultdict(float)
         self.seconds = defaultdict(float)
 
-    def record(self, key: str, nbytes: int, seconds: float) -> None:
+    def record(self, key: str, nbytes: int, seconds: float, wire: float = 0.0) -> None:
         self.calls[key] += 1
         self.bytes[key] += int(nbytes)
+        self.wire[key] += wire
         self.seconds[key] += seconds
 
     def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-        self.seconds.clear()
+        for d in (self.calls, self.bytes, self.wire, self.seconds):
+            d.clear()
 
     def snapshot(self) -> dict:
-        """{key: {"calls", "bytes", "seconds"}} for every key seen so far."""
-        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "seconds": self.seconds[k]}
-                for k in sorted(self.calls)}
+        """{key: {"calls", "bytes", "wire_bytes", "seconds"}} for every key seen so far."""
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "wire_bytes": round(self.wire[k]),
+                    "seconds": self.seconds[k]} for k in sorted(self.calls)}
 
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
@@ -86,6 +91,26 @@ def _unstage(x, host):
     return x
 
 
+class Pending:
+    """A started non-blocking collective: wait() completes it (and copies a staged GPU buffer back)."""
+
+    def __init__(self, request, x, buf, record):
+        self.request, self.x, self.buf, self._record = request, x, buf, record
+
+    def test(self) -> bool:
+        """Let MPI make progress; True once the collective is complete."""
+        return self.request is None or self.request.Test()
+
+    def wait(self):
+        if self.request is not None:
+            self.request.Wait()
+            _unstage(self.x, self.buf)
+            stats, key, t0 = self._record
+            stats.seconds[key] += time.perf_counter() - t0      # from start to completion
+            self.request = None
+        return self.x
+
+
 class Group:
     """An MPI communicator of ranks that cooperate on one parallel dimension, with counted collectives."""
 
@@ -110,8 +135,56 @@ class Group:
         buf = _staged(x)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
         _unstage(x, buf)
-        self.stats.record(f"{self.name}/all_reduce", x.nbytes, time.perf_counter() - t0)
+        self.stats.record(f"{self.name}/all_reduce", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
         return x
+
+    def _ring(self, n: float) -> float:
+        return n * (self.size - 1) / self.size
+
+    def iall_reduce(self, x, op=MPI.SUM) -> "Pending":
+        """Start x = op over the group of every rank's x (in place); returns a handle to wait on."""
+        if self.size == 1:
+            return Pending(None, x, x, None)
+        _check_buffer(x, f"{self.name}.iall_reduce")
+        buf = _staged(x)
+        t0 = time.perf_counter()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
+        self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes))
+        return Pending(req, x, buf, (self.stats, f"{self.name}/iall_reduce", t0))
+
+    def all_gather(self, x, sizes: list[int], axis: int):
+        """Concatenate every rank's x along `axis`; rank r contributes sizes[r] entries (Allgatherv)."""
+        if self.size == 1:
+            return x
+        xp = backend.array_module(x)
+        if len(sizes) != self.size or x.shape[axis] != sizes[self.rank]:
+            raise ValueError(f"{self.name}.all_gather: shard of shape {x.shape} does not match sizes {sizes}")
+        front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))            # rank-major blocks need axis first
+        per = int(numpy.prod(front.shape[1:]))
+        counts = [s * per for s in sizes]
+        displs = [sum(counts[:r]) for r in range(self.size)]
+        t0 = time.perf_counter()
+        out = numpy.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)
+        self.comm.Allgatherv(_staged(front), [out, (counts, displs)])
+        out = xp.ascontiguousarray(xp.moveaxis(xp.asarray(out), 0, axis))
+        self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
+        return out
+
+    def reduce_scatter(self, x, sizes: list[int], axis: int):
+        """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
+        if self.size == 1:
+            return x
+        xp = backend.array_module(x)
+        if len(sizes) != self.size or x.shape[axis] != sum(sizes):
+            raise ValueError(f"{self.name}.reduce_scatter: array of shape {x.shape} does not match sizes {sizes}")
+        front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
+        per = int(numpy.prod(front.shape[1:]))
+        t0 = time.perf_counter()
+        out = numpy.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
+        self.comm.Reduce_scatter(_staged(front), out, [s * per for s in sizes], op=MPI.SUM)
+        out = xp.ascontiguousarray(xp.moveaxis(xp.asarray(out), 0, axis))
+        self.stats.record(f"{self.name}/reduce_scatter", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
+        return out
 
     def all_gather_last(self, x, sizes: list[int]):
         """Concatenate every rank's x along the last axis; rank r contributes sizes[r] columns.
@@ -138,7 +211,7 @@ class Group:
         for r, s in enumerate(sizes):  # each block is (..., s); lay it into its columns
             out[..., col:col + s] = flat[displs[r]:displs[r] + counts[r]].reshape(lead + (s,))
             col += s
-        self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0)
+        self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
         return out
 
     def broadcast(self, x, root: int = 0):

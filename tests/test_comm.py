@@ -74,8 +74,9 @@ def test_counters(group):
         return
     assert snap["tp/all_reduce"]["calls"] == 2
     assert snap["tp/all_reduce"]["bytes"] == 10 * 4 + 3 * 8
-    assert snap["tp/all_gather"] == {"calls": 1, "bytes": 2 * group.size * 8,
-                                     "seconds": snap["tp/all_gather"]["seconds"]}
+    assert snap["tp/all_gather"]["calls"] == 1 and snap["tp/all_gather"]["bytes"] == 2 * group.size * 8
+    p = group.size
+    assert snap["tp/all_reduce"]["wire_bytes"] == round(2 * (40 + 24) * (p - 1) / p)
 
 
 def test_rejects_non_contiguous(group):
@@ -101,3 +102,35 @@ def test_topology_layout(world):
     assert topo.tp.rank == world.Get_rank()
     with pytest.raises(TopologyError, match="needs"):
         Topology.create(world, tp=world.Get_size() + 1)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_all_gather_and_reduce_scatter_any_axis_uneven(group, axis):
+    """Closed forms: gather of rank-tagged shards; reduce-scatter of rank-valued arrays (sum of ranks)."""
+    n = 2 * group.size + 1                                   # uneven at every size > 1
+    sizes = split_sizes(n, group.size)
+    start = offsets(sizes)[group.rank]
+    shape = [3, 4, 5]
+    shape[axis] = n
+    full = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+    idx = [slice(None)] * 3
+    idx[axis] = slice(start, start + sizes[group.rank])
+    assert_close(group.all_gather(np.ascontiguousarray(full[tuple(idx)]), sizes, axis), full, 0, "all-gather")
+    mine = group.reduce_scatter(full * (group.rank + 1), sizes, axis)
+    total = sum(r + 1 for r in range(group.size))
+    assert_close(mine, full[tuple(idx)] * total, 0, "reduce-scatter")
+    # all-gather(reduce-scatter(x)) == all-reduce(x)
+    again = group.all_gather(mine, sizes, axis)
+    assert_close(again, group.all_reduce(full * (group.rank + 1)), 0, "RS + AG = AR")
+
+
+def test_nonblocking_all_reduce(group):
+    x = np.full(1000, float(group.rank))
+    pending = group.iall_reduce(x)
+    while not pending.test():
+        pass
+    assert pending.wait() is x
+    assert_close(x, np.full(1000, rank_sum(group.size)), 0, "iall_reduce")
+    if group.size > 1:
+        snap = group.stats.snapshot()["tp/iall_reduce"]
+        assert snap["calls"] == 1 and snap["bytes"] == 8000

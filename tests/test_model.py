@@ -126,8 +126,8 @@ def test_communication_matches_megatron(world):
     assert fwd["tp/all_reduce"]["calls"] == 1 + 2 * L + 2
     assert fwd["tp/all_reduce"]["bytes"] == (1 + 2 * L) * act + 3 * B * T * 8
     # backward: 2 per block (attention f, MLP f) + the tied head's f; the embedding's g needs none
-    assert bwd["tp/all_reduce"] == {"calls": 2 * L + 1, "bytes": (2 * L + 1) * act,
-                                    "seconds": bwd["tp/all_reduce"]["seconds"]}
+    assert bwd["tp/all_reduce"]["calls"] == 2 * L + 1
+    assert bwd["tp/all_reduce"]["bytes"] == (2 * L + 1) * act
     assert clip["tp/all_reduce"]["calls"] == 1 and clip["tp/all_reduce"]["bytes"] == 8
     assert set(fwd) == set(bwd) == {"tp/all_reduce"}      # nothing else moves
 
