@@ -66,32 +66,38 @@ class GPTConfig:
 
 
 class Dropout:
-    """Inverted dropout whose masks come from a random stream keyed by (seed, step, site).
+    """Inverted dropout whose masks come from random streams keyed by (seed, step, site, sequence).
 
     Keying by site instead of drawing from one running generator gives Megatron's
     semantics for free: a mask keyed by a global head index differs between the
     ranks that own different heads, and a mask keyed only by the layer is the same
-    on every rank of the group. It also makes the masks the same at every
-    tensor-parallel size, so dropout runs are exactly comparable across layouts.
+    on every rank of the group. Keying by the sequence's index in the global batch
+    (row0 is this replica's first) and cutting sequence-parallel shards out of the
+    whole sequence's mask make every mask the same at every layout, so dropout
+    runs are exactly comparable across tensor, data and sequence parallelism.
     """
 
     def __init__(self, p: float, seed: int):
         self.p, self.seed, self.step, self.training = p, seed, 0, True
+        self.row0 = 0            # index of this replica's first sequence in the global batch
 
     @property
     def active(self) -> bool:
         return self.training and self.p > 0
 
-    def mask(self, shape, dtype, layer, site, head=None):
-        """0 or 1/(1-p), of `shape`, from the stream (seed, step, layer + 1, site[, head]).
+    def mask(self, shape, dtype, layer, site, head=None, positions=None):
+        """0 or 1/(1-p), of `shape` = (B, ...), one stream per sequence: (seed, step, layer + 1, site[,
+        head], global row). positions: the slice of the sequence axis (axis 1 of shape) to keep.
 
         layer -1 is the embedding; site 1 is attention probabilities (one stream per global
         head), 2 the attention output, 3 the MLP output.
         """
-        key = [self.seed, self.step, layer + 1, site] + ([] if head is None else [head])
-        rng = numpy.random.default_rng(key)
-        keep = rng.random(shape) >= self.p
-        return backend.asarray(keep.astype(dtype) / (1.0 - self.p))
+        rows = []
+        for b in range(shape[0]):
+            key = [self.seed, self.step, layer + 1, site] + ([] if head is None else [head]) + [self.row0 + b]
+            keep = numpy.random.default_rng(key).random(shape[1:]) >= self.p
+            rows.append(keep if positions is None else keep[positions])
+        return backend.asarray(numpy.stack(rows).astype(dtype) / (1.0 - self.p))
 
     def head_masks(self, B, T, heads, dtype, layer):
         """Attention-probability masks (B, H_p, T, T), one stream per global head index."""
@@ -238,17 +244,25 @@ class GPT(Module):
             self.dropout.step += 1                                      # next call draws fresh masks
         return loss
 
-    def backward(self, dloss: float = 1.0) -> None:
-        """Accumulate d(dloss * loss)/d(param) into every Param.grad."""
+    def backward(self, dloss: float = 1.0, reducer=None) -> None:
+        """Accumulate d(dloss * loss)/d(param) into every Param.grad.
+
+        reducer: a data_parallel.GradReducer, told when each block's gradients are
+        final (so it can start their all-reduce) and finished at the end.
+        """
         dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dloss)))
         T, m = self.take_cache()
-        for block in reversed(self.h):
-            dx = block.backward(dx)
+        for i in reversed(range(len(self.h))):
+            dx = self.h[i].backward(dx)
+            if reducer is not None:
+                reducer.block_done(i)
         if m is not None:
             dx = dx * m
         self.wpe.grad[:T] += dx.sum(axis=0)
         self.wpe.fresh = False
         self.wte.backward(dx)
+        if reducer is not None:
+            reducer.finish()
 
     def full_logits(self, idx):
         """Logits over the whole vocabulary (B, T, V) on every rank: for sampling and tests, not training."""

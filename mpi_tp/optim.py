@@ -91,7 +91,8 @@ class _Optimizer:
 
     def _flat(self):
         """(param, grad, decay, *state) as flat views, one tuple per storage."""
-        for j, (base, grad, members) in enumerate(self.storages):
+        for j, (base, _, members) in enumerate(self.storages):
+            grad = members[0].grad_base          # read now: data parallelism may move gradients into buckets
             yield (base.reshape(-1), grad.reshape(-1), members[0].decay,
                    *(arrays[j].reshape(-1) for arrays in self.state.values()))
 
