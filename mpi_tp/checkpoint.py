@@ -136,18 +136,23 @@ def _write_index(path, shards, tensors, meta):
 
 
 def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, keep: int = 0) -> str:
-    """Save model (and optimizer) state as ROOT/step-N; collective over the model's group.
+    """Save model (and optimizer) state as ROOT/step-N; collective over every rank of the model's topology.
+
+    The first data-parallel replica's tensor-parallel ranks write the shards (the
+    other replicas hold the same numbers); every rank takes part in the agreements,
+    so an error anywhere stops all of them together.
 
     meta: JSON-able entries stored as index attributes (config, train_config, rng, data ...).
     keep: keep only the newest `keep` complete steps (0 = keep all). Returns the step directory.
     """
     group = model.topo.tp
-    comm = group.comm
+    comm = model.topo.world
+    writer = model.topo.dp.rank == 0
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, "." + step_dir_name(step) + ".tmp")
 
     def prepare():
-        if group.rank == 0:
+        if comm.Get_rank() == 0:
             os.makedirs(root, exist_ok=True)
             _clean_debris(root)
             os.makedirs(tmp)
@@ -157,18 +162,21 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     fname = shard_name(group.rank, group.size)
 
     def write():
+        if not writer:
+            return None
         path = os.path.join(tmp, fname)
         pieces = _write_shard(path, tensors, group.rank, step)
         return {"file": fname, "bytes": os.path.getsize(path), "sha256": _sha256(path), "pieces": pieces}
     mine = collective_setup(write, comm=comm)
-    shards = comm.allgather(mine)           # a few hundred bytes per rank, at save time only
+    shards = [s for s in comm.allgather(mine) if s]   # a few hundred bytes per rank, at save time only
+    shards.sort(key=lambda s: s["file"])              # tensor-parallel rank order
     failpoint("save-before-index", step)
 
     def publish():
-        if group.rank != 0:
+        if comm.Get_rank() != 0:
             return
         info = dict(meta or {})
-        info.update(step=step, layout={"tp": group.size}, dtypes=str(model.dtype))
+        info.update(step=step, layout=model.topo.describe(), dtypes=str(model.dtype))
         _write_index(os.path.join(tmp, "index.h5"), shards, tensors, info)
         _fsync_path(tmp)
         failpoint("save-before-rename", step)

@@ -26,14 +26,18 @@ class TrainConfig:
     block_size: int = opt(128, "context length in bytes (sequence length T)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
     # parallel layout
-    tp: int = opt(0, "tensor-parallel size; 0 = the world size")
+    tp: int = opt(0, "tensor-parallel size; 0 = world size / dp")
+    dp: int = opt(1, "data-parallel size (replicas, each on batch_size sequences); world size = tp * dp")
+    overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
+                           "(--no-overlap-dp: after it)")
+    bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
     # data
     data: str = opt("pydoc", "'pydoc' (Python's reference docs, built in), 'shakespeare' (downloaded "
                     "once, cached) or a path to a text file")
     val_fraction: float = opt(0.1, "fraction of the corpus (at its end) held out for validation")
     # optimisation
     steps: int = opt(1000, "training steps")
-    batch_size: int = opt(16, "sequences per step (every tensor-parallel rank sees the same batch)")
+    batch_size: int = opt(16, "sequences per step and replica (the global batch is dp * batch_size)")
     optimizer: str = opt("adamw", "optimizer", ["adamw", "sgd"])
     lr: float = opt(3e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at min_lr_ratio * lr")
@@ -85,12 +89,20 @@ class TrainConfig:
             raise ConfigError("use either --resume or --init-from, not both")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        tp = self.tp or world_size
-        if tp != world_size:
-            raise ConfigError(f"--tp {tp} does not match the {world_size} MPI ranks of this job "
-                              f"(only tensor parallelism so far): launch with mpiexec -n {tp}, "
-                              "or leave --tp out")
+        if self.dp < 1 or self.tp < 0:
+            raise ConfigError(f"dp must be at least 1 and tp at least 0 (0: world size / dp), got "
+                              f"tp={self.tp} dp={self.dp}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        tp = self.layout(world_size)[0]
+        if tp * self.dp != world_size:
+            raise ConfigError(f"the layout tp={tp} x dp={self.dp} needs {tp * self.dp} MPI ranks but the job "
+                              f"has {world_size}: launch with mpiexec -n {tp * self.dp}, or change --tp/--dp")
         self.model_config().validate(tp)
+
+    def layout(self, world_size: int) -> tuple[int, int]:
+        """(tp, dp) for a job of world_size ranks."""
+        return (self.tp or max(1, world_size // self.dp)), self.dp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,9 +139,10 @@ def add_arguments(parser) -> None:
                         help="JSON file of options; options given on the command line win")
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
-        if isinstance(default, bool):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_const",
-                                const=True, default=None, help=f.metadata["help"])
+        if isinstance(default, bool):          # --name sets it; --no-name clears a default of True
+            flag = f"--{f.name.replace('_', '-')}" if not default else f"--no-{f.name.replace('_', '-')}"
+            parser.add_argument(flag, dest=f.name, action="store_const", const=not default, default=None,
+                                help=f.metadata["help"])
             continue
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default),
                             default=None, choices=f.metadata.get("choices"), metavar=None

@@ -32,6 +32,7 @@ from . import __version__, backend
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
+from .data_parallel import GradReducer
 from .generate import printable, sample
 from .model import GPT
 from .optim import SGD, AdamW, clip_coefficient, grad_norm, lr_at
@@ -44,7 +45,7 @@ def _load_data(cfg: TrainConfig, comm):
         collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
     corpus = load_corpus(cfg.data)
     train_tokens, val_tokens = split(corpus, cfg.val_fraction)
-    sampler = BatchSampler(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed)
+    sampler = BatchSampler(train_tokens, cfg.block_size, cfg.batch_size * cfg.dp, cfg.seed)   # global batch
     val = eval_batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed + 1)
     return corpus, sampler, val, val_tokens
 
@@ -111,9 +112,13 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     collective_setup(backend.use, cfg.backend, comm, comm=comm)
     corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
     out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
-    topo = Topology.create(comm, tp=cfg.tp or comm.Get_size())
+    tp, dp = cfg.layout(comm.Get_size())
+    topo = Topology.create(comm, tp=tp, dp=dp)
     model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed)
     params = model.parameters()
+    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp)   # before the optimizer reads grads
+    mine = slice(topo.dp.rank * cfg.batch_size, (topo.dp.rank + 1) * cfg.batch_size)   # this replica's rows
+    model.dropout.row0 = mine.start
     if cfg.optimizer == "adamw":
         opt = AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     else:
@@ -148,7 +153,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         metrics = open(os.path.join(out, "metrics.jsonl"), "a" if first > 1 else "w")
-    rank0_print(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}, "
+    rank0_print(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size} x dp={topo.dp.size}, "
                 f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
                 f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {out}",
                 comm=comm)
@@ -158,7 +163,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
             metrics.write(json.dumps(entry) + "\n")
             metrics.flush()
 
-    tokens_per_step = cfg.batch_size * cfg.block_size
+    tokens_per_step = cfg.batch_size * dp * cfg.block_size
     t0 = t_log = time.perf_counter()
     comm_log = topo.stats.total_seconds()
     losses, val_loss = [], float("nan")
@@ -166,11 +171,14 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
         lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
         x, y = sampler.batch(step - 1)
         model.zero_grad()
-        loss = model.forward(x, y)
+        loss = model.forward(x[mine], y[mine])
+        if dp > 1:                        # the global batch's loss: the mean over replicas
+            loss_buf = numpy.array([loss])
+            loss = float(topo.dp.all_reduce(loss_buf)[0]) / dp
         if not math.isfinite(loss):       # the same on every rank: all stop together
             raise UsageError(f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr}) "
                              f"or raise --warmup", status=3)
-        model.backward()
+        model.backward(reducer=reducer)
         norm = grad_norm(params, topo.tp)
         opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
         losses.append(loss)
