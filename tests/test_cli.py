@@ -65,7 +65,7 @@ def test_config_file_and_override(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--n-head", "3", "--n-embd", "16"], "must divide n_embd"),
     (["--n-head", "1", "--n-embd", "16"], "exceeds n_head"),
-    (["--tp", "3"], "does not match the 2 MPI ranks"),
+    (["--tp", "3"], "needs 3 MPI ranks but the job has 2"),
     (["--data", "/nonexistent/file.txt"], "not found"),
     (["--steps", "0"], "steps must be at least 1"),
     (["--block-size", "100000", "--data", "__SMALL__"], "block"),
