@@ -10,6 +10,13 @@ pair in which one side communicates and the other does not:
     scatter_to_tp    keep this rank's slice        all-gather of the gradient
     gather_from_tp   all-gather (last axis)        keep this rank's slice
 
+With sequence parallelism (Korthikanti et al. 2022) the activations between
+the parallel regions are split along the sequence (axis 1 of (B, S, C)), and
+f / g become an all-gather / a reduce-scatter along it:
+
+    gather_from_sp       all-gather (sequence)    reduce-scatter (sequence)   (replaces f)
+    reduce_scatter_to_sp reduce-scatter (seq.)    all-gather (sequence)       (replaces g)
+
 All transfers use mpi4py's buffer (uppercase) methods on contiguous arrays,
 so nothing is pickled. CuPy arrays are staged through host memory. Each call is recorded in `CommStats` (calls, bytes,
 seconds per group and kind); one-rank groups return before any MPI call and
@@ -126,8 +133,8 @@ class Group:
 
     # -- raw collectives -------------------------------------------------
 
-    def all_reduce(self, x, op=MPI.SUM):
-        """x = op over the group of every rank's x, in place; returns x."""
+    def all_reduce(self, x, op=MPI.SUM, kind: str = "all_reduce"):
+        """x = op over the group of every rank's x, in place; returns x. `kind` names it in the counters."""
         if self.size == 1:
             return x
         _check_buffer(x, f"{self.name}.all_reduce")
@@ -135,7 +142,7 @@ class Group:
         buf = _staged(x)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
         _unstage(x, buf)
-        self.stats.record(f"{self.name}/all_reduce", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
+        self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
         return x
 
     def _ring(self, n: float) -> float:
@@ -284,3 +291,26 @@ def gather_from_tp_backward(dout, group: Group, sizes: list[int]):
     if group.size == 1:
         return dout
     return _own_columns(dout, group, sizes)
+
+
+# -- sequence-parallel regions (axis 1 of (B, S, C); sizes: every rank's positions) --------
+
+
+def gather_from_sp(x, group: Group, sizes: list[int]):
+    """Enter a tensor-parallel region from a sequence-split one: (B, S_i, C) -> (B, S, C)."""
+    return group.all_gather(x, sizes, axis=1)
+
+
+def gather_from_sp_backward(dout, group: Group, sizes: list[int]):
+    """Each rank's branch gave a partial dX for every position: sum them, keep this rank's positions."""
+    return group.reduce_scatter(dout, sizes, axis=1)
+
+
+def reduce_scatter_to_sp(x, group: Group, sizes: list[int]):
+    """Leave a tensor-parallel region: sum the partial outputs, keep this rank's positions."""
+    return group.reduce_scatter(x, sizes, axis=1)
+
+
+def reduce_scatter_to_sp_backward(dout, group: Group, sizes: list[int]):
+    """The output was split by position: every rank needs the whole gradient (all-gather)."""
+    return group.all_gather(dout, sizes, axis=1)

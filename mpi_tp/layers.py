@@ -11,11 +11,58 @@ from __future__ import annotations
 
 from . import backend
 from . import kernels as K
-from .comm import (Group, copy_to_tp, copy_to_tp_backward, gather_from_tp, gather_from_tp_backward,
-                   reduce_from_tp, reduce_from_tp_backward, scatter_to_tp, scatter_to_tp_backward)
+from .comm import (Group, copy_to_tp, copy_to_tp_backward, gather_from_sp, gather_from_sp_backward,
+                   gather_from_tp, gather_from_tp_backward, reduce_from_tp, reduce_from_tp_backward,
+                   reduce_scatter_to_sp, reduce_scatter_to_sp_backward, scatter_to_tp, scatter_to_tp_backward)
 from .module import Module
 from .params import accumulate_base, fuse_last_axis, make_param
 from .topology import check_splittable, offsets, split_sizes
+
+
+class SequenceSplit:
+    """Sequence parallelism's cut of the positions among the tensor-parallel ranks.
+
+    Set once per forward pass (the sequence length may change between calls) and
+    read by every layer of the model; shards differ by at most one position.
+    """
+
+    def __init__(self, group: Group):
+        self.group, self.sizes = group, None
+
+    def set(self, S: int) -> None:
+        self.sizes = split_sizes(S, self.group.size)
+
+    @property
+    def positions(self) -> slice:
+        """This rank's positions: a slice of the sequence axis."""
+        start = offsets(self.sizes)[self.group.rank]
+        return slice(start, start + self.sizes[self.group.rank])
+
+
+def _enter(x, group, sp, copy_input):
+    """Into a tensor-parallel region: f (x whole) or, under sequence parallelism, an all-gather."""
+    if sp is not None:
+        return gather_from_sp(x, group, sp.sizes), sp.sizes
+    return (copy_to_tp(x, group) if copy_input else x), None
+
+
+def _enter_backward(dx, group, sizes, copy_input):
+    if sizes is not None:
+        return gather_from_sp_backward(dx, group, sizes)
+    return copy_to_tp_backward(dx, group) if copy_input else dx
+
+
+def _leave(y, group, sp):
+    """Out of a tensor-parallel region: g (all-reduce) or, under sequence parallelism, a reduce-scatter."""
+    if sp is not None:
+        return reduce_scatter_to_sp(y, group, sp.sizes), sp.sizes
+    return reduce_from_tp(y, group), None
+
+
+def _leave_backward(dout, group, sizes):
+    if sizes is not None:
+        return reduce_scatter_to_sp_backward(dout, group, sizes)
+    return reduce_from_tp_backward(dout, group)
 
 
 def _shard(n: int, group: Group, sizes, what: str):
@@ -86,8 +133,8 @@ class ColumnParallelLinear(Module):
     """
 
     def __init__(self, name, in_features, out_features, group: Group, dtype, *, bias=True,
-                 gather_output=False, copy_input=True, sizes=None, std=0.02, seed=0, parts=None):
-        self.group = group
+                 gather_output=False, copy_input=True, sizes=None, std=0.02, seed=0, parts=None, sp=None):
+        self.group, self.sp = group, sp
         self.sizes, start, stop = _shard(out_features, group, sizes, f"{name}: output features")
         self.gather_output, self.copy_input = gather_output, copy_input
         if parts and gather_output:
@@ -112,11 +159,10 @@ class ColumnParallelLinear(Module):
         return self.biases[0] if self.biases else None
 
     def forward(self, x):
-        if self.copy_input:
-            x = copy_to_tp(x, self.group)
+        x, seq = _enter(x, self.group, self.sp, self.copy_input)     # sp: (B, S_i, K) -> (B, S, K)
         b = self.biases[0].base if self.biases else None
         y, cache = K.linear_forward(x, self.weights[0].base, b)       # (B, T, K) -> (B, T, parts * M_i)
-        self.save_cache(cache)
+        self.save_cache(cache, seq)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.sizes)             # (B, T, M_i) -> (B, T, M)
         return y
@@ -124,12 +170,11 @@ class ColumnParallelLinear(Module):
     def backward(self, dout):
         if self.gather_output:
             dout = gather_from_tp_backward(dout, self.group, self.sizes)
-        dx, db = _linear_backward(dout, self.take_cache()[0], self.weights)
+        cache, seq = self.take_cache()
+        dx, db = _linear_backward(dout, cache, self.weights)
         if self.biases:
             accumulate_base(self.biases, db)
-        if self.copy_input:
-            dx = copy_to_tp_backward(dx, self.group)
-        return dx
+        return _enter_backward(dx, self.group, seq, self.copy_input)
 
 
 class RowParallelLinear(Module):
@@ -150,8 +195,8 @@ class RowParallelLinear(Module):
     """
 
     def __init__(self, name, in_features, out_features, group: Group, dtype, *, bias=True,
-                 input_is_parallel=True, sizes=None, std=0.02, seed=0):
-        self.group = group
+                 input_is_parallel=True, sizes=None, std=0.02, seed=0, sp=None):
+        self.group, self.sp = group, sp
         self.sizes, start, stop = _shard(in_features, group, sizes, f"{name}: input features")
         self.input_is_parallel = input_is_parallel
         self.weight = make_param(f"{name}/weight", (in_features, out_features), dtype, std=std, seed=seed,
@@ -162,8 +207,8 @@ class RowParallelLinear(Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.sizes)              # (B, T, K) -> (B, T, K_i)
         y, cache = K.linear_forward(x, self.weight.data)              # (B, T, K_i) -> (B, T, M) partial
-        self.save_cache(cache)
-        y = reduce_from_tp(y, self.group)
+        y, seq = _leave(y, self.group, self.sp)                       # sp: -> (B, S_i, M), this rank's positions
+        self.save_cache(cache, seq)
         if self.bias is not None:
             y += self.bias.data
         return y
@@ -171,8 +216,9 @@ class RowParallelLinear(Module):
     def backward(self, dout):
         if self.bias is not None:
             self.bias.accumulate(dout.reshape(-1, dout.shape[-1]).sum(axis=0))
-        dout = reduce_from_tp_backward(dout, self.group)
-        dx, _ = _linear_backward(dout, self.take_cache()[0], [self.weight])
+        cache, seq = self.take_cache()
+        dout = _leave_backward(dout, self.group, seq)
+        dx, _ = _linear_backward(dout, cache, [self.weight])
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)
         return dx
@@ -189,8 +235,8 @@ class VocabParallelEmbedding(Module):
     columns of the logits, which vocab-parallel cross-entropy consumes unsplit.
     """
 
-    def __init__(self, name, vocab_size, n_embd, group: Group, dtype, *, std=0.02, seed=0):
-        self.group = group
+    def __init__(self, name, vocab_size, n_embd, group: Group, dtype, *, std=0.02, seed=0, sp=None):
+        self.group, self.sp = group, sp
         self.sizes, self.start, self.stop = _shard(vocab_size, group, None, f"{name}: vocabulary")
         self.weight = make_param(name, (vocab_size, n_embd), dtype, std=std, seed=seed,
                                  axis=0, start=self.start, stop=self.stop)          # E_i: (V_i, C)
@@ -205,27 +251,29 @@ class VocabParallelEmbedding(Module):
         out, cache = K.embedding_forward(local, self.weight.data)     # (B, T) -> (B, T, C)
         if outside is not None:
             out[outside] = 0
-        self.save_cache(cache, outside)
-        return reduce_from_tp(out, self.group)
+        out, seq = _leave(out, self.group, self.sp)                   # sp: -> (B, S_i, C)
+        self.save_cache(cache, outside, seq)
+        return out
 
     def backward(self, dout):
-        cache, outside = self.take_cache()
-        dout = reduce_from_tp_backward(dout, self.group)
+        cache, outside, seq = self.take_cache()
+        dout = _leave_backward(dout, self.group, seq)
         if outside is not None:
             dout = dout * ~outside[..., None]                         # rows other ranks own get nothing
         self.weight.accumulate(K.embedding_backward(dout, cache))
 
     def logits_forward(self, x):
-        """Tied output layer: (B, T, C) -> (B, T, V_i) = x @ E_i^T, behind f."""
-        x = copy_to_tp(x, self.group)
+        """Tied output layer: (B, T, C) -> (B, T, V_i) = x @ E_i^T, behind f (sp: an all-gather)."""
+        x, seq = _enter(x, self.group, self.sp, True)
         y, cache = K.linear_forward(x, self.weight.data.T)
-        self._logits_cache = cache
+        self._logits_cache = cache, seq
         return y
 
     def logits_backward(self, dlogits):
-        cache, self._logits_cache = getattr(self, "_logits_cache", None), None
-        if cache is None:
+        saved, self._logits_cache = getattr(self, "_logits_cache", None), None
+        if saved is None:
             raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
+        cache, seq = saved
         dx, dwt, _ = K.linear_backward(dlogits, cache)                # dwt: (C, V_i)
         self.weight.accumulate(dwt.T)
-        return copy_to_tp_backward(dx, self.group)
+        return _enter_backward(dx, self.group, seq, True)

@@ -23,7 +23,7 @@ import numpy
 
 from . import backend
 from . import kernels as K
-from .layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, SequenceSplit, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .module import Module
 from .params import make_param
@@ -107,7 +107,7 @@ class Dropout:
 class ParallelAttention(Module):
     """Causal self-attention with the heads divided among the tensor-parallel ranks."""
 
-    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int):
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int, sp=None):
         tp = topo.tp
         self.group, self.dropout, self.layer = tp, dropout, layer
         C, H = cfg.n_embd, cfg.n_head
@@ -117,13 +117,15 @@ class ParallelAttention(Module):
         self.heads = range(offsets(head_sizes)[tp.rank], offsets(head_sizes)[tp.rank] + self.H_p)
         cols = [h * self.D for h in head_sizes]   # the q/k/v column split follows the head split
         # q, k and v: three column-parallel layers behind one f, computed as one GEMM (parts)
-        self.qkv = ColumnParallelLinear(name, C, C, tp, dtype, sizes=cols, seed=seed, parts=("q", "k", "v"))
+        self.qkv = ColumnParallelLinear(name, C, C, tp, dtype, sizes=cols, seed=seed, parts=("q", "k", "v"),
+                                        sp=sp)
         self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed,
-                                      std=0.02 / math.sqrt(2 * cfg.n_layer))
+                                      std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
     def forward(self, x):
-        B, T, C = x.shape
-        qkv = self.qkv.forward(x).reshape(B, T, 3, self.H_p, self.D)   # (B, T, 3 H_p D): [q_i | k_i | v_i]
+        qkv = self.qkv.forward(x)                                        # (B, T, 3 H_p D): [q_i | k_i | v_i]
+        B, T = qkv.shape[:2]                                             # T: the whole sequence, also under sp
+        qkv = qkv.reshape(B, T, 3, self.H_p, self.D)
         # one copy into head-major order, so that the batched attention products see contiguous heads
         q, k, v = backend.xp().ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))  # each (B, H_p, T, D)
         mask = (self.dropout.head_masks(B, T, self.heads, x.dtype, self.layer)
@@ -132,10 +134,12 @@ class ParallelAttention(Module):
         self.save_cache(cache)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, self.H_p * self.D)     # (B, T, H_p*D), rank's columns
         return self.proj.forward(y)                                      # row split + g -> (B, T, C)
+                                                                         # (sp: reduce-scatter -> (B, T_i, C))
 
     def backward(self, dout):
-        B, T, C = dout.shape
-        dy = self.proj.backward(dout).reshape(B, T, self.H_p, self.D)   # (B, T, H_p*D)
+        dy = self.proj.backward(dout)                                    # (B, T, H_p*D)
+        B, T = dy.shape[:2]
+        dy = dy.reshape(B, T, self.H_p, self.D)
         grads = K.attention_backward(dy.transpose(0, 2, 1, 3), *self.take_cache())
         dqkv = backend.xp().empty((B, T, 3, self.H_p, self.D), dtype=dout.dtype)
         for j, d in enumerate(grads):                                    # dq, dk, dv: (B, H_p, T, D)
@@ -146,11 +150,11 @@ class ParallelAttention(Module):
 class ParallelMLP(Module):
     """fc (column split, C -> 4C) -> GELU on each rank's columns -> proj (row split, 4C -> C) -> g."""
 
-    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed):
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, sp=None):
         C = cfg.n_embd
-        self.fc = ColumnParallelLinear(f"{name}/fc", C, 4 * C, topo.tp, dtype, seed=seed)
+        self.fc = ColumnParallelLinear(f"{name}/fc", C, 4 * C, topo.tp, dtype, seed=seed, sp=sp)
         self.proj = RowParallelLinear(f"{name}/proj", 4 * C, C, topo.tp, dtype, sizes=self.fc.sizes,
-                                      seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                                      seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
     def forward(self, x):
         h = self.fc.forward(x)                     # (B, T, C) -> (B, T, F_p)
@@ -164,22 +168,31 @@ class ParallelMLP(Module):
         return self.fc.backward(dh)
 
 
+def _region_mask(dropout: Dropout, y, sp, layer, site):
+    """The dropout mask of a replicated (or, under sp, sequence-split) activation y (B, T or T_i, C)."""
+    if sp is None:
+        return dropout.mask(y.shape, y.dtype, layer, site)
+    B, _, C = y.shape
+    return dropout.mask((B, sum(sp.sizes), C), y.dtype, layer, site, positions=sp.positions)
+
+
 class Block(Module):
     """x = x + drop(attn(ln_1(x))); x = x + drop(mlp(ln_2(x)))."""
 
-    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout):
+    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None):
         name = f"h/{i}"
-        self.i, self.dropout = i, dropout
+        self.i, self.dropout, self.sp = i, dropout, sp
         self.ln_1 = LayerNorm(f"{name}/ln_1", cfg.n_embd, dtype)
-        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i)
+        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp)
         self.ln_2 = LayerNorm(f"{name}/ln_2", cfg.n_embd, dtype)
-        self.mlp = ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed)
+        self.mlp = ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed, sp)
 
     def _residual_drop(self, y, site):
-        # Outside the parallel regions: one mask for the whole group (keyed by layer and site only).
+        # Outside the parallel regions: one mask for the whole group (keyed by layer and site only;
+        # under sequence parallelism each rank keeps its positions of the whole sequence's mask).
         if not self.dropout.active:
             return y, None
-        m = self.dropout.mask(y.shape, y.dtype, self.i, site)
+        m = _region_mask(self.dropout, y, self.sp, self.i, site)
         return y * m, m
 
     def forward(self, x):
@@ -200,14 +213,18 @@ class Block(Module):
 class GPT(Module):
     """The whole model on one rank of the tensor-parallel group (tp = 1 is the serial model)."""
 
-    def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0):
+    def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0,
+                 sequence_parallel: bool = False):
         topo = Topology.serial() if topo is None else topo
         cfg.validate(topo.tp.size)
         self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
         self.dropout = Dropout(cfg.dropout, seed)
-        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed)
+        # Sequence parallelism: between the parallel regions each rank holds its positions only.
+        self.sp = SequenceSplit(topo.tp) if sequence_parallel else None
+        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed,
+                                          sp=self.sp)
         self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), self.dtype, seed=seed)
-        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout) for i in range(cfg.n_layer)]
+        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp) for i in range(cfg.n_layer)]
         self.ln_f = LayerNorm("ln_f", cfg.n_embd, self.dtype)
         self.loss = VocabParallelCrossEntropy(topo.tp, self.wte.start, self.wte.stop)
 
@@ -219,19 +236,24 @@ class GPT(Module):
         return self.train(False)
 
     def hidden(self, idx):
-        """(B, T) token ids -> final hidden states (B, T, C) after ln_f, whole on every rank."""
+        """(B, T) token ids -> final hidden states (B, T, C) after ln_f, whole on every rank
+        (under sequence parallelism: this rank's positions, (B, T_i, C))."""
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ConfigError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         idx = backend.asarray(idx)
-        x = self.wte.forward(idx) + self.wpe.data[:T]                   # (B, T, C)
+        positions = slice(0, T)
+        if self.sp is not None:
+            self.sp.set(T)
+            positions = self.sp.positions
+        x = self.wte.forward(idx) + self.wpe.data[positions]            # (B, T, C) or (B, T_i, C)
         m = None
         if self.dropout.active:
-            m = self.dropout.mask(x.shape, x.dtype, -1, 0)
+            m = _region_mask(self.dropout, x, self.sp, -1, 0)
             x *= m
         for block in self.h:
             x = block.forward(x)
-        self.save_cache(T, m)
+        self.save_cache(positions, m)
         return self.ln_f.forward(x)
 
     def forward(self, idx, targets=None):
@@ -251,18 +273,35 @@ class GPT(Module):
         final (so it can start their all-reduce) and finished at the end.
         """
         dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dloss)))
-        T, m = self.take_cache()
+        positions, m = self.take_cache()
         for i in reversed(range(len(self.h))):
             dx = self.h[i].backward(dx)
+            self._sum_sequence_split_grads(self.h[i])
             if reducer is not None:
                 reducer.block_done(i)
         if m is not None:
             dx = dx * m
-        self.wpe.grad[:T] += dx.sum(axis=0)
+        self.wpe.grad[positions] += dx.sum(axis=0)
         self.wpe.fresh = False
+        self._sum_sequence_split_grads(self.ln_f, self.wpe)
         self.wte.backward(dx)
         if reducer is not None:
             reducer.finish()
+
+    def _sum_sequence_split_grads(self, *owners) -> None:
+        """Under sequence parallelism a replicated parameter (LayerNorm, row-parallel bias, wpe) saw
+        only this rank's positions: its gradient is the sum over the group (one packed all-reduce)."""
+        if self.sp is None or self.topo.tp.size == 1:
+            return
+        params = [p for o in owners for p in (o.parameters() if isinstance(o, Module) else [o])
+                  if not p.sharded]
+        xp = backend.xp()
+        buf = xp.concatenate([p.grad.reshape(-1) for p in params])
+        self.topo.tp.all_reduce(buf, kind="sp_grad_all_reduce")
+        at = 0
+        for p in params:
+            p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
+            at += p.grad.size
 
     def full_logits(self, idx):
         """Logits over the whole vocabulary (B, T, V) on every rank: for sampling and tests, not training."""

@@ -74,3 +74,48 @@ def test_tp_x_dp_equals_serial(world, serial_reference, overlap):
             mine = p.data.copy()
             topo.dp.comm.Bcast(mine, root=0)
             assert all_true(np.array_equal(mine, p.data), world), f"{p.name} differs between replicas"
+
+
+def build(topo, sp=False, dropout=0.1):
+    return GPT(GPTConfig(**CFG, dropout=dropout), topo, dtype="float64", seed=3, sequence_parallel=sp)
+
+
+def test_sequence_parallel_equals_serial(world, serial_reference):
+    """S = 7 positions split over 2 (4 + 3) or 4 (2 + 2 + 2 + 1) ranks."""
+    for tp, dp in layouts(world.Get_size()):
+        topo = Topology.create(world, tp=tp, dp=dp)
+        model = build(topo, sp=True)
+        losses = run(model, topo, rows=B)
+        ref_losses, ref_weights = serial_reference(dp)
+        assert_close(losses, ref_losses, 1e-8, f"loss curve at tp={tp} dp={dp} with sequence parallelism")
+        for p in model.parameters():
+            if not p.name.endswith("attn/k/bias"):
+                assert_close(gather_full(p, topo.tp.comm), ref_weights[p.name], 1e-8,
+                             f"{p.name} at tp={tp} dp={dp} with sequence parallelism")
+
+
+def test_sequence_parallel_moves_the_same_bytes(world):
+    """TP: 4 all-reduces per block; TP+SP: 4 reduce-scatters + 4 all-gathers per block, the same wire
+    bytes; plus one small all-reduce per block of the LayerNorm and bias gradients."""
+    tp = world.Get_size()
+    if tp == 1:
+        pytest.skip("no communication at tp = 1")
+    x, y = global_batch(0, B)
+    snaps = []
+    for sp in (False, True):
+        topo = Topology.create(world)
+        model = build(topo, sp=sp, dropout=0.0)
+        topo.stats.reset()
+        model.forward(x, y)
+        model.backward()
+        snaps.append(topo.stats.snapshot())
+    tp_only, with_sp = snaps
+    L, S, C = CFG["n_layer"], CFG["block_size"], CFG["n_embd"]
+    assert with_sp["tp/reduce_scatter"]["calls"] == 4 * L + 2          # 2 per block each way; embedding; head
+    assert with_sp["tp/all_gather"]["calls"] == 4 * L + 2
+    assert tp_only["tp/all_reduce"]["calls"] == 4 * L + 2 + 2          # ... + the loss's two small ones
+    wire = lambda snap, kinds: sum(snap[k]["wire_bytes"] for k in kinds if k in snap)
+    assert wire(with_sp, ["tp/reduce_scatter", "tp/all_gather", "tp/all_reduce"]) == \
+        wire(tp_only, ["tp/all_reduce"])
+    replicated = sum(p.grad.size for p in model.parameters() if not p.sharded)
+    assert with_sp["tp/sp_grad_all_reduce"]["bytes"] == replicated * 8  # LayerNorms, biases, wpe: once each
