@@ -392,11 +392,16 @@ def restore_rng(ckpt: Checkpoint, model) -> None:
 def load_into(ckpt: Checkpoint, model, optimizer=None) -> None:
     """Fill this rank's shards (and the optimizer's) from the checkpoint, whatever layout saved it."""
     check_model_config(ckpt, model.cfg)
-    for group, p, data in _state_tensors(model, optimizer):
+
+    def read(group, p, like):
         values = ckpt.read(f"{group}/{p.name}", p.axis, p.start, p.stop)
-        if values.shape != data.shape:
+        if values.shape != like.shape:
             raise CheckpointError(f"{group}/{p.name}: checkpoint slice {values.shape} does not fit the "
-                                  f"model's {data.shape}")
-        data[...] = backend.asarray(values.astype(data.dtype, copy=False))
+                                  f"model's {like.shape}")
+        return backend.asarray(values.astype(like.dtype, copy=False))
+    for p in model.parameters():
+        p.data[...] = read("model", p, p.data)
     if optimizer is not None:
+        kinds = optimizer.state.keys()
+        optimizer.load_state_tensors({k: [read(f"optim/{k}", p, p.data) for p in optimizer.params] for k in kinds})
         optimizer.t = int(ckpt.meta.get("optimizer_t", 0))

@@ -177,6 +177,20 @@ class Group:
         self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
         return out
 
+    def all_gather_inplace(self, flat, sizes: list[int]):
+        """flat (1-D) holds this rank's sizes[rank] entries at its offset; fill in everyone else's."""
+        if self.size == 1:
+            return flat
+        _check_buffer(flat, f"{self.name}.all_gather_inplace")
+        counts = list(sizes)
+        displs = [sum(counts[:r]) for r in range(self.size)]
+        t0 = time.perf_counter()
+        buf = _staged(flat)
+        self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)])
+        _unstage(flat, buf)
+        self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
+        return flat
+
     def reduce_scatter(self, x, sizes: list[int], axis: int):
         """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
         if self.size == 1:

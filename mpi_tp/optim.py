@@ -13,6 +13,7 @@ import math
 from . import backend
 from .comm import Group
 from .params import Param, storages
+from .topology import split_sizes
 
 
 def grad_norm(params: list[Param], group: Group) -> float:
@@ -70,31 +71,74 @@ def _blocks(n: int):
 
 
 class _Optimizer:
-    """Shared bookkeeping: per-storage state arrays and their per-parameter views."""
+    """Shared bookkeeping: per-storage state arrays, their per-parameter views, and ZeRO-1.
 
-    def __init__(self, params: list[Param], kinds: tuple):
+    zero_group: with a data-parallel group of D > 1 ranks, ZeRO stage 1 (Rajbhandari
+    et al. 2020): each replica keeps the optimizer state of, and updates, only its
+    1/D share of every storage (a contiguous range of its flat view), then the
+    updated parameters are all-gathered over the group. The update of each element
+    is the same arithmetic as without ZeRO, so results are identical.
+    """
+
+    def __init__(self, params: list[Param], kinds: tuple, zero_group: Group | None = None):
         xp = backend.xp()
         self.params = params
         self.storages = storages(params)
         where = {id(base): i for i, (base, _, _) in enumerate(self.storages)}
         self._where = [where[id(p.base)] for p in params]
-        self.state = {k: [xp.zeros_like(base) for base, _, _ in self.storages] for k in kinds}
+        self.zero = zero_group if zero_group is not None and zero_group.size > 1 else None
+        self._parts = []                 # per storage: (every rank's share sizes, this rank's flat range)
+        for base, _, _ in self.storages:
+            sizes = split_sizes(base.size, self.zero.size) if self.zero else [base.size]
+            lo = sum(sizes[:self.zero.rank]) if self.zero else 0
+            self._parts.append((sizes, slice(lo, lo + sizes[self.zero.rank if self.zero else 0])))
+        self.state = {k: [xp.zeros(part.stop - part.start, base.dtype)
+                          for (base, _, _), (_, part) in zip(self.storages, self._parts)] for k in kinds}
         dtype = self.storages[0][0].dtype if self.storages else "float32"
         n = min(BLOCK, max((b.size for b, _, _ in self.storages), default=1))
         self._scratch, self._scaled = xp.empty(n, dtype), xp.empty(n, dtype)
         self.t = 0
 
     def state_tensors(self) -> dict:
-        """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>)."""
-        return {k: [arrays[i][p.view] for p, i in zip(self.params, self._where)]
-                for k, arrays in self.state.items()}
+        """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>), whole:
+        under ZeRO-1 the shares are all-gathered first, so every rank of the dp group must call this."""
+        out = {}
+        for kind, arrays in self.state.items():
+            full = [self._gather(a, j) for j, a in enumerate(arrays)]
+            out[kind] = [full[i].reshape(self.storages[i][0].shape)[p.view] for p, i in zip(self.params, self._where)]
+        return out
+
+    def load_state_tensors(self, values: dict) -> None:
+        """Set the state from whole per-parameter arrays {kind: [array per param]} (keeps this rank's share)."""
+        xp = backend.xp()
+        for kind, arrays in self.state.items():
+            full = [xp.empty(base.shape, base.dtype) for base, _, _ in self.storages]
+            for p, i, v in zip(self.params, self._where, values[kind]):
+                full[i][p.view] = v
+            for j, (_, part) in enumerate(self._parts):
+                arrays[j][...] = full[j].reshape(-1)[part]
+
+    def _gather(self, share, j: int):
+        """A storage's whole flat state from every replica's share (the share itself without ZeRO)."""
+        if self.zero is None:
+            return share
+        full = backend.xp().empty(sum(self._parts[j][0]), share.dtype)
+        full[self._parts[j][1]] = share
+        return self.zero.all_gather_inplace(full, self._parts[j][0])
 
     def _flat(self):
-        """(param, grad, decay, *state) as flat views, one tuple per storage."""
+        """(param, grad, decay, *state) as flat views of this rank's range, one tuple per storage."""
         for j, (base, _, members) in enumerate(self.storages):
             grad = members[0].grad_base          # read now: data parallelism may move gradients into buckets
-            yield (base.reshape(-1), grad.reshape(-1), members[0].decay,
-                   *(arrays[j].reshape(-1) for arrays in self.state.values()))
+            part = self._parts[j][1]
+            yield (base.reshape(-1)[part], grad.reshape(-1)[part], members[0].decay,
+                   *(arrays[j] for arrays in self.state.values()))
+
+    def _share_updated_params(self) -> None:
+        """ZeRO-1: every replica updated its share; all-gather the parameters over the dp group."""
+        if self.zero is not None:
+            for j, (base, _, _) in enumerate(self.storages):
+                self.zero.all_gather_inplace(base.reshape(-1), self._parts[j][0])
 
     def _scratch_for(self, n: int):
         if n > self._scratch.size:       # one block per storage on GPUs
@@ -114,8 +158,8 @@ class _Optimizer:
 class SGD(_Optimizer):
     """p -= lr * (grad + weight_decay * p) for decayed params; optional momentum."""
 
-    def __init__(self, params: list[Param], lr=0.1, momentum=0.0, weight_decay=0.0):
-        super().__init__(params, ("momentum",) if momentum else ())
+    def __init__(self, params: list[Param], lr=0.1, momentum=0.0, weight_decay=0.0, zero_group=None):
+        super().__init__(params, ("momentum",) if momentum else (), zero_group)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
@@ -138,6 +182,7 @@ class SGD(_Optimizer):
                     s[...] = buf[0][b]
                 s *= lr
                 p[b] -= s
+        self._share_updated_params()
 
 
 class AdamW(_Optimizer):
@@ -147,18 +192,11 @@ class AdamW(_Optimizer):
         p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)  +  lr * wd * p   (decay params only)
     """
 
-    def __init__(self, params: list[Param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        super().__init__(params, ("m", "v"))
+    def __init__(self, params: list[Param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 zero_group=None):
+        super().__init__(params, ("m", "v"), zero_group)
         self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
         self.b1, self.b2 = betas
-
-    @property
-    def m(self):
-        return self.state["m"]
-
-    @property
-    def v(self):
-        return self.state["v"]
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
         """One update; grad_scale multiplies every gradient first (clip_coefficient)."""
@@ -188,3 +226,4 @@ class AdamW(_Optimizer):
                 xp.divide(mb, s, out=s)
                 s *= step_size
                 pb -= s
+        self._share_updated_params()

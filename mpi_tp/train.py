@@ -114,15 +114,17 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
     tp, dp = cfg.layout(comm.Get_size())
     topo = Topology.create(comm, tp=tp, dp=dp)
-    model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed)
+    model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed, sequence_parallel=cfg.sequence_parallel)
     params = model.parameters()
     reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp)   # before the optimizer reads grads
     mine = slice(topo.dp.rank * cfg.batch_size, (topo.dp.rank + 1) * cfg.batch_size)   # this replica's rows
     model.dropout.row0 = mine.start
     if cfg.optimizer == "adamw":
-        opt = AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        opt = AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                    zero_group=topo.dp if cfg.zero else None)
     else:
-        opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                  zero_group=topo.dp if cfg.zero else None)
 
     start = collective_setup(_find_start, cfg, out, comm=comm)
     first = 1
@@ -153,7 +155,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         metrics = open(os.path.join(out, "metrics.jsonl"), "a" if first > 1 else "w")
-    rank0_print(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size} x dp={topo.dp.size}, "
+    rank0_print(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size} x dp={topo.dp.size}"
+                f"{' +sp' if cfg.sequence_parallel else ''}{' +zero1' if cfg.zero else ''}, "
                 f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
                 f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {out}",
                 comm=comm)

@@ -24,11 +24,12 @@ def global_batch(step, rows):
     return rng.integers(0, 37, (rows, 7)), rng.integers(0, 37, (rows, 7))
 
 
-def run(model, topo, rows, steps=10, overlap=True):
-    """Train on the global batch of `rows` * dp sequences, this replica taking its `rows` of them."""
+def run(model, topo, rows, steps=10, overlap=True, zero=False):
+    """Train on the global batch of `rows` * dp sequences, this replica taking its `rows` of them.
+    Returns the losses and the optimizer."""
     params = model.parameters()
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, overlap=overlap)   # tiny buckets: several per step
-    opt = AdamW(params, lr=1e-2)
+    opt = AdamW(params, lr=1e-2, zero_group=topo.dp if zero else None)
     losses = []
     for step in range(steps):
         x, y = global_batch(step, rows * topo.dp.size)
@@ -40,7 +41,7 @@ def run(model, topo, rows, steps=10, overlap=True):
         losses.append(loss[0] / topo.dp.size)
         model.backward(reducer=reducer)
         opt.step(grad_scale=clip_coefficient(grad_norm(params, topo.tp), 1.0))
-    return np.array(losses)
+    return np.array(losses), opt
 
 
 @pytest.fixture
@@ -51,8 +52,10 @@ def serial_reference():
     def get(dp):
         if dp not in cache:
             model = GPT(GPTConfig(**CFG, dropout=0.1), Topology.serial(), dtype="float64", seed=3)
-            losses = run(model, model.topo, rows=B * dp)
-            cache[dp] = losses, {p.name: p.data.copy() for p in model.parameters()}
+            losses, opt = run(model, model.topo, rows=B * dp)
+            moments = {f"{k}/{p.name}": a.copy() for k, arrays in opt.state_tensors().items()
+                       for p, a in zip(opt.params, arrays)}
+            cache[dp] = losses, {p.name: p.data.copy() for p in model.parameters()}, moments
         return cache[dp]
     return get
 
@@ -62,8 +65,8 @@ def test_tp_x_dp_equals_serial(world, serial_reference, overlap):
     for tp, dp in layouts(world.Get_size()):
         topo = Topology.create(world, tp=tp, dp=dp)
         model = GPT(GPTConfig(**CFG, dropout=0.1), topo, dtype="float64", seed=3)
-        losses = run(model, topo, rows=B, overlap=overlap)
-        ref_losses, ref_weights = serial_reference(dp)
+        losses, _ = run(model, topo, rows=B, overlap=overlap)
+        ref_losses, ref_weights, _ = serial_reference(dp)
         assert_close(losses, ref_losses, 1e-8, f"loss curve at tp={tp} dp={dp}")
         for p in model.parameters():
             if p.name.endswith("attn/k/bias"):
@@ -80,18 +83,21 @@ def build(topo, sp=False, dropout=0.1):
     return GPT(GPTConfig(**CFG, dropout=dropout), topo, dtype="float64", seed=3, sequence_parallel=sp)
 
 
-def test_sequence_parallel_equals_serial(world, serial_reference):
-    """S = 7 positions split over 2 (4 + 3) or 4 (2 + 2 + 2 + 1) ranks."""
+@pytest.mark.parametrize("sp,zero", [(True, False), (False, True), (True, True)],
+                         ids=["sequence-parallel", "zero-1", "sequence-parallel+zero-1"])
+def test_sp_and_zero_equal_serial(world, serial_reference, sp, zero):
+    """Sequence parallelism splits S = 7 positions over 2 (4 + 3) or 4 (2 + 2 + 2 + 1) ranks; ZeRO-1
+    splits every storage's optimizer state over the replicas (unevenly too)."""
     for tp, dp in layouts(world.Get_size()):
         topo = Topology.create(world, tp=tp, dp=dp)
-        model = build(topo, sp=True)
-        losses = run(model, topo, rows=B)
-        ref_losses, ref_weights = serial_reference(dp)
-        assert_close(losses, ref_losses, 1e-8, f"loss curve at tp={tp} dp={dp} with sequence parallelism")
+        model = build(topo, sp=sp)
+        losses, _ = run(model, topo, rows=B, zero=zero)
+        what = f"tp={tp} dp={dp} sp={sp} zero={zero}"
+        ref_losses, ref_weights, _ = serial_reference(dp)
+        assert_close(losses, ref_losses, 1e-8, f"loss curve at {what}")
         for p in model.parameters():
             if not p.name.endswith("attn/k/bias"):
-                assert_close(gather_full(p, topo.tp.comm), ref_weights[p.name], 1e-8,
-                             f"{p.name} at tp={tp} dp={dp} with sequence parallelism")
+                assert_close(gather_full(p, topo.tp.comm), ref_weights[p.name], 1e-8, f"{p.name} at {what}")
 
 
 def test_sequence_parallel_moves_the_same_bytes(world):
@@ -119,3 +125,33 @@ def test_sequence_parallel_moves_the_same_bytes(world):
         wire(tp_only, ["tp/all_reduce"])
     replicated = sum(p.grad.size for p in model.parameters() if not p.sharded)
     assert with_sp["tp/sp_grad_all_reduce"]["bytes"] == replicated * 8  # LayerNorms, biases, wpe: once each
+
+
+def test_checkpoint_from_any_layout_loads_serially(world, serial_reference):
+    """Saved under tp x dp with sequence parallelism and ZeRO-1, loaded by a serial model and optimizer:
+    the weights and AdamW moments are the serial run's."""
+    import shutil
+    import tempfile
+    from mpi_tp import checkpoint as ck
+    for tp, dp in layouts(world.Get_size()):
+        root = world.bcast(tempfile.mkdtemp(prefix="mpi_tp_layout_") if world.Get_rank() == 0 else None)
+        topo = Topology.create(world, tp=tp, dp=dp)
+        model = build(topo, sp=True)
+        _, trained_opt = run(model, topo, rows=B, zero=True)
+        ck.save(root, 10, model, trained_opt, {"config": model.cfg.to_dict()})
+        _, ref_weights, ref_moments = serial_reference(dp)
+        serial = build(Topology.serial(), sp=False)
+        opt = AdamW(serial.parameters())
+        with ck.Checkpoint(root) as c:
+            ck.load_into(c, serial, opt)
+        ok = all(np.abs(p.data - ref_weights[p.name]).max() <= 1e-8 * np.abs(ref_weights[p.name]).max()
+                 for p in serial.parameters() if not p.name.endswith("attn/k/bias"))
+        for k, arrays in opt.state_tensors().items():
+            for p, a in zip(opt.params, arrays):
+                if not p.name.endswith("attn/k/bias"):
+                    ref = ref_moments[f"{k}/{p.name}"]
+                    ok &= np.abs(a - ref).max() <= 1e-8 * max(np.abs(ref).max(), 1e-30)
+        assert all_true(ok, world), f"checkpoint saved at tp={tp} dp={dp} (sp, zero-1) differs from serial"
+        world.Barrier()
+        if world.Get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
