@@ -28,6 +28,7 @@ import numpy
 from mpi4py import MPI
 
 from . import backend
+from .data_parallel import GradReducer
 from .model import GPT, GPTConfig
 from .optim import AdamW, clip_coefficient, grad_norm
 from .runtime import collective_setup, rank0_print
@@ -103,10 +104,16 @@ def environment(comm) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0) -> dict:
-    topo = Topology.create(comm)
-    model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed)
+def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, dp=1, dp_mode="overlap",
+              sequence_parallel=False) -> dict:
+    """Time training steps at one shape. dp > 1: data parallelism with B sequences per replica;
+    dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
+    (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart)."""
+    topo = Topology.create(comm, dp=dp)
+    model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
+                sequence_parallel=sequence_parallel)
     params = model.parameters()
+    reducer = GradReducer(model, topo.dp, overlap=dp_mode == "overlap") if dp_mode != "none" else None
     opt = AdamW(params, lr=1e-4)
     rng = numpy.random.default_rng(seed)
     x, y = rng.integers(0, 256, (B, S)), rng.integers(0, 256, (B, S))
@@ -119,7 +126,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0) 
         model.zero_grad()
         model.forward(x, y)
         t1 = time.perf_counter()
-        model.backward()
+        model.backward(reducer=reducer)
         t2 = time.perf_counter()
         opt.step(grad_scale=clip_coefficient(grad_norm(params, topo.tp), 1.0))
         backend.synchronize()
@@ -130,7 +137,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0) 
             comm_s.append({k: v["seconds"] for k, v in topo.stats.snapshot().items()})
             comm_bytes.append(topo.stats.total_bytes())
     step = numpy.array(phases["step"])
-    flops = model_flops(C, L, S, B)
+    flops = model_flops(C, L, S, B) * topo.dp.size          # the global batch
     kinds = sorted({k for d in comm_s for k in d})
     comm_med = {k: float(numpy.median([d.get(k, 0.0) for d in comm_s])) for k in kinds}
     peak = gemm_peak(comm)
@@ -139,10 +146,11 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0) 
     med = float(numpy.median(step))
     result = {
         "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": topo.tp.size,
+        "dp": topo.dp.size, "dp_mode": dp_mode if dp > 1 else None, "sequence_parallel": sequence_parallel,
         "dtype": dtype, "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
                                                    "max": 1e3 * step.max()},
-        "tokens_per_s": B * S / med, "model_gflop_per_step": flops / 1e9,
-        "model_gflops_per_rank": flops / med / topo.tp.size / 1e9, "gemm_peak_gflops_per_rank": peak,
+        "tokens_per_s": B * S * topo.dp.size / med, "model_gflop_per_step": flops / 1e9,
+        "model_gflops_per_rank": flops / med / comm.Get_size() / 1e9, "gemm_peak_gflops_per_rank": peak,
         "phases_ms": {k: 1e3 * float(numpy.median(v)) for k, v in phases.items() if k != "step"},
         "comm_ms": {k: 1e3 * v for k, v in comm_med.items()},
         "comm_bytes_per_step": int(numpy.median(comm_bytes)) if comm_bytes else 0,
@@ -163,8 +171,10 @@ def print_table(r: dict, comm) -> None:
     ar = r["allreduce_BSC_ms"]
     ar_txt = (f"; one (B,S,C) all-reduce {ar['mpi_tp']:.2f} ms vs bare Allreduce {ar['bare']:.2f} ms"
               if ar else "")
+    layout = f"tp={r['tp']}" + (f" dp={r['dp']} ({r['dp_mode']})" if r["dp"] > 1 else "") + \
+        (" +sp" if r["sequence_parallel"] else "")
     rank0_print(
-        f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} tp={r['tp']} "
+        f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} {layout} "
         f"{r['dtype']}: step {r['step_ms']['median']:.1f} ms (min {r['step_ms']['min']:.1f}, max "
         f"{r['step_ms']['max']:.1f}), {r['tokens_per_s']:,.0f} tok/s\n"
         f"  model {r['model_gflops_per_rank']:.1f} GFLOP/s per rank = {100 * r['fraction_of_gemm_peak']:.0f}% of "
@@ -187,11 +197,16 @@ def add_parser(sub) -> None:
     b.add_argument("--steps", type=int, default=10, help="timed steps per shape (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    b.add_argument("--dp", type=int, default=1, help="data-parallel replicas (tp = ranks / dp); batch is per replica")
+    b.add_argument("--dp-compare", action="store_true",
+                   help="with --dp > 1: run each shape three times, gradient all-reduce during the backward "
+                        "(overlap), after it, and not at all (baseline), to show what it adds to a step")
+    b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
     b.add_argument("--json", metavar="FILE", help="append one JSON line per shape to FILE")
     b.set_defaults(run=cmd_bench)
 
 
-def _shapes(args, tp: int) -> list[tuple]:
+def _shapes(args, ranks: int) -> list[tuple]:
     """The shapes to run, each checked against the layout before anything starts."""
     if args.sweep:
         shapes = [(C, max(1, C // 64), 2, S, 4) for C in (128, 256, 512, 1024) for S in (64, 128, 256, 512)]
@@ -207,6 +222,9 @@ def _shapes(args, tp: int) -> list[tuple]:
         shapes = [SHAPES[s] for s in presets] + custom
     if args.steps < 1 or args.warmup < 0:
         raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    if args.dp < 1 or ranks % args.dp:
+        raise ValueError(f"--dp {args.dp} must divide the {ranks} ranks of this job")
+    tp = ranks // args.dp
     for C, H, L, S, B in shapes:
         if B < 1:
             raise ValueError(f"batch must be at least 1, got {B}")
@@ -219,11 +237,14 @@ def cmd_bench(args, comm) -> int:
     env = environment(comm)
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
                 f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; {env['date']}", comm=comm)
+    modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
     for C, H, L, S, B in shapes:
-        r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype)
-        r["environment"] = env
-        print_table(r, comm)
-        if args.json and comm.Get_rank() == 0:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(r) + "\n")
+        for mode in modes:
+            r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype, dp=args.dp, dp_mode=mode,
+                          sequence_parallel=args.sequence_parallel)
+            r["environment"] = env
+            print_table(r, comm)
+            if args.json and comm.Get_rank() == 0:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
     return 0

@@ -171,8 +171,8 @@ def attention_forward(q, k, v, drop_mask=None):
     xp = array_module(q)
     T, D = q.shape[-2:]
     scale = 1.0 / math.sqrt(D)
-    qs = q * scale                                     # (B, H, T, D): scaling q is cheaper than (T, T)
-    att = qs @ k.swapaxes(-1, -2)                      # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    att = (q * scale) @ k.swapaxes(-1, -2)             # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    # (scaling q, (T, D), is cheaper than scaling the (T, T) scores; the scaled copy is not kept)
     att += _causal_bias(T, att.dtype, xp)              # position t sees keys s <= t only
     # stable softmax over keys, in place; the diagonal is never masked so the max is finite
     att -= att.max(axis=-1, keepdims=True)
@@ -185,12 +185,12 @@ def attention_forward(q, k, v, drop_mask=None):
     else:
         probs_used = probs
     out = probs_used @ v                               # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
-    return out, (qs, k, v, probs, drop_mask, scale)
+    return out, (q, k, v, probs, drop_mask, scale)
 
 
 def attention_backward(dout, cache):
     """dq, dk, dv, each (B, H, T, D)."""
-    qs, k, v, probs, drop_mask, scale = cache
+    q, k, v, probs, drop_mask, scale = cache
     xp = array_module(dout)
     probs_used = probs if drop_mask is None else probs * drop_mask  # recomputed, not cached
     # out = probs_used @ v
@@ -205,7 +205,8 @@ def attention_backward(dout, cache):
     # att = (q * scale) @ k^T: the scale goes on the (T, D) results, not on (T, T)
     dq = datt @ k                                      # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
     dq *= scale
-    dk = datt.swapaxes(-1, -2) @ qs                    # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    dk = datt.swapaxes(-1, -2) @ q                     # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    dk *= scale
     return dq, dk, dv
 
 

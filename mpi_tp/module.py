@@ -34,6 +34,34 @@ class Module:
     def save_cache(self, *cache) -> None:
         self._cache = cache
 
+    def cached_arrays(self):
+        """Every array this module and its children keep for their backward (after a forward)."""
+        def walk(item):
+            if isinstance(item, (tuple, list)):
+                for i in item:
+                    yield from walk(i)
+            elif hasattr(item, "nbytes") and hasattr(item, "shape"):
+                yield item
+        for key, value in vars(self).items():
+            if key in ("_cache", "_logits_cache"):
+                yield from walk(value)
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, Module):
+                    yield from item.cached_arrays()
+
+    def activation_bytes(self) -> int:
+        """Bytes of activation memory the caches keep alive for the backward pass (a view keeps its
+        whole base alive; references to the parameters themselves are not activations)."""
+        seen, total = {id(p.base) for p in self.parameters()} | {id(p.data) for p in self.parameters()}, 0
+        for a in self.cached_arrays():
+            while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+                a = a.base
+            if id(a) not in seen:
+                seen.add(id(a))
+                total += a.nbytes
+        return total
+
     def take_cache(self):
         """The cache of the last forward, which backward consumes (so a second backward fails)."""
         cache = self._cache

@@ -119,3 +119,20 @@ def test_init_from_at_another_size(tmp_path):
     r = mpirun(1, "train", *TINY, "--n-embd", "30", "--steps", "6", "--out", str(tmp_path / "d"),
                "--init-from", os.path.join(a, "checkpoints"))
     assert r.returncode == 2 and "n_embd: checkpoint 24 vs model 30" in r.stderr
+
+
+def test_layouts_resume_and_switch(tmp_path):
+    """dp = 2 with ZeRO-1: bitwise resume at the same layout; then continue at tp = 2 with
+    sequence parallelism from the same checkpoint."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    layout = ["--dp", "2", "--zero", "1"]
+    assert mpirun(2, "train", *TINY, *layout, "--steps", "8", "--out", a).returncode == 0
+    assert mpirun(2, "train", *TINY, *layout, "--steps", "4", "--out", b).returncode == 0
+    r = mpirun(2, "train", *TINY, *layout, "--steps", "8", "--out", b, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert losses(a) == losses(b)
+    wa, wb = weights(a), weights(b)
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)              # AdamW moments included
+    r = mpirun(2, "train", *TINY, "--sequence-parallel", "--steps", "10", "--out", b, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "tp=2 x dp=1 +sp" in r.stdout and "(step 8)" in r.stdout

@@ -2,6 +2,7 @@
 model on the same global batch: same losses and weights over 10 AdamW steps (float64, < 1e-8)."""
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpi_tp.data_parallel import GradReducer
 from mpi_tp.model import GPT, GPTConfig
@@ -155,3 +156,27 @@ def test_checkpoint_from_any_layout_loads_serially(world, serial_reference):
         world.Barrier()
         if world.Get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def test_activation_memory(world):
+    """Per-block activation bytes follow docs/parallelism.md's count; with sequence parallelism at t ranks
+    every term shrinks but the column layers' gathered inputs (0.54x at t = 2)."""
+    s, b, h, a = 16, 2, 32, 4                       # even split, so every rank holds the same amount
+    t = world.Get_size()
+    if s % t:
+        pytest.skip("sequence does not divide evenly")
+    cfg = GPTConfig(vocab_size=37, block_size=s, n_layer=1, n_head=a, n_embd=h)
+    x = np.zeros((b, s), dtype=np.int64)
+    measured = {}
+    for name, topo, sp in (("serial", Topology.serial(), False), ("tp", Topology.create(world), False),
+                           ("tp+sp", Topology.create(world), True)):
+        model = GPT(cfg, topo, dtype="float32", sequence_parallel=sp)
+        model.forward(x, x)
+        measured[name] = world.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
+    rstd = 2 * b * s * 4                             # the two LayerNorms' (B, S, 1) rstd
+    assert measured["serial"] == 4 * (20 * s * b * h + a * s * s * b) + rstd
+    assert measured["tp"] == 4 * (s * b * h * (4 + 16 / t) + a * s * s * b / t) + rstd
+    sp_rstd = rstd // t
+    assert measured["tp+sp"] == 4 * (s * b * h * (2 + 18 / t) + a * s * s * b / t) + sp_rstd
+    if t == 2:
+        assert measured["tp+sp"] / measured["serial"] < 0.56
