@@ -180,3 +180,21 @@ def test_activation_memory(world):
     assert measured["tp+sp"] == 4 * (s * b * h * (2 + 18 / t) + a * s * s * b / t) + sp_rstd
     if t == 2:
         assert measured["tp+sp"] / measured["serial"] < 0.56
+
+
+def test_data_parallel_moves_the_gradient_once(world):
+    """The dp all-reduces of one step cover every gradient element exactly once."""
+    for tp, dp in layouts(world.Get_size()):
+        if dp == 1:
+            continue
+        topo = Topology.create(world, tp=tp, dp=dp)
+        model = build(topo, dropout=0.0)
+        reducer = GradReducer(model, topo.dp, bucket_mb=0.001)
+        x, y = global_batch(0, B)
+        topo.stats.reset()
+        model.forward(x, y)
+        model.backward(reducer=reducer)
+        snap = topo.stats.snapshot()["dp/iall_reduce"]
+        grad_bytes = sum(base.nbytes for base in {id(p.base): p.base for p in model.parameters()}.values())
+        assert snap["bytes"] == grad_bytes and snap["calls"] == len(reducer.buckets)
+        assert abs(snap["wire_bytes"] - 2 * grad_bytes * (dp - 1) / dp) <= 1     # ring: 2n(p-1)/p
