@@ -30,12 +30,12 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 
 import h5py
 import numpy
 
 from . import backend
+from .faults import failpoint
 from .runtime import collective_setup
 
 FORMAT = "mpi_tp-checkpoint"
@@ -52,14 +52,6 @@ def step_dir_name(step: int) -> str:
 
 def shard_name(rank: int, size: int) -> str:
     return f"shard-{rank:02d}-of-{size:02d}.h5"
-
-
-def failpoint(name: str, step: int) -> None:
-    """Test hook: MPI_TP_FAILPOINT=name (or name:STEP) kills this process here with SIGKILL, as a crash
-    or an out-of-memory kill would, so that tests can check what a save interrupted there leaves."""
-    want = os.environ.get("MPI_TP_FAILPOINT")
-    if want and want in (name, f"{name}:{step}"):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_path(path: str) -> None:

@@ -50,6 +50,8 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2")
     momentum: float = opt(0.9, "SGD momentum")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)")
+    on_nonfinite: str = opt("stop", "a NaN/inf loss or gradient: 'stop' (the last checkpoint stays as it is) "
+                            "or 'skip' the step (at most 10 in a row)", ["stop", "skip"])
     # numerics and reproducibility
     seed: int = opt(1337, "seed of the initial weights, the batches and dropout")
     dtype: str = opt("float32", "parameter and activation dtype", ["float32", "float64"])

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import signal
 import time
 
 import numpy
@@ -33,6 +34,7 @@ from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
 from .data_parallel import GradReducer
+from .faults import Preemption, armed
 from .generate import printable, sample
 from .model import GPT
 from .optim import SGD, AdamW, clip_coefficient, grad_norm, lr_at
@@ -169,7 +171,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     tokens_per_step = cfg.batch_size * dp * cfg.block_size
     t0 = t_log = time.perf_counter()
     comm_log = topo.stats.total_seconds()
-    losses, val_loss = [], float("nan")
+    losses, val_loss, skipped = [], float("nan"), 0
+    preemption = Preemption(comm)
     for step in range(first, cfg.steps + 1):
         lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
         x, y = sampler.batch(step - 1)
@@ -178,13 +181,27 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
         if dp > 1:                        # the global batch's loss: the mean over replicas
             loss_buf = numpy.array([loss])
             loss = float(topo.dp.all_reduce(loss_buf)[0]) / dp
-        if not math.isfinite(loss):       # the same on every rank: all stop together
-            raise UsageError(f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr}) "
-                             f"or raise --warmup", status=3)
-        model.backward(reducer=reducer)
-        norm = grad_norm(params, topo.tp)
+        norm = float("nan")
+        if math.isfinite(loss):
+            model.backward(reducer=reducer)
+            if armed("nan-grad", step):
+                params[0].grad[...] = float("nan")
+            norm = grad_norm(params, topo.tp)
+        if not (math.isfinite(loss) and math.isfinite(norm)):   # the same on every rank: all act together
+            what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {norm}"
+            skipped += 1
+            if cfg.on_nonfinite == "stop" or skipped > 10:
+                raise UsageError(f"{what} at step {step}; stopped without saving (the last checkpoint is "
+                                 f"untouched). Lower --lr (now {cfg.lr}), raise --warmup, or pass "
+                                 "--on-nonfinite skip", status=3)
+            rank0_print(f"step {step}: {what}; step skipped ({skipped} in a row)", comm=comm)
+            log({"step": step, "skipped": what})
+            continue
+        skipped = 0
         opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
         losses.append(loss)
+        if armed("sigterm", step):
+            os.kill(os.getpid(), signal.SIGTERM)
 
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val_loss = evaluate(model, val_batches)
@@ -203,10 +220,22 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                         f"comm {100 * comm_s / (now - t_log):.0f}% | {_fmt_time(now - t0)} elapsed, "
                         f"{_fmt_time(left)} left", comm=comm)
             t_log, comm_log = now, topo.stats.total_seconds()
+        if preemption.agreed():          # SIGTERM on any rank: save, then leave cleanly
+            save(step)
+            rank0_print(f"SIGTERM received: saved step {step}; continue with --resume --out {out}", comm=comm)
+            record["preempted_at"] = step
+            break
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             save(step)
+    preemption.close()
 
     train_s = time.perf_counter() - t0
+    if "preempted_at" in record:
+        if is_root:
+            metrics.close()
+            with open(os.path.join(out, "run.json"), "w") as f:
+                json.dump(record, f, indent=2)
+        return record
     tail = losses[-cfg.log_every:] or [float("nan")]
     record.update({"steps": cfg.steps, "first_step": first, "final_train_loss": sum(tail) / len(tail),
                    "final_val_loss": val_loss,

@@ -1,0 +1,120 @@
+"""Failure behaviour of `mpi-tp train` under mpiexec: pre-emption by SIGTERM, non-finite numbers,
+a rank killed with SIGKILL. One-rank pass only: each test starts its own MPI job."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpi_tp import checkpoint as ck
+from test_checkpoint_cli import TINY, losses
+from test_cli import MPIEXEC, clean_env, mpirun
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+
+
+def start(n, *args, env_extra=None):
+    env = clean_env()
+    env.update(env_extra or {})
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rank_pids(marker):
+    """The python processes of a job, found by a string unique to its command line."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(marker.encode() in c for c in cmd) and b"mpi_tp" in cmd and not cmd[0].endswith(b"mpiexec"):
+                pids.append(int(pid))
+    return pids
+
+
+def wait_for(proc, text, timeout=120):
+    """Read the job's stdout until a line contains `text`; returns everything read."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"never saw {text!r}; output so far:\n{''.join(seen)}")
+
+
+def test_sigterm_saves_and_resume_is_exact(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert mpirun(2, "train", *TINY, "--steps", "10", "--out", a).returncode == 0
+    env = clean_env()
+    env["MPI_TP_FAILPOINT"] = "sigterm:4"              # every rank signals itself after step 4
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "10",
+                        "--out", b], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "SIGTERM received: saved step 4" in r.stdout
+    assert ck.complete_steps(os.path.join(b, "checkpoints")) == [4]
+    r = mpirun(2, "train", *TINY, "--steps", "10", "--out", b, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert losses(a) == losses(b)                                     # bitwise, as if never stopped
+
+
+def test_real_sigterm_to_the_ranks(tmp_path):
+    """SIGTERM from outside, as Slurm sends it to every task, in the middle of training."""
+    out = str(tmp_path / "run")
+    proc = start(2, "train", *TINY, "--steps", "100000", "--log-every", "1", "--out", out)
+    try:
+        wait_for(proc, " 3/100000")
+        for pid in rank_pids(out):
+            os.kill(pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM received: saved step" in stdout
+    step = ck.complete_steps(os.path.join(out, "checkpoints"))[-1]
+    r = mpirun(2, "train", *TINY, "--steps", str(step + 2), "--out", out, "--resume")
+    assert r.returncode == 0 and f"(step {step})" in r.stdout, r.stderr
+
+
+def test_nan_gradient_stops_or_skips(tmp_path):
+    out = str(tmp_path / "stop")
+    env = clean_env()
+    env["MPI_TP_FAILPOINT"] = "nan-grad:5"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "8",
+           "--save-every", "2"]
+    r = subprocess.run(cmd + ["--out", out], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert r.stderr.count("the gradient norm became nan at step 5") == 1 and "Traceback" not in r.stderr
+    assert ck.complete_steps(os.path.join(out, "checkpoints")) == [2, 4]     # nothing saved after the fault
+    skip = str(tmp_path / "skip")
+    r = subprocess.run(cmd + ["--out", skip, "--on-nonfinite", "skip"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "step 5: the gradient norm became nan; step skipped" in r.stdout
+    entries = [json.loads(l) for l in open(os.path.join(skip, "metrics.jsonl"))]
+    assert any(e.get("skipped") for e in entries) and 5 not in [e["step"] for e in entries if "loss" in e]
+
+
+def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start(2, "train", *TINY, "--steps", "100000", "--save-every", "2", "--out", out)
+    try:
+        wait_for(proc, "saved ")
+        os.kill(rank_pids(out)[-1], signal.SIGKILL)
+        proc.communicate(timeout=60)                                  # the job ends: nothing hangs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    with ck.Checkpoint(os.path.join(out, "checkpoints")) as c:
+        assert c.step >= 2 and c.verify() == []
