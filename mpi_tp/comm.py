@@ -247,6 +247,21 @@ class Group:
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
         return x
 
+    def reduce_to_root(self, x, root: int = 0):
+        """Sum every rank's x into root's x (in place there); the others' x is left as it was."""
+        if self.size == 1:
+            return x
+        _check_buffer(x, f"{self.name}.reduce")
+        t0 = time.perf_counter()
+        buf = _staged(x)
+        if self.rank == root:
+            self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
+            _unstage(x, buf)
+        else:
+            self.comm.Reduce(buf, None, op=MPI.SUM, root=root)
+        self.stats.record(f"{self.name}/reduce", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
+        return x
+
     def barrier(self) -> None:
         if self.size > 1:
             self.comm.Barrier()

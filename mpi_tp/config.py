@@ -31,6 +31,9 @@ class TrainConfig:
     overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
                            "(--no-overlap-dp: after it)")
     bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
+    dp_allreduce: str = opt("flat", "data-parallel gradient all-reduce: 'flat' (one MPI all-reduce) or "
+                            "'hierarchical' (inside each node, across nodes, back; MPI_TP_FAKE_NODES=k "
+                            "emulates k nodes)", ["flat", "hierarchical"])
     sequence_parallel: bool = opt(False, "split the activations between the tensor-parallel regions along "
                                   "the sequence (Korthikanti et al. 2022): less activation memory, same traffic")
     zero: int = opt(0, "1: ZeRO stage 1, the optimizer state split over the data-parallel replicas", [0, 1])

@@ -15,20 +15,24 @@ the backward pass ends, form the last bucket.
 Without a spare core, MPI progresses a non-blocking collective only when the
 process calls into MPI; `block_done` therefore also tests the outstanding
 requests. `overlap=False` does every all-reduce after the backward pass, for
-comparison.
+comparison. `hierarchical=True` reduces each bucket node by node
+(mpi_tp.hierarchical), after the backward pass.
 """
 from __future__ import annotations
 
 from . import backend
 from .comm import Group
+from .hierarchical import HierarchicalAllReduce
 from .params import storages
 
 
 class GradReducer:
     """Averages gradients over `group` (the data-parallel group); hook it into GPT.backward."""
 
-    def __init__(self, model, group: Group, bucket_mb: float = 8.0, overlap: bool = True):
-        self.group, self.overlap = group, overlap
+    def __init__(self, model, group: Group, bucket_mb: float = 8.0, overlap: bool = True,
+                 hierarchical: bool = False):
+        self.group, self.overlap = group, overlap and not hierarchical
+        self.hierarchical = HierarchicalAllReduce(group) if hierarchical and group.size > 1 else None
         self.buckets = []          # [(flat grad buffer, index of the block that completes it or None)]
         self._pending = []
         if group.size == 1:
@@ -81,6 +85,11 @@ class GradReducer:
     def finish(self) -> None:
         """After the backward pass: reduce what is left, wait for everything, divide by D."""
         if self.group.size == 1:
+            return
+        if self.hierarchical is not None:
+            for flat, _ in self.buckets:
+                self.hierarchical.all_reduce(flat)
+                flat *= 1.0 / self.group.size
             return
         started = {id(flat) for _, flat in self._pending}
         for flat, _ in self.buckets:

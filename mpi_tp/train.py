@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     topo = Topology.create(comm, tp=tp, dp=dp)
     model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed, sequence_parallel=cfg.sequence_parallel)
     params = model.parameters()
-    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp)   # before the optimizer reads grads
+    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")   # before the optimizer reads grads
     mine = slice(topo.dp.rank * cfg.batch_size, (topo.dp.rank + 1) * cfg.batch_size)   # this replica's rows
     model.dropout.row0 = mine.start
     if cfg.optimizer == "adamw":
