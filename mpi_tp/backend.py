@@ -16,6 +16,7 @@ import numpy
 
 _xp = numpy
 _name = "numpy"
+_cuda_aware = False
 
 
 class BackendError(RuntimeError):
@@ -29,6 +30,11 @@ def xp():
 
 def name() -> str:
     return _name
+
+
+def cuda_aware() -> bool:
+    """Whether MPI takes device buffers directly (decided when CuPy is selected; see mpi_tp.gpu)."""
+    return _cuda_aware
 
 
 def array_module(a):
@@ -77,7 +83,7 @@ def use(backend: str = "numpy", comm=None) -> None:
     backend: "numpy" or "cupy". Under CuPy each rank binds to GPU
     (node-local rank) % (GPUs on the node); `comm` defaults to COMM_WORLD.
     """
-    global _xp, _name
+    global _xp, _name, _cuda_aware
     if backend == "numpy":
         _xp, _name = numpy, "numpy"
         return
@@ -98,7 +104,8 @@ def use(backend: str = "numpy", comm=None) -> None:
         comm = MPI.COMM_WORLD
     local = int(os.environ.get("MPI_TP_LOCAL_RANK", node_local_rank(comm)))
     cupy.cuda.Device(local % n_gpus).use()
-    _xp, _name = cupy, "cupy"
+    from .gpu import cuda_aware_mpi
+    _xp, _name, _cuda_aware = cupy, "cupy", cuda_aware_mpi()
 
 
 def scatter_add(target, indices, values) -> None:

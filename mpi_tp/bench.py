@@ -202,6 +202,7 @@ def add_parser(sub) -> None:
                    help="with --dp > 1: run each shape three times, gradient all-reduce during the backward "
                         "(overlap), after it, and not at all (baseline), to show what it adds to a step")
     b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
+    b.add_argument("--backend", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: GPUs)")
     b.add_argument("--json", metavar="FILE", help="append one JSON line per shape to FILE")
     b.set_defaults(run=cmd_bench)
 
@@ -234,6 +235,7 @@ def _shapes(args, ranks: int) -> list[tuple]:
 
 def cmd_bench(args, comm) -> int:
     shapes = collective_setup(_shapes, args, comm.Get_size(), comm=comm)
+    collective_setup(backend.use, args.backend, comm, comm=comm)
     env = environment(comm)
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
                 f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; {env['date']}", comm=comm)

@@ -79,20 +79,26 @@ def _check_buffer(x, what: str) -> None:
         raise ValueError(f"{what}: unsupported dtype {x.dtype}")
 
 
-def _staged(x):
-    """A host buffer for MPI: x itself for NumPy arrays, a host copy for CuPy arrays.
+_PINNED = None
 
-    GPU arrays are staged through host memory so that any MPI library works
-    (CUDA-aware MPI, which could take device pointers directly, is not assumed).
-    """
-    if backend.is_device_array(x):
-        backend.synchronize()
-        return x.get()
-    return x
+
+def _staged(x):
+    """The buffer to hand MPI: x itself for NumPy arrays and, with a CUDA-aware MPI, for CuPy arrays
+    (after the stream is synchronised); otherwise a copy in pinned host memory (mpi_tp.gpu)."""
+    global _PINNED
+    if not backend.is_device_array(x):
+        return x
+    backend.synchronize()                       # MPI does not see CUDA streams
+    if backend.cuda_aware():
+        return x
+    if _PINNED is None:
+        from .gpu import PinnedStager
+        _PINNED = PinnedStager()
+    return _PINNED.host_copy(x)
 
 
 def _unstage(x, host):
-    """Copy a staged host buffer back into the GPU array x (no-op for NumPy)."""
+    """Copy a staged host buffer back into the GPU array x (no-op when MPI worked on x itself)."""
     if host is not x:
         x.set(host)
     return x
