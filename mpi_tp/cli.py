@@ -6,6 +6,9 @@
     mpiexec -n 2 mpi-tp generate --checkpoint C         sample text from a saved model
     mpi-tp inspect C / mpi-tp export C OUT.h5           look into / flatten a checkpoint
     mpiexec -n 2 mpi-tp bench --shape c                 timed steps against the machine's limits
+    mpi-tp plan --machine dgx-a100 --nodes 4 ...        rank layouts with the cost model
+    mpiexec -n 2 mpi-tp calibrate --out machine.json    measure this machine for the cost model
+    mpiexec -n 2 mpi-tp explain --layer mlp             a live lesson: one layer split over the ranks
 
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
@@ -50,6 +53,12 @@ def build_parser() -> Parser:
     add_parsers(sub)
     from .bench import add_parser as add_bench
     add_bench(sub)
+    from .planner import add_parser as add_plan
+    add_plan(sub)
+    from .calibrate import add_parser as add_calibrate
+    add_calibrate(sub)
+    from .explain import add_parser as add_explain
+    add_explain(sub)
     return p
 
 

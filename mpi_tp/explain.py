@@ -1,0 +1,236 @@
+"""`mpi-tp explain`: a live lesson in how one layer is split over the tensor-parallel ranks.
+
+    mpiexec -n 2 mpi-tp explain --layer mlp                  # tp = 2
+    mpiexec -n 3 mpi-tp explain --layer all --sequence-parallel
+
+Builds a tiny layer at tp = world size in float64, runs a forward and a backward
+pass on a fixed random input and output gradient, and prints, rank by rank, the
+shard of every parameter, the shapes in and out, the collectives of each pass
+(from the counters in mpi_tp.comm, named with Megatron's f and g), and how far
+the result is from the same layer on one rank (built from the same seed and
+names, so the weights agree slice for slice). Exit status 0 when every rank of
+every layer equals the serial layer.
+
+Legend: B = batch, S = sequence, C = features (channels), H = heads, M = 2C + 1
+(the column layer's output, the row layer's input: odd on purpose, so shards
+can differ by one), F = 4C (the MLP's width); S_i, M_i, F_i, H_i = rank i's share.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import numpy
+
+from .layers import ColumnParallelLinear, RowParallelLinear, SequenceSplit
+from .model import Block, Dropout, GPTConfig, ParallelAttention, ParallelMLP
+from .runtime import collective_setup, rank0_print
+from .testing import all_true, max_rel_diff, randomize
+from .topology import Topology
+
+LAYERS = ("column", "row", "mlp", "attention", "block")
+RTOL = 1e-10              # float64: the parallel layer only reorders sums
+F64 = numpy.float64
+SEED = 7
+
+LESSONS = {
+    "column": "ColumnParallelLinear, Y = X A + b: A (C, M) is cut by output columns, A = [A_1 | ... | A_p], "
+              "and rank i computes its columns Y_i = X A_i + b_i with no communication. X must be whole on "
+              "every rank, so it enters through f: identity forward, all-reduce of dX backward (each rank's "
+              "columns give part of dX). Y_i stays split here (gather_output=True would all-gather it).",
+    "row": "RowParallelLinear, Y = X A + b: A (M, C) is cut by input rows, A = [A_1; ...; A_p], and X by "
+           "columns to match (a column layer's output already is). Rank i computes the partial sum X_i A_i, "
+           "and g all-reduces the partials (identity backward). The bias is replicated and added once, "
+           "after the reduce.",
+    "mlp": "ParallelMLP: fc is column-parallel (C -> F, rank i keeps F_i columns), GELU works on each "
+           "rank's columns, and proj is row-parallel over the same F_i rows (F -> C). The column layer's "
+           "output is exactly the row layer's input, so the MLP needs one all-reduce forward (g after "
+           "proj) and one backward (f before fc).",
+    "attention": "ParallelAttention: the H heads are split, rank i keeps H_i whole heads. q, k and v are "
+                 "column-parallel (rank i's columns are its heads; one GEMM behind one f), attention is "
+                 "local to each head, and the output projection is row-parallel over the same columns, "
+                 "followed by g: one all-reduce each way.",
+    "block": "Block: x + attn(ln_1(x)), then + mlp(ln_2(x)), each half split as its layer is. The "
+             "LayerNorms, residuals and row biases are replicated: every rank computes them on the same "
+             "data. Two all-reduces forward (the two g's) and two backward (the two f's).",
+}
+SP_LESSON = ("Sequence parallelism: outside the parallel regions each rank holds only its S_i positions. "
+             "f becomes an all-gather of the positions (backward: reduce-scatter) and g a reduce-scatter "
+             "(backward: all-gather); replicated parameters saw only this rank's positions, so their "
+             "gradients are summed over the group.")
+# (pass, kind) -> what the collective is, in Megatron's terms (comm.py's table)
+ROLES = {
+    ("forward", "all_reduce"): "g: sum the partial outputs",
+    ("backward", "all_reduce"): "f's backward: sum the partial input gradients",
+    ("forward", "all_gather"): "sp's f: gather every rank's positions",
+    ("backward", "all_gather"): "sp's g backward: gather the output gradient's positions",
+    ("forward", "reduce_scatter"): "sp's g: sum the partials, keep this rank's positions",
+    ("backward", "reduce_scatter"): "sp's f backward: sum the partial dX, keep this rank's positions",
+    ("backward", "sp_grad_all_reduce"): "sum replicated parameters' gradients over the positions",
+}
+
+
+def plan(args, T: int) -> dict:
+    """The sizes of the lesson, checked against the world size T (ValueError says what to change)."""
+    C, B, S = args.features, args.batch, args.seq
+    for flag, v in (("--features", C), ("--batch", B), ("--seq", S)):
+        if v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v}")
+    if C < T:
+        raise ValueError(f"--features {C} cannot be split over {T} ranks: use --features {T} or more")
+    H = args.heads
+    if H is None:       # the fewest heads (at least 2) that divide C and give every rank one
+        fits = [h for h in range(T, C + 1) if C % h == 0]
+        H = min([h for h in fits if h >= 2] or fits)
+    if H < T or C % H:
+        raise ValueError(f"--heads {H} does not fit: every one of the {T} ranks needs a head, and the heads "
+                         f"must divide --features {C}; use --heads between {T} and {C} that divides {C}")
+    cfg = GPTConfig(vocab_size=T, block_size=S, n_layer=1, n_head=H, n_embd=C)     # vocabulary unused here
+    cfg.validate(T)
+    if args.sequence_parallel and S < T:
+        raise ValueError(f"--sequence-parallel cuts --seq {S} over {T} ranks: use --seq {T} or more")
+    return {"cfg": cfg, "B": B, "S": S, "C": C, "M": 2 * C + 1}
+
+
+def build(kind: str, p: dict, topo: Topology, sp=None):
+    cfg, C, M, tp = p["cfg"], p["C"], p["M"], topo.tp
+    if kind == "column":
+        layer = ColumnParallelLinear("column", C, M, tp, F64, seed=SEED, sp=sp)
+    elif kind == "row":
+        layer = RowParallelLinear("row", M, C, tp, F64, seed=SEED, sp=sp)
+    elif kind == "mlp":
+        layer = ParallelMLP("mlp", cfg, topo, F64, SEED, sp=sp)
+    elif kind == "attention":
+        layer = ParallelAttention("attn", cfg, topo, F64, SEED, Dropout(0.0, SEED), 0, sp=sp)
+    else:
+        layer = Block(0, cfg, topo, F64, SEED, Dropout(0.0, SEED), sp=sp)
+    randomize(layer, seed=SEED)       # biases and LayerNorms too, the same slice for slice at any tp
+    return layer
+
+
+def _cut(a, cols=None, positions=None):
+    """This rank's piece of a whole activation: its columns (last axis) and/or positions (axis 1)."""
+    if cols is not None:
+        a = a[..., cols]
+    if positions is not None:
+        a = a[:, positions]
+    return numpy.ascontiguousarray(a)
+
+
+def _sum_replicated_grads(layer, topo) -> None:
+    """Under sp a replicated parameter saw only this rank's positions: sum its gradient over the group
+    (one packed all-reduce, as GPT._sum_sequence_split_grads does per block)."""
+    params = [q for q in layer.parameters() if not q.sharded]
+    if not params or topo.tp.size == 1:
+        return
+    buf = numpy.concatenate([q.grad.reshape(-1) for q in params])
+    topo.tp.all_reduce(buf, kind="sp_grad_all_reduce")
+    at = 0
+    for q in params:
+        q.grad[...] = buf[at:at + q.grad.size].reshape(q.grad.shape)
+        at += q.grad.size
+
+
+def _slice_text(param) -> str:
+    if not param.sharded:
+        return "whole (replicated)"
+    return "[" + ", ".join(f"{s.start}:{s.stop}" if s.start is not None else ":" for s in param.index()) + "]"
+
+
+def _comm_lines(phase: str, snapshot: dict, T: int) -> list[str]:
+    if not snapshot:
+        return [f"  {phase:<9} none" + (" (one rank: nothing to communicate)" if T == 1 else "")]
+    return [f"  {phase:<9} {key}: {v['calls']} call{'s' * (v['calls'] != 1)}, {v['bytes']} bytes  "
+            f"({ROLES.get((phase, key.split('/', 1)[1]), '')})" for key, v in snapshot.items()]
+
+
+def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> tuple[bool, str]:
+    """Run one layer at tp = world size against its serial self; (every rank equal?, this rank's text)."""
+    B, S, C, M = p["B"], p["S"], p["C"], p["M"]
+    topo, serial = Topology.create(comm), Topology.serial()
+    sp = SequenceSplit(topo.tp) if sequence_parallel else None
+    par, ser = build(kind, p, topo, sp), build(kind, p, serial)
+    rng = numpy.random.default_rng(SEED)
+    n_in, n_out = {"column": (C, M), "row": (M, C)}.get(kind, (C, C))
+    x, dout = rng.standard_normal((B, S, n_in)), rng.standard_normal((B, S, n_out))   # the same on every rank
+
+    y_ref = ser.forward(x)                                                # the serial layer, whole sequence
+    dx_ref = ser.backward(dout)
+    # What this rank sees of x and y: a row layer's input and a column layer's output are this rank's
+    # columns; under sp, whatever lies outside the parallel region is this rank's positions.
+    cols = slice(par.weight.start, par.weight.stop) if kind in ("column", "row") else None
+    in_cols, out_cols = (cols, None) if kind == "row" else (None, cols)
+    if sp is not None:
+        sp.set(S)
+    in_pos = sp.positions if sp is not None and kind != "row" else None
+    out_pos = sp.positions if sp is not None and kind != "column" else None
+
+    topo.stats.reset()
+    x_i = _cut(x, in_cols, in_pos)
+    y = par.forward(x_i)
+    fwd = topo.stats.snapshot()
+    topo.stats.reset()
+    dx = par.backward(_cut(dout, out_cols, out_pos))
+    if sp is not None:
+        _sum_replicated_grads(par, topo)
+    bwd = topo.stats.snapshot()
+
+    err_out = max_rel_diff(y, _cut(y_ref, out_cols, out_pos))
+    err_in = max_rel_diff(dx, _cut(dx_ref, in_cols, in_pos))
+    reference = {q.name: q for q in ser.parameters()}
+    scale = max(float(numpy.abs(q.grad).max()) for q in ser.parameters())   # k-bias grads are ~0
+    grads = {q.name: max_rel_diff(q.grad, reference[q.name].grad[q.index()], scale) for q in par.parameters()}
+    worst = max(grads, key=grads.get)
+    ok = max(err_out, err_in, grads[worst]) <= RTOL
+
+    lines = [f"-- rank {topo.tp.rank} of {topo.tp.size} --"]
+    lines += [f"  {q.name}: global {q.global_shape} -> shard {tuple(q.data.shape)} = {_slice_text(q)}"
+              for q in par.parameters()]
+    attn = par if kind == "attention" else getattr(par, "attn", None)
+    if attn is not None:
+        lines.append(f"  heads {attn.heads.start}:{attn.heads.stop} of {p['cfg'].n_head} "
+                     f"(H_i = {attn.H_p}, head size D = {attn.D}: columns {attn.H_p * attn.D} of q, k and v)")
+    lines.append(f"  input {x_i.shape} -> output {y.shape}")
+    lines += _comm_lines("forward", fwd, topo.tp.size) + _comm_lines("backward", bwd, topo.tp.size)
+    lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} "
+                 f"(worst {worst}); tolerance {RTOL:.0e}: {'PASS' if ok else 'FAIL'}")
+    topo.free()
+    serial.free()
+    return all_true(ok, comm), "\n".join(lines)
+
+
+def run(args, comm) -> bool:
+    """Print the lesson of each requested layer from rank 0; True when every check passed."""
+    p = collective_setup(plan, args, comm.Get_size(), comm=comm)
+    cfg, T = p["cfg"], comm.Get_size()
+    kinds = LAYERS if args.layer == "all" else (args.layer,)
+    rank0_print(f"tensor-parallel size {T} (= world size), float64; global sizes: batch B = {p['B']}, "
+                f"sequence S = {p['S']}, features C = {p['C']}, heads H = {cfg.n_head}, M = 2C + 1 = {p['M']}, "
+                f"F = 4C = {4 * p['C']}" + (", sequence-parallel" if args.sequence_parallel else ""), comm=comm)
+    every = True
+    for kind in kinds:
+        ok, text = explain_layer(kind, p, comm, args.sequence_parallel)
+        texts = comm.gather(text, root=0)          # a lesson, not a hot path: pickled once
+        lesson = LESSONS[kind] + (" " + SP_LESSON if args.sequence_parallel else "")
+        rank0_print(f"\n== {kind} ==\n{textwrap.fill(lesson, 100)}\n" + "\n".join(texts or []) +
+                    f"\n{kind}: all ranks equal the serial layer: {'yes' if ok else 'no'}", comm=comm)
+        every &= ok
+    if len(kinds) > 1:
+        rank0_print(f"\nevery layer: all ranks equal the serial layer: {'yes' if every else 'no'}", comm=comm)
+    return every
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("explain", help="a live lesson: one tiny layer split over the ranks, against its serial self",
+                       description=__doc__.split("\n\n")[0])
+    e.add_argument("--layer", choices=LAYERS + ("all",), default="mlp", help="the layer to show (default mlp)")
+    e.add_argument("--features", type=int, default=8, help="features C (default 8)")
+    e.add_argument("--heads", type=int, default=None,
+                   help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
+    e.add_argument("--batch", type=int, default=2, help="batch B (default 2)")
+    e.add_argument("--seq", type=int, default=4, help="sequence length S (default 4)")
+    e.add_argument("--sequence-parallel", action="store_true", help="split the activations along the sequence")
+    e.set_defaults(run=cmd_explain)
+
+
+def cmd_explain(args, comm) -> int:
+    return 0 if run(args, comm) else 1

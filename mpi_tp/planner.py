@@ -1,0 +1,140 @@
+"""`mpi-tp plan`: search tensor x pipeline x data layouts with the cost model and explain the winner.
+
+    mpi-tp plan --machine dgx-a100 --nodes 4 --layers 48 --hidden 6144 --heads 48 --seq 2048 \\
+                --global-batch 512 --vocab 51200
+
+Every layout with tp x pp x dp = nodes x ranks per node is tried, with
+micro-batch sizes, sequence parallelism, ZeRO-1 and recomputation (the
+options mpi_tp implements, pipeline stages priced by the model only: mpi_tp
+does not run pipelines yet); those whose memory per rank exceeds the machine's
+are dropped; the rest are ranked by predicted step time. The winner is
+explained against the best layout with another tensor-parallel size.
+"""
+from __future__ import annotations
+
+import json
+
+from .costmodel import Layout, Workload, machine, memory_per_rank, step_time
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None):
+    """Layouts to price: tp up to the heads (and max_tp), pp dividing the layers, dp the rest."""
+    for tp in divisors(ranks):
+        if tp > w.n_head or (max_tp and tp > max_tp):
+            continue
+        for pp in divisors(ranks // tp):
+            if w.n_layer % pp:
+                continue
+            dp = ranks // (tp * pp)
+            if w.global_batch % dp:
+                continue
+            for b in divisors(w.global_batch // dp):
+                if b > 16:
+                    break
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for zero in ([0, 1] if dp > 1 else [0]):
+                        for recompute in (False, True):
+                            yield Layout(tp, pp, dp, b, sp, zero, recompute)
+
+
+def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None) -> dict:
+    ranks = nodes * m.ranks_per_node
+    rows = []
+    for lay in candidates(w, ranks, m.ranks_per_node, max_tp):
+        mem = memory_per_rank(m, w, lay)
+        t = step_time(m, w, lay)
+        rows.append({"layout": lay, "time": t, "memory": mem, "fits": mem["total"] <= m.mem_bytes})
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
+    return {"machine": m.name, "ranks": ranks, "workload": w, "ranked": fitting[:top], "all": rows,
+            "why": explain(fitting, rows, m)}
+
+
+def explain(fitting, rows, m) -> str:
+    if not fitting:
+        smallest = min(rows, key=lambda r: r["memory"]["total"]) if rows else None
+        need = f"{smallest['memory']['total'] / 1e9:.1f} GB" if smallest else "?"
+        return (f"no layout fits in {m.mem_bytes / 1e9:.0f} GB per rank (the smallest needs {need}): "
+                "use more nodes, or a machine with more memory")
+    best = fitting[0]
+    lay, t = best["layout"], best["time"]
+    parts = sorted(((k, v) for k, v in t.items() if k not in ("total", "micro_batches")), key=lambda kv: -kv[1])
+    lines = [f"best: {lay.describe()}, {t['total']:.3f} s per step, {best['memory']['total'] / 1e9:.1f} GB per rank; "
+             "time goes to " + ", ".join(f"{k} {v:.3f} s" for k, v in parts if v > 0)]
+    where = "inside a node" if lay.tp <= m.ranks_per_node else "across nodes"
+    lines.append(f"its tensor-parallel groups ({lay.tp} ranks) stay {where}.")
+    others = [r for r in fitting if r["layout"].tp != lay.tp]
+    if others:
+        o = others[0]
+        ol, ot = o["layout"], o["time"]
+        diff = ot["total"] - t["total"]
+        reason = []
+        if ot["tp_comm"] > t["tp_comm"]:
+            crossing = " (its groups cross the network)" if ol.tp > m.ranks_per_node else ""
+            reason.append(f"tensor-parallel all-reduces take {ot['tp_comm']:.3f} s instead of {t['tp_comm']:.3f} s"
+                          + crossing)
+        if ot["bubble"] > t["bubble"]:
+            reason.append(f"the pipeline bubble costs {ot['bubble']:.3f} s")
+        if ot["dp_comm"] > t["dp_comm"]:
+            reason.append(f"the gradient all-reduce takes {ot['dp_comm']:.3f} s")
+        if ot["compute"] > t["compute"]:
+            reason.append(f"compute is {ot['compute']:.3f} s (less work split per rank)")
+        lines.append(f"the best with tp={ol.tp} ({ol.describe()}) is {diff:.3f} s slower: " +
+                     ("; ".join(reason) or "a mix of smaller differences"))
+    unfit = sum(1 for r in rows if not r["fits"])
+    if unfit:
+        lines.append(f"{unfit} of {len(rows)} layouts do not fit in {m.mem_bytes / 1e9:.0f} GB per rank.")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank parallel layouts by predicted step time and memory (cost model)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--machine", default="dgx-a100",
+                   help="a preset (dgx-2h, dgx-a100, dgx-h100) or a JSON file from `mpi-tp calibrate`")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--vocab", type=int, default=51200)
+    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(run=cmd_plan)
+
+
+def _check(args):
+    m = machine(args.machine)
+    for key in ("nodes", "layers", "hidden", "heads", "seq", "global_batch", "vocab", "top"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least 1")
+    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
+
+
+def cmd_plan(args, comm) -> int:
+    from .runtime import collective_setup
+    m, w = collective_setup(_check, args, comm=comm)
+    if comm.Get_rank():
+        return 0
+    result = plan(m, w, args.nodes, args.top, args.max_tp)
+    if args.json:
+        print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"], "ranked": [
+            {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"]}
+            for r in result["ranked"]]}, default=float))
+        return 0
+    print(f"{m.name}: {args.nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model {w.params / 1e9:.2f}B "
+          f"parameters (L={w.n_layer}, h={w.n_embd}, a={w.n_head}, s={w.seq}, V={w.vocab}), global batch "
+          f"{w.global_batch}")
+    print(f"{'#':>3} {'layout':<28} {'step s':>8} {'compute':>8} {'tp comm':>8} {'dp comm':>8} {'bubble':>8} "
+          f"{'optim':>7} {'GB/rank':>8}")
+    for i, r in enumerate(result["ranked"], 1):
+        t, mem = r["time"], r["memory"]
+        print(f"{i:>3} {r['layout'].describe():<28} {t['total']:>8.3f} {t['compute']:>8.3f} {t['tp_comm']:>8.3f} "
+              f"{t['dp_comm']:>8.3f} {t['bubble']:>8.3f} {t['optimizer']:>7.3f} {mem['total'] / 1e9:>8.1f}")
+    print(result["why"])
+    return 0

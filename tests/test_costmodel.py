@@ -1,0 +1,108 @@
+"""The cost model's arithmetic against hand-computed cases, the planner's choices, and the paper check."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpi_tp.costmodel import (PRESETS, Layout, Machine, Workload, memory_per_rank, ring_all_gather,
+                              ring_all_reduce, step_time)
+from mpi_tp.planner import plan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "experiments"))
+
+
+def cpu(**over):
+    base = dict(name="test", ranks_per_node=4, gemm_flops=1e11, elem_rate=1e9, mem_bw=1e10, mem_bytes=1e10,
+                intra_alpha=1e-5, intra_bw=1e10, inter_alpha=1e-4, inter_bw=1e9)
+    base.update(over)
+    return Machine(**base)
+
+
+def test_ring_collectives_closed_form():
+    assert ring_all_reduce(1e6, 1, 1e-5, 1e9) == 0
+    assert ring_all_reduce(1e6, 4, 1e-5, 1e9) == pytest.approx(6e-5 + 1.5e6 / 1e9)
+    assert ring_all_gather(1e6, 4, 1e-5, 1e9) == pytest.approx(3e-5 + 0.75e6 / 1e9)
+
+
+def test_memory_by_hand():
+    """L=2, h=64, a=4, s=32, V=256, b=8 at tp=2, float32 (our own activation count)."""
+    w = Workload(n_layer=2, n_embd=64, n_head=4, seq=32, global_batch=8, vocab=256)
+    params = 2 * (12 * 64 * 64 + 13 * 64) + 256 * 64 + 32 * 64 + 2 * 64        # = 118,528
+    assert w.params == params == 118_528
+    from mpi_tp.model import GPT, GPTConfig
+    assert GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)).num_params() == params
+    mem = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8))
+    assert mem["weights_grads"] == params / 2 * 8                               # float32 weights + grads
+    assert mem["optimizer"] == params / 2 * 8                                   # AdamW m and v
+    sbh, as2b = 32 * 8 * 64, 4 * 32 * 32 * 8
+    assert mem["activations"] == 2 * 4 * (sbh * (4 + 16 / 2) + as2b / 2)       # two layers
+    assert mem["logits"] == 8 * 32 * 256 / 2 * 4 * 2
+    sp = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8, sp=True))
+    assert sp["activations"] == 2 * 4 * (sbh * (2 + 18 / 2) + as2b / 2)
+    zero = memory_per_rank(cpu(), w, Layout(tp=2, dp=4, micro_batch=2, zero=1))
+    assert zero["optimizer"] == params / 2 * 8 / 4                              # ZeRO-1: split over dp
+    recompute = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8, recompute=True))
+    assert recompute["activations"] < mem["activations"]
+
+
+def test_korthikanti_16_bit_activations():
+    m = PRESETS["dgx-a100"]
+    w = Workload(n_layer=1, n_embd=1024, n_head=16, seq=2048, global_batch=1)
+    s, b, h, a = 2048, 1, 1024, 16
+    for t, sp, expect in ((1, False, s * b * h * (34 + 5 * a * s / h)),
+                          (4, False, s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4))),
+                          (4, True, s * b * h * (34 + 5 * a * s / h) / 4)):
+        assert memory_per_rank(m, w, Layout(tp=t, micro_batch=1, sp=sp))["activations"] == pytest.approx(expect)
+
+
+def test_tensor_parallel_communication_by_hand():
+    """4 all-reduces of b s h values per layer and micro-batch, on the intra-node link."""
+    m = cpu()
+    w = Workload(n_layer=3, n_embd=64, n_head=4, seq=16, global_batch=4)
+    t = step_time(m, w, Layout(tp=2, micro_batch=2))
+    n = 2 * 16 * 64 * 4
+    assert t["tp_comm"] == pytest.approx(2 * 3 * 4 * ring_all_reduce(n, 2, 1e-5, 1e10))
+    across = step_time(cpu(ranks_per_node=1), w, Layout(tp=2, micro_batch=2))
+    assert across["tp_comm"] > 5 * t["tp_comm"]                                 # the network is slower
+
+
+def test_planner_keeps_tensor_parallelism_inside_a_node():
+    """Rediscovers the rule: TP inside a node (fast links), never across the network."""
+    m = PRESETS["dgx-a100"]
+    w = Workload(n_layer=32, n_embd=8192, n_head=64, seq=2048, global_batch=256, vocab=51200)
+    result = plan(m, w, nodes=4, top=5)
+    best = result["ranked"][0]["layout"]
+    assert best.tp <= m.ranks_per_node
+    crossing = [r for r in result["all"] if r["fits"] and r["layout"].tp > m.ranks_per_node]
+    assert crossing and min(r["time"]["total"] for r in crossing) > 1.2 * result["ranked"][0]["time"]["total"]
+    assert "inside a node" in result["why"]
+
+
+def test_planner_says_when_nothing_fits():
+    m = cpu(mem_bytes=1e6)
+    result = plan(m, Workload(4, 256, 4, 128, 8), nodes=1)
+    assert result["ranked"] == [] and "no layout fits" in result["why"]
+
+
+def test_paper_weak_scaling_within_five_points():
+    from validate_costmodel import paper_weak_scaling
+    for row in paper_weak_scaling():
+        assert abs(row["predicted"] - row["paper"]) <= 0.05, row
+
+
+def test_plan_command(tmp_path):
+    cmd = [sys.executable, "-m", "mpi_tp", "plan", "--machine", "dgx-h100", "--nodes", "2", "--layers", "24",
+           "--hidden", "2048", "--heads", "16", "--seq", "1024", "--global-batch", "64", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ranks"] == 16 and out["ranked"] and "best:" in out["why"]
+    r = subprocess.run(cmd[:5] + ["nowhere"] + cmd[6:], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown machine 'nowhere'" in r.stderr
+    m = tmp_path / "m.json"
+    cpu().save(str(m))
+    r = subprocess.run(cmd[:5] + [str(m)] + cmd[6:], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,131 @@
+"""`mpi-tp explain` at the world size of the run: every layer equals its serial self, the shards are
+the split rule's, and the collectives of each pass are Megatron's (f, g, or their sequence-parallel forms).
+
+The in-process tests are MPI tests (1, 2, 3 and 4 ranks); the last one starts its own 2-rank job and
+runs in the one-rank pass only, like tests/test_cli.py.
+"""
+import argparse
+import re
+
+import pytest
+
+from mpi_tp.explain import cmd_explain
+from mpi_tp.runtime import UsageError
+from mpi_tp.topology import split_sizes
+from test_cli import MPIEXEC, mpirun
+
+MPI_TEST = pytest.mark.mpi(min_size=1)
+B, S, C = 2, 4, 8
+BSC_BYTES = B * S * C * 8                 # one (B, S, C) float64 activation
+# layer: (f's or sp all-gathers on the way in, g's or sp reduce-scatters on the way out), per forward
+REGIONS = {"column": (1, 0), "row": (0, 1), "mlp": (1, 1), "attention": (1, 1), "block": (2, 2)}
+
+
+def explain(capsys, world, layer="all", sp=False, **over):
+    args = argparse.Namespace(**dict(dict(layer=layer, features=C, heads=None, batch=B, seq=S,
+                                          sequence_parallel=sp), **over))
+    status = cmd_explain(args, world)
+    return status, capsys.readouterr().out
+
+
+def sections(out):
+    """{layer: [rank 0's text, rank 1's text, ...]} from rank 0's output."""
+    found = {}
+    for part in out.split("\n== ")[1:]:
+        layer = part.split(" ==", 1)[0]
+        found[layer] = part.split("-- rank ")[1:]
+    return found
+
+
+def counts(rank_text, phase):
+    """{kind: (calls, bytes)} of the collectives printed for one pass."""
+    return {k: (int(c), int(b)) for k, c, b in
+            re.findall(rf"^  {phase} +tp/(\w+): (\d+) calls?, (\d+) bytes", rank_text, re.M)}
+
+
+@MPI_TEST
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("layer", list(REGIONS))
+def test_every_layer_equals_serial_with_megatrons_collectives(capsys, world, layer, sp):
+    status, out = explain(capsys, world, layer, sp)
+    assert status == 0
+    if world.Get_rank() != 0:
+        assert out == ""                              # rank 0 speaks for everyone
+        return
+    assert f"{layer}: all ranks equal the serial layer: yes" in out and "FAIL" not in out
+    ranks = sections(out)[layer]
+    assert len(ranks) == world.Get_size() and out.count("PASS") == world.Get_size()
+    enter, leave = REGIONS[layer]
+    if world.Get_size() == 1:
+        expect_f, expect_b = {}, {}
+    elif not sp:
+        expect_f = {"all_reduce": leave}              # g
+        expect_b = {"all_reduce": enter}              # f's backward
+    else:
+        expect_f = {"all_gather": enter, "reduce_scatter": leave}
+        expect_b = {"reduce_scatter": enter, "all_gather": leave}
+    for text in ranks:
+        fwd, bwd = counts(text, "forward"), counts(text, "backward")
+        if sp and leave and world.Get_size() > 1:     # replicated grads summed over the positions
+            assert bwd.pop("sp_grad_all_reduce")[0] == 1
+        assert fwd == {k: (n, n * BSC_BYTES) for k, n in expect_f.items() if n}, text
+        assert bwd == {k: (n, n * BSC_BYTES) for k, n in expect_b.items() if n}, text
+
+
+@MPI_TEST
+def test_shards_follow_the_split_rule(capsys, world):
+    status, out = explain(capsys, world, heads=4)
+    assert status == 0
+    if world.Get_rank() != 0:
+        return
+    assert "every layer: all ranks equal the serial layer: yes" in out
+    assert f"batch B = {B}, sequence S = {S}, features C = {C}, heads H = 4" in out
+    T, M, F = world.Get_size(), 2 * C + 1, 4 * C
+    layers = sections(out)
+    for r in range(T):
+        m, f, h = split_sizes(M, T)[r], split_sizes(F, T)[r], split_sizes(4, T)[r]
+        m0, f0 = sum(split_sizes(M, T)[:r]), sum(split_sizes(F, T)[:r])
+        assert f"column/weight: global ({C}, {M}) -> shard ({C}, {m}) = [:, {m0}:{m0 + m}]" in layers["column"][r]
+        assert f"row/weight: global ({M}, {C}) -> shard ({m}, {C}) = [{m0}:{m0 + m}, :]" in layers["row"][r]
+        assert f"row/bias: global ({C},) -> shard ({C},) = whole (replicated)" in layers["row"][r]
+        assert f"input (2, 4, {m}) -> output (2, 4, {C})" in layers["row"][r]
+        assert f"mlp/fc/weight: global ({C}, {F}) -> shard ({C}, {f}) = [:, {f0}:{f0 + f}]" in layers["mlp"][r]
+        assert f"mlp/proj/weight: global ({F}, {C}) -> shard ({f}, {C})" in layers["mlp"][r]
+        assert f"attn/k/weight: global ({C}, {C}) -> shard ({C}, {2 * h})" in layers["attention"][r]
+        assert f"h/0/mlp/fc/weight: global ({C}, {F}) -> shard ({C}, {f})" in layers["block"][r]
+
+
+@MPI_TEST
+def test_sequence_parallel_inputs_are_this_ranks_positions(capsys, world):
+    status, out = explain(capsys, world, "mlp", sp=True, seq=5)
+    assert status == 0
+    if world.Get_rank() == 0:
+        for r, text in enumerate(sections(out)["mlp"]):
+            s = split_sizes(5, world.Get_size())[r]
+            assert f"input (2, {s}, {C}) -> output (2, {s}, {C})" in text
+
+
+@MPI_TEST
+def test_impossible_requests_are_usage_errors_on_every_rank(capsys, world):
+    with pytest.raises(UsageError, match="--features must be a positive integer"):
+        explain(capsys, world, features=0)
+    T = world.Get_size()
+    with pytest.raises(UsageError, match="needs a head"):
+        explain(capsys, world, "attention", heads=max(T - 1, 3))     # too few heads, or 3 not dividing 8
+    if T > 1:
+        with pytest.raises(UsageError, match="--seq"):
+            explain(capsys, world, "block", sp=True, seq=T - 1)
+    assert capsys.readouterr().out == ""                              # nothing printed before the check
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_explain_command_prints_once():
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("starts its own MPI job: one-rank pass only")
+    r = mpirun(2, "explain", "--layer", "mlp", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("mlp: all ranks equal the serial layer: yes") == 1
+    assert r.stdout.count("-- rank 0 of 2") == 1 and r.stdout.count("-- rank 1 of 2") == 1
+    r = mpirun(2, "explain", "--features", "0", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
