@@ -1,7 +1,7 @@
 """Measured tensor-parallel communication per training step against the closed form.
 
-    mpiexec -n 2 python experiments/comm_volume.py            # a few shapes, table on rank 0
-    mpiexec -n 4 python experiments/comm_volume.py --json     # one JSON line per shape
+    mpiexec -n 2 python -m mpi4py experiments/comm_volume.py            # a few shapes, table on rank 0
+    mpiexec -n 4 python -m mpi4py experiments/comm_volume.py --json     # one JSON line per shape
 
 For each shape the script runs one forward, backward and clipping step and
 reads the collective counters. The closed form (docs/tensor_parallelism.md) is

@@ -79,3 +79,7 @@ def main(argv=None) -> int:
         if COMM.Get_rank() == 0:
             print(f"mpi-tp: error: {e}", file=sys.stderr, flush=True)
         return e.status
+    except BrokenPipeError:               # `mpi-tp inspect ... | head`: the reader left; not an error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

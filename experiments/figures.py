@@ -1,0 +1,456 @@
+"""The figures of docs/learn.md, drawn from the project's own layers and counters.
+
+    mpiexec -n 3 python -m mpi4py experiments/figures.py                  # writes docs/figures/*.png
+    mpiexec -n 3 python -m mpi4py experiments/figures.py --out /tmp/figs  # somewhere else
+
+Needs matplotlib, which mpi_tp itself does not depend on: `pip install matplotlib`.
+It runs on exactly 3 ranks. Nothing in a picture is typed in by hand when the
+code can say it: the cuts (which columns, rows, heads, vocabulary entries and
+positions each rank holds) are read from real ColumnParallelLinear,
+RowParallelLinear, Block and VocabParallelEmbedding objects built on the 3-rank
+group, and every collective named in a caption is counted by `CommStats` while
+those layers run a forward and a backward pass. The last figure is one
+training step of a small GPT on ranks 0 and 1 (tensor-parallel size 2), with
+and without sequence parallelism. Rank 0 gathers the facts, draws, and prints
+the files it wrote.
+"""
+import argparse
+import io
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")                          # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+    from PIL import Image                          # Pillow comes with matplotlib
+except ImportError:
+    raise SystemExit("experiments/figures.py needs matplotlib: pip install matplotlib") from None
+
+from mpi_tp.comm import Group
+from mpi_tp.layers import ColumnParallelLinear, RowParallelLinear, SequenceSplit, VocabParallelEmbedding
+from mpi_tp.loss import VocabParallelCrossEntropy
+from mpi_tp.model import GPT, Block, Dropout, GPTConfig
+from mpi_tp.topology import Topology
+
+RANKS = 3
+RANK_COLOR = ["#4C72B0", "#DD8452", "#55A868"]      # rank 0, 1, 2 (the same in every figure)
+WHOLE = "#D9D9D9"                                   # replicated: the same numbers on every rank
+COMM = "#C44E52"                                    # boxes that communicate (f, g and friends)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------- facts, read from the code
+
+def counted(stats, fn):
+    """Run fn() with fresh counters: (its result, {kind: (calls, bytes, wire bytes)} it communicated)."""
+    stats.reset()
+    result = fn()
+    return result, {k.split("/", 1)[1]: (v["calls"], v["bytes"], v["wire_bytes"])
+                    for k, v in stats.snapshot().items()}
+
+
+def linear_facts(group):
+    """ColumnParallelLinear(6 -> 7) followed by RowParallelLinear(7 -> 6), as in an MLP."""
+    col = ColumnParallelLinear("demo/fc", 6, 7, group, "float64")
+    row = RowParallelLinear("demo/proj", 7, 6, group, "float64", sizes=col.sizes)
+    x = np.random.default_rng(0).standard_normal((1, 4, 6))           # (B, T, K): 4 tokens
+    y, col_fwd = counted(group.stats, lambda: col.forward(x))          # (1, 4, M_i)
+    _, col_bwd = counted(group.stats, lambda: col.backward(np.ones_like(y)))
+    z, row_fwd = counted(group.stats, lambda: row.forward(y))          # (1, 4, 6), all-reduced
+    _, row_bwd = counted(group.stats, lambda: row.backward(np.ones_like(z)))
+    w, rw = col.weight, row.weight
+    return {"col_w": (w.axis, w.start, w.stop, w.data.shape), "col_y": y.shape,
+            "row_w": (rw.axis, rw.start, rw.stop, rw.data.shape), "row_z": z.shape,
+            "col_fwd": col_fwd, "col_bwd": col_bwd, "row_fwd": row_fwd, "row_bwd": row_bwd}
+
+
+def block_facts(comm, sp: bool):
+    """One Block (5 heads, C = 20, MLP width 80) on the 3-rank group: who holds what, what it sends."""
+    topo = Topology.create(comm)
+    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=5, n_embd=20)
+    split = SequenceSplit(topo.tp) if sp else None
+    block = Block(0, cfg, topo, np.dtype("float64"), 0, Dropout(0.0, 0), split)
+    S = cfg.block_size
+    rows = slice(0, S)
+    if split is not None:
+        split.set(S)
+        rows = split.positions                                          # this rank's positions
+    x = np.random.default_rng(1).standard_normal((2, S, cfg.n_embd))[:, rows].copy()
+    y, fwd = counted(topo.stats, lambda: block.forward(x))
+    _, bwd = counted(topo.stats, lambda: block.backward(np.ones_like(y)))
+    attn, mlp = block.attn, block.mlp
+    facts = {"heads": (attn.heads.start, attn.heads.stop), "head_size": attn.D,
+             "qkv_cols": (attn.qkv.weight.start, attn.qkv.weight.stop),
+             "fc_cols": (mlp.fc.weight.start, mlp.fc.weight.stop),
+             "positions": (rows.start, rows.stop), "fwd": fwd, "bwd": bwd}
+    topo.free()
+    return facts
+
+
+def vocab_facts(group):
+    """VocabParallelEmbedding (V = 10, C = 4), its tied head and the vocab-parallel loss."""
+    emb = VocabParallelEmbedding("wte", 10, 4, group, "float64")
+    loss = VocabParallelCrossEntropy(group, emb.start, emb.stop)
+    ids, targets = np.array([[3, 7, 0, 5, 9]]), np.array([[7, 0, 5, 9, 2]])
+    x, emb_fwd = counted(group.stats, lambda: emb.forward(ids))                  # (1, 5, C), whole
+    logits, head_fwd = counted(group.stats, lambda: emb.logits_forward(x))       # (1, 5, V_i)
+    _, loss_fwd = counted(group.stats, lambda: loss.forward(logits, targets))
+    dlogits, loss_bwd = counted(group.stats, loss.backward)
+    dx, head_bwd = counted(group.stats, lambda: emb.logits_backward(dlogits))
+    _, emb_bwd = counted(group.stats, lambda: emb.backward(dx))
+    return {"rows": (emb.start, emb.stop), "ids": ids[0].tolist(), "emb_fwd": emb_fwd, "head_fwd": head_fwd,
+            "loss_fwd": loss_fwd, "loss_bwd": loss_bwd, "head_bwd": head_bwd, "emb_bwd": emb_bwd}
+
+
+STEP = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
+STEP_B = 4
+
+
+def step_counters(comm, sp: bool):
+    """Counters of one forward and one backward of a small GPT on `comm` (2 ranks)."""
+    topo = Topology.create(comm)
+    model = GPT(GPTConfig(**STEP), topo, sequence_parallel=sp)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (STEP_B, STEP["block_size"])), rng.integers(0, 256, (STEP_B, STEP["block_size"]))
+    _, fwd = counted(topo.stats, lambda: model.forward(x, y))
+    _, bwd = counted(topo.stats, model.backward)
+    topo.free()
+    return {"fwd": fwd, "bwd": bwd}
+
+
+# ---------------------------------------------------------------- drawing helpers
+
+def new_axes(width, height, xlim, ylim):
+    fig, ax = plt.subplots(figsize=(width, height))
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return fig, ax
+
+
+def grid(ax, x, y, rows, cols, color, cell=1.0, text=None):
+    """A matrix of rows x cols cells, top-left corner at (x, y); color(r, c) and text(r, c) per cell."""
+    for r in range(rows):
+        for c in range(cols):
+            ax.add_patch(Rectangle((x + c * cell, y - (r + 1) * cell), cell, cell,
+                                   facecolor=color(r, c), edgecolor="white", linewidth=1.2))
+            if text is not None and text(r, c):
+                ax.text(x + (c + 0.5) * cell, y - (r + 0.5) * cell, text(r, c),
+                        ha="center", va="center", fontsize=8)
+
+
+def box(ax, x, y, w, h, label, face="white", edge="#333333", size=9, weight="normal", color="black"):
+    """A rounded box centred at (x, y)."""
+    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02,rounding_size=0.15",
+                                facecolor=face, edgecolor=edge, linewidth=1.2))
+    ax.text(x, y, label, ha="center", va="center", fontsize=size, weight=weight, color=color)
+
+
+def arrow(ax, x0, y0, x1, y1, color="#333333"):
+    ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                arrowprops=dict(arrowstyle="->", color=color, linewidth=1.2, shrinkA=0, shrinkB=0))
+
+
+def by_rank(cuts):
+    """Rank that owns index i, given each rank's (start, stop)."""
+    return lambda i: next(r for r, (a, b) in enumerate(cuts) if a <= i < b)
+
+
+def span(a, b):
+    return f"{a}" if b - a == 1 else f"{a}–{b - 1}"
+
+
+def said(counts):
+    """{kind: (calls, ...)} -> '1 all_reduce' style text; 'no collective' when empty."""
+    return ", ".join(f"{c[0]} {k}" for k, c in counts.items()) or "no collective"
+
+
+def save(fig, out, name, written):
+    """Write the figure as a 256-colour PNG: flat drawings lose nothing and the files stay small."""
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, bbox_inches="tight", pad_inches=0.1)
+    plt.close(fig)
+    buf.seek(0)
+    path = os.path.join(out, name)
+    Image.open(buf).convert("RGB").quantize(colors=256).save(path, optimize=True)
+    written.append(path)
+
+
+# ---------------------------------------------------------------- the figures
+
+def fig_column(f, out, written):
+    cuts = [(w[1], w[2]) for w in (r["col_w"] for r in f)]
+    owner = by_rank(cuts)
+    fig, ax = new_axes(11, 4.9, (-0.5, 27), (-5.0, 7.0))
+    box(ax, 0.9, 2, 1.6, 1.2, "f", face=COMM, size=14, weight="bold", color="white")
+    ax.text(0.9, 0.9, "forward: identity\nbackward:\nall-reduce dX", ha="center", va="top", fontsize=8)
+    arrow(ax, 1.8, 2, 2.6, 2)
+    grid(ax, 2.8, 4, 4, 6, lambda r, c: WHOLE)
+    ax.text(5.8, 4.4, "X  (4 tokens × 6)\nwhole on every rank", ha="center", va="bottom", fontsize=9)
+    ax.text(9.5, 2, "×", ha="center", va="center", fontsize=18)
+    grid(ax, 10.5, 5, 6, 7, lambda r, c: RANK_COLOR[owner(c)])
+    for r, (a, b) in enumerate(cuts):
+        ax.text(10.5 + (a + b) / 2, 5.3, f"rank {r}\ncols {span(a, b)}", ha="center", va="bottom",
+                fontsize=8.5, color=RANK_COLOR[r], weight="bold")
+    ax.text(14.0, -1.4, "A  (6 × 7), stored (in, out)", ha="center", va="top", fontsize=9)
+    ax.text(18.4, 2, "=", ha="center", va="center", fontsize=18)
+    grid(ax, 19.5, 4, 4, 7, lambda r, c: RANK_COLOR[owner(c)])
+    for r, (a, b) in enumerate(cuts):
+        ax.text(19.5 + (a + b) / 2, 4.3, f"$Y_{r}$", ha="center", va="bottom", fontsize=11, color=RANK_COLOR[r])
+    ax.text(23.0, -0.4, "Y: each rank holds only\nits own columns", ha="center", va="top", fontsize=9)
+    lines = [f"rank {r} holds $A_{r}$ = A[:, {a}:{b}] {tuple(s['col_w'][3])} and b[{a}:{b}]; "
+             f"computes $Y_{r} = X\\,A_{r} + b_{r}$, shape {tuple(s['col_y'])}"
+             for r, (s, (a, b)) in enumerate(zip(f, cuts))]
+    for r, line in enumerate(lines):
+        ax.text(0, -2.6 - 0.9 * r, line, fontsize=9.5, color=RANK_COLOR[r], va="center")
+    ax.set_title(f"Column split: ColumnParallelLinear(in=6, out=7) on 3 ranks.  Counted: forward "
+                 f"{said(f[0]['col_fwd'])}; backward {said(f[0]['col_bwd'])} (f)", fontsize=10)
+    save(fig, out, "column_split.png", written)
+
+
+def fig_row(f, out, written):
+    cuts = [(w[1], w[2]) for w in (r["row_w"] for r in f)]
+    owner = by_rank(cuts)
+    fig, ax = new_axes(11, 5.0, (-0.5, 35), (-7.6, 6.6))
+    grid(ax, 0, 3.5, 4, 7, lambda r, c: RANK_COLOR[owner(c)])
+    for r, (a, b) in enumerate(cuts):
+        ax.text((a + b) / 2, 3.8, f"$X_{r}$", ha="center", va="bottom", fontsize=11, color=RANK_COLOR[r])
+    ax.text(3.5, -0.9, "X (4 × 7) cut by columns:\n$X_i$ is the column layer's $Y_i$", ha="center",
+            va="top", fontsize=9)
+    ax.text(8.0, 1.5, "×", ha="center", va="center", fontsize=18)
+    grid(ax, 9, 5, 7, 6, lambda r, c: RANK_COLOR[owner(r)], cell=0.9)
+    for r, (a, b) in enumerate(cuts):
+        ax.text(14.6, 5 - 0.9 * (a + b) / 2, f"rank {r}: rows {span(a, b)}", ha="left", va="center",
+                fontsize=8.5, color=RANK_COLOR[r], weight="bold")
+    ax.text(11.7, -1.6, "A (7 × 6) cut by rows", ha="center", va="top", fontsize=9)
+    for r in range(RANKS):                                     # the partial products, one per rank
+        top = 5.6 - 3.6 * r
+        grid(ax, 20.5, top, 4, 6, lambda i, j, r=r: RANK_COLOR[r], cell=0.6)
+        ax.text(20.2, top - 1.2, f"$X_{r} A_{r}$", ha="right", va="center", fontsize=10, color=RANK_COLOR[r])
+        arrow(ax, 24.3, top - 1.2, 25.7, 1.5 - 0.4 * (r - 1))
+    ax.text(22.3, -4.4, f"partial sums, each {tuple(f[0]['row_z'])}: not yet the output",
+            ha="center", va="top", fontsize=9)
+    box(ax, 26.8, 1.5, 2.0, 1.6, "g", face=COMM, size=14, weight="bold", color="white")
+    ax.text(26.8, 0.3, "forward: all-reduce\n(sum over ranks)\nbackward: identity", ha="center", va="top",
+            fontsize=8)
+    arrow(ax, 27.9, 1.5, 30.0, 1.5)
+    grid(ax, 30.2, 2.7, 4, 6, lambda i, j: WHOLE, cell=0.6)
+    ax.text(32.0, 3.0, "+ b  (once)", ha="center", va="bottom", fontsize=10)
+    ax.text(32.0, -0.1, "Y = $\\sum_i X_i A_i$ + b\nwhole on every rank", ha="center", va="top", fontsize=9)
+    ax.text(0, -5.9, "The bias is replicated (axis None) and added after g: added before, it would be counted "
+            "3 times.", fontsize=9.5)
+    ax.text(0, -6.9, f"Counted: forward {said(f[0]['row_fwd'])} (g); backward {said(f[0]['row_bwd'])}.",
+            fontsize=9.5)
+    ax.set_title("Row split: RowParallelLinear(in=7, out=6, sizes = the column layer's) on 3 ranks", fontsize=10)
+    save(fig, out, "row_split.png", written)
+
+
+def fig_block(f, out, written, sp: bool):
+    """The transformer block under tensor parallelism (sp=False) or with sequence parallelism (sp=True)."""
+    fig, ax = new_axes(12, 6.9, (-0.8, 31), (-11.6, 5.9))
+    lanes = [1.25, 0.0, -1.25]                                # rank 0, 1, 2
+    enter = ("all-gather\n(sequence)", "bwd: reduce-scatter") if sp else ("f", "fwd: identity\nbwd: all-reduce")
+    leave = ("reduce-\nscatter\n(sequence)", "bwd: all-gather") if sp else ("g", "fwd: all-reduce\nbwd: identity")
+    D = f[0]["head_size"]
+    rows = [("attention", 2.2, "ln_1",
+             [lambda s: f"q,k,v\ncolumns\nheads {span(*s['heads'])}",
+              lambda s: f"attention\nheads {span(*s['heads'])}",
+              lambda s: f"proj rows\n{span(*s['qkv_cols'])}"]),
+            ("MLP", -5.2, "ln_2",
+             [lambda s: f"fc columns\n{span(*s['fc_cols'])}",
+              lambda s: "GELU",
+              lambda s: f"proj rows\n{span(*s['fc_cols'])}"])]
+    for name, y, ln, stages in rows:
+        if sp:                                                 # outside the region: each rank its positions
+            for r, dy in enumerate(lanes):
+                s = f[r]
+                box(ax, 1.6, y + dy * 1.15, 3.0, 1.2, f"{ln}, pos. {span(*s['positions'])}",
+                    face=RANK_COLOR[r], size=8, color="white")
+            ax.text(1.6, y + 2.5, "x: (B, $S_i$, C)", ha="center", fontsize=9)
+        else:
+            box(ax, 1.6, y, 2.4, 1.2, ln, face=WHOLE)
+            ax.text(1.6, y + 1.0, "x: (B, S, C), whole", ha="center", fontsize=9)
+        for dy in (lanes if sp else [0.0]):
+            arrow(ax, 3.15, y + dy * 1.15, 4.25, y)
+        box(ax, 5.6, y, 2.6 if sp else 1.4, 2.2 if sp else 1.4, enter[0], face=COMM, size=8.5 if sp else 14,
+            weight="bold", color="white")
+        ax.text(5.6, y - 1.6 if sp else y - 1.1, enter[1], ha="center", va="top", fontsize=8)
+        for r, dy in enumerate(lanes):                         # the tensor-parallel region: one lane per rank
+            s = f[r]
+            arrow(ax, 6.9, y, 8.0, y + dy * 1.5)
+            for k, stage in enumerate(stages):
+                x = 9.6 + 3.8 * k
+                box(ax, x, y + dy * 1.5, 3.0, 1.6, stage(s), face=RANK_COLOR[r], size=8, color="white")
+                if k:
+                    arrow(ax, x - 2.3, y + dy * 1.5, x - 1.5, y + dy * 1.5)
+            arrow(ax, 18.8, y + dy * 1.5, 20.3, y)
+        ax.add_patch(Rectangle((7.7, y - 3.0), 12.8, 6.0, fill=False, edgecolor="#777777", linestyle="--"))
+        ax.text(14.1, y + 3.1, f"{name}: tensor-parallel region (one lane per rank)", ha="center",
+                va="bottom", fontsize=9, color="#555555")
+        box(ax, 21.8, y, 2.6 if sp else 1.4, 2.4 if sp else 1.4, leave[0], face=COMM, size=8.5 if sp else 14,
+            weight="bold", color="white")
+        ax.text(21.8, y - 1.6 if sp else y - 1.1, leave[1], ha="center", va="top", fontsize=8)
+        for dy in (lanes if sp else [0.0]):
+            arrow(ax, 23.15, y, 24.65, y + dy * 1.15)
+        if sp:
+            for r, dy in enumerate(lanes):
+                box(ax, 26.3, y + dy * 1.15, 3.2, 1.0, f"+ x, pos. {span(*f[r]['positions'])}",
+                    face=RANK_COLOR[r], size=8, color="white")
+            ax.text(26.3, y + 2.0, "residual", ha="center", fontsize=8)
+        else:
+            box(ax, 25.6, y, 1.6, 1.2, "+ x", face=WHOLE)
+            ax.text(25.6, y + 0.9, "residual", ha="center", fontsize=8)
+        ax.text(28.1 if sp else 26.7, y, "(B, $S_i$, C)" if sp else "(B, S, C)", va="center", fontsize=9)
+    if sp:
+        note = ["Entering a region all-gathers the positions, leaving it reduce-scatters them: per block 2 + 2 "
+                "each way,", "the same bytes on the wire as 4 all-reduces; LayerNorms, dropout and residuals "
+                "work on 1/p of the positions.",
+                f"Counted on one Block, p = 3, S = 8: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
+                "GPT.backward adds one packed all-reduce per block of the replicated parameters' gradients "
+                "(sp_grad_all_reduce)."]
+        title = "Sequence parallelism: the same block, activations split by position outside the regions"
+    else:
+        note = ["Per block: 2 all-reduces forward (the two g) and 2 backward (the two f), B·S·C values each.",
+                f"Counted on one Block, p = 3: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
+                f"5 heads of size {D} over 3 ranks (uneven); q/k/v is one fused ColumnParallelLinear behind one f."]
+    for i, line in enumerate(note):
+        ax.text(-0.6, -9.4 - 0.75 * i, line, fontsize=9.5, va="center")
+    ax.set_title(title if sp else "A transformer block under tensor parallelism (p = 3, C = 20, 5 heads, "
+                 "MLP width 80)", fontsize=10.5)
+    save(fig, out, "block_sp.png" if sp else "block_tp.png", written)
+
+
+def fig_vocab(f, out, written):
+    cuts = [r["rows"] for r in f]
+    owner = by_rank(cuts)
+    ids = f[0]["ids"]
+    fig, ax = new_axes(12, 6.4, (-0.6, 33.5), (-12.2, 6.2))
+    # 1. the table and the lookup
+    grid(ax, 0, 5, 10, 4, lambda r, c: RANK_COLOR[owner(r)], cell=0.8)
+    for r, (a, b) in enumerate(cuts):
+        ax.text(3.4, 5 - 0.8 * (a + b) / 2, f"rank {r}:\nrows {span(a, b)}", va="center", fontsize=8.5,
+                color=RANK_COLOR[r], weight="bold")
+    ax.text(1.6, -3.3, "wte E (V=10 × C=4)\ncut by rows", ha="center", va="top", fontsize=9)
+    ax.text(7.4, 5.4, "token ids", ha="left", fontsize=9)
+    grid(ax, 7.4, 5.2, 1, 5, lambda r, c: RANK_COLOR[owner(ids[c])], cell=0.8, text=lambda r, c: str(ids[c]))
+    for r in range(RANKS):
+        top = 3.2 - 2.6 * r
+        mine = lambda i, j, r=r: RANK_COLOR[r] if owner(ids[i]) == r else "#F2F2F2"
+        grid(ax, 7.6, top, 5, 4, lambda i, j, m=mine: m(i, j), cell=0.45)
+        ax.text(7.3, top - 1.1, f"rank {r}", ha="right", va="center", fontsize=8.5, color=RANK_COLOR[r])
+        arrow(ax, 9.6, top - 1.1, 10.7, -1.4)
+    ax.text(8.5, -5.2, "own tokens looked up,\nzeros elsewhere", ha="center", va="top", fontsize=8.5)
+    box(ax, 11.6, -1.4, 1.6, 1.4, "g", face=COMM, size=14, weight="bold", color="white")
+    ax.text(11.6, -2.4, "all-reduce\nB·S·C values", ha="center", va="top", fontsize=8)
+    # 2. the blocks and the tied head
+    arrow(ax, 12.5, -1.4, 13.6, -1.4)
+    box(ax, 14.9, -1.4, 2.4, 1.6, "blocks,\nln_f", face=WHOLE)
+    arrow(ax, 16.2, -1.4, 17.0, -1.4)
+    box(ax, 17.8, -1.4, 1.4, 1.4, "f", face=COMM, size=14, weight="bold", color="white")
+    for r, (a, b) in enumerate(cuts):
+        top = 3.6 - 3.2 * r
+        grid(ax, 19.6, top, 5, b - a, lambda i, j, r=r: RANK_COLOR[r], cell=0.45)
+        ax.text(19.6 + 0.45 * (b - a) + 0.2, top - 1.1, f"rank {r}: logits\ncolumns {span(a, b)}",
+                va="center", fontsize=8.5, color=RANK_COLOR[r])
+        arrow(ax, 18.5, -1.4, 19.5, top - 1.1)
+    ax.text(21.2, -6.6, "tied head: logits_i = x $E_i^T$\n(B·S × $V_i$), never gathered", ha="center",
+            va="top", fontsize=9)
+    # 3. the loss: two small all-reduces instead of gathering B·S·V logits
+    calls = f[0]["loss_fwd"].get("all_reduce", (0, 0, 0))
+    steps = [("local max per token", "white"), ("all-reduce MAX\n(B·S values)", COMM),
+             ("local Σ exp(l − m)\n+ target logit (owner)", "white"), ("all-reduce SUM\n(2·B·S values)", COMM),
+             ("loss = log Σ − (l_t − m)", WHOLE)]
+    for k, (label, face) in enumerate(steps):
+        y = 4.4 - 2.1 * k
+        box(ax, 29.6, y, 6.4, 1.5, label, face=face, size=8.5, color="white" if face == COMM else "black")
+        if k:
+            arrow(ax, 29.6, y + 1.35, 29.6, y + 0.75)
+    ax.text(29.6, -6.2, "backward: (softmax − onehot)/N\non each rank's columns, no communication",
+            ha="center", va="top", fontsize=8.5)
+    n = len(ids)
+    lines = [f"Counted (p = 3, {n} tokens, float64): embedding forward {said(f[0]['emb_fwd'])} "
+             f"({f[0]['emb_fwd']['all_reduce'][1]} bytes); loss forward {calls[0]} all-reduces, "
+             f"{calls[1]} bytes together (= 3·{n} values);",
+             f"backward: loss {said(f[0]['loss_bwd'])}, tied head {said(f[0]['head_bwd'])} (f), "
+             f"embedding {said(f[0]['emb_bwd'])}."]
+    for i, line in enumerate(lines):
+        ax.text(-0.4, -9.8 - 0.8 * i, line, fontsize=9.5, va="center")
+    ax.set_title("Vocabulary split: VocabParallelEmbedding, the tied output layer and VocabParallelCrossEntropy",
+                 fontsize=10.5)
+    save(fig, out, "vocab_parallel.png", written)
+
+
+def fig_step(tp, sp, out, written):
+    labels, rows = [], []
+    for layout, c in (("TP", tp), ("TP+SP", sp)):
+        for kind in sorted(set(c["fwd"]) | set(c["bwd"])):
+            labels.append(f"{layout}\n" + kind.replace("sp_grad_", "sp_grad_\n").replace("_scatter", "_\nscatter"))
+            rows.append([c[d].get(kind, (0, 0, 0)) for d in ("fwd", "bwd")])
+    rows = np.array(rows, dtype=float)                         # (kinds, fwd/bwd, calls/bytes/wire)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4.2))
+    x = np.arange(len(labels))
+    panels = ("calls", "kB (the 'bytes' counter)", "kB sent per rank by a ring ('wire_bytes')")
+    for j, (ax, what) in enumerate(zip(axes, panels)):
+        scale = 1 if j == 0 else 1000
+        for d, (name, color) in enumerate((("forward", "#4C72B0"), ("backward", "#C44E52"))):
+            vals = rows[:, d, j] / scale
+            bars = ax.bar(x + (d - 0.5) * 0.4, vals, 0.4, label=name, color=color)
+            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "" for v in vals], fontsize=7.5, padding=1)
+        ax.set_xticks(x, labels, fontsize=7.5)
+        ax.set_title(what, fontsize=9.5)
+        ax.set_ylim(0, rows[:, :, j].max() / scale * 1.3)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0].legend(frameon=False, fontsize=9, ncol=2, loc="upper right")
+    L, C, S = STEP["n_layer"], STEP["n_embd"], STEP["block_size"]
+    fig.suptitle(f"One forward and one backward pass at p = 2, counted by topo.stats: GPT(n_layer={L}, "
+                 f"n_embd={C}, n_head={STEP['n_head']}), B={STEP_B}, S={S}, float32", fontsize=10.5)
+    fig.tight_layout()
+    save(fig, out, "step_counters.png", written)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "figures"), help="folder for the PNGs")
+    args = ap.parse_args()
+    world = MPI.COMM_WORLD
+    if world.Get_size() != RANKS:
+        if world.Get_rank() == 0:
+            print(f"figures.py needs exactly {RANKS} ranks (it has {world.Get_size()}): "
+                  f"mpiexec -n {RANKS} python -m mpi4py experiments/figures.py")
+        raise SystemExit(2)
+    tp = Group(world, "tp")
+    facts = {"linear": linear_facts(tp), "block": block_facts(world, False), "block_sp": block_facts(world, True),
+             "vocab": vocab_facts(tp)}
+    pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
+    step = None
+    if pair != MPI.COMM_NULL:
+        step = (step_counters(pair, False), step_counters(pair, True))
+        pair.Free()
+    everyone = world.gather(facts, root=0)
+    if world.Get_rank() != 0:
+        return
+    out = os.path.normpath(args.out)
+    os.makedirs(out, exist_ok=True)
+    written = []
+    per = {k: [r[k] for r in everyone] for k in facts}
+    fig_column(per["linear"], out, written)
+    fig_row(per["linear"], out, written)
+    fig_block(per["block"], out, written, sp=False)
+    fig_block(per["block_sp"], out, written, sp=True)
+    fig_vocab(per["vocab"], out, written)
+    fig_step(*step, out, written)
+    for layout, counts in zip(("TP", "TP+SP"), step):
+        for d in ("fwd", "bwd"):
+            print(f"p = 2 {layout:5} {d}: " + ", ".join(f"{k} {c[0]} calls {c[1]:,} bytes ({c[2]:,} on the wire)"
+                                                       for k, c in counts[d].items()))
+    for path in written:
+        print(f"wrote {path} ({os.path.getsize(path) / 1000:.0f} kB)")
+
+
+if __name__ == "__main__":
+    main()
