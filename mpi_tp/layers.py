@@ -39,17 +39,17 @@ class SequenceSplit:
         return slice(start, start + self.sizes[self.group.rank])
 
 
-def _enter(x, group, sp, copy_input):
+def _enter(x, group, sp):
     """Into a tensor-parallel region: f (x whole) or, under sequence parallelism, an all-gather."""
     if sp is not None:
         return gather_from_sp(x, group, sp.sizes), sp.sizes
-    return (copy_to_tp(x, group) if copy_input else x), None
+    return copy_to_tp(x, group), None
 
 
-def _enter_backward(dx, group, sizes, copy_input):
+def _enter_backward(dx, group, sizes):
     if sizes is not None:
         return gather_from_sp_backward(dx, group, sizes)
-    return copy_to_tp_backward(dx, group) if copy_input else dx
+    return copy_to_tp_backward(dx, group)
 
 
 def _leave(y, group, sp):
@@ -123,7 +123,6 @@ class ColumnParallelLinear(Module):
              gather (optional): Y = [Y_1 ... Y_p] (all-gather), else Y_i stays split
 
     The weight is stored (in, out) so that y = x @ A + b. Rank i holds A_i (K, M_i).
-    copy_input=False leaves f to the caller.
 
     parts: several column-parallel layers that read the same X, computed as one.
     parts=("q", "k", "v") makes three parameters {name}/q/weight, ... (each (K, M),
@@ -133,10 +132,10 @@ class ColumnParallelLinear(Module):
     """
 
     def __init__(self, name, in_features, out_features, group: Group, dtype, *, bias=True,
-                 gather_output=False, copy_input=True, sizes=None, std=0.02, seed=0, parts=None, sp=None):
+                 gather_output=False, sizes=None, std=0.02, seed=0, parts=None, sp=None):
         self.group, self.sp = group, sp
         self.sizes, start, stop = _shard(out_features, group, sizes, f"{name}: output features")
-        self.gather_output, self.copy_input = gather_output, copy_input
+        self.gather_output = gather_output
         if parts and gather_output:
             raise ValueError(f"{name}: gather_output needs a single part")
         names = [f"{name}/{part}" for part in parts] if parts else [name]
@@ -159,7 +158,7 @@ class ColumnParallelLinear(Module):
         return self.biases[0] if self.biases else None
 
     def forward(self, x):
-        x, seq = _enter(x, self.group, self.sp, self.copy_input)     # sp: (B, S_i, K) -> (B, S, K)
+        x, seq = _enter(x, self.group, self.sp)                       # sp: (B, S_i, K) -> (B, S, K)
         b = self.biases[0].base if self.biases else None
         y, cache = K.linear_forward(x, self.weights[0].base, b)       # (B, T, K) -> (B, T, parts * M_i)
         self.save_cache(cache, seq)
@@ -174,7 +173,7 @@ class ColumnParallelLinear(Module):
         dx, db = _linear_backward(dout, cache, self.weights)
         if self.biases:
             accumulate_base(self.biases, db)
-        return _enter_backward(dx, self.group, seq, self.copy_input)
+        return _enter_backward(dx, self.group, seq)
 
 
 class RowParallelLinear(Module):
@@ -264,7 +263,7 @@ class VocabParallelEmbedding(Module):
 
     def logits_forward(self, x):
         """Tied output layer: (B, T, C) -> (B, T, V_i) = x @ E_i^T, behind f (sp: an all-gather)."""
-        x, seq = _enter(x, self.group, self.sp, True)
+        x, seq = _enter(x, self.group, self.sp)
         y, cache = K.linear_forward(x, self.weight.data.T)
         self._logits_cache = cache, seq
         return y
@@ -276,4 +275,4 @@ class VocabParallelEmbedding(Module):
         cache, seq = saved
         dx, dwt, _ = K.linear_backward(dlogits, cache)                # dwt: (C, V_i)
         self.weight.accumulate(dwt.T)
-        return _enter_backward(dx, self.group, seq, True)
+        return _enter_backward(dx, self.group, seq)

@@ -14,7 +14,7 @@ from mpi_tp import checkpoint as ck
 from mpi_tp.model import GPT, GPTConfig
 from mpi_tp.optim import AdamW
 from mpi_tp.runtime import UsageError, collective_setup
-from mpi_tp.testing import all_true, assert_close, gather_full, randomize
+from mpi_tp.testing import all_true, gather_full, randomize
 from mpi_tp.topology import Topology
 
 pytestmark = pytest.mark.mpi(min_size=1)

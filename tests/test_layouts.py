@@ -117,7 +117,7 @@ def test_sequence_parallel_moves_the_same_bytes(world):
         model.backward()
         snaps.append(topo.stats.snapshot())
     tp_only, with_sp = snaps
-    L, S, C = CFG["n_layer"], CFG["block_size"], CFG["n_embd"]
+    L = CFG["n_layer"]
     assert with_sp["tp/reduce_scatter"]["calls"] == 4 * L + 2          # 2 per block each way; embedding; head
     assert with_sp["tp/all_gather"]["calls"] == 4 * L + 2
     assert tp_only["tp/all_reduce"]["calls"] == 4 * L + 2 + 2          # ... + the loss's two small ones
