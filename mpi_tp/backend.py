@@ -19,7 +19,7 @@ _name = "numpy"
 _cuda_aware = False
 
 
-class BackendError(RuntimeError):
+class BackendError(ValueError):
     """The requested array backend cannot be used on this machine."""
 
 
