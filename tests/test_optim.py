@@ -1,0 +1,78 @@
+"""The block-by-block optimizers against textbook whole-array updates, and the schedule."""
+import math
+
+import numpy as np
+import pytest
+
+from mpi_tp.optim import BLOCK, SGD, AdamW, clip_coefficient, lr_at
+from mpi_tp.params import fuse_last_axis, make_param
+
+
+def params(seed=0):
+    """A matrix (decayed, larger than one block), a fused pair of views, and a bias."""
+    rng = np.random.default_rng(seed)
+    w = make_param("w", (300, BLOCK // 100), "float64", decay=True)
+    a = make_param("q", (7, 3), "float64", decay=True)
+    b = make_param("k", (7, 4), "float64", decay=True)
+    fuse_last_axis([a, b])
+    bias = make_param("b", (5,), "float64")
+    ps = [w, a, b, bias]
+    for p in ps:
+        p.data[...] = rng.standard_normal(p.data.shape)
+    return ps
+
+
+def set_grads(ps, step):
+    rng = np.random.default_rng(100 + step)
+    for p in ps:
+        p.grad[...] = rng.standard_normal(p.grad.shape)
+
+
+def test_adamw_matches_the_textbook_update():
+    ps, ref = params(), params()
+    opt = AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    m = [np.zeros_like(p.data) for p in ref]
+    v = [np.zeros_like(p.data) for p in ref]
+    for t in range(1, 6):
+        set_grads(ps, t), set_grads(ref, t)
+        lr = 1e-2 * t / 5
+        scale = 0.5 if t == 3 else 1.0                       # one clipped step
+        opt.step(lr, grad_scale=scale)
+        for i, p in enumerate(ref):                          # Loshchilov & Hutter, decoupled decay
+            g = p.grad * scale
+            if p.decay:
+                p.data *= 1 - lr * 0.1
+            m[i] = 0.9 * m[i] + 0.1 * g
+            v[i] = 0.95 * v[i] + 0.05 * g * g
+            mhat, vhat = m[i] / (1 - 0.9 ** t), v[i] / (1 - 0.95 ** t)
+            p.data -= lr * mhat / (np.sqrt(vhat) + 1e-8)
+    for p, q in zip(ps, ref):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-14, err_msg=p.name)
+    state = opt.state_tensors()
+    for i, p in enumerate(ps):
+        np.testing.assert_allclose(state["m"][i], m[i], rtol=1e-12, atol=1e-15, err_msg=p.name)
+
+
+def test_sgd_matches_the_textbook_update():
+    ps, ref = params(1), params(1)
+    opt = SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)
+    buf = [np.zeros_like(p.data) for p in ref]
+    for t in range(1, 5):
+        set_grads(ps, t), set_grads(ref, t)
+        opt.step()
+        for i, p in enumerate(ref):
+            g = p.grad + (0.01 * p.data if p.decay else 0)
+            buf[i] = 0.9 * buf[i] + g
+            p.data -= 0.1 * buf[i]
+    for p, q in zip(ps, ref):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-14, err_msg=p.name)
+
+
+def test_schedule_and_clipping():
+    assert lr_at(0, 1.0, 10, 100) == pytest.approx(0.1)                  # warm-up starts at lr / warmup
+    assert lr_at(9, 1.0, 10, 100) == pytest.approx(1.0)
+    assert lr_at(10, 1.0, 10, 100) == pytest.approx(1.0)                 # cosine from the top
+    assert lr_at(55, 1.0, 10, 100) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)                # ends at min_ratio * lr
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(4.0, 1.0) == pytest.approx(0.25, rel=1e-6)
+    assert clip_coefficient(4.0, 0.0) == 1.0                             # 0: no clipping
