@@ -132,3 +132,17 @@ def test_bench_reports(tmp_path):
     assert {"bare", "mpi_tp"} <= set(row["allreduce_BSC_ms"])
     r = mpirun(2, "bench", "--custom", "32,3,1,16,2", timeout=60)
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
+
+
+def test_presets_are_valid(tmp_path):
+    """Every preset in experiments/configs loads and validates at the world size it names."""
+    import argparse
+    from mpi_tp.config import add_arguments, resolve
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs")
+    presets = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
+    assert presets
+    for name in presets:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        cfg = resolve(parser.parse_args(["--config", os.path.join(folder, name)]))
+        cfg.validate((cfg.tp or 1) * cfg.dp)
