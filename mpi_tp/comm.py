@@ -214,32 +214,8 @@ class Group:
         return out
 
     def all_gather_last(self, x, sizes: list[int]):
-        """Concatenate every rank's x along the last axis; rank r contributes sizes[r] columns.
-
-        x: (..., sizes[rank]) -> (..., sum(sizes)). Uneven sizes go through Allgatherv.
-        """
-        if self.size == 1:
-            return x
-        if len(sizes) != self.size or x.shape[-1] != sizes[self.rank]:
-            raise ValueError(f"{self.name}.all_gather_last: shard of shape {x.shape} does not match sizes {sizes}")
-        xp = backend.array_module(x)
-        x = xp.ascontiguousarray(x)
-        _check_buffer(x, f"{self.name}.all_gather_last")
-        lead = x.shape[:-1]
-        rows = int(numpy.prod(lead))
-        counts = [rows * s for s in sizes]
-        displs = [sum(counts[:r]) for r in range(self.size)]
-        t0 = time.perf_counter()
-        flat = numpy.empty(sum(counts), dtype=x.dtype)   # rank-major: [rank 0's block | rank 1's block | ...]
-        self.comm.Allgatherv(_staged(x), [flat, (counts, displs)])
-        flat = xp.asarray(flat)                          # back to the GPU under CuPy
-        out = xp.empty(lead + (sum(sizes),), dtype=x.dtype)
-        col = 0
-        for r, s in enumerate(sizes):  # each block is (..., s); lay it into its columns
-            out[..., col:col + s] = flat[displs[r]:displs[r] + counts[r]].reshape(lead + (s,))
-            col += s
-        self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
-        return out
+        """Concatenate every rank's x along the last axis: (..., sizes[rank]) -> (..., sum(sizes))."""
+        return self.all_gather(x, sizes, axis=-1)
 
     def broadcast(self, x, root: int = 0):
         """Every rank's x becomes root's x, in place; returns x."""

@@ -230,24 +230,19 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     preemption.close()
 
     train_s = time.perf_counter() - t0
-    if "preempted_at" in record:
-        if is_root:
-            metrics.close()
-            with open(os.path.join(out, "run.json"), "w") as f:
-                json.dump(record, f, indent=2)
-        return record
-    tail = losses[-cfg.log_every:] or [float("nan")]
-    record.update({"steps": cfg.steps, "first_step": first, "final_train_loss": sum(tail) / len(tail),
-                   "final_val_loss": val_loss,
-                   "unigram_entropy": entropy, "train_seconds": train_s,
-                   "tokens_per_s": len(losses) * tokens_per_step / train_s,
-                   "communication": topo.stats.snapshot()})
-    rank0_print(f"done in {_fmt_time(train_s)}: validation loss {val_loss:.4f} nats/byte "
-                f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s", comm=comm)
-    if cfg.sample_len:
-        text = sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed)
-        record["sample"] = printable(text)
-        rank0_print("--- sample ---\n" + record["sample"] + "\n--------------", comm=comm)
+    if "preempted_at" not in record:       # a pre-empted run leaves its summary and sample to the resumed one
+        tail = losses[-cfg.log_every:] or [float("nan")]
+        record.update({"steps": cfg.steps, "first_step": first, "final_train_loss": sum(tail) / len(tail),
+                       "final_val_loss": val_loss,
+                       "unigram_entropy": entropy, "train_seconds": train_s,
+                       "tokens_per_s": len(losses) * tokens_per_step / train_s,
+                       "communication": topo.stats.snapshot()})
+        rank0_print(f"done in {_fmt_time(train_s)}: validation loss {val_loss:.4f} nats/byte "
+                    f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s", comm=comm)
+        if cfg.sample_len:
+            text = sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed)
+            record["sample"] = printable(text)
+            rank0_print("--- sample ---\n" + record["sample"] + "\n--------------", comm=comm)
     if is_root:
         metrics.close()
         with open(os.path.join(out, "run.json"), "w") as f:
