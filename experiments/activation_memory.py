@@ -28,8 +28,9 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.topology import Topology
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
 
 CONFIGS = [(64, 4, 128, 4), (128, 4, 256, 4), (128, 8, 256, 8), (256, 4, 512, 8)]   # (s, b, h, a)
 

@@ -4,7 +4,7 @@
     MPI_TP_FAKE_NODES=2 mpiexec -n 4 python -m mpi4py experiments/allreduce_bench.py   # emulated
 
 Each size: median of --repeats timed calls (after a warm-up), each preceded by a
-barrier; the time is the slowest rank's. The hierarchical version (mpi_tp.hierarchical)
+barrier; the time is the slowest rank's. The hierarchical version (mpi_tp.parallel.hierarchical)
 reduces inside each node, all-reduces among one rank per node, and broadcasts back.
 """
 import argparse
@@ -14,8 +14,8 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
-from mpi_tp.comm import CommStats, Group
-from mpi_tp.hierarchical import HierarchicalAllReduce
+from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 
 
 def timed(comm, fn, repeats):

@@ -29,9 +29,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpi_tp import checkpoint as ckpt
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.optim import AdamW
-from mpi_tp.topology import Topology
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import AdamW
 
 COMM = MPI.COMM_WORLD
 BLOCK = 64 << 20                     # raw I/O buffer: 64 MiB

@@ -15,9 +15,10 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.optim import clip_grad_norm
-from mpi_tp.topology import Topology
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import clip_grad_norm
 
 SHAPES = [  # (layers, hidden, heads, seq, batch)
     (2, 64, 4, 32, 4),

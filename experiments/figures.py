@@ -26,15 +26,19 @@ try:
     matplotlib.use("Agg")                          # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch, Rectangle
-    from PIL import Image                          # Pillow comes with matplotlib
+    from PIL import Image  # Pillow comes with matplotlib
 except ImportError:
     raise SystemExit("experiments/figures.py needs matplotlib: pip install matplotlib") from None
 
-from mpi_tp.comm import Group
-from mpi_tp.layers import ColumnParallelLinear, RowParallelLinear, SequenceSplit, VocabParallelEmbedding
-from mpi_tp.loss import VocabParallelCrossEntropy
-from mpi_tp.model import GPT, Block, Dropout, GPTConfig
-from mpi_tp.topology import Topology
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.gpt import GPT, Block
+from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
+from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
+from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.sequence_parallel import SequenceSplit
+from mpi_tp.parallel.topology import Topology
 
 RANKS = 3
 RANK_COLOR = ["#4C72B0", "#DD8452", "#55A868"]      # rank 0, 1, 2 (the same in every figure)

@@ -18,11 +18,11 @@ passed=0; failed=0
 check() { echo "=== $1"; shift; if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "=== FAILED"; fi; }
 
 check "CuPy and a GPU" "$PY" -c "import cupy; n = cupy.cuda.runtime.getDeviceCount(); print(n, 'GPU(s):', cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()); assert n > 0"
-check "MPI CUDA support" "$PY" -c "from mpi_tp.gpu import cuda_aware_mpi; print('CUDA-aware MPI:', cuda_aware_mpi())"
+check "MPI CUDA support" "$PY" -c "from mpi_tp.core.gpu import cuda_aware_mpi; print('CUDA-aware MPI:', cuda_aware_mpi())"
 for n in 1 2 4; do
   check "GPU tests, $n rank(s), host staging" env MPI_TP_CUDA_AWARE=0 "$MPIEXEC" -n "$n" "$PY" -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi tests/test_gpu.py
 done
-if "$PY" -c "from mpi_tp.gpu import cuda_aware_mpi; raise SystemExit(0 if cuda_aware_mpi() else 1)"; then
+if "$PY" -c "from mpi_tp.core.gpu import cuda_aware_mpi; raise SystemExit(0 if cuda_aware_mpi() else 1)"; then
   check "GPU tests, 2 ranks, device buffers to MPI" "$MPIEXEC" -n 2 "$PY" -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi tests/test_gpu.py
 fi
 out=$(mktemp -d)

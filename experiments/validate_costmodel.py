@@ -20,7 +20,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mpi_tp.costmodel import PRESETS, Layout, Machine, Workload, step_time  # noqa: E402
+from mpi_tp.planning.costmodel import PRESETS, Layout, Machine, Workload, step_time  # noqa: E402
 
 SHAPES = {"a": (256, 4, 4, 128, 8), "b": (512, 8, 4, 128, 8), "c": (1024, 16, 2, 128, 4)}
 PAPER = [(1, 1536, 16, 40, 1.00), (2, 1920, 20, 54, 0.95), (4, 2304, 24, 64, 0.82), (8, 3072, 32, 72, 0.77)]

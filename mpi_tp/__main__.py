@@ -1,6 +1,6 @@
 """python -m mpi_tp ... is the same as the mpi-tp command."""
 import sys
 
-from .cli import main
+from mpi_tp.commands.cli import main
 
 sys.exit(main())

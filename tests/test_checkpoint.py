@@ -11,11 +11,12 @@ import pytest
 from mpi4py import MPI
 
 from mpi_tp import checkpoint as ck
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.optim import AdamW
-from mpi_tp.runtime import UsageError, collective_setup
-from mpi_tp.testing import all_true, gather_full, randomize
-from mpi_tp.topology import Topology
+from mpi_tp.core.runtime import UsageError, collective_setup
+from mpi_tp.core.testing import all_true, gather_full, randomize
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import AdamW
 
 pytestmark = pytest.mark.mpi(min_size=1)
 CFG = dict(vocab_size=37, block_size=8, n_layer=2, n_head=5, n_embd=20)   # uneven at 2, 3 and 4 ranks

@@ -7,9 +7,9 @@ import os
 import h5py
 import numpy as np
 import pytest
+from test_cli import MPIEXEC, clean_env, mpirun  # noqa: F401  (shared launcher helpers)
 
 from mpi_tp import checkpoint as ck
-from test_cli import MPIEXEC, clean_env, mpirun  # noqa: F401  (shared launcher helpers)
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 TINY = ["--n-layer", "2", "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "4",
@@ -62,7 +62,8 @@ def test_eval_same_at_two_sizes(tmp_path):
 def test_killed_save_leaves_previous_checkpoint(tmp_path, point):
     out = str(tmp_path / "run")
     env_point = f"{point}:8"                                     # the second save (steps 4, 8)
-    import subprocess, sys
+    import subprocess
+    import sys
     env = clean_env()
     env["MPI_TP_FAILPOINT"] = env_point
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "8",

@@ -99,7 +99,7 @@ def test_crash_on_one_rank_aborts_the_job(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(textwrap.dedent("""
         from mpi4py import MPI
-        from mpi_tp.runtime import install_abort_hook
+        from mpi_tp.core.runtime import install_abort_hook
         install_abort_hook()
         if MPI.COMM_WORLD.Get_rank() == 1:
             raise RuntimeError("boom on rank 1")
@@ -137,7 +137,8 @@ def test_bench_reports(tmp_path):
 def test_presets_are_valid(tmp_path):
     """Every preset in experiments/configs loads and validates at the world size it names."""
     import argparse
-    from mpi_tp.config import add_arguments, resolve
+
+    from mpi_tp.training.config import add_arguments, resolve
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs")
     presets = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
     assert presets

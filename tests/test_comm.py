@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_tp import comm as C
-from mpi_tp.comm import CommStats, Group
-from mpi_tp.testing import assert_close
-from mpi_tp.topology import Topology, TopologyError, offsets, split_sizes
+from mpi_tp.core.testing import assert_close
+from mpi_tp.parallel import tensor_parallel as C
+from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.topology import Topology, TopologyError, offsets, split_sizes
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from mpi_tp.costmodel import (PRESETS, Layout, Machine, Workload, memory_per_rank, ring_all_gather,
-                              ring_all_reduce, step_time)
-from mpi_tp.planner import plan
+from mpi_tp.planning.costmodel import (PRESETS, Layout, Machine, Workload, memory_per_rank, ring_all_gather,
+                                       ring_all_reduce, step_time)
+from mpi_tp.planning.planner import plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "experiments"))
@@ -32,7 +32,8 @@ def test_memory_by_hand():
     w = Workload(n_layer=2, n_embd=64, n_head=4, seq=32, global_batch=8, vocab=256)
     params = 2 * (12 * 64 * 64 + 13 * 64) + 256 * 64 + 32 * 64 + 2 * 64        # = 118,528
     assert w.params == params == 118_528
-    from mpi_tp.model import GPT, GPTConfig
+    from mpi_tp.model.config import GPTConfig
+    from mpi_tp.model.gpt import GPT
     assert GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)).num_params() == params
     mem = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8))
     assert mem["weights_grads"] == params / 2 * 8                               # float32 weights + grads

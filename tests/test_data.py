@@ -1,4 +1,4 @@
-"""Tests for mpi_tp.data: corpora, split, batches, entropy.
+"""Tests for mpi_tp.training.data: corpora, split, batches, entropy.
 
 Each test is independent of MPI; under mpiexec every rank runs it on its own
 tmp_path. Run: .venv/bin/python -m pytest -q tests/test_data.py
@@ -13,8 +13,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from mpi_tp import data
-from mpi_tp.data import BatchSampler, Corpus, DataError
+from mpi_tp.training import data
+from mpi_tp.training.data import BatchSampler, Corpus, DataError
 
 
 def _corpus(raw: bytes) -> Corpus:

@@ -8,11 +8,11 @@ import argparse
 import re
 
 import pytest
-
-from mpi_tp.explain import cmd_explain
-from mpi_tp.runtime import UsageError
-from mpi_tp.topology import split_sizes
 from test_cli import MPIEXEC, mpirun
+
+from mpi_tp.commands.explain import cmd_explain
+from mpi_tp.core.runtime import UsageError
+from mpi_tp.parallel.topology import split_sizes
 
 MPI_TEST = pytest.mark.mpi(min_size=1)
 B, S, C = 2, 4, 8

@@ -8,10 +8,10 @@ import sys
 import time
 
 import pytest
-
-from mpi_tp import checkpoint as ck
 from test_checkpoint_cli import TINY, losses
 from test_cli import MPIEXEC, clean_env, mpirun
+
+from mpi_tp import checkpoint as ck
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 

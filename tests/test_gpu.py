@@ -7,12 +7,13 @@ with device buffers handed to MPI directly.
 import numpy as np
 import pytest
 
-from mpi_tp import backend
-from mpi_tp.gpu import cuda_aware_mpi
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.optim import AdamW
-from mpi_tp.testing import assert_close, gather_full
-from mpi_tp.topology import Topology
+from mpi_tp.core import backend
+from mpi_tp.core.gpu import cuda_aware_mpi
+from mpi_tp.core.testing import assert_close, gather_full
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import AdamW
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -58,7 +59,7 @@ def test_model_on_gpu_equals_numpy(world, gpu):
 
 
 def test_collectives_with_device_buffers(world, gpu):
-    from mpi_tp.comm import CommStats, Group
+    from mpi_tp.parallel.collectives import CommStats, Group
     group = Group(world.Dup(), "tp", CommStats())
     x = gpu.full(1000, float(group.rank + 1))
     group.all_reduce(x)

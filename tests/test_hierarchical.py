@@ -2,12 +2,13 @@
 import numpy as np
 import pytest
 
-from mpi_tp.comm import CommStats, Group
-from mpi_tp.data_parallel import GradReducer
-from mpi_tp.hierarchical import HierarchicalAllReduce
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.testing import assert_close
-from mpi_tp.topology import Topology
+from mpi_tp.core.testing import assert_close
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
+from mpi_tp.parallel.topology import Topology
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

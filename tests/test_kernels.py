@@ -1,4 +1,4 @@
-"""Tests for mpi_tp.kernels, the pure forward/backward pairs.
+"""Tests for mpi_tp.core.kernels, the pure forward/backward pairs.
 
     .venv/bin/python -m pytest -q tests/test_kernels.py
 
@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import pytest
 
-from mpi_tp import kernels as K
+from mpi_tp.core import kernels as K
 
 FD_EPS = 1e-6
 FD_TOL = 1e-6
@@ -387,7 +387,7 @@ def test_cupy_matches_numpy(monkeypatch):
             pytest.skip("CuPy sees no GPU")
     except cupy.cuda.runtime.CUDARuntimeError:
         pytest.skip("CuPy has no working GPU")
-    from mpi_tp import backend
+    from mpi_tp.core import backend
     monkeypatch.setattr(backend, "_xp", cupy)  # what backend.use("cupy") sets, undone after the test
     monkeypatch.setattr(backend, "_name", "cupy")
     rng = np.random.default_rng(400)

@@ -8,12 +8,16 @@ whole (local, then global).
 import numpy as np
 import pytest
 
-from mpi_tp import kernels as K
-from mpi_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from mpi_tp.loss import VocabParallelCrossEntropy
-from mpi_tp.model import GPTConfig, ParallelAttention, ParallelMLP, Dropout
-from mpi_tp.testing import assert_close, gather_full, randomize
-from mpi_tp.topology import Topology
+from mpi_tp.core import kernels as K
+from mpi_tp.core.testing import assert_close, gather_full, randomize
+from mpi_tp.model.attention import ParallelAttention
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.mlp import ParallelMLP
+from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
+from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
+from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from mpi_tp.parallel.topology import Topology
 
 pytestmark = pytest.mark.mpi(min_size=1)
 RTOL = 1e-10
@@ -122,7 +126,7 @@ def test_parallel_attention(topos, world, dropout):
     ser = ParallelAttention("attn", cfg, serial, F64, 6, Dropout(dropout, 9), layer=1)
     par = ParallelAttention("attn", cfg, tp, F64, 6, Dropout(dropout, 9), layer=1)
     randomize(ser), randomize(par)
-    assert par.H_p in ((5 + tp.tp.size - 1) // tp.tp.size, 5 // tp.tp.size)
+    assert par.H_i in ((5 + tp.tp.size - 1) // tp.tp.size, 5 // tp.tp.size)
     x, dout = rand(2, 7, 20), rand(2, 7, 20, seed=1)
     assert_close(par.forward(x), ser.forward(x), RTOL, "output")
     dx_ref = ser.backward(dout)

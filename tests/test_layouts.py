@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_tp.data_parallel import GradReducer
-from mpi_tp.model import GPT, GPTConfig
-from mpi_tp.optim import AdamW, clip_coefficient, grad_norm
-from mpi_tp.testing import all_true, assert_close, gather_full
-from mpi_tp.topology import Topology
+from mpi_tp.core.testing import all_true, assert_close, gather_full
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 CFG = dict(vocab_size=37, block_size=7, n_layer=2, n_head=4, n_embd=16)   # S = 7: uneven sequence splits
@@ -133,6 +134,7 @@ def test_checkpoint_from_any_layout_loads_serially(world, serial_reference):
     the weights and AdamW moments are the serial run's."""
     import shutil
     import tempfile
+
     from mpi_tp import checkpoint as ck
     for tp, dp in layouts(world.Get_size()):
         root = world.bcast(tempfile.mkdtemp(prefix="mpi_tp_layout_") if world.Get_rank() == 0 else None)

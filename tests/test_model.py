@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from mpi_tp.model import GPT, ConfigError, GPTConfig
-from mpi_tp.optim import SGD, AdamW, clip_grad_norm
-from mpi_tp.testing import all_true, assert_close, gather_full, randomize
-from mpi_tp.topology import Topology
+from mpi_tp.core.testing import all_true, assert_close, gather_full, randomize
+from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import SGD, AdamW, clip_grad_norm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 # Uneven everywhere at 2 and 4 ranks: 5 heads, vocabulary 37, MLP width 80 split 4 ways is even but 5 heads are not.

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from mpi_tp.optim import BLOCK, SGD, AdamW, clip_coefficient, lr_at
-from mpi_tp.params import fuse_last_axis, make_param
+from mpi_tp.core.params import fuse_last_axis, make_param
+from mpi_tp.training.optim import BLOCK, SGD, AdamW, clip_coefficient, lr_at
 
 
 def params(seed=0):

@@ -27,12 +27,13 @@ import time
 import numpy
 from mpi4py import MPI
 
-from . import backend
-from .data_parallel import GradReducer
-from .model import GPT, GPTConfig
-from .optim import AdamW, clip_coefficient, grad_norm
-from .runtime import collective_setup, rank0_print
-from .topology import Topology
+from mpi_tp.core import backend
+from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
 SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
     "a": (256, 4, 4, 128, 8),

@@ -12,7 +12,7 @@
 
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
-aborts the whole job (see mpi_tp.runtime).
+aborts the whole job (see mpi_tp.core.runtime).
 """
 from __future__ import annotations
 
@@ -21,14 +21,20 @@ import sys
 
 from mpi4py import MPI
 
-from . import __version__, runtime
+from mpi_tp import __version__
+from mpi_tp.core import runtime
 
 COMM = MPI.COMM_WORLD
 runtime.limit_blas_threads(COMM)      # before NumPy loads its BLAS (the imports below)
 runtime.keep_freed_memory()           # no page faults on each step's fresh activation arrays
 
-from .config import add_arguments, resolve                                         # noqa: E402
-from .runtime import UsageError, check_world_size, collective_setup, install_abort_hook  # noqa: E402
+from mpi_tp.core.runtime import (  # noqa: E402
+    UsageError,
+    check_world_size,
+    collective_setup,
+    install_abort_hook,
+)
+from mpi_tp.training.config import add_arguments, resolve  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -49,21 +55,21 @@ def build_parser() -> Parser:
                                    "mpiexec -n T mpi-tp train [options]. Options override --config.")
     add_arguments(t)
     t.set_defaults(run=_train)
-    from .tools import add_parsers
+    from mpi_tp.commands.tools import add_parsers
     add_parsers(sub)
-    from .bench import add_parser as add_bench
+    from mpi_tp.commands.bench import add_parser as add_bench
     add_bench(sub)
-    from .planner import add_parser as add_plan
+    from mpi_tp.planning.planner import add_parser as add_plan
     add_plan(sub)
-    from .calibrate import add_parser as add_calibrate
+    from mpi_tp.planning.calibrate import add_parser as add_calibrate
     add_calibrate(sub)
-    from .explain import add_parser as add_explain
+    from mpi_tp.commands.explain import add_parser as add_explain
     add_explain(sub)
     return p
 
 
 def _train(args, comm) -> int:
-    from .train import train
+    from mpi_tp.training.loop import train
     cfg = collective_setup(resolve, args, comm=comm)
     train(cfg, comm)
     return 0

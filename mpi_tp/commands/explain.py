@@ -6,14 +6,14 @@
 Builds a tiny layer at tp = world size in float64, runs a forward and a backward
 pass on a fixed random input and output gradient, and prints, rank by rank, the
 shard of every parameter, the shapes in and out, the collectives of each pass
-(from the counters in mpi_tp.comm, named with Megatron's f and g), and how far
+(from the counters in mpi_tp.parallel.collectives, named with Megatron's f and g), and how far
 the result is from the same layer on one rank (built from the same seed and
 names, so the weights agree slice for slice). Exit status 0 when every rank of
 every layer equals the serial layer.
 
 Legend: B = batch, S = sequence, C = features (channels), H = heads, M = 2C + 1
 (the column layer's output, the row layer's input: odd on purpose, so shards
-can differ by one), F = 4C (the MLP's width); S_i, M_i, F_i, H_i = rank i's share.
+can differ by one), F = 4C (the MLP's width); T_i, M_i, F_i, H_i = rank i's share.
 """
 from __future__ import annotations
 
@@ -21,11 +21,16 @@ import textwrap
 
 import numpy
 
-from .layers import ColumnParallelLinear, RowParallelLinear, SequenceSplit
-from .model import Block, Dropout, GPTConfig, ParallelAttention, ParallelMLP
-from .runtime import collective_setup, rank0_print
-from .testing import all_true, max_rel_diff, randomize
-from .topology import Topology
+from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.core.testing import all_true, max_rel_diff, randomize
+from mpi_tp.model.attention import ParallelAttention
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.gpt import Block
+from mpi_tp.model.mlp import ParallelMLP
+from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from mpi_tp.parallel.sequence_parallel import SequenceSplit
+from mpi_tp.parallel.topology import Topology
 
 LAYERS = ("column", "row", "mlp", "attention", "block")
 RTOL = 1e-10              # float64: the parallel layer only reorders sums
@@ -53,7 +58,7 @@ LESSONS = {
              "LayerNorms, residuals and row biases are replicated: every rank computes them on the same "
              "data. Two all-reduces forward (the two g's) and two backward (the two f's).",
 }
-SP_LESSON = ("Sequence parallelism: outside the parallel regions each rank holds only its S_i positions. "
+SP_LESSON = ("Sequence parallelism: outside the parallel regions each rank holds only its T_i positions. "
              "f becomes an all-gather of the positions (backward: reduce-scatter) and g a reduce-scatter "
              "(backward: all-gather); replicated parameters saw only this rank's positions, so their "
              "gradients are summed over the group.")
@@ -188,7 +193,7 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     attn = par if kind == "attention" else getattr(par, "attn", None)
     if attn is not None:
         lines.append(f"  heads {attn.heads.start}:{attn.heads.stop} of {p['cfg'].n_head} "
-                     f"(H_i = {attn.H_p}, head size D = {attn.D}: columns {attn.H_p * attn.D} of q, k and v)")
+                     f"(H_i = {attn.H_i}, head size D = {attn.D}: columns {attn.H_i * attn.D} of q, k and v)")
     lines.append(f"  input {x_i.shape} -> output {y.shape}")
     lines += _comm_lines("forward", fwd, topo.tp.size) + _comm_lines("backward", bwd, topo.tp.size)
     lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} "

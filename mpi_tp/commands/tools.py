@@ -16,12 +16,13 @@ import os
 import h5py
 import numpy
 
-from . import checkpoint as ckpt_io
-from .data import DataError, load_corpus
-from .generate import printable, sample
-from .model import GPT, GPTConfig
-from .runtime import collective_setup, rank0_print
-from .topology import Topology
+from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.inference.sampling import printable, sample
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.data import DataError, load_corpus
 
 
 def load_model(path: str, comm, dtype: str | None = None):

@@ -4,7 +4,7 @@ Every array the model owns is created through `xp()`. Pure kernels never ask
 which backend is active: they call `array_module(x)` on their input, so the
 same code runs on NumPy and CuPy arrays.
 
-    from mpi_tp import backend
+    from mpi_tp.core import backend
     backend.use("cupy", comm=MPI.COMM_WORLD)   # each rank takes GPU local_rank % n_gpus
     xp = backend.xp()
 """
@@ -14,9 +14,11 @@ import os
 
 import numpy
 
+from mpi_tp.core.gpu import Stager, cuda_aware_mpi
+
 _xp = numpy
 _name = "numpy"
-_cuda_aware = False
+_stager = Stager(cuda_aware=False)       # NumPy arrays pass through it untouched
 
 
 class BackendError(ValueError):
@@ -33,8 +35,13 @@ def name() -> str:
 
 
 def cuda_aware() -> bool:
-    """Whether MPI takes device buffers directly (decided when CuPy is selected; see mpi_tp.gpu)."""
-    return _cuda_aware
+    """Whether MPI takes device buffers directly (decided when CuPy is selected; see mpi_tp.core.gpu)."""
+    return _stager.cuda_aware
+
+
+def stager() -> Stager:
+    """What the collectives hand MPI for an array of this backend (mpi_tp.core.gpu.Stager)."""
+    return _stager
 
 
 def array_module(a):
@@ -83,9 +90,9 @@ def use(backend: str = "numpy", comm=None) -> None:
     backend: "numpy" or "cupy". Under CuPy each rank binds to GPU
     (node-local rank) % (GPUs on the node); `comm` defaults to COMM_WORLD.
     """
-    global _xp, _name, _cuda_aware
+    global _xp, _name, _stager
     if backend == "numpy":
-        _xp, _name = numpy, "numpy"
+        _xp, _name, _stager = numpy, "numpy", Stager(cuda_aware=False)
         return
     if backend != "cupy":
         raise BackendError(f"unknown backend {backend!r}: use 'numpy' or 'cupy'")
@@ -104,8 +111,7 @@ def use(backend: str = "numpy", comm=None) -> None:
         comm = MPI.COMM_WORLD
     local = int(os.environ.get("MPI_TP_LOCAL_RANK", node_local_rank(comm)))
     cupy.cuda.Device(local % n_gpus).use()
-    from .gpu import cuda_aware_mpi
-    _xp, _name, _cuda_aware = cupy, "cupy", cuda_aware_mpi()
+    _xp, _name, _stager = cupy, "cupy", Stager(cuda_aware=cuda_aware_mpi())
 
 
 def scatter_add(target, indices, values) -> None:

@@ -14,14 +14,14 @@ and keep the input dtype: float32 in, float32 out and float32 gradients.
 Legend: B = batch, T = sequence, C = channels, H = heads, D = head size (C/H),
 V = vocab, K = input features, M = output features, N = number of rows (the
 product of all leading axes, e.g. B*T). Under tensor parallelism the caller
-passes local shards (e.g. H_p = H/tp heads, M_p = M/tp columns); the kernels
+passes rank i's shards (e.g. H_i of the H heads, M_i of the M columns); the kernels
 do not care.
 """
 from __future__ import annotations
 
 import math
 
-from mpi_tp.backend import array_module, scatter_add
+from mpi_tp.core.backend import array_module, scatter_add
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)  # Python float: never upcasts float32
 GELU_CUBIC = 0.044715

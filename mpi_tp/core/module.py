@@ -8,7 +8,7 @@ gradients.
 """
 from __future__ import annotations
 
-from .params import Param
+from mpi_tp.core.params import Param
 
 
 class Module:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import backend
+from mpi_tp.core import backend
 
 
 @dataclass(eq=False)
@@ -85,7 +85,7 @@ def fuse_last_axis(params: list[Param]):
     """Move params (same leading shape) into one array, side by side along the last axis.
 
     Each Param's data and grad become views of the shared base arrays, which are
-    returned: (data base, grad base). fuse_last_axis([q, k, v]) gives (C, 3 C_p).
+    returned: (data base, grad base). fuse_last_axis([q, k, v]) gives (C, 3 C_i).
     """
     xp = backend.xp()
     base = xp.concatenate([p.data for p in params], axis=-1)

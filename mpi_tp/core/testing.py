@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy
 from mpi4py import MPI
 
-from . import backend
+from mpi_tp.core import backend
 
 
 def max_rel_diff(actual, expected, scale: float | None = None) -> float:
@@ -71,7 +71,7 @@ def gather_full(param, comm=MPI.COMM_WORLD, which: str = "data"):
 def randomize(module, seed: int = 123, std: float = 0.5) -> None:
     """Give every parameter (biases and LayerNorm weights included) random values, the same slice
     for slice at every layout, so that tests exercise terms a default init leaves at zero or one."""
-    from .params import normal_shard
+    from mpi_tp.core.params import normal_shard
     for p in module.parameters():
         p.data[...] = normal_shard(p.name, p.global_shape, std, seed, p.data.dtype, p.axis, p.start,
                                    p.stop if p.sharded else None)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy
 
-from . import backend
-from .comm import gather_from_tp
-from .model import GPT
+from mpi_tp.core import backend
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.tensor_parallel import gather_from_tp
 
 
 def sample(model: GPT, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int | None = None,
@@ -24,8 +24,8 @@ def sample(model: GPT, prompt: bytes, n_new: int, temperature: float = 0.8, top_
     choice = numpy.zeros(1, dtype=numpy.int64)
     for _ in range(n_new):
         ctx = numpy.array([tokens[-model.cfg.block_size:]], dtype=numpy.int64)       # (1, T)
-        logits_p = model.forward(ctx)                                                 # (1, T, V_p)
-        last = backend.xp().ascontiguousarray(logits_p[:, -1, :])                     # (1, V_p)
+        logits_i = model.forward(ctx)                                                 # (1, T, V_i)
+        last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
         logits = backend.asnumpy(gather_from_tp(last, group, model.wte.sizes))[0]     # (V,)
         logits = logits.astype(numpy.float64) / temperature
         if top_k is not None and top_k < logits.size:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from . import backend
-from .comm import Group
-from .module import Module
+from mpi_tp.core import backend
+from mpi_tp.core.module import Module
+from mpi_tp.parallel.collectives import Group
 
 
 class VocabParallelCrossEntropy(Module):

@@ -1,24 +1,13 @@
-"""Every collective the model uses, counted, and Megatron's conjugate pairs built on them.
+"""Every collective the model uses, counted: the one place where a training step communicates.
 
-Layers never call MPI themselves. They call the four named regions of the
-Megatron-LM paper (Shoeybi et al. 2019, section 3), each a forward/backward
-pair in which one side communicates and the other does not:
-
-    region           forward                       backward
-    copy_to_tp       identity              (f)     all-reduce of the gradient
-    reduce_from_tp   all-reduce            (g)     identity
-    scatter_to_tp    keep this rank's slice        all-gather of the gradient
-    gather_from_tp   all-gather (last axis)        keep this rank's slice
-
-With sequence parallelism (Korthikanti et al. 2022) the activations between
-the parallel regions are split along the sequence (axis 1 of (B, S, C)), and
-f / g become an all-gather / a reduce-scatter along it:
-
-    gather_from_sp       all-gather (sequence)    reduce-scatter (sequence)   (replaces f)
-    reduce_scatter_to_sp reduce-scatter (seq.)    all-gather (sequence)       (replaces g)
+`Group` wraps an MPI communicator of the ranks that cooperate on one parallel
+dimension (tensor, data, ...). Its methods are the only MPI calls of a step;
+the regions built on them (f, g, scatter, gather in `tensor_parallel`, their
+sequence-parallel forms in `sequence_parallel`) are what layers call.
 
 All transfers use mpi4py's buffer (uppercase) methods on contiguous arrays,
-so nothing is pickled. CuPy arrays are staged through host memory. Each call is recorded in `CommStats` (calls, bytes,
+so nothing is pickled. Device (CuPy) arrays go to MPI directly or through
+pooled pinned host buffers (mpi_tp.core.gpu.Stager). Each call is recorded in `CommStats` (calls, bytes,
 seconds per group and kind); one-rank groups return before any MPI call and
 record nothing, since nothing is communicated.
 
@@ -37,7 +26,7 @@ from collections import defaultdict
 import numpy
 from mpi4py import MPI
 
-from . import backend
+from mpi_tp.core import backend
 
 
 class CommStats:
@@ -79,36 +68,11 @@ def _check_buffer(x, what: str) -> None:
         raise ValueError(f"{what}: unsupported dtype {x.dtype}")
 
 
-_PINNED = None
-
-
-def _staged(x):
-    """The buffer to hand MPI: x itself for NumPy arrays and, with a CUDA-aware MPI, for CuPy arrays
-    (after the stream is synchronised); otherwise a copy in pinned host memory (mpi_tp.gpu)."""
-    global _PINNED
-    if not backend.is_device_array(x):
-        return x
-    backend.synchronize()                       # MPI does not see CUDA streams
-    if backend.cuda_aware():
-        return x
-    if _PINNED is None:
-        from .gpu import PinnedStager
-        _PINNED = PinnedStager()
-    return _PINNED.host_copy(x)
-
-
-def _unstage(x, host):
-    """Copy a staged host buffer back into the GPU array x (no-op when MPI worked on x itself)."""
-    if host is not x:
-        x.set(host)
-    return x
-
-
 class Pending:
     """A started non-blocking collective: wait() completes it (and copies a staged GPU buffer back)."""
 
     def __init__(self, request, x, buf, record):
-        self.request, self.x, self.buf, self._record = request, x, buf, record
+        self.request, self.x, self.buf, self._record = request, x, buf, record   # buf: lent by the stager
 
     def test(self) -> bool:
         """Let MPI make progress; True once the collective is complete."""
@@ -117,7 +81,7 @@ class Pending:
     def wait(self):
         if self.request is not None:
             self.request.Wait()
-            _unstage(self.x, self.buf)
+            backend.stager().give_back(self.x, self.buf)
             stats, key, t0 = self._record
             stats.seconds[key] += time.perf_counter() - t0      # from start to completion
             self.request = None
@@ -145,9 +109,10 @@ class Group:
             return x
         _check_buffer(x, f"{self.name}.all_reduce")
         t0 = time.perf_counter()
-        buf = _staged(x)
+        stager = backend.stager()
+        buf = stager.lend(x)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
-        _unstage(x, buf)
+        stager.give_back(x, buf)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
         return x
 
@@ -159,7 +124,7 @@ class Group:
         if self.size == 1:
             return Pending(None, x, x, None)
         _check_buffer(x, f"{self.name}.iall_reduce")
-        buf = _staged(x)
+        buf = backend.stager().lend(x)           # its own buffer until wait(): buckets run concurrently
         t0 = time.perf_counter()
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
         self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes))
@@ -173,13 +138,19 @@ class Group:
         if len(sizes) != self.size or x.shape[axis] != sizes[self.rank]:
             raise ValueError(f"{self.name}.all_gather: shard of shape {x.shape} does not match sizes {sizes}")
         front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))            # rank-major blocks need axis first
+        _check_buffer(front, f"{self.name}.all_gather")
         per = int(numpy.prod(front.shape[1:]))
         counts = [s * per for s in sizes]
         displs = [sum(counts[:r]) for r in range(self.size)]
         t0 = time.perf_counter()
-        out = numpy.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)
-        self.comm.Allgatherv(_staged(front), [out, (counts, displs)])
-        out = xp.ascontiguousarray(xp.moveaxis(xp.asarray(out), 0, axis))
+        out = xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # in the array module in use
+        stager = backend.stager()
+        send, recv = stager.lend(front), stager.lend(out, copy=False)
+        self.comm.Allgatherv(send, [recv, (counts, displs)])
+        stager.give_back(front, send, copy=False)
+        stager.give_back(out, recv)
+        if axis % x.ndim != 0:
+            out = xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
         self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
         return out
 
@@ -191,9 +162,10 @@ class Group:
         counts = list(sizes)
         displs = [sum(counts[:r]) for r in range(self.size)]
         t0 = time.perf_counter()
-        buf = _staged(flat)
+        stager = backend.stager()
+        buf = stager.lend(flat)
         self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)])
-        _unstage(flat, buf)
+        stager.give_back(flat, buf)
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
         return flat
 
@@ -205,11 +177,17 @@ class Group:
         if len(sizes) != self.size or x.shape[axis] != sum(sizes):
             raise ValueError(f"{self.name}.reduce_scatter: array of shape {x.shape} does not match sizes {sizes}")
         front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
+        _check_buffer(front, f"{self.name}.reduce_scatter")
         per = int(numpy.prod(front.shape[1:]))
         t0 = time.perf_counter()
-        out = numpy.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
-        self.comm.Reduce_scatter(_staged(front), out, [s * per for s in sizes], op=MPI.SUM)
-        out = xp.ascontiguousarray(xp.moveaxis(xp.asarray(out), 0, axis))
+        out = xp.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
+        stager = backend.stager()
+        send, recv = stager.lend(front), stager.lend(out, copy=False)
+        self.comm.Reduce_scatter(send, recv, [s * per for s in sizes], op=MPI.SUM)
+        stager.give_back(front, send, copy=False)
+        stager.give_back(out, recv)
+        if axis % x.ndim != 0:
+            out = xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
         self.stats.record(f"{self.name}/reduce_scatter", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return out
 
@@ -223,9 +201,10 @@ class Group:
             return x
         _check_buffer(x, f"{self.name}.broadcast")
         t0 = time.perf_counter()
-        buf = _staged(x)
+        stager = backend.stager()
+        buf = stager.lend(x)
         self.comm.Bcast(buf, root=root)
-        _unstage(x, buf)
+        stager.give_back(x, buf)
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
         return x
 
@@ -235,93 +214,12 @@ class Group:
             return x
         _check_buffer(x, f"{self.name}.reduce")
         t0 = time.perf_counter()
-        buf = _staged(x)
+        stager = backend.stager()
+        buf = stager.lend(x)
         if self.rank == root:
             self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
-            _unstage(x, buf)
         else:
             self.comm.Reduce(buf, None, op=MPI.SUM, root=root)
+        stager.give_back(x, buf, copy=self.rank == root)
         self.stats.record(f"{self.name}/reduce", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return x
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            self.comm.Barrier()
-
-
-# -- Megatron's conjugate regions ------------------------------------------
-# Each pair: `name(x, group)` is the forward, `name_backward(dout, group)` its gradient.
-# All-reduces work in place on their argument (a fresh partial sum or gradient).
-
-
-def copy_to_tp(x, group: Group):
-    """f: the input enters the tensor-parallel region unchanged (every rank holds it whole)."""
-    return x
-
-
-def copy_to_tp_backward(dout, group: Group):
-    """f's gradient: each rank's branch contributed a part of dX, so sum them (all-reduce)."""
-    return group.all_reduce(dout)
-
-
-def reduce_from_tp(x, group: Group):
-    """g: each rank holds a partial sum of the output; all-reduce gives every rank the whole."""
-    return group.all_reduce(x)
-
-
-def reduce_from_tp_backward(dout, group: Group):
-    """g's gradient: the output was replicated, so its gradient already is (identity)."""
-    return dout
-
-
-def _own_columns(x, group: Group, sizes: list[int]):
-    start = sum(sizes[:group.rank])
-    xp = backend.array_module(x)
-    return xp.ascontiguousarray(x[..., start:start + sizes[group.rank]])
-
-
-def scatter_to_tp(x, group: Group, sizes: list[int]):
-    """Keep this rank's columns of a replicated x: (..., sum(sizes)) -> (..., sizes[rank])."""
-    if group.size == 1:
-        return x
-    return _own_columns(x, group, sizes)
-
-
-def scatter_to_tp_backward(dout, group: Group, sizes: list[int]):
-    """scatter's gradient: the full gradient is every rank's columns side by side (all-gather)."""
-    return group.all_gather_last(dout, sizes)
-
-
-def gather_from_tp(x, group: Group, sizes: list[int]):
-    """All-gather column shards into the full last axis: (..., sizes[rank]) -> (..., sum(sizes))."""
-    return group.all_gather_last(x, sizes)
-
-
-def gather_from_tp_backward(dout, group: Group, sizes: list[int]):
-    """gather's gradient: each rank keeps the gradient of its own columns (no communication)."""
-    if group.size == 1:
-        return dout
-    return _own_columns(dout, group, sizes)
-
-
-# -- sequence-parallel regions (axis 1 of (B, S, C); sizes: every rank's positions) --------
-
-
-def gather_from_sp(x, group: Group, sizes: list[int]):
-    """Enter a tensor-parallel region from a sequence-split one: (B, S_i, C) -> (B, S, C)."""
-    return group.all_gather(x, sizes, axis=1)
-
-
-def gather_from_sp_backward(dout, group: Group, sizes: list[int]):
-    """Each rank's branch gave a partial dX for every position: sum them, keep this rank's positions."""
-    return group.reduce_scatter(dout, sizes, axis=1)
-
-
-def reduce_scatter_to_sp(x, group: Group, sizes: list[int]):
-    """Leave a tensor-parallel region: sum the partial outputs, keep this rank's positions."""
-    return group.reduce_scatter(x, sizes, axis=1)
-
-
-def reduce_scatter_to_sp_backward(dout, group: Group, sizes: list[int]):
-    """The output was split by position: every rank needs the whole gradient (all-gather)."""
-    return group.all_gather(dout, sizes, axis=1)

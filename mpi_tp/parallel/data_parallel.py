@@ -16,14 +16,14 @@ Without a spare core, MPI progresses a non-blocking collective only when the
 process calls into MPI; `block_done` therefore also tests the outstanding
 requests. `overlap=False` does every all-reduce after the backward pass, for
 comparison. `hierarchical=True` reduces each bucket node by node
-(mpi_tp.hierarchical), after the backward pass.
+(mpi_tp.parallel.hierarchical), after the backward pass.
 """
 from __future__ import annotations
 
-from . import backend
-from .comm import Group
-from .hierarchical import HierarchicalAllReduce
-from .params import storages
+from mpi_tp.core import backend
+from mpi_tp.core.params import storages
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 
 
 class GradReducer:

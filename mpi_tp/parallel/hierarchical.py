@@ -17,7 +17,7 @@ import os
 
 from mpi4py import MPI
 
-from .comm import Group
+from mpi_tp.parallel.collectives import Group
 
 
 def node_of_world_rank(world=MPI.COMM_WORLD) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .comm import CommStats, Group
+from mpi_tp.parallel.collectives import CommStats, Group
 
 
 class TopologyError(ValueError):
@@ -50,6 +50,18 @@ def check_splittable(n: int, parts: int, what: str) -> None:
             f"{what} = {n} cannot be split over {parts} tensor-parallel ranks: some rank would "
             f"hold nothing; use a tensor-parallel size of at most {n}"
         )
+
+
+def shard_range(n: int, group, sizes, what: str):
+    """(sizes, start, stop): every rank's share of a dimension of n units (given, or the rule above) and
+    this rank's range [start, stop) of it."""
+    if sizes is None:
+        check_splittable(n, group.size, what)
+        sizes = split_sizes(n, group.size)
+    if len(sizes) != group.size or sum(sizes) != n or min(sizes) < 1:
+        raise ValueError(f"{what}: shard sizes {sizes} do not cut {n} units over {group.size} ranks")
+    start = offsets(sizes)[group.rank]
+    return list(sizes), start, start + sizes[group.rank]
 
 
 @dataclass

@@ -22,11 +22,12 @@ from dataclasses import replace
 import numpy
 from mpi4py import MPI
 
-from .costmodel import Layout, Machine, Workload, step_time
-from .model import GPT, GPTConfig
-from .optim import AdamW
-from .runtime import rank0_print
-from .topology import Topology
+from mpi_tp.core.runtime import rank0_print
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.planning.costmodel import Layout, Machine, Workload, step_time
+from mpi_tp.training.optim import AdamW
 
 SHAPES = [(128, 2, 2, 64, 4), (256, 4, 2, 64, 4), (256, 4, 2, 128, 4), (384, 6, 2, 128, 4)]   # C, H, L, S, B
 
@@ -84,7 +85,7 @@ def gemm_rate(comm, repeats=7) -> float:
 
 def optimizer_bandwidth(n=8_000_000) -> float:
     """Bytes per second of the AdamW update (28 bytes of traffic per parameter)."""
-    from .params import make_param
+    from mpi_tp.core.params import make_param
     p = make_param("calibrate", (n,), "float32", init="zeros")
     opt = AdamW([p])
     opt.step()

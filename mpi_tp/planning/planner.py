@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from .costmodel import Layout, Workload, machine, memory_per_rank, step_time
+from mpi_tp.planning.costmodel import Layout, Workload, machine, memory_per_rank, step_time
 
 
 def divisors(n: int) -> list[int]:
@@ -117,7 +117,7 @@ def _check(args):
 
 
 def cmd_plan(args, comm) -> int:
-    from .runtime import collective_setup
+    from mpi_tp.core.runtime import collective_setup
     m, w = collective_setup(_check, args, comm=comm)
     if comm.Get_rank():
         return 0

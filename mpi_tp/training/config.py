@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from .model import ConfigError, GPTConfig
+from mpi_tp.model.config import ConfigError, GPTConfig
 
 
 def opt(default, help, choices=None):
@@ -19,7 +19,7 @@ def opt(default, help, choices=None):
 
 @dataclass
 class TrainConfig:
-    # model (GPT-2 style; see mpi_tp.model)
+    # model (GPT-2 style; see mpi_tp.model.config)
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads (split among tensor-parallel ranks; must divide n_embd)")
     n_embd: int = opt(128, "channels (hidden size C)")

@@ -29,17 +29,19 @@ import time
 import numpy
 from mpi4py import MPI
 
-from . import __version__, backend
-from . import checkpoint as ckpt_io
-from .config import TrainConfig
-from .data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
-from .data_parallel import GradReducer
-from .faults import Preemption, armed
-from .generate import printable, sample
-from .model import GPT
-from .optim import SGD, AdamW, clip_coefficient, grad_norm, lr_at
-from .runtime import UsageError, collective_setup, rank0_print
-from .topology import Topology
+from mpi_tp import __version__
+from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.core import backend
+from mpi_tp.core.failpoints import armed
+from mpi_tp.core.runtime import UsageError, collective_setup, rank0_print
+from mpi_tp.inference.sampling import printable, sample
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.config import TrainConfig
+from mpi_tp.training.data import BatchSampler, eval_batches, load_corpus, split, unigram_entropy
+from mpi_tp.training.faults import Preemption
+from mpi_tp.training.optim import SGD, AdamW, clip_coefficient, grad_norm, lr_at
 
 
 def _load_data(cfg: TrainConfig, comm):

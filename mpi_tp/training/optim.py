@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
-from . import backend
-from .comm import Group
-from .params import Param, storages
-from .topology import split_sizes
+from mpi_tp.core import backend
+from mpi_tp.core.params import Param, storages
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.topology import split_sizes
 
 
 def grad_norm(params: list[Param], group: Group) -> float:

@@ -1,0 +1,56 @@
+"""What a checkpoint looks like on disk: names, format version, and the helpers both halves share."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+FORMAT = "mpi_tp-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit; the message names the file and the fix."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def shard_name(rank: int, size: int) -> str:
+    return f"shard-{rank:02d}-of-{size:02d}.h5"
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def state_tensors(model, optimizer):
+    """(group, Param, array) for every tensor saved: model/<name>, optim/<kind>/<name>."""
+    out = [("model", p, p.data) for p in model.parameters()]
+    if optimizer is not None:
+        for kind, arrays in optimizer.state_tensors().items():
+            out += [(f"optim/{kind}", p, a) for p, a in zip(optimizer.params, arrays)]
+    return out
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps under root whose directory is complete (renamed into place, index present), oldest first."""
+    steps = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith("step-") and name[5:].isdigit() and \
+                    os.path.isfile(os.path.join(root, name, "index.h5")):
+                steps.append(int(name[5:]))
+    return sorted(steps)

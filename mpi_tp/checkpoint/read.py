@@ -1,0 +1,185 @@
+"""Reading checkpoints: find the newest complete step, check it, and load any slice at any layout."""
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy
+
+from mpi_tp.checkpoint.format import FORMAT, VERSION, CheckpointError, complete_steps, sha256_file, step_dir_name
+from mpi_tp.core import backend
+
+
+def resolve(path: str) -> str:
+    """A step directory from a step directory, a checkpoint root (its latest), or an index.h5 path."""
+    if os.path.basename(path) == "index.h5":
+        path = os.path.dirname(path)
+    if os.path.isfile(os.path.join(path, "index.h5")):
+        return path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} not found: pass a checkpoint folder "
+                              "(e.g. runs/X/checkpoints) or one of its step-N folders")
+    pointer = os.path.join(path, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            named = os.path.join(path, f.read().strip())
+        if os.path.isfile(os.path.join(named, "index.h5")):
+            return named
+    steps = complete_steps(path)       # no pointer, or it names a step being replaced: newest complete
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint under {path!r} (no step-N folder with an index.h5)")
+    return os.path.join(path, step_dir_name(steps[-1]))
+
+
+class Checkpoint:
+    """A complete step directory, opened and checked (cheap checks; `verify` reads everything)."""
+
+    def __init__(self, path: str):
+        self.dir = resolve(path)
+        self.index_path = os.path.join(self.dir, "index.h5")
+        try:
+            with h5py.File(self.index_path, "r") as f:
+                fmt, version = f.attrs.get("format"), f.attrs.get("format_version")
+                if fmt != FORMAT:
+                    raise CheckpointError(f"{self.index_path} is not an mpi_tp checkpoint index "
+                                          f"(format attribute {fmt!r})")
+                if int(version) != VERSION:
+                    raise CheckpointError(f"{self.index_path} has format version {int(version)}, but this "
+                                          f"mpi_tp reads version {VERSION}: use the mpi_tp release that wrote "
+                                          "it, or convert it with that release's `mpi-tp export`")
+                self.meta = {k: json.loads(v) for k, v in f.attrs.items() if k not in ("format", "format_version")}
+                self.layout = json.loads(f["meta/layout"][()])
+        except CheckpointError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"cannot read checkpoint index {self.index_path} ({e}); it is damaged: "
+                                  "load an earlier step-N folder") from None
+        self._files = {}                    # shard index -> open h5py.File, opened on first read
+        self.step = int(self.meta["step"])
+        self.shards = self.layout["shards"]
+        self.tensors = self.layout["tensors"]
+        self._check_shards_present()
+
+    def _check_shards_present(self):
+        """A missing virtual-dataset source reads as fill values without error: check explicitly."""
+        for s in self.shards:
+            path = os.path.join(self.dir, s["file"])
+            if not os.path.isfile(path):
+                raise CheckpointError(f"shard {path} is missing (the index lists it): the checkpoint is "
+                                      "incomplete; load an earlier step-N folder")
+            size = os.path.getsize(path)
+            if size != s["bytes"]:
+                raise CheckpointError(f"shard {path} has {size} bytes but the index recorded {s['bytes']}: "
+                                      "it was truncated or replaced; load an earlier step-N folder")
+
+    def read(self, name: str, axis=None, start: int = 0, stop: int | None = None):
+        """Full tensor `name`, or its slice [start, stop) along the axis it is split on, from the shards.
+
+        Only the overlapping part of each shard is read (an HDF5 hyperslab), so a rank
+        loading its slice at any tensor-parallel size reads no more than it keeps.
+        """
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.index_path} has no tensor {name!r}: it was saved from a "
+                                  "different model or optimizer")
+        shape, split = list(t["shape"]), t["axis"]
+        if split is None:                                   # replicated: one whole copy, in one shard
+            return self._read_piece(t["pieces"][0][0], name, ())
+        if axis is not None and axis != split:
+            raise CheckpointError(f"{name}: saved split along axis {split}, requested along {axis}")
+        if axis is None:
+            start, stop = 0, shape[split]
+        shape[split] = stop - start
+        out = numpy.empty(shape, dtype=numpy.dtype(t["dtype"]))
+        covered = 0
+        for r, a, b in t["pieces"]:
+            lo, hi = max(a, start), min(b, stop)
+            if lo >= hi:
+                continue
+            src = [slice(None)] * len(shape)
+            dst = [slice(None)] * len(shape)
+            src[split], dst[split] = slice(lo - a, hi - a), slice(lo - start, hi - start)
+            out[tuple(dst)] = self._read_piece(r, name, tuple(src))
+            covered += hi - lo
+        if covered != stop - start:
+            raise CheckpointError(f"{self.index_path}: the shards of {name!r} do not cover [{start}, {stop}) "
+                                  "of its split axis: the index is inconsistent")
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _read_piece(self, r, name, src):
+        path = os.path.join(self.dir, self.shards[r]["file"])
+        try:
+            if r not in self._files:
+                self._files[r] = h5py.File(path, "r")
+            return self._files[r][name][src]
+        except (OSError, KeyError) as e:
+            raise CheckpointError(f"cannot read {name!r} from shard {path} ({e}): the file is damaged "
+                                  "(checksum or structure); load an earlier step-N folder") from None
+
+    def verify(self) -> list[str]:
+        """Full check: every shard's SHA-256 and every dataset's checksum. Returns the problems found."""
+        problems = []
+        for s in self.shards:
+            path = os.path.join(self.dir, s["file"])
+            if sha256_file(path) != s["sha256"]:
+                problems.append(f"{path}: SHA-256 differs from the index (bytes changed since saving)")
+        for name, t in self.tensors.items():
+            try:
+                self.read(name)
+            except CheckpointError as e:
+                problems.append(str(e))
+        return problems
+
+
+# ---------------------------------------------------------------- loading into a model
+
+def check_model_config(ckpt: Checkpoint, cfg) -> None:
+    """Refuse to load into a model whose architecture differs from the saved one."""
+    saved = ckpt.meta.get("config", {})
+    diff = [f"{k}: checkpoint {saved[k]} vs model {v}" for k, v in cfg.to_dict().items()
+            if k in saved and k != "dropout" and saved[k] != v]
+    if diff:
+        raise CheckpointError(f"checkpoint {ckpt.dir} was saved from a different model ({'; '.join(diff)}): "
+                              "build the model with the checkpoint's configuration (drop the conflicting "
+                              "options) or start a new run")
+
+
+def rng_state(model) -> dict:
+    """The random state a resume needs: dropout masks are keyed by (seed, step), nothing else is drawn."""
+    return {"dropout_seed": model.dropout.seed, "dropout_step": model.dropout.step}
+
+
+def restore_rng(ckpt: Checkpoint, model) -> None:
+    rng = ckpt.meta.get("rng", {})
+    model.dropout.seed = int(rng.get("dropout_seed", model.dropout.seed))
+    model.dropout.step = int(rng.get("dropout_step", ckpt.step))
+
+
+def load_into(ckpt: Checkpoint, model, optimizer=None) -> None:
+    """Fill this rank's shards (and the optimizer's) from the checkpoint, whatever layout saved it."""
+    check_model_config(ckpt, model.cfg)
+
+    def read(group, p, like):
+        values = ckpt.read(f"{group}/{p.name}", p.axis, p.start, p.stop)
+        if values.shape != like.shape:
+            raise CheckpointError(f"{group}/{p.name}: checkpoint slice {values.shape} does not fit the "
+                                  f"model's {like.shape}")
+        return backend.asarray(values.astype(like.dtype, copy=False))
+    for p in model.parameters():
+        p.data[...] = read("model", p, p.data)
+    if optimizer is not None:
+        kinds = optimizer.state.keys()
+        optimizer.load_state_tensors({k: [read(f"optim/{k}", p, p.data) for p in optimizer.params] for k in kinds})
+        optimizer.t = int(ckpt.meta.get("optimizer_t", 0))

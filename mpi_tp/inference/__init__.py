@@ -1,0 +1,1 @@
+"""Using a trained (tensor-parallel) model: sampling text."""

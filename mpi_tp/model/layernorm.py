@@ -1,0 +1,26 @@
+"""LayerNorm: replicated on every rank of the tensor-parallel group (each holds the whole weight)."""
+from __future__ import annotations
+
+from mpi_tp.core import kernels as K
+from mpi_tp.core.module import Module
+from mpi_tp.core.params import make_param
+
+
+class LayerNorm(Module):
+    """LayerNorm over channels, replicated on every rank: out = (x - mean) * rstd * w + b."""
+
+    def __init__(self, name: str, n: int, dtype, eps: float = 1e-5):
+        self.weight = make_param(f"{name}/weight", (n,), dtype, init="ones")
+        self.bias = make_param(f"{name}/bias", (n,), dtype, init="zeros")
+        self.eps = eps
+
+    def forward(self, x):
+        out, cache = K.layernorm_forward(x, self.weight.data, self.bias.data, self.eps)
+        self.save_cache(cache)
+        return out
+
+    def backward(self, dout):
+        dx, dw, db = K.layernorm_backward(dout, *self.take_cache())
+        self.weight.accumulate(dw)
+        self.bias.accumulate(db)
+        return dx

@@ -1,0 +1,31 @@
+"""The MLP split: fc column-parallel, GELU on each rank's columns, proj row-parallel."""
+from __future__ import annotations
+
+import math
+
+from mpi_tp.core import kernels as K
+from mpi_tp.core.module import Module
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from mpi_tp.parallel.topology import Topology
+
+
+class ParallelMLP(Module):
+    """fc (column split, C -> 4C) -> GELU on each rank's columns -> proj (row split, 4C -> C) -> g."""
+
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, sp=None):
+        C = cfg.n_embd
+        self.fc = ColumnParallelLinear(f"{name}/fc", C, 4 * C, topo.tp, dtype, seed=seed, sp=sp)
+        self.proj = RowParallelLinear(f"{name}/proj", 4 * C, C, topo.tp, dtype, sizes=self.fc.sizes,
+                                      seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
+
+    def forward(self, x):
+        h = self.fc.forward(x)                     # (B, T, C) -> (B, T, F_i)
+        h, cache = K.gelu_forward(h)
+        self.save_cache(cache)
+        return self.proj.forward(h)                # (B, T, F_i) -> (B, T, C), all-reduced
+
+    def backward(self, dout):
+        dh = self.proj.backward(dout)
+        dh = K.gelu_backward(dh, *self.take_cache())
+        return self.fc.backward(dh)

@@ -1,0 +1,65 @@
+"""The vocabulary split: the token embedding with its rows cut among the ranks, and the tied output layer."""
+from __future__ import annotations
+
+from mpi_tp.core import backend
+from mpi_tp.core import kernels as K
+from mpi_tp.core.module import Module
+from mpi_tp.core.params import make_param
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.sequence_parallel import enter_tp, enter_tp_backward, leave_tp, leave_tp_backward
+from mpi_tp.parallel.topology import shard_range
+
+
+class VocabParallelEmbedding(Module):
+    """Token embedding with the table split by rows (vocabulary entries).
+
+        E = [E_1; ...; E_p]      rank i holds rows [v_i, v_i + V_i) of E (V, C)
+
+    Each rank looks up the tokens that fall in its rows (zeros for the rest);
+    g all-reduces, so every rank ends with E[ids]. The same table serves as the
+    tied output layer: `logits_forward` computes x @ E_i^T, this rank's vocabulary
+    columns of the logits, which vocab-parallel cross-entropy consumes unsplit.
+    """
+
+    def __init__(self, name, vocab_size, n_embd, group: Group, dtype, *, std=0.02, seed=0, sp=None):
+        self.group, self.sp = group, sp
+        self.sizes, self.start, self.stop = shard_range(vocab_size, group, None, f"{name}: vocabulary")
+        self.weight = make_param(name, (vocab_size, n_embd), dtype, std=std, seed=seed,
+                                 axis=0, start=self.start, stop=self.stop)          # E_i: (V_i, C)
+
+    def forward(self, ids):
+        xp = backend.xp()
+        local = ids - self.start                                      # (B, T) row index into E_i
+        outside = None
+        if self.group.size > 1:
+            outside = (local < 0) | (local >= self.stop - self.start)
+            local = xp.where(outside, 0, local)
+        out, cache = K.embedding_forward(local, self.weight.data)     # (B, T) -> (B, T, C)
+        if outside is not None:
+            out[outside] = 0
+        out, seq = leave_tp(out, self.group, self.sp)                   # sp: -> (B, T_i, C)
+        self.save_cache(cache, outside, seq)
+        return out
+
+    def backward(self, dout):
+        cache, outside, seq = self.take_cache()
+        dout = leave_tp_backward(dout, self.group, seq)
+        if outside is not None:
+            dout = dout * ~outside[..., None]                         # rows other ranks own get nothing
+        self.weight.accumulate(K.embedding_backward(dout, cache))
+
+    def logits_forward(self, x):
+        """Tied output layer: (B, T, C) -> (B, T, V_i) = x @ E_i^T, behind f (sp: an all-gather)."""
+        x, seq = enter_tp(x, self.group, self.sp)
+        y, cache = K.linear_forward(x, self.weight.data.T)
+        self._logits_cache = cache, seq
+        return y
+
+    def logits_backward(self, dlogits):
+        saved, self._logits_cache = getattr(self, "_logits_cache", None), None
+        if saved is None:
+            raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
+        cache, seq = saved
+        dx, dwt, _ = K.linear_backward(dlogits, cache)                # dwt: (C, V_i)
+        self.weight.accumulate(dwt.T)
+        return enter_tp_backward(dx, self.group, seq)

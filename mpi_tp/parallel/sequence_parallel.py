@@ -1,0 +1,135 @@
+"""Sequence parallelism (Korthikanti et al. 2022): the activations between the tensor-parallel
+regions are split along the sequence (axis 1 of (B, T, C)), and f / g become an all-gather / a
+reduce-scatter along it:
+
+    region               forward                   backward
+    gather_from_sp       all-gather (sequence)     reduce-scatter (sequence)   (replaces f)
+    reduce_scatter_to_sp reduce-scatter (seq.)     all-gather (sequence)       (replaces g)
+
+`enter_tp` / `leave_tp` pick f / g or their sequence-parallel replacements, so
+the parallel layers have one code path. A replicated parameter (LayerNorm,
+row-parallel bias, position embedding) then sees only this rank's positions:
+`sum_replicated_grads` adds its gradient over the group.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from mpi_tp.core import backend
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.tensor_parallel import copy_to_tp, copy_to_tp_backward, reduce_from_tp, reduce_from_tp_backward
+from mpi_tp.parallel.topology import offsets, split_sizes
+
+
+class SequenceSplit:
+    """Sequence parallelism's cut of the positions among the tensor-parallel ranks.
+
+    Set once per forward pass (the sequence length may change between calls) and
+    read by every layer of the model; shards differ by at most one position.
+    """
+
+    def __init__(self, group: Group):
+        self.group, self.sizes = group, None
+
+    def set(self, S: int) -> None:
+        self.sizes = split_sizes(S, self.group.size)
+
+    @property
+    def positions(self) -> slice:
+        """This rank's positions: a slice of the sequence axis."""
+        start = offsets(self.sizes)[self.group.rank]
+        return slice(start, start + self.sizes[self.group.rank])
+
+
+# -- sequence-parallel regions (axis 1 of (B, T, C); sizes: every rank's positions) --------
+# Each pair: `name(x, group, sizes)` is the forward, `name_backward(dout, group, sizes)` its gradient.
+
+
+def gather_from_sp(x, group: Group, sizes: list[int]):
+    """Enter a tensor-parallel region from a sequence-split one: (B, T_i, C) -> (B, S, C)."""
+    return group.all_gather(x, sizes, axis=1)
+
+
+def gather_from_sp_backward(dout, group: Group, sizes: list[int]):
+    """Each rank's branch gave a partial dX for every position: sum them, keep this rank's positions."""
+    return group.reduce_scatter(dout, sizes, axis=1)
+
+
+def reduce_scatter_to_sp(x, group: Group, sizes: list[int]):
+    """Leave a tensor-parallel region: sum the partial outputs, keep this rank's positions."""
+    return group.reduce_scatter(x, sizes, axis=1)
+
+
+def reduce_scatter_to_sp_backward(dout, group: Group, sizes: list[int]):
+    """The output was split by position: every rank needs the whole gradient (all-gather)."""
+    return group.all_gather(dout, sizes, axis=1)
+
+
+# -- entering and leaving a tensor-parallel region, with or without sequence parallelism ----
+
+
+def enter_tp(x, group: Group, sp: SequenceSplit | None):
+    """Into a tensor-parallel region: f (x whole) or, under sequence parallelism, an all-gather.
+    Returns (x whole, what the backward needs)."""
+    if sp is not None:
+        return gather_from_sp(x, group, sp.sizes), sp.sizes
+    return copy_to_tp(x, group), None
+
+
+def enter_tp_backward(dx, group: Group, sizes):
+    if sizes is not None:
+        return gather_from_sp_backward(dx, group, sizes)
+    return copy_to_tp_backward(dx, group)
+
+
+def leave_tp(y, group: Group, sp: SequenceSplit | None):
+    """Out of a tensor-parallel region: g (all-reduce) or, under sequence parallelism, a reduce-scatter.
+    Returns (y, what the backward needs)."""
+    if sp is not None:
+        return reduce_scatter_to_sp(y, group, sp.sizes), sp.sizes
+    return reduce_from_tp(y, group), None
+
+
+def leave_tp_backward(dout, group: Group, sizes):
+    if sizes is not None:
+        return reduce_scatter_to_sp_backward(dout, group, sizes)
+    return reduce_from_tp_backward(dout, group)
+
+
+# -- replicated parameters ---------------------------------------------------------------
+
+
+@contextmanager
+def sum_replicated_grads(params, sp: SequenceSplit | None):
+    """The gradient that the enclosed backward adds to each replicated parameter, summed over the group.
+
+        with sum_replicated_grads(block.parameters(), sp):
+            dx = block.backward(dx)
+
+    Under sequence parallelism a replicated parameter (LayerNorm, row-parallel
+    bias, position embedding) sees only this rank's positions, so each rank's
+    gradient is a part of the whole. Only this backward's increment is summed
+    (one packed all-reduce): gradients accumulated by earlier backward passes
+    (micro-batches) were summed already and must not be counted again.
+    Without sequence parallelism (sp None) or on one rank it does nothing.
+    """
+    params = [p for p in params if not p.sharded]
+    if sp is None or sp.group.size == 1 or not params:
+        yield
+        return
+    xp = backend.xp()
+    earlier = None
+    if not all(p.fresh for p in params):       # gradients from earlier passes: set aside, start from 0
+        earlier = [p.grad.copy() for p in params]
+        for p in params:
+            p.zero_grad()
+    yield
+    buf = xp.concatenate([p.grad.reshape(-1) for p in params])    # this backward's part, this rank
+    sp.group.all_reduce(buf, kind="sp_grad_all_reduce")
+    at = 0
+    for i, p in enumerate(params):
+        p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
+        if earlier is not None:
+            p.grad += earlier[i]
+        p.fresh = False
+        at += p.grad.size

@@ -1,0 +1,1 @@
+"""Choosing a layout before running it: the cost model, this machine's constants (calibrate), the planner."""

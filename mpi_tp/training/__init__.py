@@ -1,0 +1,1 @@
+"""Training: the run configuration, the data, the optimizers, pre-emption, and the loop."""
