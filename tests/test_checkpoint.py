@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from mpi_tp import checkpoint as ck
-from mpi_tp.core.runtime import UsageError, collective_setup
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.runtime import collective_setup
 from mpi_tp.core.testing import all_true, gather_full, randomize
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -163,7 +164,7 @@ def test_damaged_checkpoint_is_one_clear_error(world, shared_dir, damage, messag
     def load():
         with ck.Checkpoint(shared_dir) as c:
             ck.load_into(c, fresh)
-    with pytest.raises(UsageError, match=message):     # raised on every rank: nobody is left waiting
+    with pytest.raises(UserError, match=message):     # raised on every rank: nobody is left waiting
         collective_setup(load, comm=world)
 
 
@@ -175,7 +176,7 @@ def test_config_mismatch(world, shared_dir):
     def load():
         with ck.Checkpoint(shared_dir) as c:
             ck.load_into(c, other)
-    with pytest.raises(UsageError, match="different model .*n_layer: checkpoint 2 vs model 1"):
+    with pytest.raises(UserError, match="different model .*n_layer: checkpoint 2 vs model 1"):
         collective_setup(load, comm=world)
 
 

@@ -11,7 +11,7 @@ import pytest
 from test_cli import MPIEXEC, mpirun
 
 from mpi_tp.commands.explain import cmd_explain
-from mpi_tp.core.runtime import UsageError
+from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.topology import split_sizes
 
 MPI_TEST = pytest.mark.mpi(min_size=1)
@@ -107,13 +107,13 @@ def test_sequence_parallel_inputs_are_this_ranks_positions(capsys, world):
 
 @MPI_TEST
 def test_impossible_requests_are_usage_errors_on_every_rank(capsys, world):
-    with pytest.raises(UsageError, match="--features must be a positive integer"):
+    with pytest.raises(UserError, match="--features must be a positive integer"):
         explain(capsys, world, features=0)
     T = world.Get_size()
-    with pytest.raises(UsageError, match="needs a head"):
+    with pytest.raises(UserError, match="needs a head"):
         explain(capsys, world, "attention", heads=max(T - 1, 3))     # too few heads, or 3 not dividing 8
     if T > 1:
-        with pytest.raises(UsageError, match="--seq"):
+        with pytest.raises(UserError, match="--seq"):
             explain(capsys, world, "block", sp=True, seq=T - 1)
     assert capsys.readouterr().out == ""                              # nothing printed before the check
 

@@ -118,3 +118,56 @@ def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
     assert proc.returncode != 0
     with ck.Checkpoint(os.path.join(out, "checkpoints")) as c:
         assert c.step >= 2 and c.verify() == []
+
+
+def failing(n, *args, failpoint, timeout=120):
+    env = clean_env()
+    env["MPI_TP_FAILPOINT"] = failpoint
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def logged_steps(out):
+    return [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
+
+
+def test_resume_after_a_crash_logs_every_step_once(tmp_path):
+    """Steps 4-6 ran and were logged, then the save at 6 died: the resumed run logs them again, once."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert mpirun(2, "train", *TINY, "--steps", "8", "--out", a).returncode == 0
+    r = failing(2, "train", *TINY, "--steps", "8", "--save-every", "3", "--out", b,
+                failpoint="save-before-index:6")
+    assert r.returncode != 0 and logged_steps(b) == [1, 2, 3, 4, 5, 6]
+    assert mpirun(2, "train", *TINY, "--steps", "8", "--out", b, "--resume").returncode == 0
+    assert logged_steps(b) == list(range(1, 9))
+    assert losses(a) == losses(b)                                     # and bitwise as if never stopped
+
+
+def test_skipped_last_step_still_saves(tmp_path):
+    out = str(tmp_path / "run")
+    r = failing(2, "train", *TINY, "--steps", "6", "--on-nonfinite", "skip", "--out", out, failpoint="nan-grad:6")
+    assert r.returncode == 0, r.stderr
+    assert "step 6: the gradient norm became nan; step skipped" in r.stdout
+    assert ck.complete_steps(os.path.join(out, "checkpoints")) == [6]
+
+
+def test_sigterm_during_a_skipped_step_stops_at_that_step(tmp_path):
+    out = str(tmp_path / "run")
+    r = failing(2, "train", *TINY, "--steps", "10", "--on-nonfinite", "skip", "--out", out,
+                failpoint="nan-grad:5,sigterm:5")
+    assert r.returncode == 0, r.stderr
+    assert "step 5: the gradient norm became nan; step skipped" in r.stdout
+    assert "SIGTERM received: saved step 5" in r.stdout
+    assert ck.complete_steps(os.path.join(out, "checkpoints")) == [5]
+
+
+def test_sigterm_at_the_last_step_completes_the_run(tmp_path):
+    out = str(tmp_path / "run")
+    r = failing(2, "train", *TINY, "--steps", "6", "--out", out, failpoint="sigterm:6")
+    assert r.returncode == 0, r.stderr
+    assert "SIGTERM received" not in r.stdout and "done in" in r.stdout
+    summary = json.load(open(os.path.join(out, "run.json")))
+    assert "preempted_at" not in summary and summary["final_val_loss"] == summary["final_val_loss"]   # not NaN
+    r = mpirun(2, "train", *TINY, "--steps", "6", "--out", out, "--resume")
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr
+    assert json.load(open(os.path.join(out, "run.json"))) == summary  # the summary stays as it was

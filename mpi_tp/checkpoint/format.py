@@ -4,11 +4,13 @@ from __future__ import annotations
 import hashlib
 import os
 
+from mpi_tp.core.errors import UserError
+
 FORMAT = "mpi_tp-checkpoint"
 VERSION = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read or does not fit; the message names the file and the fix."""
 
 

@@ -28,6 +28,7 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import backend
+from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -222,18 +223,18 @@ def _shapes(args, ranks: int) -> list[tuple]:
             try:
                 C, H, L, S, B = (int(v) for v in text.split(","))
             except ValueError:
-                raise ValueError(f"--custom {text!r}: give five integers C,H,L,S,B, e.g. 2048,16,2,64,2") from None
+                raise UserError(f"--custom {text!r}: give five integers C,H,L,S,B, e.g. 2048,16,2,64,2") from None
             custom.append((C, H, L, S, B))
         presets = args.shape or ([] if custom else ["a", "b", "c"])
         shapes = [SHAPES[s] for s in presets] + custom
     if args.steps < 1 or args.warmup < 0:
-        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+        raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.dp < 1 or ranks % args.dp:
-        raise ValueError(f"--dp {args.dp} must divide the {ranks} ranks of this job")
+        raise UserError(f"--dp {args.dp} must divide the {ranks} ranks of this job")
     tp = ranks // args.dp
     for C, H, L, S, B in shapes:
         if B < 1:
-            raise ValueError(f"batch must be at least 1, got {B}")
+            raise UserError(f"batch must be at least 1, got {B}")
         GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S).validate(tp)
     return shapes
 

@@ -29,7 +29,7 @@ runtime.limit_blas_threads(COMM)      # before NumPy loads its BLAS (the imports
 runtime.keep_freed_memory()           # no page faults on each step's fresh activation arrays
 
 from mpi_tp.core.runtime import (  # noqa: E402
-    UsageError,
+    UserError,
     check_world_size,
     collective_setup,
     install_abort_hook,
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     try:
         check_world_size(COMM)
         return args.run(args, COMM)
-    except UsageError as e:
+    except UserError as e:
         if COMM.Get_rank() == 0:
             print(f"mpi-tp: error: {e}", file=sys.stderr, flush=True)
         return e.status

@@ -21,6 +21,7 @@ import textwrap
 
 import numpy
 
+from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.attention import ParallelAttention
@@ -79,20 +80,20 @@ def plan(args, T: int) -> dict:
     C, B, S = args.features, args.batch, args.seq
     for flag, v in (("--features", C), ("--batch", B), ("--seq", S)):
         if v < 1:
-            raise ValueError(f"{flag} must be a positive integer, got {v}")
+            raise UserError(f"{flag} must be a positive integer, got {v}")
     if C < T:
-        raise ValueError(f"--features {C} cannot be split over {T} ranks: use --features {T} or more")
+        raise UserError(f"--features {C} cannot be split over {T} ranks: use --features {T} or more")
     H = args.heads
     if H is None:       # the fewest heads (at least 2) that divide C and give every rank one
         fits = [h for h in range(T, C + 1) if C % h == 0]
         H = min([h for h in fits if h >= 2] or fits)
     if H < T or C % H:
-        raise ValueError(f"--heads {H} does not fit: every one of the {T} ranks needs a head, and the heads "
+        raise UserError(f"--heads {H} does not fit: every one of the {T} ranks needs a head, and the heads "
                          f"must divide --features {C}; use --heads between {T} and {C} that divides {C}")
     cfg = GPTConfig(vocab_size=T, block_size=S, n_layer=1, n_head=H, n_embd=C)     # vocabulary unused here
     cfg.validate(T)
     if args.sequence_parallel and S < T:
-        raise ValueError(f"--sequence-parallel cuts --seq {S} over {T} ranks: use --seq {T} or more")
+        raise UserError(f"--sequence-parallel cuts --seq {S} over {T} ranks: use --seq {T} or more")
     return {"cfg": cfg, "B": B, "S": S, "C": C, "M": 2 * C + 1}
 
 

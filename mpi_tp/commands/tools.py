@@ -17,6 +17,7 @@ import h5py
 import numpy
 
 from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.config import GPTConfig
@@ -134,7 +135,7 @@ def cmd_export(args, comm) -> int:
     def run():
         out = args.out
         if not out.endswith((".h5", ".hdf5", ".npz")):
-            raise ValueError(f"export: {out!r} should end in .h5 or .npz")
+            raise UserError(f"export: {out!r} should end in .h5 or .npz")
         with ckpt_io.Checkpoint(args.checkpoint) as ck:
             tensors = {name: ck.read(name) for name in ck.tensors if args.optimizer or name.startswith("model/")}
             meta = {k: json.dumps(v) for k, v in ck.meta.items()}

@@ -14,6 +14,7 @@ import os
 
 import numpy
 
+from mpi_tp.core.errors import UserError
 from mpi_tp.core.gpu import Stager, cuda_aware_mpi
 
 _xp = numpy
@@ -21,7 +22,7 @@ _name = "numpy"
 _stager = Stager(cuda_aware=False)       # NumPy arrays pass through it untouched
 
 
-class BackendError(ValueError):
+class BackendError(UserError, ValueError):
     """The requested array backend cannot be used on this machine."""
 
 

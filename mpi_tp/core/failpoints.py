@@ -1,6 +1,6 @@
 """Failpoints: faults made to happen at an exact place, so that tests can prove recovery.
 
-MPI_TP_FAILPOINT=name[:STEP] arms one of the named points below:
+MPI_TP_FAILPOINT=name[:STEP][,name[:STEP]...] arms the named points below:
 
     save-during-shards, save-before-index,       SIGKILL inside a checkpoint save
     save-before-rename, save-before-latest
@@ -15,8 +15,8 @@ import signal
 
 def armed(name: str, step: int) -> bool:
     """True when MPI_TP_FAILPOINT names this point (for every step, or for this step)."""
-    want = os.environ.get("MPI_TP_FAILPOINT")
-    return bool(want) and want in (name, f"{name}:{step}")
+    wanted = os.environ.get("MPI_TP_FAILPOINT", "").split(",")
+    return name in wanted or f"{name}:{step}" in wanted
 
 
 def failpoint(name: str, step: int) -> None:

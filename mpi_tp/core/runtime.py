@@ -2,14 +2,17 @@
 
 Two kinds of failure, two treatments:
 
-- Expected errors (a bad option, a missing file, a layout that does not fit) are
-  found during set-up. `collective_setup` runs the set-up on every rank, then
-  the ranks agree: if any rank failed, rank 0 prints that rank's message once
-  and every rank exits with status 2. Nobody is left waiting in a collective.
+- Expected errors (a bad option, a missing file, a layout that does not fit, a
+  damaged checkpoint, a full disk) are raised on purpose as `UserError` (or one
+  of its kinds: ConfigError, TopologyError, DataError, CheckpointError,
+  BackendError). `collective_setup` runs a set-up step on every rank, then the
+  ranks agree: if any rank failed, rank 0 prints that rank's message once and
+  every rank exits with status 2. Nobody is left waiting in a collective.
 - Anything else (a bug, out of memory) can strike one rank mid-step while the
   others wait in a collective. `install_abort_hook` makes an uncaught exception
   print its traceback, tagged with the rank, and call MPI_Abort, which ends
-  every rank of the job at once.
+  every rank of the job at once. An OSError or ValueError that nobody raised
+  on purpose is such a bug: it shows its traceback.
 """
 from __future__ import annotations
 
@@ -19,16 +22,7 @@ import traceback
 
 from mpi4py import MPI
 
-# Error types whose message is the whole story: printed without a traceback.
-USER_ERRORS: tuple = (ValueError, OSError)
-
-
-class UsageError(Exception):
-    """Raised on every rank after a collective set-up failure; carries the exit status."""
-
-    def __init__(self, message: str, status: int = 2):
-        super().__init__(message)
-        self.status = status
+from mpi_tp.core.errors import UserError
 
 
 def rank0_print(*args, comm=MPI.COMM_WORLD, **kw) -> None:
@@ -52,19 +46,21 @@ def install_abort_hook(comm=MPI.COMM_WORLD) -> None:
 
 
 def collective_setup(fn, *args, comm=MPI.COMM_WORLD, **kw):
-    """Run fn on every rank; if it raises a user error on any rank, raise UsageError on all.
+    """Run fn on every rank; if it raises a UserError on any rank, raise UserError on all.
 
-    The message is the one from the lowest failing rank, prefixed by its rank
-    when it is not rank 0. Other exceptions propagate (and abort, see above).
+    The message and status are those of the lowest failing rank, the message
+    prefixed by its rank when it is not rank 0. Other exceptions propagate (and
+    abort, see above).
     """
     try:
-        result, message = fn(*args, **kw), None
-    except USER_ERRORS as e:
-        result, message = None, str(e) or type(e).__name__
-    messages = comm.allgather(message)          # set-up only: a few bytes, pickled once
-    for rank, m in enumerate(messages):
-        if m is not None:
-            raise UsageError(m if rank == 0 else f"(rank {rank}) {m}")
+        result, failure = fn(*args, **kw), None
+    except UserError as e:
+        result, failure = None, (str(e) or type(e).__name__, e.status)
+    failures = comm.allgather(failure)          # set-up only: a few bytes, pickled once
+    for rank, f in enumerate(failures):
+        if f is not None:
+            message, status = f
+            raise UserError(message if rank == 0 else f"(rank {rank}) {message}", status)
     return result
 
 
@@ -85,7 +81,7 @@ def check_world_size(comm=MPI.COMM_WORLD, expect: int | None = None) -> None:
         claims["expected"] = str(expect)
     for source, value in claims.items():
         if value and value.isdigit() and int(value) != size:
-            raise UsageError(
+            raise UserError(
                 f"MPI sees a world of {size} rank(s) but {source} says {value}: the launcher started "
                 "separate programs instead of one job. Use the mpiexec of the MPI library that mpi4py "
                 "was built with, or srun --mpi=pmi2 / --mpi=pmix (not --mpi=none).")

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.topology import TopologyError, check_splittable
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A model or run configuration that cannot work; the message says what to change."""
 
 

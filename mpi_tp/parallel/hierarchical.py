@@ -17,6 +17,7 @@ import os
 
 from mpi4py import MPI
 
+from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.collectives import Group
 
 
@@ -26,7 +27,7 @@ def node_of_world_rank(world=MPI.COMM_WORLD) -> int:
     if fake:
         k = int(fake)
         if k < 1:
-            raise ValueError(f"MPI_TP_FAKE_NODES={fake}: give a positive number of emulated nodes")
+            raise UserError(f"MPI_TP_FAKE_NODES={fake}: give a positive number of emulated nodes")
         return world.Get_rank() * k // world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     try:

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.collectives import CommStats, Group
 
 
-class TopologyError(ValueError):
+class TopologyError(UserError, ValueError):
     """The requested layout does not fit the world (or a dimension cannot be split)."""
 
 

@@ -28,6 +28,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 
+from mpi_tp.core.errors import UserError
+
 
 @dataclass
 class Machine:
@@ -57,7 +59,7 @@ class Machine:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"machine file {path!r}: unknown keys {sorted(unknown)}")
+            raise UserError(f"machine file {path!r}: unknown keys {sorted(unknown)}")
         return cls(**data)
 
     def save(self, path: str) -> None:
@@ -231,5 +233,5 @@ def machine(name_or_path: str) -> Machine:
     try:
         return Machine.load(name_or_path)
     except FileNotFoundError:
-        raise ValueError(f"unknown machine {name_or_path!r}: use one of {', '.join(PRESETS)} or a JSON "
+        raise UserError(f"unknown machine {name_or_path!r}: use one of {', '.join(PRESETS)} or a JSON "
                          "file from `mpi-tp calibrate`") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from mpi_tp.core.errors import UserError
 from mpi_tp.planning.costmodel import Layout, Workload, machine, memory_per_rank, step_time
 
 
@@ -112,7 +113,7 @@ def _check(args):
     m = machine(args.machine)
     for key in ("nodes", "layers", "hidden", "heads", "seq", "global_batch", "vocab", "top"):
         if getattr(args, key) < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be at least 1")
+            raise UserError(f"--{key.replace('_', '-')} must be at least 1")
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
 
 

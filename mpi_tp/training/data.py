@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpi_tp.core.errors import UserError
+
 VOCAB_SIZE = 256
 
 SHAKESPEARE_URL = (
@@ -42,7 +44,7 @@ DOWNLOAD_TIMEOUT_S = 60
 _HINT = "pass --data PATH to an existing text file, or --data pydoc / --data shakespeare"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The data cannot be used; the message says what is wrong and what to do."""
 
 

@@ -1,0 +1,130 @@
+"""Setting up a training run on every rank: data, output folder, layout, model, optimizer, starting point.
+
+Every step that can fail on bad input runs under `collective_setup`, so a
+missing file or a layout that does not fit is one message from rank 0 and exit
+status 2 on every rank, before any training collective starts.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.core import backend
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.config import TrainConfig
+from mpi_tp.training.data import BatchSampler, Corpus, eval_batches, load_corpus, split
+from mpi_tp.training.optim import SGD, AdamW
+
+
+@dataclass
+class Run:
+    """Everything a training run holds on one rank."""
+
+    cfg: TrainConfig
+    comm: MPI.Comm
+    topo: Topology
+    model: GPT
+    opt: AdamW | SGD
+    reducer: GradReducer
+    corpus: Corpus
+    sampler: BatchSampler        # batch(step) of the global batch: a pure function of (seed, step)
+    val_batches: list
+    val_tokens: object
+    out: str                     # the run folder (rank 0 writes it)
+    rows: slice                  # this replica's rows of the global batch
+    first: int                   # the first step to run (1, or the checkpoint's step + 1)
+
+    @property
+    def ckpt_root(self) -> str:
+        return os.path.join(self.out, "checkpoints")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.topo.dp.size * self.cfg.block_size
+
+
+def _load_data(cfg: TrainConfig, comm):
+    if cfg.data == "shakespeare":   # one download: rank 0 fetches into the cache, then everyone reads it
+        collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
+    corpus = load_corpus(cfg.data)
+    train_tokens, val_tokens = split(corpus, cfg.val_fraction)
+    sampler = BatchSampler(train_tokens, cfg.block_size, cfg.batch_size * cfg.dp, cfg.seed)   # global batch
+    val = eval_batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed + 1)
+    return corpus, sampler, val, val_tokens
+
+
+def _make_out_dir(cfg: TrainConfig, comm) -> str:
+    out = cfg.out
+    if not out:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") if comm.Get_rank() == 0 else None
+        out = os.path.join("runs", comm.bcast(stamp))
+    if comm.Get_rank() == 0:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the output folder {out!r} ({e.strerror}); pass --out DIR") from None
+        if not os.access(out, os.W_OK):
+            raise UserError(f"output folder {out!r} is not writable; pass --out DIR")
+    return out
+
+
+def _find_start(cfg: TrainConfig, out: str):
+    """The checkpoint to continue from (--resume: the run's own newest; --init-from: the one named), or None."""
+    if cfg.init_from:
+        return ckpt_io.Checkpoint(cfg.init_from)
+    root = os.path.join(out, "checkpoints")
+    if cfg.resume and ckpt_io.complete_steps(root):
+        return ckpt_io.Checkpoint(root)
+    return None
+
+
+def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
+    """Load a checkpoint into model and optimizer; returns the step it was saved at."""
+    if cfg.resume and start.meta.get("data", {}).get("sha256") not in (None, corpus.sha256):
+        raise ckpt_io.CheckpointError(f"checkpoint {start.dir} was trained on other data (sha256 "
+                                      f"{start.meta['data']['sha256'][:12]}, now {corpus.sha256[:12]}): "
+                                      "resume with the same --data, or use --init-from to fine-tune")
+    saved_opt = start.meta.get("train_config", {}).get("optimizer", cfg.optimizer)
+    if saved_opt != cfg.optimizer:
+        raise ckpt_io.CheckpointError(f"checkpoint {start.dir} holds {saved_opt} state but this run uses "
+                                      f"--optimizer {cfg.optimizer}")
+    ckpt_io.load_into(start, model, opt)
+    ckpt_io.restore_rng(start, model)
+    return start.step
+
+
+def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
+    """Validate, load the data, lay out the ranks, build the model and optimizer, and restore a checkpoint."""
+    collective_setup(cfg.validate, comm.Get_size(), comm=comm)
+    collective_setup(backend.use, cfg.backend, comm, comm=comm)
+    corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
+    out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
+    tp, dp = cfg.layout(comm.Get_size())
+    topo = Topology.create(comm, tp=tp, dp=dp)
+    model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed, sequence_parallel=cfg.sequence_parallel)
+    # the reducer moves the gradients into buckets: before the optimizer reads them
+    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")
+    rows = slice(topo.dp.rank * cfg.batch_size, (topo.dp.rank + 1) * cfg.batch_size)
+    model.dropout.row0 = rows.start
+    zero_group = topo.dp if cfg.zero else None
+    if cfg.optimizer == "adamw":
+        opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                    zero_group=zero_group)
+    else:
+        opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                  zero_group=zero_group)
+    start = collective_setup(_find_start, cfg, out, comm=comm)
+    first = 1
+    if start is not None:
+        with start:
+            first = collective_setup(_restore, start, model, opt, cfg, corpus, comm=comm) + 1
+        rank0_print(f"continuing from {start.dir} (step {first - 1})", comm=comm)
+    return Run(cfg, comm, topo, model, opt, reducer, corpus, sampler, val_batches, val_tokens, out, rows, first)
