@@ -53,6 +53,10 @@ def test_every_layer_equals_serial_with_megatrons_collectives(capsys, world, lay
         assert out == ""                              # rank 0 speaks for everyone
         return
     assert f"{layer}: all ranks equal the serial layer: yes" in out and "FAIL" not in out
+    lesson = " ".join(out.split(f"== {layer} ==\n", 1)[1].split("-- rank")[0].split())
+    if sp:                                            # the text says what the counters show
+        assert "sequence parallelism" in lesson and "all-reduce forward" not in lesson, lesson
+        assert "all-reduces forward" not in lesson and "one all-reduce each way" not in lesson, lesson
     ranks = sections(out)[layer]
     assert len(ranks) == world.Get_size() and out.count("PASS") == world.Get_size()
     enter, leave = REGIONS[layer]

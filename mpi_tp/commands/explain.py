@@ -30,7 +30,7 @@ from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.gpt import Block
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from mpi_tp.parallel.sequence_parallel import SequenceSplit
+from mpi_tp.parallel.sequence_parallel import SequenceSplit, sum_replicated_grads
 from mpi_tp.parallel.topology import Topology
 
 LAYERS = ("column", "row", "mlp", "attention", "block")
@@ -59,11 +59,30 @@ LESSONS = {
              "LayerNorms, residuals and row biases are replicated: every rank computes them on the same "
              "data. Two all-reduces forward (the two g's) and two backward (the two f's).",
 }
-SP_LESSON = ("Sequence parallelism: outside the parallel regions each rank holds only its T_i positions. "
-             "f becomes an all-gather of the positions (backward: reduce-scatter) and g a reduce-scatter "
-             "(backward: all-gather); replicated parameters saw only this rank's positions, so their "
-             "gradients are summed over the group.")
-# (pass, kind) -> what the collective is, in Megatron's terms (comm.py's table)
+# Under sequence parallelism the same layers communicate differently: the texts say what the counters show.
+SP_LESSONS = {
+    "column": "ColumnParallelLinear under sequence parallelism: X arrives split by positions (rank i holds "
+              "T_i of them), so f becomes an all-gather of the positions (backward: a reduce-scatter that "
+              "sums the partial dX and keeps rank i's positions). Then rank i computes its columns "
+              "Y_i = X A_i + b_i over the whole sequence; Y_i stays split by columns.",
+    "row": "RowParallelLinear under sequence parallelism: rank i computes the partial sum X_i A_i over the "
+           "whole sequence, and g becomes a reduce-scatter: sum the partials, keep rank i's T_i positions "
+           "(backward: an all-gather of dY). The replicated bias is added to those positions only, so its "
+           "gradient is a part of the whole: one all-reduce sums it over the group.",
+    "mlp": "ParallelMLP under sequence parallelism: an all-gather of the positions before fc (f's place) "
+           "and a reduce-scatter after proj (g's place); backward, the reverse. proj's replicated bias "
+           "gradient is summed by one small all-reduce. No all-reduce of activations at all, and the same "
+           "bytes on the wire as plain TP's two all-reduces.",
+    "attention": "ParallelAttention under sequence parallelism: an all-gather of the positions before the "
+                 "q/k/v GEMM (each rank needs every position to attend over), attention on rank i's H_i "
+                 "heads, and a reduce-scatter after the output projection; backward, the reverse, plus one "
+                 "small all-reduce of the projection's replicated bias gradient.",
+    "block": "Block under sequence parallelism: the LayerNorms, residuals and dropout work on rank i's T_i "
+             "positions only. Two all-gathers and two reduce-scatters forward, two of each backward, and "
+             "one small all-reduce of the replicated parameters' gradients (LayerNorms, row biases), "
+             "which each rank computed from its own positions.",
+}
+# (pass, kind) -> what the collective is, in Megatron's terms (the tables of tensor_parallel and sequence_parallel)
 ROLES = {
     ("forward", "all_reduce"): "g: sum the partial outputs",
     ("backward", "all_reduce"): "f's backward: sum the partial input gradients",
@@ -76,7 +95,7 @@ ROLES = {
 
 
 def plan(args, T: int) -> dict:
-    """The sizes of the lesson, checked against the world size T (ValueError says what to change)."""
+    """The sizes of the lesson, checked against the world size T (a UserError says what to change)."""
     C, B, S = args.features, args.batch, args.seq
     for flag, v in (("--features", C), ("--batch", B), ("--seq", S)):
         if v < 1:
@@ -122,20 +141,6 @@ def _cut(a, cols=None, positions=None):
     return numpy.ascontiguousarray(a)
 
 
-def _sum_replicated_grads(layer, topo) -> None:
-    """Under sp a replicated parameter saw only this rank's positions: sum its gradient over the group
-    (one packed all-reduce, as GPT._sum_sequence_split_grads does per block)."""
-    params = [q for q in layer.parameters() if not q.sharded]
-    if not params or topo.tp.size == 1:
-        return
-    buf = numpy.concatenate([q.grad.reshape(-1) for q in params])
-    topo.tp.all_reduce(buf, kind="sp_grad_all_reduce")
-    at = 0
-    for q in params:
-        q.grad[...] = buf[at:at + q.grad.size].reshape(q.grad.shape)
-        at += q.grad.size
-
-
 def _slice_text(param) -> str:
     if not param.sharded:
         return "whole (replicated)"
@@ -175,9 +180,8 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     y = par.forward(x_i)
     fwd = topo.stats.snapshot()
     topo.stats.reset()
-    dx = par.backward(_cut(dout, out_cols, out_pos))
-    if sp is not None:
-        _sum_replicated_grads(par, topo)
+    with sum_replicated_grads(par.parameters(), sp):          # as GPT.backward does per block
+        dx = par.backward(_cut(dout, out_cols, out_pos))
     bwd = topo.stats.snapshot()
 
     err_out = max_rel_diff(y, _cut(y_ref, out_cols, out_pos))
@@ -216,7 +220,7 @@ def run(args, comm) -> bool:
     for kind in kinds:
         ok, text = explain_layer(kind, p, comm, args.sequence_parallel)
         texts = comm.gather(text, root=0)          # a lesson, not a hot path: pickled once
-        lesson = LESSONS[kind] + (" " + SP_LESSON if args.sequence_parallel else "")
+        lesson = (SP_LESSONS if args.sequence_parallel else LESSONS)[kind]
         rank0_print(f"\n== {kind} ==\n{textwrap.fill(lesson, 100)}\n" + "\n".join(texts or []) +
                     f"\n{kind}: all ranks equal the serial layer: {'yes' if ok else 'no'}", comm=comm)
         every &= ok

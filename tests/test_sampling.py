@@ -1,0 +1,24 @@
+"""Sampling from a tensor-parallel model gives the serial model's text, also under sequence parallelism
+with more ranks than context bytes (some ranks then hold no position at all)."""
+import pytest
+
+from mpi_tp.core.testing import all_true
+from mpi_tp.inference.sampling import sample
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+
+pytestmark = pytest.mark.mpi(min_size=1)
+CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=1, n_head=4, n_embd=16)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("prompt", [b"", b"\x05", b"\x01\x02\x03\x04\x05\x06\x07\x08\x09"])
+def test_sample_equals_serial(world, sequence_parallel, prompt):
+    serial = GPT(CFG, Topology.serial(), dtype="float64", seed=4)
+    want = sample(serial, prompt, 6, temperature=1.0, seed=2)
+    topo = Topology.create(world, tp=world.Get_size())
+    model = GPT(CFG, topo, dtype="float64", seed=4, sequence_parallel=sequence_parallel)
+    got = sample(model, prompt, 6, temperature=1.0, seed=2)
+    assert all_true(got == want, world), (got, want)
+    topo.free()
