@@ -4,11 +4,15 @@
                 --global-batch 512 --vocab 51200
 
 Every layout with tp x pp x dp = nodes x ranks per node is tried, with
-micro-batch sizes, sequence parallelism, ZeRO-1 and recomputation (the
-options mpi_tp implements, pipeline stages priced by the model only: mpi_tp
-does not run pipelines yet); those whose memory per rank exceeds the machine's
-are dropped; the rest are ranked by predicted step time. The winner is
-explained against the best layout with another tensor-parallel size.
+micro-batch sizes, sequence parallelism, ZeRO-1 and recomputation; those whose
+memory per rank exceeds the machine's are dropped; the rest are ranked by
+predicted step time. The winner is explained against the best layout with
+another tensor-parallel size.
+
+What mpi_tp runs today is a subset: tensor x data layouts, with sequence
+parallelism and ZeRO-1. Pipeline stages (pp > 1), micro-batches (gradient
+accumulation) and activation recomputation are priced by the cost model only,
+so a plan that uses them cannot be trained with `mpi-tp train` yet.
 """
 from __future__ import annotations
 
