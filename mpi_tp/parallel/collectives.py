@@ -68,6 +68,24 @@ def _check_buffer(x, what: str) -> None:
         raise ValueError(f"{what}: unsupported dtype {x.dtype}")
 
 
+def _in_place(call, x, result: bool = True) -> None:
+    """call(buf) with the buffer MPI should see for x (x itself, or a lent pinned copy of a device array);
+    afterwards x holds what MPI left in buf (when `result`), and buf goes back to the pool."""
+    stager = backend.stager()
+    buf = stager.lend(x)
+    call(buf)
+    stager.give_back(x, buf, copy=result)
+
+
+def _out_of_place(call, send, out) -> None:
+    """call(send_buf, recv_buf) for MPI reading `send` and writing `out` (both staged as in _in_place)."""
+    stager = backend.stager()
+    send_buf, recv_buf = stager.lend(send), stager.lend(out, copy=False)
+    call(send_buf, recv_buf)
+    stager.give_back(send, send_buf, copy=False)
+    stager.give_back(out, recv_buf)
+
+
 class Pending:
     """A started non-blocking collective: wait() completes it (and copies a staged GPU buffer back)."""
 
@@ -109,10 +127,7 @@ class Group:
             return x
         _check_buffer(x, f"{self.name}.all_reduce")
         t0 = time.perf_counter()
-        stager = backend.stager()
-        buf = stager.lend(x)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
-        stager.give_back(x, buf)
+        _in_place(lambda buf: self.comm.Allreduce(MPI.IN_PLACE, buf, op=op), x)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
         return x
 
@@ -144,11 +159,7 @@ class Group:
         displs = [sum(counts[:r]) for r in range(self.size)]
         t0 = time.perf_counter()
         out = xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # in the array module in use
-        stager = backend.stager()
-        send, recv = stager.lend(front), stager.lend(out, copy=False)
-        self.comm.Allgatherv(send, [recv, (counts, displs)])
-        stager.give_back(front, send, copy=False)
-        stager.give_back(out, recv)
+        _out_of_place(lambda send, recv: self.comm.Allgatherv(send, [recv, (counts, displs)]), front, out)
         if axis % x.ndim != 0:
             out = xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
         self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
@@ -162,10 +173,7 @@ class Group:
         counts = list(sizes)
         displs = [sum(counts[:r]) for r in range(self.size)]
         t0 = time.perf_counter()
-        stager = backend.stager()
-        buf = stager.lend(flat)
-        self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)])
-        stager.give_back(flat, buf)
+        _in_place(lambda buf: self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)]), flat)
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
         return flat
 
@@ -181,11 +189,8 @@ class Group:
         per = int(numpy.prod(front.shape[1:]))
         t0 = time.perf_counter()
         out = xp.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
-        stager = backend.stager()
-        send, recv = stager.lend(front), stager.lend(out, copy=False)
-        self.comm.Reduce_scatter(send, recv, [s * per for s in sizes], op=MPI.SUM)
-        stager.give_back(front, send, copy=False)
-        stager.give_back(out, recv)
+        counts = [s * per for s in sizes]
+        _out_of_place(lambda send, recv: self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM), front, out)
         if axis % x.ndim != 0:
             out = xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
         self.stats.record(f"{self.name}/reduce_scatter", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
@@ -201,10 +206,7 @@ class Group:
             return x
         _check_buffer(x, f"{self.name}.broadcast")
         t0 = time.perf_counter()
-        stager = backend.stager()
-        buf = stager.lend(x)
-        self.comm.Bcast(buf, root=root)
-        stager.give_back(x, buf)
+        _in_place(lambda buf: self.comm.Bcast(buf, root=root), x)
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
         return x
 
@@ -214,12 +216,9 @@ class Group:
             return x
         _check_buffer(x, f"{self.name}.reduce")
         t0 = time.perf_counter()
-        stager = backend.stager()
-        buf = stager.lend(x)
         if self.rank == root:
-            self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
+            _in_place(lambda buf: self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root), x)
         else:
-            self.comm.Reduce(buf, None, op=MPI.SUM, root=root)
-        stager.give_back(x, buf, copy=self.rank == root)
+            _in_place(lambda buf: self.comm.Reduce(buf, None, op=MPI.SUM, root=root), x, result=False)
         self.stats.record(f"{self.name}/reduce", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return x
