@@ -42,3 +42,33 @@ def test_other_errors_are_not_swallowed(bug):
         raise bug
     with pytest.raises(type(bug)):
         collective_setup(setup)      # COMM_WORLD; raised before any collective, so safe on one rank
+
+
+MALLOC_PROBE = """
+import ctypes, sys
+import mpi_tp.commands.cli                       # what `mpi-tp` imports before it runs a command
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(1 << 20)                         # 1 MiB: above glibc's default mmap threshold (128 KiB)
+mmapped = ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2   # IS_MMAPPED bit
+sys.exit(0 if mmapped else 1)
+"""
+
+
+def test_importing_the_command_leaves_malloc_alone():
+    """mpi_tp must not change the allocator of the whole process (MPI's own buffers included).
+
+    glibc serves a 1 MiB malloc from a fresh mmap unless someone raised its mmap
+    threshold; the threshold is pinned at glibc's default (GLIBC_TUNABLES) so that
+    glibc's own adaptive raise cannot blur the check. Users who want freed memory
+    kept set MALLOC_MMAP_THRESHOLD_ themselves (docs/performance.md).
+    """
+    import platform
+    import subprocess
+    import sys
+    if platform.system() != "Linux" or "glibc" not in " ".join(platform.libc_ver()):
+        pytest.skip("the probe reads glibc's chunk header")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("MALLOC_", "PMI", "HYDRA"))}
+    env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=131072"
+    r = subprocess.run([sys.executable, "-c", MALLOC_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"a 1 MiB malloc came from the heap: mpi_tp changed malloc's thresholds {r.stderr}"

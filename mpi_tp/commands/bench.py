@@ -104,6 +104,7 @@ def environment(comm) -> dict:
             "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
             "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
+            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -244,7 +245,9 @@ def cmd_bench(args, comm) -> int:
     collective_setup(backend.use, args.backend, comm, comm=comm)
     env = environment(comm)
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
-                f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; {env['date']}", comm=comm)
+                f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; "
+                f"{' '.join(f'{k}={v}' for k, v in env['malloc'].items()) or 'malloc defaults'}; {env['date']}",
+                comm=comm)
     modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
     for C, H, L, S, B in shapes:
         for mode in modes:

@@ -26,7 +26,6 @@ from mpi_tp.core import runtime
 
 COMM = MPI.COMM_WORLD
 runtime.limit_blas_threads(COMM)      # before NumPy loads its BLAS (the imports below)
-runtime.keep_freed_memory()           # no page faults on each step's fresh activation arrays
 
 from mpi_tp.core.runtime import (  # noqa: E402
     UserError,

@@ -108,25 +108,3 @@ def limit_blas_threads(comm=MPI.COMM_WORLD) -> int | None:
     for v in BLAS_THREAD_VARS:
         os.environ[v] = str(threads)
     return threads
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory in the heap instead of returning it to the kernel.
-
-    Every training step allocates and frees the same activation-sized arrays (MBs
-    each). By default glibc serves those from fresh mmap()s and hands them back on
-    free, so each step pays a page fault per 4 KiB touched; measured here, that was
-    8% of a step at shape (a) of `mpi-tp bench`. Raising the mmap and trim
-    thresholds (the MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ settings) keeps
-    the pages mapped: the peak memory is the same, it is just not given back
-    between steps. Returns False where mallopt is unavailable (not glibc).
-    """
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)          # the largest glibc accepts
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
