@@ -1,44 +1,75 @@
 #!/usr/bin/env bash
-# The whole test suite at world sizes 1, 2 and 4.
+# The whole test suite at world sizes 1, 2, 3 and 4.
 #
 #   bash tests/run.sh              (from the repository root, with mpi_tp and the 'test' extra installed)
 #
 # Pass 1 runs every test in one process (kernels, data, CLI jobs that start their
-# own mpiexec, and the MPI tests at world size 1). Passes 2 and 4 run the MPI tests
-# (those marked @pytest.mark.mpi, selected with -m mpi) under mpiexec. Each pass must run at least one
-# test and pass; a pass that hangs is killed after MPI_TP_PASS_TIMEOUT seconds.
+# own mpiexec, and the MPI tests at world size 1). Passes 2, 3 and 4 run the MPI tests
+# (those marked @pytest.mark.mpi, selected with -m mpi) under mpiexec; 3 ranks split
+# heads, vocabulary, MLP width (4C) and sequence unevenly, which 2 and 4 cannot do for 4C.
+# Each pass must run at least one test and pass; a pass that hangs is killed after
+# MPI_TP_PASS_TIMEOUT seconds. At the end one line says whether every pass passed (exit 0)
+# or which failed (exit 1), and the last lines count each pass's skipped tests by reason
+# (pytest -rs; under mpiexec rank 0's, the conftest keeps the other ranks' out).
 # Extra arguments go to every pytest call (e.g. -k attention).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 MPIEXEC=${MPIEXEC:-mpiexec}
 TIMEOUT=${MPI_TP_PASS_TIMEOUT:-900}
-# One BLAS thread per rank: 4 ranks on 2 cores are oversubscribed as it is.
+# One BLAS thread per rank: 3 or 4 ranks on 2 cores are oversubscribed as it is.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 command -v "$MPIEXEC" >/dev/null || { echo "tests/run.sh: no '$MPIEXEC' on PATH (pip install mpich, or load your MPI module)"; exit 1; }
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
 
-failed=()
+skips() {  # skips LOG: "N (reason: n, ...)" from pytest's "SKIPPED [n] file:line: reason" lines in LOG
+  local counts total said
+  counts=$(grep -o 'SKIPPED \[[0-9]*\] [^ ]*:[0-9]*: .*' "$1" |
+    sed -E "s/^SKIPPED \[([0-9]+)\] [^ ]*:[0-9]+: /\1\t/; s/\tcould not import '([^']+)'.*/\t\1 not installed/
+              s/\tTest requires ([0-9]+) MPI processes.*/\tneeds \1 MPI ranks/" |
+    awk -F'\t' '{ n[$2] += $1 } END { for (r in n) printf "%d\t%s\n", n[r], r }' | sort -t"$(printf '\t')" -k1,1nr -k2)
+  total=$(printf '%s\n' "$counts" | awk -F'\t' '{ t += $1 } END { print t + 0 }')
+  printf '%d' "$total"
+  [ "$total" -gt 0 ] && printf ' (%s)' "$(printf '%s\n' "$counts" | awk -F'\t' '{ printf "%s%s: %d", (NR > 1 ? ", " : ""), $2, $1 }')"
+  # cross-check with pytest's closing line ("3 passed, 2 skipped in 1.2s"): a pass that died has none
+  if ! grep -Eq '(passed|failed|skipped|error|errors|deselected|no tests ran).* in [0-9.]+s' "$1"; then
+    printf '; pytest printed no closing line'
+  else
+    said=$(grep -Eo '[0-9]+ skipped.* in [0-9.]+s' "$1" | head -1 | grep -Eo '^[0-9]+')
+    [ "${said:-0}" = "$total" ] || printf '; pytest says %s skipped' "${said:-0}"
+  fi
+  return 0
+}
+
+failed=() skipped=()
 pass() {  # pass NAME CMD...: run one pytest pass; pytest exit 5 (no tests ran) is a failure too
   local name=$1; shift
+  local log="$LOGS/$((${#skipped[@]} + 1)).log"
   echo "=== $name: $*"
-  timeout --kill-after=10 "$TIMEOUT" "$@"
-  local rc=$?
+  timeout --kill-after=10 "$TIMEOUT" "$@" | tee "$log"
+  local rc=${PIPESTATUS[0]}
   case $rc in
     0) echo "=== $name: passed" ;;
     5) echo "=== $name: FAILED (no tests ran)"; failed+=("$name") ;;
     124|137) echo "=== $name: FAILED (timed out after ${TIMEOUT}s)"; failed+=("$name") ;;
     *) echo "=== $name: FAILED (exit $rc)"; failed+=("$name") ;;
   esac
+  skipped+=("skipped: $name: $(skips "$log")")
 }
 
-PYTEST=(-m pytest -p no:cacheprovider -q --with-mpi tests "$@")
+PYTEST=(-m pytest -p no:cacheprovider -q -rfEs --with-mpi tests "$@")
 MPI_TP_EXPECT_WORLD=1 pass "world size 1" "$PY" "${PYTEST[@]}"
-for n in 2 4; do
+for n in 2 3 4; do
   MPI_TP_EXPECT_WORLD=$n pass "world size $n" "$MPIEXEC" -n "$n" "$PY" -m mpi4py "${PYTEST[@]}" -m mpi
 done
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "tests/run.sh: failed passes: ${failed[*]}"
-  exit 1
+  status=1
+else
+  echo "tests/run.sh: all passes (world sizes 1, 2, 3, 4) passed"
+  status=0
 fi
-echo "tests/run.sh: all passes (world sizes 1, 2, 4) passed"
+printf '%s\n' "${skipped[@]}"                # last: what did not run, and why
+exit $status

@@ -35,11 +35,16 @@ TINY = ["--n-layer", "2", "--n-head", "3", "--n-embd", "24", "--block-size", "16
         "--eval-batches", "4", "--log-every", "10", "--eval-every", "20", "--sample-len", "20"]
 
 
+# Long enough to learn something: ~10 s on 2 cores. Validation loss, on the default data, after 200 steps:
+# 2.66 nats/byte; unigram entropy 3.14; an untrained model (--steps 1) 5.46, near ln 256 = 5.55.
+LEARN = ["--steps", "200", "--warmup", "10", "--lr", "1e-2"]
+
+
 def test_train_end_to_end(tmp_path):
     out = tmp_path / "run"
-    r = mpirun(2, "train", *TINY, "--steps", "40", "--out", str(out))
+    r = mpirun(2, "train", *TINY, *LEARN, "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("step 40/40") == 1                     # progress from rank 0 only
+    assert r.stdout.count("step 200/200") == 1                   # progress from rank 0 only
     assert "--- sample ---" in r.stdout
     run = json.loads((out / "run.json").read_text())
     assert run["layout"] == {"world": 2, "tp": 2, "dp": 1}
@@ -47,7 +52,9 @@ def test_train_end_to_end(tmp_path):
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "loss" in l]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, "the loss did not fall"
-    assert run["final_val_loss"] < run["unigram_entropy"] + 1.0
+    # below the byte-frequency model, with margin: a model that learned nothing (~5.5) or only byte
+    # frequencies (the unigram entropy) fails
+    assert run["final_val_loss"] < run["unigram_entropy"] - 0.2, (run["final_val_loss"], run["unigram_entropy"])
     assert json.loads((out / "config.json").read_text())["n_head"] == 3
     assert run["communication"]["tp/all_reduce"]["calls"] > 0
 

@@ -7,8 +7,7 @@
 - Every line of a ```bash block in docs/learn.md runs as written, from the
   repository root, and exits 0. The lines run in document order, so a command
   may read what an earlier one wrote (the lesson inspects the checkpoint of the
-  run before it). A command that uses `mpi-tp explain` is skipped while that
-  subcommand does not exist yet.
+  run before it).
 
 These tests start their own MPI jobs, so they run in the one-rank pass only
 (no mpi marker).
@@ -74,18 +73,10 @@ def test_the_lesson_has_commands():
     assert len(bash_commands(LESSON)) >= 3, "docs/learn.md lost its ```bash blocks"
 
 
-def _explain_exists() -> bool:
-    r = subprocess.run([sys.executable, "-m", "mpi_tp", "explain", "--help"], capture_output=True,
-                       text=True, timeout=60, env=clean_env(), cwd=ROOT)
-    return r.returncode == 0
-
-
 @pytest.mark.skipif(shutil.which("mpiexec", path=clean_env()["PATH"]) is None,
                     reason="no mpiexec on PATH (pip install mpich)")
 @pytest.mark.parametrize("command", bash_commands(LESSON), ids=lambda c: c[:70])
 def test_lesson_command_runs(command):
-    if re.search(r"\bmpi-tp explain\b|\bmpi_tp explain\b", command) and not _explain_exists():
-        pytest.skip("`mpi-tp explain` is not available yet")
     r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=TIMEOUT,
                        env=clean_env(), cwd=ROOT)
     assert r.returncode == 0, (f"`{command}` exited {r.returncode}\n--- stdout (end) ---\n{r.stdout[-2000:]}"

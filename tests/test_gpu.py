@@ -59,12 +59,32 @@ def test_model_on_gpu_equals_numpy(world, gpu):
 
 
 def test_collectives_with_device_buffers(world, gpu):
+    """Each collective the model uses, on CuPy arrays (uneven shares), equals its NumPy closed form
+    element for element (rank r contributes (r + 1) times a known array; integers, so exactly)."""
     from mpi_tp.parallel.collectives import CommStats, Group
     group = Group(world.Dup(), "tp", CommStats())
-    x = gpu.full(1000, float(group.rank + 1))
-    group.all_reduce(x)
-    assert float(x[0]) == group.size * (group.size + 1) / 2
-    sizes = [2] * group.size
-    y = gpu.arange(6, dtype=gpu.float32).reshape(3, 2) + group.rank
-    full = group.all_gather_last(y, sizes)
-    assert full.shape == (3, 2 * group.size) and backend.is_device_array(full)
+    p, r = group.size, group.rank
+    total = p * (p + 1) // 2                                   # sum over ranks of (r + 1)
+
+    base = np.arange(1000, dtype=np.float64)                   # [1000]
+    x = gpu.asarray(base * (r + 1))
+    assert group.all_reduce(x) is x and backend.is_device_array(x)      # in place, still on the device
+    assert_close(x, base * total, 0, "all_reduce on device")
+
+    z = gpu.asarray(base * (r + 1))
+    assert group.iall_reduce(z).wait() is z and backend.is_device_array(z)
+    assert_close(z, base * total, 0, "iall_reduce on device")
+
+    sizes = [1 + q % 2 for q in range(p)]                      # last-axis shares 1, 2, 1, 2, ...
+    parts = [np.arange(3 * s, dtype=np.float32).reshape(3, s) + 100 * q for q, s in enumerate(sizes)]
+    full = group.all_gather_last(gpu.asarray(parts[r]), sizes)           # (3, s_r) -> (3, sum(sizes))
+    assert backend.is_device_array(full)
+    assert_close(full, np.concatenate(parts, axis=-1), 0, "all_gather_last on device")
+
+    rows = [2 + q % 2 for q in range(p)]                       # axis-1 shares 2, 3, 2, 3, ...
+    y = np.arange(3 * sum(rows) * 4, dtype=np.float64).reshape(3, sum(rows), 4)   # [3, sum(rows), 4]
+    mine = group.reduce_scatter(gpu.asarray(y * (r + 1)), rows, axis=1)  # -> (3, rows[r], 4), summed
+    lo = sum(rows[:r])
+    assert backend.is_device_array(mine)
+    assert_close(mine, y[:, lo:lo + rows[r]] * total, 0, "reduce_scatter on device")
+    group.comm.Free()

@@ -9,7 +9,11 @@ from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import SGD, AdamW, clip_grad_norm
 
 pytestmark = pytest.mark.mpi(min_size=1)
-# Uneven everywhere at 2 and 4 ranks: 5 heads, vocabulary 37, MLP width 80 split 4 ways is even but 5 heads are not.
+# Uneven splits (shares per rank; tests/run.sh runs 1, 2, 3 and 4 ranks):
+#   tp = 2: heads 3 + 2,          vocabulary 19 + 18,          MLP width 4C = 80: 40 + 40
+#   tp = 3: heads 2 + 2 + 1,      vocabulary 13 + 12 + 12,     MLP width 27 + 27 + 26
+#   tp = 4: heads 2 + 1 + 1 + 1,  vocabulary 10 + 9 + 9 + 9,   MLP width 20 each
+# 4C is a multiple of 4, so the MLP splits unevenly only where tp does not divide it: the 3-rank pass.
 CFG = dict(vocab_size=37, block_size=8, n_layer=2, n_head=5, n_embd=20)
 
 

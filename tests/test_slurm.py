@@ -16,6 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.environ.get("MPI_TP_SLURM_LOCAL", os.path.join(os.path.dirname(REPO), "shared", "slurm-local"))
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
         "--eval-batches", "1", "--log-every", "3", "--eval-every", "6", "--sample-len", "0", "--steps", "6"]
+# Enough training (later options win) for the loss to show learning, ~10 s at tp=2: validation loss 2.62
+# nats/byte after 200 steps, against the data's unigram entropy 3.14 and 5.5 untrained (6 steps: 5.52).
+LEARN = ["--steps", "200", "--warmup", "10", "--lr", "1e-2", "--batch-size", "8", "--eval-batches", "4",
+         "--log-every", "50", "--eval-every", "50"]
 
 
 def _why_not():
@@ -63,11 +67,13 @@ def one_node():
 
 
 def test_single_node(one_node, tmp_path):
-    r = submit(tmp_path, os.path.join(REPO, "slurm", "train_single_node.sbatch"), *TINY)
+    r = submit(tmp_path, os.path.join(REPO, "slurm", "train_single_node.sbatch"), *TINY, *LEARN)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 tasks" in r.stdout and "tp=2 x dp=1" in r.stdout and "step 6/6" in r.stdout
+    assert "2 tasks" in r.stdout and "tp=2 x dp=1" in r.stdout and "step 200/200" in r.stdout
     run = json.loads((tmp_path / "out" / "run.json").read_text())
-    assert run["layout"]["world"] == 2 and run["final_val_loss"] < 6
+    assert run["layout"]["world"] == 2
+    # below the byte-frequency model, with margin: a model that learned nothing fails
+    assert run["final_val_loss"] < run["unigram_entropy"] - 0.2, (run["final_val_loss"], run["unigram_entropy"])
 
 
 def test_separate_programs_are_refused(one_node, tmp_path):
@@ -89,8 +95,10 @@ def test_two_nodes(tmp_path):
     """TP inside each emulated node, DP across the two, with the hierarchical gradient all-reduce."""
     harness("start.sh", 2)
     try:
+        # The two emulated nodes share one kernel: keep UCX off its shared-memory transports between
+        # them, as between real machines (docs/clusters.md: with them, MPI_Init can fail in PMI2).
         r = submit(tmp_path, os.path.join(REPO, "slurm", "train_multi_node.sbatch"), *TINY,
-                   "--dp-allreduce", "hierarchical")
+                   "--dp-allreduce", "hierarchical", env_extra={"UCX_TLS": "^posix,sysv,cma"})
     finally:
         harness("stop.sh", 2)
     assert r.returncode == 0, r.stdout + r.stderr
