@@ -23,9 +23,16 @@ Loading reads, on each rank, only the slices its shards need (hyperslab reads
 from the shard files), so a checkpoint saved at one tensor-parallel size loads
 at any other. Every dataset carries a Fletcher-32 checksum; the index records
 each shard's size and SHA-256, which `verify` checks in full.
+
+A full disk is checked for before writing (the estimated size against the free
+space) and at every write (through `DiskFile`): the save stops on every rank
+with one CheckpointError saying what to do, `.step-N.tmp` is removed, and the
+previous checkpoint stays `latest`.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -33,20 +40,52 @@ import shutil
 import h5py
 import numpy
 
-from mpi_tp.checkpoint.format import (FORMAT, VERSION, complete_steps, fsync_path, sha256_file, shard_name,
-                                      state_tensors, step_dir_name)
+from mpi_tp.checkpoint.diskfile import DiskFile
+from mpi_tp.checkpoint.format import (FORMAT, VERSION, CheckpointError, complete_steps, fsync_path, sha256_file,
+                                      shard_name, state_tensors, step_dir_name)
 from mpi_tp.core import backend
-from mpi_tp.core.failpoints import failpoint
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.failpoints import failpoint, no_space
 from mpi_tp.core.runtime import collective_setup
 
+# HDF5's own bytes per dataset in a shard: 3.5-4.8 KiB measured (h5py 3.16, HDF5 2.0). Counting a
+# little less, and not the index, the check before writing never refuses a save that would fit.
+HDF5_BYTES_PER_DATASET = 3 * 1024
 
-def _write_shard(path, tensors, tp_rank, step):
-    """This rank's slices of the sharded tensors (and, on rank 0, the replicated ones)."""
+
+def _estimate(arrays) -> int:
+    """Bytes that these arrays take as checkpoint datasets, about (a little less, if anything)."""
+    return sum(int(a.nbytes) + HDF5_BYTES_PER_DATASET for a in arrays)
+
+
+def _no_room(root: str, step: int, what: str, needed: int, free: int, failed=None) -> CheckpointError:
+    where = f" (writing {os.path.basename(failed)} failed)" if failed else ""
+    return CheckpointError(
+        f"not enough disk space to save step {step} in {root}{where}: {what} needs about {needed:,} bytes "
+        f"and {free:,} were free when the save began. The checkpoint named by {root}/latest, if any, is "
+        "untouched. Free some space on that disk, point --out at another disk, or keep fewer "
+        "checkpoints (--keep).")
+
+
+@contextlib.contextmanager
+def _full_disk_reported(root: str, step: int, what: str, needed: int, free: int):
+    """A full disk (ENOSPC, or EDQUOT: over quota) inside becomes one CheckpointError saying what to do."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise _no_room(root, step, what, needed, free, e.filename) from e
+
+
+def _write_shard(path, tensors, step, fault=None):
+    """The tensors this rank writes: its slices of the sharded ones (rank 0: also the replicated ones).
+
+    fault: a failpoint, armed halfway through. On a full disk, stops at once and raises OSError."""
     pieces = {}
-    with h5py.File(path, "w") as f:
+    disk = DiskFile(path)
+    with contextlib.closing(disk), h5py.File(disk, "w") as f:
         for i, (group, p, data) in enumerate(tensors):
-            if not p.sharded and tp_rank != 0:
-                continue
             name = f"{group}/{p.name}"
             ds = f.create_dataset(name, data=backend.asnumpy(data), fletcher32=True)
             ds.attrs["global_shape"] = p.global_shape
@@ -55,14 +94,17 @@ def _write_shard(path, tensors, tp_rank, step):
             pieces[name] = [p.start, p.stop]
             if i == len(tensors) // 2:
                 failpoint("save-during-shards", step)
-    fsync_path(path)
+                disk.fault = fault
+            if disk.error is not None:           # the rest would be dropped: close, then raise
+                break
     return pieces
 
 
-def _write_index(path, shards, tensors, meta):
+def _write_index(path, shards, tensors, meta, fault=None):
     """The index: metadata, the layout table, and a virtual dataset per full tensor."""
     layout = {"shards": shards, "tensors": {}}
-    with h5py.File(path, "w") as f:
+    disk = DiskFile(path, fault)
+    with contextlib.closing(disk), h5py.File(disk, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = VERSION
         for key, value in meta.items():
@@ -82,8 +124,9 @@ def _write_index(path, shards, tensors, meta):
                     idx[p.axis] = slice(a, b)
                 vds[tuple(idx)] = h5py.VirtualSource("./" + shards[r]["file"], name, shape=tuple(shape))
             f.create_virtual_dataset(name, vds, fillvalue=numpy.nan if dtype.kind == "f" else 0)
+            if disk.error is not None:
+                break
         f.create_dataset("meta/layout", data=json.dumps(layout))
-    fsync_path(path)
 
 
 def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, keep: int = 0) -> str:
@@ -91,7 +134,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
 
     The first data-parallel replica's tensor-parallel ranks write the shards (the
     other replicas hold the same numbers); every rank takes part in the agreements,
-    so an error anywhere stops all of them together.
+    so an error anywhere (a full disk) raises CheckpointError on all of them together.
 
     meta: JSON-able entries stored as index attributes (config, train_config, rng, data ...).
     keep: keep only the newest `keep` complete steps (0 = keep all). Returns the step directory.
@@ -101,58 +144,78 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     writer = model.topo.dp.rank == 0
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, "." + step_dir_name(step) + ".tmp")
+    pointer = os.path.join(root, "latest.tmp")
+    tensors = state_tensors(model, optimizer)
+    mine = [(g, p, d) for g, p, d in tensors if p.sharded or group.rank == 0] if writer else []  # replicated: once
+    shard_bytes = _estimate(data for _, _, data in mine)
+    total_bytes = comm.allreduce(shard_bytes)        # one int per rank, at save time only
 
     def prepare():
-        if comm.Get_rank() == 0:
-            os.makedirs(root, exist_ok=True)
-            _clean_debris(root)
-            os.makedirs(tmp)
-    collective_setup(prepare, comm=comm)
-
-    tensors = state_tensors(model, optimizer)
+        if comm.Get_rank() != 0:
+            return None
+        os.makedirs(root, exist_ok=True)
+        _clean_debris(root)
+        free = shutil.disk_usage(root).free
+        if total_bytes > free:                       # sure not to fit: say so before writing anything
+            raise _no_room(root, step, "the checkpoint", total_bytes, free)
+        os.makedirs(tmp)
+        return free
     fname = shard_name(group.rank, group.size)
 
     def write():
         if not writer:
             return None
         path = os.path.join(tmp, fname)
-        pieces = _write_shard(path, tensors, group.rank, step)
-        return {"file": fname, "bytes": os.path.getsize(path), "sha256": sha256_file(path), "pieces": pieces}
-    mine = collective_setup(write, comm=comm)
-    shards = [s for s in comm.allgather(mine) if s]   # a few hundred bytes per rank, at save time only
-    shards.sort(key=lambda s: s["file"])              # tensor-parallel rank order
-    failpoint("save-before-index", step)
+        fault = (lambda: no_space("save-enospc", step, path)) if group.rank == group.size - 1 else None
+        with _full_disk_reported(root, step, "this rank's shard", shard_bytes, shutil.disk_usage(tmp).free):
+            pieces = _write_shard(path, mine, step, fault)
+            return {"file": fname, "bytes": os.path.getsize(path), "sha256": sha256_file(path), "pieces": pieces}
 
     def publish():
         if comm.Get_rank() != 0:
             return
         info = dict(meta or {})
         info.update(step=step, layout=model.topo.describe(), dtypes=str(model.dtype))
-        _write_index(os.path.join(tmp, "index.h5"), shards, tensors, info)
-        fsync_path(tmp)
-        failpoint("save-before-rename", step)
-        if os.path.exists(final):           # re-saving a step: move the old copy aside first
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_path(root)
-        failpoint("save-before-latest", step)
-        pointer = os.path.join(root, "latest.tmp")
-        with open(pointer, "w") as f:
-            f.write(step_dir_name(step) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, os.path.join(root, "latest"))
-        fsync_path(root)
+        with _full_disk_reported(root, step, "the checkpoint", total_bytes, free_at_start):
+            index = os.path.join(tmp, "index.h5")
+            _write_index(index, shards, tensors, info, lambda: no_space("save-enospc-index", step, index))
+            fsync_path(tmp)
+            failpoint("save-before-rename", step)
+            if os.path.exists(final):           # re-saving a step: move the old copy aside first
+                old = final + ".old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            fsync_path(root)
+            failpoint("save-before-latest", step)
+            with open(pointer, "w") as f:
+                f.write(step_dir_name(step) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pointer, os.path.join(root, "latest"))
+            fsync_path(root)
         if keep > 0:   # the step just written always stays, with the keep - 1 highest others
             others = [s for s in complete_steps(root) if s != step]
             for old_step in others[:max(0, len(others) - (keep - 1))]:
                 shutil.rmtree(os.path.join(root, step_dir_name(old_step)), ignore_errors=True)
-    collective_setup(publish, comm=comm)
+
+    try:
+        free_at_start = collective_setup(prepare, comm=comm)
+        record = collective_setup(write, comm=comm)
+        shards = [s for s in comm.allgather(record) if s]   # a few hundred bytes per rank, at save time only
+        shards.sort(key=lambda s: s["file"])          # tensor-parallel rank order
+        failpoint("save-before-index", step)
+        collective_setup(publish, comm=comm)
+    except UserError as e:             # on every rank at once, each file closed: remove the partial step
+        if comm.Get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(pointer)
+        comm.Barrier()                 # gone before save returns anywhere
+        raise CheckpointError(str(e), e.status) from e
     return final
 
 

@@ -4,11 +4,16 @@ MPI_TP_FAILPOINT=name[:STEP][,name[:STEP]...] arms the named points below:
 
     save-during-shards, save-before-index,       SIGKILL inside a checkpoint save
     save-before-rename, save-before-latest
+    save-enospc                                  the disk is full halfway through the last
+                                                 tensor-parallel rank's shard (ENOSPC); the other
+                                                 ranks' shards are written
+    save-enospc-index                            the disk is full when rank 0 writes the index
     sigterm                                      send this process SIGTERM after the step
     nan-grad                                     poison a gradient with NaN after the backward pass
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -23,3 +28,9 @@ def failpoint(name: str, step: int) -> None:
     """SIGKILL this process here when armed, as a crash or an out-of-memory kill would."""
     if armed(name, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def no_space(name: str, step: int, path: str) -> None:
+    """Raise ENOSPC here when armed, as a write to a full disk would."""
+    if armed(name, step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
