@@ -76,6 +76,7 @@ def test_config_file_and_override(tmp_path):
     (["--tp", "3"], "needs 3 MPI ranks but the job has 2"),
     (["--data", "/nonexistent/file.txt"], "not found"),
     (["--steps", "0"], "steps must be at least 1"),
+    (["--micro-batches", "0"], "micro_batches must be at least 1"),
     (["--block-size", "100000", "--data", "__SMALL__"], "block"),
     (["--backend", "cupy"], "--backend cupy needs CuPy"),
 ])
@@ -90,6 +91,21 @@ def test_errors_are_one_clear_message(tmp_path, args, message):
     assert r.stderr.count("mpi-tp: error:") == 1, r.stderr     # one message, from one rank
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_micro_batches_end_to_end(tmp_path):
+    """--dp 2 --micro-batches 2 --batch-size 2 trains on the same 8 sequences per step as --tp 2
+    --batch-size 8: the same losses (float64, dropout on), in the run record's global batch."""
+    common = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--steps", "3",
+              "--dtype", "float64", "--dropout", "0.1", "--log-every", "1", "--eval-every", "100",
+              "--eval-batches", "1", "--sample-len", "0"]
+    runs = {}
+    for name, layout in (("one", ["--tp", "2", "--batch-size", "8"]),
+                         ("micro", ["--dp", "2", "--micro-batches", "2", "--batch-size", "2"])):
+        r = mpirun(2, "train", *common, *layout, "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr
+        runs[name] = [json.loads(l)["loss"] for l in open(tmp_path / name / "metrics.jsonl") if '"loss"' in l]
+    assert len(runs["one"]) == 3 and max(abs(a - b) for a, b in zip(runs["one"], runs["micro"])) < 1e-9, runs
 
 
 def test_bad_option_and_config_file(tmp_path):

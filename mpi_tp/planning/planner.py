@@ -10,9 +10,9 @@ predicted step time. The winner is explained against the best layout with
 another tensor-parallel size.
 
 What mpi_tp runs today is a subset: tensor x data layouts, with sequence
-parallelism and ZeRO-1. Pipeline stages (pp > 1), micro-batches (gradient
-accumulation) and activation recomputation are priced by the cost model only,
-so a plan that uses them cannot be trained with `mpi-tp train` yet.
+parallelism, ZeRO-1 and micro-batches (gradient accumulation, --micro-batches).
+Pipeline stages (pp > 1) and activation recomputation are priced by the cost
+model only, so a plan that uses them cannot be trained with `mpi-tp train` yet.
 """
 from __future__ import annotations
 

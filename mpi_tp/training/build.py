@@ -39,7 +39,7 @@ class Run:
     val_batches: list
     val_tokens: object
     out: str                     # the run folder (rank 0 writes it)
-    rows: slice                  # this replica's rows of the global batch
+    rows: slice                  # this replica's rows of the global batch (its micro-batches, one after another)
     first: int                   # the first step to run (1, or the checkpoint's step + 1)
 
     @property
@@ -48,7 +48,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.topo.dp.size * self.cfg.block_size
+        return self.cfg.batch_size * self.cfg.micro_batches * self.topo.dp.size * self.cfg.block_size
 
 
 def _load_data(cfg: TrainConfig, comm):
@@ -56,7 +56,8 @@ def _load_data(cfg: TrainConfig, comm):
         collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
     corpus = load_corpus(cfg.data)
     train_tokens, val_tokens = split(corpus, cfg.val_fraction)
-    sampler = BatchSampler(train_tokens, cfg.block_size, cfg.batch_size * cfg.dp, cfg.seed)   # global batch
+    global_batch = cfg.batch_size * cfg.micro_batches * cfg.dp
+    sampler = BatchSampler(train_tokens, cfg.block_size, global_batch, cfg.seed)
     val = eval_batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed + 1)
     return corpus, sampler, val, val_tokens
 
@@ -112,8 +113,8 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed, sequence_parallel=cfg.sequence_parallel)
     # the reducer moves the gradients into buckets: before the optimizer reads them
     reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")
-    rows = slice(topo.dp.rank * cfg.batch_size, (topo.dp.rank + 1) * cfg.batch_size)
-    model.dropout.row0 = rows.start
+    per_replica = cfg.batch_size * cfg.micro_batches
+    rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
     zero_group = topo.dp if cfg.zero else None
     if cfg.optimizer == "adamw":
         opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,

@@ -27,7 +27,8 @@ class TrainConfig:
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
     # parallel layout
     tp: int = opt(0, "tensor-parallel size; 0 = world size / dp")
-    dp: int = opt(1, "data-parallel size (replicas, each on batch_size sequences); world size = tp * dp")
+    dp: int = opt(1, "data-parallel size (replicas, each on micro_batches x batch_size sequences); "
+                  "world size = tp * dp")
     overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
                            "(--no-overlap-dp: after it)")
     bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
@@ -43,7 +44,11 @@ class TrainConfig:
     val_fraction: float = opt(0.1, "fraction of the corpus (at its end) held out for validation")
     # optimisation
     steps: int = opt(1000, "training steps")
-    batch_size: int = opt(16, "sequences per step and replica (the global batch is dp * batch_size)")
+    batch_size: int = opt(16, "sequences per micro-batch and replica (the global batch is "
+                          "dp * micro_batches * batch_size)")
+    micro_batches: int = opt(1, "micro-batches per step and replica: gradient accumulation, one optimizer "
+                             "step after micro_batches forward/backward passes (the same numbers as one "
+                             "batch of micro_batches * batch_size)")
     optimizer: str = opt("adamw", "optimizer", ["adamw", "sgd"])
     lr: float = opt(3e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at min_lr_ratio * lr")
@@ -81,7 +86,7 @@ class TrainConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name} = {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
-        for key in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+        for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
         for key in ("warmup", "sample_len", "save_every", "keep"):

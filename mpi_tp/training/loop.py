@@ -49,21 +49,47 @@ def evaluate(model: GPT, batches) -> float:
     return loss
 
 
+def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer, dp) -> float:
+    """The global batch's loss, and its gradient accumulated into every Param.grad (zeroed first).
+
+    x, y: the global batch (rows = sequences); this replica takes `rows`, in
+    `micro_batches` forward/backward passes of equal size, each scaled by
+    1/micro_batches (gradient accumulation). The data-parallel all-reduces run
+    during the last backward pass only, when the gradients are complete. Every
+    micro-batch draws the dropout masks of this step, keyed by its sequences'
+    rows in the global batch, so any (dp, micro_batches) split of the same global
+    batch gives the same numbers. Returns the mean loss over the global batch,
+    the same on every rank (not finite if any micro-batch's is not).
+    """
+    n = rows.stop - rows.start
+    if n % micro_batches:
+        raise ValueError(f"{n} sequences do not split into {micro_batches} equal micro-batches")
+    b, step = n // micro_batches, model.dropout.step
+    model.zero_grad()
+    total = 0.0
+    for m in range(micro_batches):
+        mine = slice(rows.start + m * b, rows.start + (m + 1) * b)
+        model.dropout.step, model.dropout.row0 = step, mine.start
+        total += model.forward(x[mine], y[mine])
+        last = m == micro_batches - 1
+        model.backward(dloss=1.0 / micro_batches, reducer=reducer if last else None)
+    loss = total / micro_batches
+    if dp.size > 1:                       # the global batch's loss: the mean over replicas
+        loss = float(dp.all_reduce(numpy.array([loss]))[0]) / dp.size
+    return loss
+
+
 def train_step(run: Run, step: int, lr: float) -> tuple[float, float, str | None]:
     """One optimizer step on the global batch of `step`: (loss, gradient norm, problem).
 
     problem is None, or what went non-finite; then the update is not applied.
     The loss and the norm are the same on every rank, so all ranks decide alike.
     """
-    cfg, model, dp = run.cfg, run.model, run.topo.dp
+    cfg = run.cfg
     x, y = run.sampler.batch(step - 1)
-    model.zero_grad()
-    loss = model.forward(x[run.rows], y[run.rows])
-    if dp.size > 1:                       # the global batch's loss: the mean over replicas
-        loss = float(dp.all_reduce(numpy.array([loss]))[0]) / dp.size
+    loss = forward_backward(run.model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp)
     if not math.isfinite(loss):
         return loss, float("nan"), f"the loss became {loss}"
-    model.backward(reducer=run.reducer)
     params = run.opt.params
     if armed("nan-grad", step):
         params[0].grad[...] = float("nan")

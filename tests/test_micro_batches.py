@@ -1,0 +1,74 @@
+"""Micro-batches (gradient accumulation) through the training loop's own forward_backward: at every
+tp x dp layout, with sequence parallelism, ZeRO-1 and dropout, M micro-batches per replica give the
+serial model's numbers on the whole global batch in one pass (float64, 4 AdamW steps, < 1e-8)."""
+import numpy as np
+import pytest
+
+from mpi_tp.core.params import storages
+from mpi_tp.core.testing import assert_close, gather_full
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.loop import forward_backward
+from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
+
+pytestmark = pytest.mark.mpi(min_size=1)
+CFG = dict(vocab_size=37, block_size=7, n_layer=2, n_head=5, n_embd=20, dropout=0.1)   # uneven at 2, 3, 4
+B, STEPS = 2, 4                                                     # sequences per micro-batch and replica
+
+
+def global_batch(step, rows):
+    rng = np.random.default_rng([5, step])
+    return rng.integers(0, 37, (rows, 7)), rng.integers(0, 37, (rows, 7))
+
+
+def train(topo, micro, b=B, sp=False, zero=False):
+    """Losses and the model after STEPS steps on global batches of dp * micro * b sequences."""
+    model = GPT(GPTConfig(**CFG), topo, dtype="float64", seed=3, sequence_parallel=sp)
+    reducer = GradReducer(model, topo.dp, bucket_mb=0.001)
+    opt = AdamW(model.parameters(), lr=1e-2, zero_group=topo.dp if zero else None)
+    per_replica = micro * b
+    rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step, per_replica * topo.dp.size)
+        losses.append(forward_backward(model, x, y, rows, micro, reducer, topo.dp))
+        opt.step(grad_scale=clip_coefficient(grad_norm(model.parameters(), topo.tp), 1.0))
+    return np.array(losses), model
+
+
+def layouts(n):
+    return [(t, n // t) for t in range(1, n + 1) if n % t == 0]
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("sp,zero", [(False, False), (True, True)], ids=["tp", "sp+zero1"])
+def test_micro_batches_equal_one_big_batch(world, micro, sp, zero):
+    for tp, dp in layouts(world.Get_size()):
+        ref_losses, ref = train(Topology.serial(), 1, b=dp * micro * B)   # serial: the global batch at once
+        topo = Topology.create(world, tp=tp, dp=dp)
+        losses, model = train(topo, micro, sp=sp, zero=zero)
+        assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss at tp={tp} dp={dp} M={micro}")
+        assert_close(losses, ref_losses, 1e-8, f"losses at tp={tp} dp={dp} M={micro}")
+        weights = {p.name: p.data for p in ref.parameters()}
+        for p in model.parameters():
+            if p.name.endswith("attn/k/bias"):
+                continue        # exact gradient 0: its value is rounding noise (docs/tensor_parallelism.md)
+            assert_close(gather_full(p, topo.tp.comm), weights[p.name], 1e-8, f"{p.name} at tp={tp} dp={dp}")
+        if dp > 1:      # the gradients cross the data-parallel group once per step, not once per micro-batch
+            sent = topo.stats.snapshot()["dp/iall_reduce"]["bytes"]
+            assert sent == STEPS * sum(base.nbytes for base, _, _ in storages(model.parameters())), sent
+        topo.free()
+
+
+def test_accumulated_equals_one_pass_serially():
+    """One rank: 4 micro-batches of 2 sequences and one batch of 8 give the same step."""
+    four, m4 = train(Topology.serial(), 4)
+    one, m1 = train(Topology.serial(), 1, b=4 * B)
+    assert np.abs(four - one).max() <= 1e-12 * np.abs(one).max(), (four, one)
+    for p, q in zip(m4.parameters(), m1.parameters()):
+        if p.name.endswith("attn/k/bias"):
+            continue                                                # rounding noise around an exact 0
+        scale = float(np.abs(q.data).max())
+        assert float(np.abs(p.data - q.data).max()) <= 1e-9 * scale, p.name
