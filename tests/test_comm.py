@@ -134,3 +134,45 @@ def test_nonblocking_all_reduce(group):
     if group.size > 1:
         snap = group.stats.snapshot()["tp/iall_reduce"]
         assert snap["calls"] == 1 and snap["bytes"] == 8000
+
+
+@pytest.mark.mpi(min_size=1)
+def test_three_dimensional_grid(world):
+    """world rank = (d * pp + p) * tp + t: tp groups consecutive, then pipeline stages, replicas outermost."""
+    n, r = world.Get_size(), world.Get_rank()
+    for tp in range(1, n + 1):
+        for pp in range(1, n // tp + 1):
+            if n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            topo = Topology.create(world, tp=tp, pp=pp, dp=dp)
+            t, p, d = r % tp, (r // tp) % pp, r // (tp * pp)
+            assert (topo.tp.rank, topo.pp.rank, topo.dp.rank) == (t, p, d)
+            assert topo.tp.comm.allgather(r) == [(d * pp + p) * tp + k for k in range(tp)]
+            assert topo.pp.comm.allgather(r) == [(d * pp + k) * tp + t for k in range(pp)]
+            assert topo.dp.comm.allgather(r) == [(k * pp + p) * tp + t for k in range(dp)]
+            assert topo.describe() == {"world": n, "tp": tp, "pp": pp, "dp": dp}
+            topo.free()
+    with pytest.raises(TopologyError, match="needs"):
+        Topology.create(world, tp=1, pp=n + 1, dp=1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_point_to_point_ring(world):
+    """Each rank sends rank-valued arrays to the next and receives the previous one's, two tags in
+    flight at once (as a pipeline stage does with activations and gradients); counters count the bytes."""
+    from mpi_tp.parallel.collectives import CommStats, Group
+    group = Group(world.Dup(), "pp", CommStats())
+    r, n = group.rank, group.size
+    out = [np.full((3, 5), 10.0 * r + k) for k in range(2)]
+    into = [np.empty((3, 5)) for _ in range(2)]
+    pending = [group.irecv(into[k], (r - 1) % n, tag=k) for k in range(2)]
+    pending += [group.isend(out[k], (r + 1) % n, tag=k) for k in (1, 0)]      # sent in the other order
+    for p in pending:
+        p.wait()
+    for k in range(2):
+        assert np.array_equal(into[k], np.full((3, 5), 10.0 * ((r - 1) % n) + k))
+    snap = group.stats.snapshot()
+    assert snap["pp/send"]["bytes"] == snap["pp/recv"]["bytes"] == 2 * 15 * 8
+    assert snap["pp/send"]["wire_bytes"] == 2 * 15 * 8 and snap["pp/send"]["calls"] == 2
+    group.comm.Free()

@@ -69,3 +69,24 @@ def test_bad_requests_are_user_errors():
 def test_drawing_shows_the_warm_up():
     rows = draw(schedule("1f1b", 4, 8)).splitlines()
     assert rows[0].startswith("stage 0: 0123") and rows[3].startswith("stage 3: ...0aa1bb")
+
+
+@pytest.mark.parametrize("n,P,V", [(3, 2, 1), (70, 12, 1), (4, 4, 1), (7, 2, 2), (12, 3, 2), (5, 1, 1)])
+def test_layer_ranges_cover_the_model_in_order(n, P, V):
+    from mpi_tp.parallel.pipeline.stages import layer_ranges
+    ranges = layer_ranges(n, P, V)
+    by_chunk = sorted((v * P + s, r) for s in range(P) for v, r in enumerate(ranges[s]))
+    blocks = [b for _, r in by_chunk for b in r]
+    assert blocks == list(range(n))                                   # each block once, in model order
+    sizes = [len(r) for _, r in by_chunk]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)   # extra blocks in front
+    if (n, P) == (70, 12):
+        assert sizes == [6] * 10 + [5] * 2
+    if (n, P) == (3, 2):
+        assert ranges == [[range(0, 2)], [range(2, 3)]]
+
+
+def test_too_few_layers_is_a_user_error():
+    from mpi_tp.parallel.pipeline.stages import layer_ranges
+    with pytest.raises(UserError, match="cannot fill 4 pipeline stages x 2 chunks"):
+        layer_ranges(7, 4, 2)

@@ -87,10 +87,12 @@ def _out_of_place(call, send, out) -> None:
 
 
 class Pending:
-    """A started non-blocking collective: wait() completes it (and copies a staged GPU buffer back)."""
+    """A started non-blocking operation: wait() completes it (and copies a staged GPU buffer back into x
+    when MPI wrote it: result=True for an all-reduce or a receive, False for a send)."""
 
-    def __init__(self, request, x, buf, record):
+    def __init__(self, request, x, buf, record, result: bool = True):
         self.request, self.x, self.buf, self._record = request, x, buf, record   # buf: lent by the stager
+        self.result = result
 
     def test(self) -> bool:
         """Let MPI make progress; True once the collective is complete."""
@@ -99,7 +101,7 @@ class Pending:
     def wait(self):
         if self.request is not None:
             self.request.Wait()
-            backend.stager().give_back(self.x, self.buf)
+            backend.stager().give_back(self.x, self.buf, copy=self.result)
             stats, key, t0 = self._record
             stats.seconds[key] += time.perf_counter() - t0      # from start to completion
             self.request = None
@@ -144,6 +146,27 @@ class Group:
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
         self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes))
         return Pending(req, x, buf, (self.stats, f"{self.name}/iall_reduce", t0))
+
+    # -- point to point (pipeline stages) ----------------------------------
+
+    def isend(self, x, dest: int, tag: int) -> "Pending":
+        """Start sending x to rank `dest` of the group; x must stay unchanged until wait()."""
+        _check_buffer(x, f"{self.name}.isend")
+        buf = backend.stager().lend(x)
+        t0 = time.perf_counter()
+        req = self.comm.Isend(buf, dest=dest, tag=tag)
+        self.stats.record(f"{self.name}/send", x.nbytes, 0.0, float(x.nbytes))
+        return Pending(req, x, buf, (self.stats, f"{self.name}/send", t0), result=False)
+
+    def irecv(self, x, source: int, tag: int) -> "Pending":
+        """Start receiving into x (preallocated: its shape and dtype are agreed in advance, nothing else
+        is exchanged) from rank `source` of the group; x holds the message after wait()."""
+        _check_buffer(x, f"{self.name}.irecv")
+        buf = backend.stager().lend(x, copy=False)
+        t0 = time.perf_counter()
+        req = self.comm.Irecv(buf, source=source, tag=tag)
+        self.stats.record(f"{self.name}/recv", x.nbytes, 0.0)
+        return Pending(req, x, buf, (self.stats, f"{self.name}/recv", t0))
 
     def all_gather(self, x, sizes: list[int], axis: int):
         """Concatenate every rank's x along `axis`; rank r contributes sizes[r] entries (Allgatherv)."""

@@ -1,11 +1,11 @@
 """Who holds what: the process grid and the rule that cuts a dimension into shards.
 
-The world is laid out as a Cartesian grid of shape (dp, tp): tensor-parallel
+The world is laid out as a Cartesian grid of shape (dp, pp, tp): tensor-parallel
 groups are consecutive ranks (ranks 0..tp-1 form the first group), so they sit
 on one node when ranks are placed by node, which is where tensor parallelism's
-frequent all-reduces belong. Data parallelism (and later pipeline stages) are
-further grid dimensions; layers only ever see `topo.tp`, so adding one does not
-touch them.
+frequent all-reduces belong; pipeline stages come next and data-parallel
+replicas outermost. Layers only ever see `topo.tp`, so adding a dimension does
+not touch them.
 
     topo = Topology.create(MPI.COMM_WORLD, tp=2)      # dp = world size / tp
     topo.tp.rank, topo.tp.size                        # this rank's place in its TP group
@@ -70,44 +70,50 @@ class Topology:
     """The process grid and its communicator groups.
 
     world: every rank of the job.  tp: this rank's tensor-parallel group.
+    pp: its pipeline group (the stages of one model replica; size 1 without a pipeline).
     dp: its data-parallel group (size 1 until data parallelism is used).
     stats: the collective counters shared by all groups.
     """
 
     world: MPI.Comm
     tp: Group
+    pp: Group
     dp: Group
     stats: CommStats
 
     @classmethod
-    def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1) -> "Topology":
+    def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1) -> "Topology":
+        """world = dp x pp x tp ranks: tensor-parallel groups are consecutive ranks (inside a node),
+        pipeline stages come next, data-parallel replicas outermost (Narayanan et al.'s PTD-P order)."""
         comm = MPI.COMM_WORLD if comm is None else comm
         n = comm.Get_size()
         if tp is None:
-            if n % dp:
-                raise TopologyError(f"world size {n} is not divisible by dp = {dp}")
-            tp = n // dp
-        if tp < 1 or dp < 1 or tp * dp != n:
+            if pp < 1 or dp < 1 or n % (dp * pp):
+                raise TopologyError(f"world size {n} is not divisible by dp x pp = {dp} x {pp}")
+            tp = n // (dp * pp)
+        if tp < 1 or dp < 1 or pp < 1 or tp * pp * dp != n:
             raise TopologyError(
-                f"layout tp={tp} x dp={dp} needs {tp * dp} ranks but the job has {n}; "
-                f"launch with mpiexec -n {tp * dp} or change --tp/--dp"
+                f"layout tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} ranks but the job has {n}; "
+                f"launch with mpiexec -n {tp * pp * dp} or change --tp/--pp/--dp"
             )
         stats = CommStats()
         # Rank order is kept (reorder=False) so that tp groups are consecutive world ranks.
-        cart = comm.Create_cart(dims=[dp, tp], periods=[False, False], reorder=False)
-        tp_comm = cart.Sub([False, True])
-        dp_comm = cart.Sub([True, False])
+        cart = comm.Create_cart(dims=[dp, pp, tp], periods=[False, False, False], reorder=False)
+        tp_comm = cart.Sub([False, False, True])
+        pp_comm = cart.Sub([False, True, False])
+        dp_comm = cart.Sub([True, False, False])
         cart.Free()
-        return cls(world=comm, tp=Group(tp_comm, "tp", stats), dp=Group(dp_comm, "dp", stats), stats=stats)
+        return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats),
+                   dp=Group(dp_comm, "dp", stats), stats=stats)
 
     @classmethod
     def serial(cls) -> "Topology":
-        """A one-rank layout (tp = dp = 1) on COMM_SELF: the serial reference model."""
+        """A one-rank layout (tp = pp = dp = 1) on COMM_SELF: the serial reference model."""
         return cls.create(MPI.COMM_SELF, tp=1, dp=1)
 
     def describe(self) -> dict:
-        return {"world": self.world.Get_size(), "tp": self.tp.size, "dp": self.dp.size}
+        return {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
 
     def free(self) -> None:
-        for g in (self.tp, self.dp):
+        for g in (self.tp, self.pp, self.dp):
             g.comm.Free()
