@@ -28,7 +28,7 @@ def accumulated_grads(model, batches, scale):
     model.zero_grad()
     for x, y in batches:
         model.forward(x, y)
-        model.backward(dloss=scale)
+        model.backward(dout=scale)
     return model
 
 

@@ -47,7 +47,7 @@ def test_train_end_to_end(tmp_path):
     assert r.stdout.count("step 200/200") == 1                   # progress from rank 0 only
     assert "--- sample ---" in r.stdout
     run = json.loads((out / "run.json").read_text())
-    assert run["layout"] == {"world": 2, "tp": 2, "dp": 1}
+    assert run["layout"] == {"world": 2, "tp": 2, "pp": 1, "dp": 1}
     assert len(run["data"]["sha256"]) == 64
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "loss" in l]

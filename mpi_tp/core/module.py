@@ -31,6 +31,30 @@ class Module:
         for p in self.parameters():
             p.zero_grad()
 
+    def modules(self):
+        """This module and every module below it, depth first."""
+        yield self
+        for value in vars(self).values():
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(item, Module):
+                    yield from item.modules()
+
+    def stash_caches(self) -> list:
+        """Take every forward cache out of this module and its children (a pipeline stage keeps one
+        set per micro-batch in flight); `restore_caches` puts them back before that backward."""
+        out = []
+        for m in self.modules():
+            for key in ("_cache", "_logits_cache"):
+                if key in vars(m):
+                    out.append((m, key, vars(m)[key]))
+                    setattr(m, key, None)
+        return out
+
+    @staticmethod
+    def restore_caches(stash: list) -> None:
+        for m, key, cache in stash:
+            setattr(m, key, cache)
+
     def save_cache(self, *cache) -> None:
         self._cache = cache
 

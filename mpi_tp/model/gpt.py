@@ -69,22 +69,38 @@ class Block(Module):
 
 
 class GPT(Module):
-    """The whole model on one rank of the tensor-parallel group (tp = 1 is the serial model)."""
+    """The model on one rank of the tensor-parallel group (tp = 1 is the serial model), or, for a
+    pipeline, one chunk of it: the blocks `blocks` (default: all), with the embeddings when `first`
+    and the final LayerNorm, tied output layer and loss when `last`.
+
+    A chunk that is not first takes the previous chunk's activations (B, T, C)
+    (under sequence parallelism (B, T_i, C), after `sp.set(T)` by the caller);
+    one that is not last returns its activations, and its backward takes their
+    gradient and returns the input's. The last chunk of a pipeline with several
+    stages holds its own copy of the tied table `wte` (same name, same initial
+    values); the pipeline adds the two copies' gradients (mpi_tp.model.pipeline).
+    """
 
     def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, blocks: range | None = None, first: bool = True,
+                 last: bool = True):
         topo = Topology.serial() if topo is None else topo
         cfg.validate(topo.tp.size)
         self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
+        self.first, self.last = first, last
         self.dropout = Dropout(cfg.dropout, seed)
         # Sequence parallelism: between the parallel regions each rank holds its positions only.
         self.sp = SequenceSplit(topo.tp) if sequence_parallel else None
-        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed,
-                                          sp=self.sp)
-        self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), self.dtype, seed=seed)
-        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp) for i in range(cfg.n_layer)]
-        self.ln_f = LayerNorm("ln_f", cfg.n_embd, self.dtype)
-        self.loss = VocabParallelCrossEntropy(topo.tp, self.wte.start, self.wte.stop)
+        if first or last:
+            self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed,
+                                              sp=self.sp)
+        if first:
+            self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), self.dtype, seed=seed)
+        blocks = range(cfg.n_layer) if blocks is None else blocks
+        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp) for i in blocks]
+        if last:
+            self.ln_f = LayerNorm("ln_f", cfg.n_embd, self.dtype)
+            self.loss = VocabParallelCrossEntropy(topo.tp, self.wte.start, self.wte.stop)
 
     def train(self, mode: bool = True) -> "GPT":
         self.dropout.training = mode
@@ -93,9 +109,8 @@ class GPT(Module):
     def eval(self) -> "GPT":
         return self.train(False)
 
-    def hidden(self, idx):
-        """(B, T) token ids -> final hidden states (B, T, C) after ln_f, whole on every rank
-        (under sequence parallelism: this rank's positions, (B, T_i, C))."""
+    def _embed(self, idx):
+        """(B, T) token ids -> wte[idx] + wpe[0:T], dropped out: (B, T, C), or (B, T_i, C) under sp."""
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ConfigError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
@@ -109,14 +124,24 @@ class GPT(Module):
         if self.dropout.active:
             m = region_mask(self.dropout, x, self.sp, -1, 0)
             x *= m
+        return x, (positions, m)
+
+    def hidden(self, inp):
+        """Token ids (first chunk) or activations -> this chunk's output activations; for the last
+        chunk the final hidden states after ln_f (B, T, C), whole on every rank (under sequence
+        parallelism: this rank's positions, (B, T_i, C))."""
+        x, embedded = self._embed(inp) if self.first else (inp, None)
         for block in self.h:
             x = block.forward(x)
-        self.save_cache(positions, m)
-        return self.ln_f.forward(x)
+        self.save_cache(embedded)
+        return self.ln_f.forward(x) if self.last else x
 
-    def forward(self, idx, targets=None):
-        """Loss (a float, the same on every rank) when targets are given, else this rank's logits (B, T, V_i)."""
-        logits = self.wte.logits_forward(self.hidden(idx))              # (B, T, V_i)
+    def forward(self, inp, targets=None):
+        """Loss (a float, the same on every rank) when targets are given, else this rank's logits
+        (B, T, V_i); a chunk that is not last returns its activations."""
+        if not self.last:
+            return self.hidden(inp)
+        logits = self.wte.logits_forward(self.hidden(inp))              # (B, T, V_i)
         if targets is None:
             return logits
         loss = self.loss.forward(logits, backend.asarray(targets))
@@ -124,27 +149,38 @@ class GPT(Module):
             self.dropout.step += 1                                      # next call draws fresh masks
         return loss
 
-    def backward(self, dloss: float = 1.0, reducer=None) -> None:
-        """Accumulate d(dloss * loss)/d(param) into every Param.grad.
+    def backward(self, dout=1.0, reducer=None):
+        """Accumulate d(dout * loss)/d(param) into every Param.grad (a chunk that is not last: dout is
+        the gradient of its output activations). Returns the input activations' gradient, or None
+        for the first chunk.
 
         reducer: a data_parallel.GradReducer, told when each block's gradients are
         final (so it can start their all-reduce) and finished at the end.
         """
-        with sum_replicated_grads([*self.ln_f.parameters(), self.wpe], self.sp):
-            dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dloss)))
-            positions, m = self.take_cache()
+        replicated = ([*self.ln_f.parameters()] if self.last else []) + ([self.wpe] if self.first else [])
+        with sum_replicated_grads(replicated, self.sp):
+            if self.last:
+                dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dout)))
+            else:
+                dx = backend.asarray(dout)
+            (embedded,) = self.take_cache()
             for i in reversed(range(len(self.h))):
                 with sum_replicated_grads(self.h[i].parameters(), self.sp):
                     dx = self.h[i].backward(dx)
                 if reducer is not None:
                     reducer.block_done(i)
-            if m is not None:
-                dx = dx * m
-            self.wpe.grad[positions] += dx.sum(axis=0)
-            self.wpe.fresh = False
-        self.wte.backward(dx)
+            if self.first:
+                positions, m = embedded
+                if m is not None:
+                    dx = dx * m
+                self.wpe.grad[positions] += dx.sum(axis=0)
+                self.wpe.fresh = False
+        if self.first:
+            self.wte.backward(dx)
+            dx = None
         if reducer is not None:
             reducer.finish()
+        return dx
 
     def full_logits(self, idx):
         """Logits over the whole vocabulary (B, T, V) on every rank: for sampling and tests, not training."""

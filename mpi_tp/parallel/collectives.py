@@ -95,17 +95,22 @@ class Pending:
         self.result = result
 
     def test(self) -> bool:
-        """Let MPI make progress; True once the collective is complete."""
-        return self.request is None or self.request.Test()
+        """Let MPI make progress; True once the operation is complete (and then finished as wait() does)."""
+        if self.request is not None and self.request.Test():
+            self._done()
+        return self.request is None
 
     def wait(self):
         if self.request is not None:
             self.request.Wait()
-            backend.stager().give_back(self.x, self.buf, copy=self.result)
-            stats, key, t0 = self._record
-            stats.seconds[key] += time.perf_counter() - t0      # from start to completion
-            self.request = None
+            self._done()
         return self.x
+
+    def _done(self) -> None:
+        backend.stager().give_back(self.x, self.buf, copy=self.result)
+        stats, key, t0 = self._record
+        stats.seconds[key] += time.perf_counter() - t0          # from start to completion
+        self.request = None
 
 
 class Group:

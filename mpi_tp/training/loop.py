@@ -72,7 +72,7 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
         model.dropout.step, model.dropout.row0 = step, mine.start
         total += model.forward(x[mine], y[mine])
         last = m == micro_batches - 1
-        model.backward(dloss=1.0 / micro_batches, reducer=reducer if last else None)
+        model.backward(dout=1.0 / micro_batches, reducer=reducer if last else None)
     loss = total / micro_batches
     if dp.size > 1:                       # the global batch's loss: the mean over replicas
         loss = float(dp.all_reduce(numpy.array([loss]))[0]) / dp.size

@@ -1,0 +1,152 @@
+"""One pipeline stage of the GPT: its model chunks, and a training step's forwards and backwards.
+
+    stage = PipelineStage(cfg, topo, schedule="1f1b", micro_batches=4)   # topo.pp: the stages
+    loss = stage.forward_backward(x, y, rows)                            # gradients in stage.parameters()
+
+Stage s of P holds chunks s, s + P, ... of the model (V per stage, the
+interleaved schedule's virtual stages), each a `GPT` over a contiguous run of
+blocks (mpi_tp.parallel.pipeline.stages); the model's first chunk also holds
+the embeddings, its last chunk the final LayerNorm, a copy of the tied table
+`wte` for the output layer, and the loss. The engine (mpi_tp.parallel.pipeline.
+engine) runs the schedule; this class supplies what runs at each action:
+a micro-batch's forward through a chunk (with that micro-batch's dropout masks,
+its forward caches set aside until its backward) and its backward.
+
+After the schedule the two copies of `wte` (first and last chunk) get the sum
+of their gradients, over the stages that hold them (Megatron's embedding
+group), so both make the same update and stay equal: the serial model's one
+table has both gradients too.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+from mpi4py import MPI
+
+from mpi_tp.core import backend
+from mpi_tp.core.params import storages
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.pipeline.engine import PipelineEngine
+from mpi_tp.parallel.pipeline.schedules import global_chunk, schedule
+from mpi_tp.parallel.pipeline.stages import layer_ranges
+from mpi_tp.parallel.topology import Topology
+
+
+class PipelineStage:
+    """This rank's stage: `chunks` (GPT chunks, in local order) and the step that runs the schedule."""
+
+    def __init__(self, cfg: GPTConfig, topo: Topology, dtype="float32", seed: int = 0,
+                 sequence_parallel: bool = False, schedule_name: str = "1f1b", micro_batches: int = 1,
+                 virtual: int = 1):
+        P, s, V = topo.pp.size, topo.pp.rank, virtual
+        self.cfg, self.topo, self.M, self.V = cfg, topo, micro_batches, V
+        last = P * V - 1
+        self.chunks = [GPT(cfg, topo, dtype, seed, sequence_parallel, blocks=r,
+                           first=global_chunk(s, v, P) == 0, last=global_chunk(s, v, P) == last)
+                       for v, r in enumerate(layer_ranges(cfg.n_layer, P, V)[s])]
+        self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
+        self.dtype = self.chunks[0].dtype
+        self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, V)[s], V)
+        self.tables = [c.wte for c in self.chunks if c.first or c.last]   # copies of wte on this rank
+        holds = bool(self.tables) and P > 1
+        sub = topo.pp.comm.Split(0 if holds else MPI.UNDEFINED, key=topo.pp.rank)
+        self.embedding = Group(sub, "emb", topo.stats) if holds else None
+
+    def parameters(self) -> list:
+        return [p for c in self.chunks for p in c.parameters()]
+
+    def unique_parameters(self) -> list:
+        """Every parameter once over the whole pipeline: the output layer's copy of wte left out."""
+        return [p for c in self.chunks for p in c.parameters() if not (c.last and p is c.wte.weight)
+                or c.first]
+
+    def zero_grad(self) -> None:
+        for c in self.chunks:
+            c.zero_grad()
+
+    def train(self, mode: bool = True) -> "PipelineStage":
+        for c in self.chunks:
+            c.train(mode)
+        return self
+
+    def forward_backward(self, x, y, rows: slice, reducer=None, dp: Group | None = None) -> float:
+        """The global batch's mean loss (the same on every rank), its gradient in every Param.grad.
+
+        x, y: the global batch; this replica takes `rows`, in M micro-batches of equal size.
+        reducer: a data_parallel.GradReducer over this stage's parameters, finished after the
+        schedule (the gradients are complete only then).
+        """
+        M, T = self.M, x.shape[1]
+        n = rows.stop - rows.start
+        if n % M:
+            raise ValueError(f"{n} sequences do not split into {M} equal micro-batches")
+        b, step = n // M, self.chunks[0].dropout.step
+        sp = self.chunks[0].sp
+        if sp is not None:
+            sp.set(T)
+        width = sp.sizes[sp.group.rank] if sp is not None else T                 # T_i under sp
+        losses, kept = [0.0] * M, {}
+        self.zero_grad()
+
+        def mine(m):
+            return slice(rows.start + m * b, rows.start + (m + 1) * b)
+
+        def forward(m, v, inp):
+            chunk = self.chunks[v]
+            chunk.dropout.step, chunk.dropout.row0 = step, mine(m).start       # the serial model's masks
+            if chunk.sp is not None:
+                chunk.sp.set(T)
+            if chunk.first:
+                inp = x[mine(m)]
+            out = chunk.forward(inp, y[mine(m)] if chunk.last else None)
+            kept[m, v] = chunk.stash_caches()
+            if chunk.last:
+                losses[m] = out
+                return None
+            return out
+
+        def backward(m, v, dout):
+            chunk = self.chunks[v]
+            chunk.restore_caches(kept.pop((m, v)))
+            return chunk.backward(1.0 / M if chunk.last else dout)
+
+        self.engine.run(forward, backward, (b, width, self.cfg.n_embd), self.dtype)
+        for c in self.chunks:
+            c.dropout.step = step + 1
+        if reducer is not None:
+            reducer.finish()
+        self._sum_tables()
+        loss = numpy.array([sum(losses) / M])
+        self.topo.pp.broadcast(loss, root=self.topo.pp.size - 1)             # the last stage computed it
+        if dp is not None and dp.size > 1:
+            dp.all_reduce(loss)
+            loss /= dp.size
+        return float(loss[0])
+
+    def _sum_tables(self) -> None:
+        """Both copies of wte (lookup, output layer) get the sum of their gradients."""
+        if len(self.tables) == 0 or (len(self.tables) == 1 and self.embedding is None):
+            return
+        total = self.tables[0].weight.grad.copy()
+        for t in self.tables[1:]:
+            total += t.weight.grad
+        if self.embedding is not None:
+            self.embedding.all_reduce(total, kind="embedding_all_reduce")
+        for t in self.tables:
+            t.weight.grad[...] = total
+            t.weight.fresh = False
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient (every stage's, wte once), the same on every rank."""
+        xp = backend.xp()
+        sharded, replicated = [], []
+        for _, grad, members in storages(self.unique_parameters()):
+            g = grad.reshape(-1)
+            (sharded if members[0].sharded else replicated).append(float(g @ g))
+        parts = xp.asarray([math.fsum(sharded), math.fsum(replicated)], dtype="float64")
+        self.topo.tp.all_reduce(parts[:1])
+        self.topo.pp.all_reduce(parts)
+        return math.sqrt(float(parts.sum()))
