@@ -90,3 +90,50 @@ def test_the_tied_table_copies_stay_equal(world):
     tables = topo.pp.comm.allgather(mine[0] if mine else None)
     assert np.array_equal(tables[0], tables[-1])
     topo.free()
+
+
+def test_evaluation_and_sampling_equal_serial(world):
+    """Forward-only through the stages: the loss of a batch and sampled text equal the serial model's."""
+    from mpi_tp.inference.sampling import sample
+    n = world.Get_size()
+    ref = GPT(cfg(n + 1), Topology.serial(), dtype="float64", seed=3).eval()
+    x, y = global_batch(0, 3)
+    want_loss, want_text = ref.forward(x, y), sample(ref, b"\x05\x06", 5, temperature=1.0, seed=1)
+    for tp, pp, dp in layouts(n):
+        topo = Topology.create(world, tp=tp, pp=pp, dp=dp)
+        stage = PipelineStage(cfg(n + 1), topo, "float64", 3, tp > 1, "1f1b", 1).eval()
+        assert_close(np.array([stage.forward(x, y)]), np.array([want_loss]), 1e-12, f"eval tp={tp} pp={pp}")
+        assert sample(stage, b"\x05\x06", 5, temperature=1.0, seed=1) == want_text
+        assert stage.num_params() == ref.num_params()
+        topo.free()
+
+
+def test_checkpoints_between_pipelined_and_serial(world, tmp_path_factory):
+    """A checkpoint saved by a pipeline (every stage's shard, the tied table once) holds the serial
+    model's tensors, and it loads into a model of another shape (tensor-parallel, one stage)."""
+    import shutil
+
+    from mpi_tp import checkpoint as ck
+    n = world.Get_size()
+    root = world.bcast(str(tmp_path_factory.mktemp("pipe_ckpt")) if world.Get_rank() == 0 else None)
+    ref_losses, ref = serial(n + 1, B)
+    topo = Topology.create(world, tp=1, pp=n, dp=1)
+    losses, stage = pipelined(topo, n + 1, "1f1b", 1)
+    opt = AdamW(stage.parameters(), lr=1e-2)
+    ck.save(root, 1, stage, opt, {"config": stage.cfg.to_dict(), "rng": ck.rng_state(stage)})
+    with ck.Checkpoint(root) as c:
+        for name, value in ref.items():
+            assert_close(c.read(f"model/{name}"), value, 1e-12, name, comm=world)
+        assert len(c.shards) == n and sum(1 for t in c.tensors if t.startswith("model/")) == len(ref)
+    if n > 1:                                   # load at the other shape: tp = n, one stage
+        other = Topology.create(world, tp=n if n <= 5 else 1, pp=1, dp=1)
+        model = GPT(cfg(n + 1), other, dtype="float64", seed=0)
+        with ck.Checkpoint(root) as c:
+            ck.load_into(c, model)
+        for p in model.parameters():
+            assert_close(gather_full(p, other.tp.comm), ref[p.name], 1e-12, p.name, comm=world)
+        other.free()
+    topo.free()
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)

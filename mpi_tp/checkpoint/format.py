@@ -39,11 +39,16 @@ def sha256_file(path: str) -> str:
 
 
 def state_tensors(model, optimizer):
-    """(group, Param, array) for every tensor saved: model/<name>, optim/<kind>/<name>."""
-    out = [("model", p, p.data) for p in model.parameters()]
+    """(group, Param, array) for every tensor saved: model/<name>, optim/<kind>/<name>.
+
+    Each parameter once: a pipeline stage's copy of the tied table (the output layer's) is
+    left out, since the first stage saves the same numbers."""
+    params = model.unique_parameters()
+    keep = {id(p) for p in params}
+    out = [("model", p, p.data) for p in params]
     if optimizer is not None:
         for kind, arrays in optimizer.state_tensors().items():
-            out += [(f"optim/{kind}", p, a) for p, a in zip(optimizer.params, arrays)]
+            out += [(f"optim/{kind}", p, a) for p, a in zip(optimizer.params, arrays) if id(p) in keep]
     return out
 
 

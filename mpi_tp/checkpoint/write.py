@@ -101,7 +101,9 @@ def _write_shard(path, tensors, step, fault=None):
 
 
 def _write_index(path, shards, tensors, meta, fault=None):
-    """The index: metadata, the layout table, and a virtual dataset per full tensor."""
+    """The index: metadata, the layout table, and a virtual dataset per full tensor.
+
+    tensors: (name, global shape, dtype, split axis) of every tensor of every stage."""
     layout = {"shards": shards, "tensors": {}}
     disk = DiskFile(path, fault)
     with contextlib.closing(disk), h5py.File(disk, "w") as f:
@@ -109,19 +111,18 @@ def _write_index(path, shards, tensors, meta, fault=None):
         f.attrs["format_version"] = VERSION
         for key, value in meta.items():
             f.attrs[key] = json.dumps(value)
-        for group, p, data in tensors:
-            name = f"{group}/{p.name}"
+        for name, global_shape, dtype, axis in tensors:
             owners = [(r, s["pieces"][name]) for r, s in enumerate(shards) if name in s["pieces"]]
-            dtype = numpy.dtype(data.dtype)
-            layout["tensors"][name] = {"shape": list(p.global_shape), "dtype": dtype.str,
-                                       "axis": p.axis, "pieces": [[r, a, b] for r, (a, b) in owners]}
-            vds = h5py.VirtualLayout(shape=p.global_shape, dtype=dtype)
+            dtype = numpy.dtype(dtype)
+            layout["tensors"][name] = {"shape": list(global_shape), "dtype": dtype.str,
+                                       "axis": axis, "pieces": [[r, a, b] for r, (a, b) in owners]}
+            vds = h5py.VirtualLayout(shape=tuple(global_shape), dtype=dtype)
             for r, (a, b) in owners:
-                shape = list(p.global_shape)
+                shape = list(global_shape)
                 idx = [slice(None)] * len(shape)
-                if p.axis is not None:
-                    shape[p.axis] = b - a
-                    idx[p.axis] = slice(a, b)
+                if axis is not None:
+                    shape[axis] = b - a
+                    idx[axis] = slice(a, b)
                 vds[tuple(idx)] = h5py.VirtualSource("./" + shards[r]["file"], name, shape=tuple(shape))
             f.create_virtual_dataset(name, vds, fillvalue=numpy.nan if dtype.kind == "f" else 0)
             if disk.error is not None:
@@ -160,13 +161,15 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
             raise _no_room(root, step, "the checkpoint", total_bytes, free)
         os.makedirs(tmp)
         return free
-    fname = shard_name(group.rank, group.size)
+    pp = model.topo.pp                                # one shard per (stage, tensor-parallel rank)
+    fname = shard_name(pp.rank * group.size + group.rank, pp.size * group.size)
 
     def write():
         if not writer:
             return None
         path = os.path.join(tmp, fname)
-        fault = (lambda: no_space("save-enospc", step, path)) if group.rank == group.size - 1 else None
+        last = group.rank == group.size - 1 and pp.rank == pp.size - 1
+        fault = (lambda: no_space("save-enospc", step, path)) if last else None
         with _full_disk_reported(root, step, "this rank's shard", shard_bytes, shutil.disk_usage(tmp).free):
             pieces = _write_shard(path, mine, step, fault)
             return {"file": fname, "bytes": os.path.getsize(path), "sha256": sha256_file(path), "pieces": pieces}
@@ -178,7 +181,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         info.update(step=step, layout=model.topo.describe(), dtypes=str(model.dtype))
         with _full_disk_reported(root, step, "the checkpoint", total_bytes, free_at_start):
             index = os.path.join(tmp, "index.h5")
-            _write_index(index, shards, tensors, info, lambda: no_space("save-enospc-index", step, index))
+            _write_index(index, shards, described, info, lambda: no_space("save-enospc-index", step, index))
             fsync_path(tmp)
             failpoint("save-before-rename", step)
             if os.path.exists(final):           # re-saving a step: move the old copy aside first
@@ -206,7 +209,12 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         free_at_start = collective_setup(prepare, comm=comm)
         record = collective_setup(write, comm=comm)
         shards = [s for s in comm.allgather(record) if s]   # a few hundred bytes per rank, at save time only
-        shards.sort(key=lambda s: s["file"])          # tensor-parallel rank order
+        shards.sort(key=lambda s: s["file"])          # (stage, tensor-parallel rank) order
+        described, seen = [], set()                   # every stage's tensors, each once, in rank order
+        for rank_tensors in comm.allgather([(f"{g}/{p.name}", list(p.global_shape), numpy.dtype(d.dtype).str,
+                                             p.axis) for g, p, d in mine]):
+            described += [t for t in rank_tensors if t[0] not in seen]
+            seen.update(t[0] for t in rank_tensors)
         failpoint("save-before-index", step)
         collective_setup(publish, comm=comm)
     except UserError as e:             # on every rank at once, each file closed: remove the partial step

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import numpy
 
-from mpi_tp.core import backend
-from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.tensor_parallel import gather_from_tp
 
 
-def sample(model: GPT, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int | None = None,
+def sample(model, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int | None = None,
            seed: int = 0) -> bytes:
-    """prompt + n_new sampled bytes. The context is cropped to the model's block_size."""
+    """prompt + n_new sampled bytes. The context is cropped to the model's block_size.
+
+    model: a GPT, or a pipeline stage (mpi_tp.model.pipeline), anything with last_logits(ctx)."""
     was_training = model.dropout.training
     model.eval()
     group = model.topo.tp
@@ -24,10 +23,7 @@ def sample(model: GPT, prompt: bytes, n_new: int, temperature: float = 0.8, top_
     choice = numpy.zeros(1, dtype=numpy.int64)
     for _ in range(n_new):
         ctx = numpy.array([tokens[-model.cfg.block_size:]], dtype=numpy.int64)       # (1, T)
-        logits_i = model.forward(ctx)                                                 # (1, T, V_i)
-        last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
-        logits = backend.asnumpy(gather_from_tp(last, group, model.wte.sizes))[0]     # (V,)
-        logits = logits.astype(numpy.float64) / temperature
+        logits = model.last_logits(ctx) / temperature                                 # (V,), every rank
         if top_k is not None and top_k < logits.size:
             logits[logits < numpy.sort(logits)[-top_k]] = -numpy.inf
         p = numpy.exp(logits - logits.max())

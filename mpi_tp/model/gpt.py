@@ -182,6 +182,17 @@ class GPT(Module):
             reducer.finish()
         return dx
 
+    def last_logits(self, idx):
+        """The whole vocabulary's logits at the last position of one sequence idx (1, T): (V,) float64,
+        the same on every rank (what sampling needs: V numbers gathered, not T V)."""
+        logits_i = self.forward(idx)                                                  # (1, T, V_i)
+        last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
+        return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.wte.sizes))[0].astype(numpy.float64)
+
+    def unique_parameters(self) -> list:
+        """Every parameter once (a pipeline stage leaves out its copy of the tied table)."""
+        return self.parameters()
+
     def full_logits(self, idx):
         """Logits over the whole vocabulary (B, T, V) on every rank: for sampling and tests, not training."""
         return gather_from_tp(self.forward(idx), self.topo.tp, self.wte.sizes)

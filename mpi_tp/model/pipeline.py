@@ -58,6 +58,23 @@ class PipelineStage:
     def parameters(self) -> list:
         return [p for c in self.chunks for p in c.parameters()]
 
+    @property
+    def dropout(self):
+        """The dropout state (seed, step) of the stage: its chunks keep theirs equal to this one."""
+        return self.chunks[0].dropout
+
+    @property
+    def sp(self):
+        return self.chunks[0].sp
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (every stage's, the tied table once)."""
+        mine = sum(int(numpy.prod(p.global_shape)) for p in self.unique_parameters())
+        return self.topo.pp.comm.allreduce(mine)            # a few bytes, once
+
+    def eval(self) -> "PipelineStage":
+        return self.train(False)
+
     def unique_parameters(self) -> list:
         """Every parameter once over the whole pipeline: the output layer's copy of wte left out."""
         return [p for c in self.chunks for p in c.parameters() if not (c.last and p is c.wte.weight)
@@ -72,6 +89,46 @@ class PipelineStage:
             c.train(mode)
         return self
 
+    def _forward_only(self, x, y=None):
+        """x (B, T) through every stage, one micro-batch: the loss (y given) or the last position's
+        whole-vocabulary logits (V,), on every rank of the pipeline."""
+        T, out = x.shape[1], {}
+        if self.sp is not None:
+            self.sp.set(T)
+        width = self.sp.sizes[self.sp.group.rank] if self.sp is not None else T
+        for c in self.chunks:
+            c.dropout.seed, c.dropout.step = self.dropout.seed, self.dropout.step
+
+        def forward(m, v, inp):
+            chunk = self.chunks[v]
+            if chunk.sp is not None:
+                chunk.sp.set(T)
+            inp = x if chunk.first else inp
+            if chunk.last:
+                out["value"] = chunk.forward(inp, y) if y is not None else chunk.last_logits(inp)
+                result = None
+            else:
+                result = chunk.forward(inp)
+            chunk.stash_caches()                                # no backward follows: drop the caches
+            return result
+
+        self.engine.run(forward, None, (x.shape[0], width, self.cfg.n_embd), self.dtype,
+                        actions=self.engine.forward_only(1))
+        V = self.cfg.vocab_size
+        value = numpy.zeros(1 if y is not None else V)
+        if "value" in out:
+            value[...] = out["value"]
+        self.topo.pp.broadcast(value, root=self.topo.pp.size - 1)
+        return float(value[0]) if y is not None else value
+
+    def forward(self, x, y):
+        """The loss of batch (x, y), every stage taking part (evaluation: no dropout in eval mode)."""
+        return self._forward_only(x, y)
+
+    def last_logits(self, idx):
+        """As GPT.last_logits: the last position's logits over the whole vocabulary, (V,) on every rank."""
+        return self._forward_only(idx)
+
     def forward_backward(self, x, y, rows: slice, reducer=None, dp: Group | None = None) -> float:
         """The global batch's mean loss (the same on every rank), its gradient in every Param.grad.
 
@@ -83,7 +140,7 @@ class PipelineStage:
         n = rows.stop - rows.start
         if n % M:
             raise ValueError(f"{n} sequences do not split into {M} equal micro-batches")
-        b, step = n // M, self.chunks[0].dropout.step
+        b, step, seed = n // M, self.dropout.step, self.dropout.seed
         sp = self.chunks[0].sp
         if sp is not None:
             sp.set(T)
@@ -96,7 +153,8 @@ class PipelineStage:
 
         def forward(m, v, inp):
             chunk = self.chunks[v]
-            chunk.dropout.step, chunk.dropout.row0 = step, mine(m).start       # the serial model's masks
+            chunk.dropout.seed, chunk.dropout.step = seed, step             # the serial model's masks
+            chunk.dropout.row0 = mine(m).start
             if chunk.sp is not None:
                 chunk.sp.set(T)
             if chunk.first:

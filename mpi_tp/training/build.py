@@ -17,6 +17,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.gpt import GPT
+from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.config import TrainConfig
@@ -31,7 +32,7 @@ class Run:
     cfg: TrainConfig
     comm: MPI.Comm
     topo: Topology
-    model: GPT
+    model: GPT | PipelineStage
     opt: AdamW | SGD
     reducer: GradReducer
     corpus: Corpus
@@ -108,9 +109,14 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     collective_setup(backend.use, cfg.backend, comm, comm=comm)
     corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
     out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
-    tp, dp = cfg.layout(comm.Get_size())
-    topo = Topology.create(comm, tp=tp, dp=dp)
-    model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed, sequence_parallel=cfg.sequence_parallel)
+    tp, pp, dp = cfg.layout(comm.Get_size())
+    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
+    if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
+        model = PipelineStage(cfg.model_config(), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
+                              cfg.micro_batches, cfg.virtual_stages)
+    else:
+        model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed,
+                    sequence_parallel=cfg.sequence_parallel)
     # the reducer moves the gradients into buckets: before the optimizer reads them
     reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")
     per_replica = cfg.batch_size * cfg.micro_batches

@@ -26,9 +26,16 @@ class TrainConfig:
     block_size: int = opt(128, "context length in bytes (sequence length T)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
     # parallel layout
-    tp: int = opt(0, "tensor-parallel size; 0 = world size / dp")
+    tp: int = opt(0, "tensor-parallel size; 0 = world size / (pp * dp)")
+    pp: int = opt(1, "pipeline stages (consecutive runs of blocks on different ranks); world size = "
+                  "tp * pp * dp")
+    schedule: str = opt("1f1b", "pipeline schedule: 'gpipe' (all forwards, then all backwards), '1f1b' "
+                        "(PipeDream-Flush) or 'interleaved' (with --virtual-stages)",
+                        ["gpipe", "1f1b", "interleaved"])
+    virtual_stages: int = opt(1, "model chunks per pipeline stage (the interleaved schedule; "
+                              "micro_batches must then be a multiple of pp)")
     dp: int = opt(1, "data-parallel size (replicas, each on micro_batches x batch_size sequences); "
-                  "world size = tp * dp")
+                  "world size = tp * pp * dp")
     overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
                            "(--no-overlap-dp: after it)")
     bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
@@ -102,20 +109,30 @@ class TrainConfig:
             raise ConfigError("use either --resume or --init-from, not both")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        if self.dp < 1 or self.tp < 0:
-            raise ConfigError(f"dp must be at least 1 and tp at least 0 (0: world size / dp), got "
-                              f"tp={self.tp} dp={self.dp}")
+        if self.dp < 1 or self.pp < 1 or self.tp < 0 or self.virtual_stages < 1:
+            raise ConfigError(f"dp, pp and virtual_stages must be at least 1 and tp at least 0 (0: world size "
+                              f"/ (pp * dp)), got tp={self.tp} pp={self.pp} dp={self.dp} "
+                              f"virtual_stages={self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved")
+        if self.schedule == "interleaved" and self.micro_batches % self.pp:
+            raise ConfigError(f"the interleaved schedule needs a multiple of the {self.pp} pipeline stages as "
+                              f"--micro-batches, got {self.micro_batches}")
+        if self.n_layer < self.pp * self.virtual_stages:
+            raise ConfigError(f"{self.n_layer} layers cannot fill {self.pp} pipeline stages x "
+                              f"{self.virtual_stages} chunks: every chunk needs a block")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        tp = self.layout(world_size)[0]
-        if tp * self.dp != world_size:
-            raise ConfigError(f"the layout tp={tp} x dp={self.dp} needs {tp * self.dp} MPI ranks but the job "
-                              f"has {world_size}: launch with mpiexec -n {tp * self.dp}, or change --tp/--dp")
+        tp, pp, dp = self.layout(world_size)
+        if tp * pp * dp != world_size:
+            raise ConfigError(f"the layout tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} MPI ranks but the "
+                              f"job has {world_size}: launch with mpiexec -n {tp * pp * dp}, or change "
+                              "--tp/--pp/--dp")
         self.model_config().validate(tp)
 
-    def layout(self, world_size: int) -> tuple[int, int]:
-        """(tp, dp) for a job of world_size ranks."""
-        return (self.tp or max(1, world_size // self.dp)), self.dp
+    def layout(self, world_size: int) -> tuple[int, int, int]:
+        """(tp, pp, dp) for a job of world_size ranks."""
+        return (self.tp or max(1, world_size // (self.dp * self.pp))), self.pp, self.dp
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,6 +32,7 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
+from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
@@ -85,15 +86,18 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, float, str | None
     problem is None, or what went non-finite; then the update is not applied.
     The loss and the norm are the same on every rank, so all ranks decide alike.
     """
-    cfg = run.cfg
+    cfg, model = run.cfg, run.model
     x, y = run.sampler.batch(step - 1)
-    loss = forward_backward(run.model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp)
+    if isinstance(model, PipelineStage):                 # the schedule runs the micro-batches
+        loss = model.forward_backward(x, y, run.rows, run.reducer, run.topo.dp)
+    else:
+        loss = forward_backward(model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp)
     if not math.isfinite(loss):
         return loss, float("nan"), f"the loss became {loss}"
     params = run.opt.params
     if armed("nan-grad", step):
         params[0].grad[...] = float("nan")
-    norm = grad_norm(params, run.topo.tp)
+    norm = model.grad_norm() if isinstance(model, PipelineStage) else grad_norm(params, run.topo.tp)
     if not math.isfinite(norm):
         return loss, norm, f"the gradient norm became {norm}"
     run.opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
@@ -127,7 +131,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                      "raise --steps to train further")
         progress.close(None)
         return {**record, "steps": cfg.steps, "first_step": run.first}
-    progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size} x "
+    pipeline = f" x pp={topo.pp.size} ({cfg.schedule}, M={cfg.micro_batches})" if topo.pp.size > 1 else ""
+    progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}{pipeline} x "
                  f"dp={topo.dp.size}{' +sp' if cfg.sequence_parallel else ''}{' +zero1' if cfg.zero else ''}, "
                  f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
                  f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {run.out}")

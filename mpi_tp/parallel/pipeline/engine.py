@@ -49,11 +49,12 @@ class PipelineEngine:
     def _tag(self, micro: int, g: int, kind: int) -> int:
         return (micro * (self.last + 1) + g) * 2 + kind
 
-    def run(self, forward, backward, shape, dtype) -> None:
-        """Execute the action list once (one training step's forwards and backwards)."""
+    def run(self, forward, backward, shape, dtype, actions: list[Action] | None = None) -> None:
+        """Execute the action list once (one training step's forwards and backwards), or `actions`
+        instead (forward_only's list for evaluation)."""
         xp = backend.xp()
         sends = []
-        for a in self.actions:
+        for a in self.actions if actions is None else actions:
             g = global_chunk(self.s, a.chunk, self.P)
             if a.kind == "F":
                 x = None
@@ -75,3 +76,7 @@ class PipelineEngine:
             sends = [p for p in sends if not p.test()]       # let finished sends go, drive progress
         for p in sends:
             p.wait()
+
+    def forward_only(self, micro_batches: int) -> list[Action]:
+        """The forwards alone, micro-batch by micro-batch, chunk by chunk (evaluation, sampling)."""
+        return [Action("F", m, v) for m in range(micro_batches) for v in range(self.V)]
