@@ -137,3 +137,20 @@ def test_checkpoints_between_pipelined_and_serial(world, tmp_path_factory):
     world.Barrier()
     if world.Get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_stages_send_one_tth_of_the_activation(world):
+    """tp = 2 x pp = 2, no sequence parallelism: each tensor-parallel rank sends its half of each
+    activation (forward) and gradient (backward), and the receivers all-gather the halves."""
+    if world.Get_size() != 4:
+        pytest.skip("needs exactly 4 ranks")
+    topo = Topology.create(world, tp=2, pp=2, dp=1)
+    M = 3
+    pipelined(topo, 3, "1f1b", M)
+    n = B * 7 * 20                                     # one micro-batch's activation: b T C values
+    half = n // 2 + (n % 2 if topo.tp.rank == 0 else 0)
+    snap = topo.stats.snapshot()
+    assert snap["pp/send"]["bytes"] == STEPS * M * half * 8           # M messages a step, one way each
+    assert snap["pp/send"]["calls"] == STEPS * M
+    topo.free()

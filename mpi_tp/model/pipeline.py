@@ -32,7 +32,7 @@ from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.pipeline.engine import PipelineEngine
 from mpi_tp.parallel.pipeline.schedules import global_chunk, schedule
 from mpi_tp.parallel.pipeline.stages import layer_ranges
-from mpi_tp.parallel.topology import Topology
+from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
 
 class PipelineStage:
@@ -89,13 +89,36 @@ class PipelineStage:
             c.train(mode)
         return self
 
+    def _wire(self, b: int, T: int):
+        """(shape of a message between stages, to_wire, from_wire) for activations of b sequences.
+
+        Without sequence parallelism every tensor-parallel rank holds the whole activation (B, T, C):
+        each sends only its 1/t of it, flattened, and the receiving stage's ranks all-gather the
+        pieces (Narayanan et al. 2021, sec. 4.1, scatter/gather). Under sequence parallelism each
+        rank's activation is its T_i positions already, sent as it is.
+        """
+        tp, C = self.topo.tp, self.cfg.n_embd
+        if self.sp is not None:
+            self.sp.set(T)
+            return (b, self.sp.sizes[tp.rank], C), (lambda a: a), (lambda a: a)
+        if tp.size == 1:
+            return (b, T, C), (lambda a: a), (lambda a: a)
+        sizes = split_sizes(b * T * C, tp.size)
+        start = offsets(sizes)[tp.rank]
+        xp = backend.xp()
+
+        def to_wire(a):
+            return xp.ascontiguousarray(a.reshape(-1)[start:start + sizes[tp.rank]])
+
+        def from_wire(piece):
+            return tp.all_gather(piece, sizes, axis=0).reshape(b, T, C)
+        return (sizes[tp.rank],), to_wire, from_wire
+
     def _forward_only(self, x, y=None):
         """x (B, T) through every stage, one micro-batch: the loss (y given) or the last position's
         whole-vocabulary logits (V,), on every rank of the pipeline."""
         T, out = x.shape[1], {}
-        if self.sp is not None:
-            self.sp.set(T)
-        width = self.sp.sizes[self.sp.group.rank] if self.sp is not None else T
+        shape, to_wire, from_wire = self._wire(x.shape[0], T)
         for c in self.chunks:
             c.dropout.seed, c.dropout.step = self.dropout.seed, self.dropout.step
 
@@ -103,17 +126,16 @@ class PipelineStage:
             chunk = self.chunks[v]
             if chunk.sp is not None:
                 chunk.sp.set(T)
-            inp = x if chunk.first else inp
+            inp = x if chunk.first else from_wire(inp)
             if chunk.last:
                 out["value"] = chunk.forward(inp, y) if y is not None else chunk.last_logits(inp)
                 result = None
             else:
-                result = chunk.forward(inp)
+                result = to_wire(chunk.forward(inp))
             chunk.stash_caches()                                # no backward follows: drop the caches
             return result
 
-        self.engine.run(forward, None, (x.shape[0], width, self.cfg.n_embd), self.dtype,
-                        actions=self.engine.forward_only(1))
+        self.engine.run(forward, None, shape, self.dtype, actions=self.engine.forward_only(1))
         V = self.cfg.vocab_size
         value = numpy.zeros(1 if y is not None else V)
         if "value" in out:
@@ -141,10 +163,7 @@ class PipelineStage:
         if n % M:
             raise ValueError(f"{n} sequences do not split into {M} equal micro-batches")
         b, step, seed = n // M, self.dropout.step, self.dropout.seed
-        sp = self.chunks[0].sp
-        if sp is not None:
-            sp.set(T)
-        width = sp.sizes[sp.group.rank] if sp is not None else T                 # T_i under sp
+        shape, to_wire, from_wire = self._wire(b, T)
         losses, kept = [0.0] * M, {}
         self.zero_grad()
 
@@ -157,21 +176,21 @@ class PipelineStage:
             chunk.dropout.row0 = mine(m).start
             if chunk.sp is not None:
                 chunk.sp.set(T)
-            if chunk.first:
-                inp = x[mine(m)]
+            inp = x[mine(m)] if chunk.first else from_wire(inp)
             out = chunk.forward(inp, y[mine(m)] if chunk.last else None)
             kept[m, v] = chunk.stash_caches()
             if chunk.last:
                 losses[m] = out
                 return None
-            return out
+            return to_wire(out)
 
         def backward(m, v, dout):
             chunk = self.chunks[v]
             chunk.restore_caches(kept.pop((m, v)))
-            return chunk.backward(1.0 / M if chunk.last else dout)
+            dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout))
+            return None if chunk.first else to_wire(dx)
 
-        self.engine.run(forward, backward, (b, width, self.cfg.n_embd), self.dtype)
+        self.engine.run(forward, backward, shape, self.dtype)
         for c in self.chunks:
             c.dropout.step = step + 1
         if reducer is not None:
