@@ -137,6 +137,25 @@ def test_pipeline_end_to_end(tmp_path):
     assert worst < 1e-12, worst
 
 
+def test_trace_of_a_pipelined_run(tmp_path):
+    """--trace: one process per rank in the Chrome trace format; each stage's forward and backward
+    actions (4 micro-batches x 2 steps), and send events whose bytes are the activations'."""
+    out, trace = tmp_path / "run", tmp_path / "trace.json"
+    r = mpirun(2, "train", "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+               "--steps", "2", "--batch-size", "1", "--micro-batches", "4", "--pp", "2", "--eval-batches", "1",
+               "--sample-len", "0", "--out", str(out), "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    events = json.load(open(trace))["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1"}
+    for rank in (0, 1):
+        mine = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+        assert [e["args"]["micro"] for e in mine if e["name"] == "F"][:4] == [0, 1, 2, 3]
+        assert sum(e["name"] == "B" for e in mine) == 8 and all(e["dur"] >= 0 for e in mine)
+        assert any(e["name"] == "optimizer" for e in mine)
+    sent = sum(e["args"]["bytes"] for e in events if e["name"] == "pp/send" and e["pid"] == 0)
+    assert sent == (8 + 1) * 1 * 16 * 16 * 4        # 8 training activations + 1 evaluation, (1, 16, 16) float32
+
+
 def test_bad_option_and_config_file(tmp_path):
     r = mpirun(2, "train", "--n-layer", "two", timeout=60)
     assert r.returncode == 2 and r.stderr.count("invalid int value") == 1

@@ -37,12 +37,18 @@ class CommStats:
         self.bytes = defaultdict(int)
         self.wire = defaultdict(float)
         self.seconds = defaultdict(float)
+        self.trace = None            # a mpi_tp.parallel.trace.Trace: every call also becomes an event
 
-    def record(self, key: str, nbytes: int, seconds: float, wire: float = 0.0) -> None:
+    def record(self, key: str, nbytes: int, seconds: float, wire: float = 0.0, timed: bool = True) -> None:
+        """Count one call. timed: it has just ended, `seconds` after it began (a non-blocking start
+        is not: its time, and its trace event, come when it completes)."""
         self.calls[key] += 1
         self.bytes[key] += int(nbytes)
         self.wire[key] += wire
         self.seconds[key] += seconds
+        if self.trace is not None and timed:
+            now = time.perf_counter()
+            self.trace.complete(key, "comm", now - seconds, now, bytes=int(nbytes))
 
     def reset(self) -> None:
         for d in (self.calls, self.bytes, self.wire, self.seconds):
@@ -109,7 +115,10 @@ class Pending:
     def _done(self) -> None:
         backend.stager().give_back(self.x, self.buf, copy=self.result)
         stats, key, t0 = self._record
-        stats.seconds[key] += time.perf_counter() - t0          # from start to completion
+        now = time.perf_counter()
+        stats.seconds[key] += now - t0                           # from start to completion
+        if stats.trace is not None:
+            stats.trace.complete(key, "comm", t0, now, bytes=int(self.x.nbytes))
         self.request = None
 
 
@@ -149,7 +158,7 @@ class Group:
         buf = backend.stager().lend(x)           # its own buffer until wait(): buckets run concurrently
         t0 = time.perf_counter()
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
-        self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes))
+        self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes), timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/iall_reduce", t0))
 
     # -- point to point (pipeline stages) ----------------------------------
@@ -160,7 +169,7 @@ class Group:
         buf = backend.stager().lend(x)
         t0 = time.perf_counter()
         req = self.comm.Isend(buf, dest=dest, tag=tag)
-        self.stats.record(f"{self.name}/send", x.nbytes, 0.0, float(x.nbytes))
+        self.stats.record(f"{self.name}/send", x.nbytes, 0.0, float(x.nbytes), timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/send", t0), result=False)
 
     def irecv(self, x, source: int, tag: int) -> "Pending":
@@ -170,7 +179,7 @@ class Group:
         buf = backend.stager().lend(x, copy=False)
         t0 = time.perf_counter()
         req = self.comm.Irecv(buf, source=source, tag=tag)
-        self.stats.record(f"{self.name}/recv", x.nbytes, 0.0)
+        self.stats.record(f"{self.name}/recv", x.nbytes, 0.0, timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/recv", t0))
 
     def all_gather(self, x, sizes: list[int], axis: int):

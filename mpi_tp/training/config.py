@@ -78,6 +78,9 @@ class TrainConfig:
     resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints, if there is one")
     init_from: str = opt("", "continue from this checkpoint (a checkpoint folder or step-N folder)")
     log_every: int = opt(10, "print a progress line every N steps (rank 0)")
+    trace: str = opt("", "write every rank's events (forward, backward, optimizer, pipeline actions, each "
+                     "collective and send/receive with its bytes) to this file in the Chrome trace format, "
+                     "for Perfetto or chrome://tracing (meant for short runs)")
     eval_every: int = opt(250, "estimate the validation loss every N steps (and at the end)")
     eval_batches: int = opt(20, "validation batches per estimate")
     sample_len: int = opt(300, "bytes of text to generate at the end (0 = none)")

@@ -33,6 +33,7 @@ from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
 from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.parallel.trace import Trace, span
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
@@ -68,12 +69,15 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
     b, step = n // micro_batches, model.dropout.step
     model.zero_grad()
     total = 0.0
+    trace = model.topo.stats.trace
     for m in range(micro_batches):
         mine = slice(rows.start + m * b, rows.start + (m + 1) * b)
         model.dropout.step, model.dropout.row0 = step, mine.start
-        total += model.forward(x[mine], y[mine])
+        with span(trace, "forward", "compute", micro=m):
+            total += model.forward(x[mine], y[mine])
         last = m == micro_batches - 1
-        model.backward(dout=1.0 / micro_batches, reducer=reducer if last else None)
+        with span(trace, "backward", "compute", micro=m):
+            model.backward(dout=1.0 / micro_batches, reducer=reducer if last else None)
     loss = total / micro_batches
     if dp.size > 1:                       # the global batch's loss: the mean over replicas
         loss = float(dp.all_reduce(numpy.array([loss]))[0]) / dp.size
@@ -100,7 +104,8 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, float, str | None
     norm = model.grad_norm() if isinstance(model, PipelineStage) else grad_norm(params, run.topo.tp)
     if not math.isfinite(norm):
         return loss, norm, f"the gradient norm became {norm}"
-    run.opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
+    with span(run.topo.stats.trace, "optimizer", "compute", step=step):
+        run.opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
     return loss, norm, None
 
 
@@ -138,6 +143,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                  f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {run.out}")
 
     losses, val_loss, skipped = [], float("nan"), 0
+    if cfg.trace:
+        topo.stats.trace = Trace(comm)
     preemption = Preemption(comm)
     try:
         for step in range(run.first, cfg.steps + 1):
@@ -158,7 +165,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                 os.kill(os.getpid(), signal.SIGTERM)
             last = step == cfg.steps
             if step % cfg.eval_every == 0 or last:
-                val_loss = evaluate(model, run.val_batches)
+                with span(topo.stats.trace, "evaluate", "compute", step=step):
+                    val_loss = evaluate(model, run.val_batches)
                 progress.log({"step": step, "val_loss": val_loss})
             if problem is None and (step % cfg.log_every == 0 or last):
                 progress.step_line(step, losses, lr, norm, val_loss)
@@ -172,6 +180,9 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                 return record
     finally:
         preemption.close()
+        if topo.stats.trace is not None:  # also after a pre-emption or a stop: what happened up to there
+            topo.stats.trace.write(cfg.trace, comm)
+            progress.say(f"trace of every rank written to {cfg.trace} (open it in Perfetto or chrome://tracing)")
 
     train_s = time.perf_counter() - progress.t0
     tail = losses[-cfg.log_every:] or [float("nan")]

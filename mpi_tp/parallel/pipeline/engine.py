@@ -28,6 +28,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.pipeline.schedules import Action, global_chunk
+from mpi_tp.parallel.trace import span
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -61,7 +62,8 @@ class PipelineEngine:
                 if g > 0:                                    # the previous chunk's output, from the stage before
                     x = xp.empty(shape, dtype)
                     self.group.irecv(x, (g - 1) % self.P, self._tag(a.micro, g, ACTIVATION)).wait()
-                y = forward(a.micro, a.chunk, x)
+                with span(self.group.stats.trace, "F", "pipeline", micro=a.micro, chunk=g):
+                    y = forward(a.micro, a.chunk, x)
                 if g < self.last:
                     sends.append(self.group.isend(y, (g + 1) % self.P, self._tag(a.micro, g + 1, ACTIVATION)))
             else:
@@ -69,7 +71,8 @@ class PipelineEngine:
                 if g < self.last:                            # the next chunk's input gradient, from the stage after
                     dy = xp.empty(shape, dtype)
                     self.group.irecv(dy, (g + 1) % self.P, self._tag(a.micro, g, GRADIENT)).wait()
-                dx = backward(a.micro, a.chunk, dy)
+                with span(self.group.stats.trace, "B", "pipeline", micro=a.micro, chunk=g):
+                    dx = backward(a.micro, a.chunk, dy)
                 if g > 0:
                     sends.append(self.group.isend(xp.ascontiguousarray(dx), (g - 1) % self.P,
                                                   self._tag(a.micro, g - 1, GRADIENT)))
