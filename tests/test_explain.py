@@ -133,3 +133,20 @@ def test_explain_command_prints_once():
     assert r.stdout.count("-- rank 0 of 2") == 1 and r.stdout.count("-- rank 1 of 2") == 1
     r = mpirun(2, "explain", "--features", "0", timeout=60)
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_pipeline_lesson_draws_each_schedule():
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("starts its own MPI job: one-rank pass only")
+    r = mpirun(2, "explain", "--layer", "pipeline", timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in ("== gpipe ==", "== 1f1b ==", "== interleaved, 2 chunks per stage =="):
+        assert r.stdout.count(name) == 1, r.stdout
+    assert r.stdout.count("PASS") == 3 and "FAIL" not in r.stdout
+    measured = [line for line in r.stdout.splitlines() if line.startswith("  stage ") and len(line) > 60]
+    assert len(measured) == 6 and all(set("0123abcd") & set(line) for line in measured)
+    assert "formula (P - 1) / M = 0.25" in r.stdout and "formula (P - 1) / (V M) = 0.12" in r.stdout
+    r = mpirun(2, "explain", "--layer", "pipeline", "--micro-batches", "0", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1

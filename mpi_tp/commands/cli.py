@@ -9,6 +9,7 @@
     mpi-tp plan --machine dgx-a100 --nodes 4 ...        rank layouts with the cost model
     mpiexec -n 2 mpi-tp calibrate --out machine.json    measure this machine for the cost model
     mpiexec -n 2 mpi-tp explain --layer mlp             a live lesson: one layer split over the ranks
+    mpiexec -n 2 mpi-tp explain --layer pipeline        the pipeline schedules, drawn from their own run
 
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
