@@ -37,8 +37,8 @@ def serial(n_layer, rows):
     return np.array(losses), {p.name: p.data for p in model.parameters()}
 
 
-def pipelined(topo, n_layer, name, micro, virtual=1, sp=False):
-    stage = PipelineStage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual)
+def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none"):
+    stage = PipelineStage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual, recompute)
     reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=False)
     opt = AdamW(stage.parameters(), lr=1e-2)
     per_replica = micro * B
@@ -56,19 +56,20 @@ def layouts(n):
     return [(t, p, n // (t * p)) for t in (1, 2) for p in range(1, n + 1) if n % (t * p) == 0]
 
 
-CASES = [("gpipe", 1, 1), ("gpipe", 3, 1), ("1f1b", 1, 1), ("1f1b", 4, 1), ("interleaved", 0, 2)]
+CASES = [("gpipe", 1, 1, "none"), ("gpipe", 3, 1, "selective"), ("1f1b", 1, 1, "none"), ("1f1b", 4, 1, "full"),
+         ("interleaved", 0, 2, "none")]
 
 
-@pytest.mark.parametrize("name,micro,virtual", CASES)
-def test_pipeline_equals_serial(world, name, micro, virtual):
+@pytest.mark.parametrize("name,micro,virtual,recompute", CASES)
+def test_pipeline_equals_serial(world, name, micro, virtual, recompute):
     for tp, pp, dp in layouts(world.Get_size()):
         m = micro or pp                                          # interleaved: a multiple of the stages
         n_layer = pp * virtual + 1                               # uneven: one stage (chunk) holds one more
         ref_losses, ref = serial(n_layer, dp * m * B)
         for sp in ([False, True] if tp > 1 else [False]):
             topo = Topology.create(world, tp=tp, pp=pp, dp=dp)
-            losses, stage = pipelined(topo, n_layer, name, m, virtual, sp)
-            what = f"{name} tp={tp} pp={pp} dp={dp} M={m} V={virtual} sp={sp}"
+            losses, stage = pipelined(topo, n_layer, name, m, virtual, sp, recompute)
+            what = f"{name} tp={tp} pp={pp} dp={dp} M={m} V={virtual} sp={sp} recompute={recompute}"
             assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")
             assert_close(losses, ref_losses, 1e-8, f"losses, {what}")
             for p in stage.parameters():

@@ -13,7 +13,14 @@ from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
 
 class ParallelAttention(Module):
-    """Causal self-attention with the heads divided among the tensor-parallel ranks."""
+    """Causal self-attention with the heads divided among the tensor-parallel ranks.
+
+    recompute (set by the model for --recompute selective): keep only q, k and v for
+    the backward pass and compute the softmax probabilities (and their dropout) again
+    there (Korthikanti et al. 2022's selective recomputation: the a s^2 b / t term).
+    """
+
+    recompute = False
 
     def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int, sp=None):
         tp = topo.tp
@@ -39,6 +46,8 @@ class ParallelAttention(Module):
         mask = (self.dropout.head_masks(B, T, self.heads, x.dtype, self.layer)
                 if self.dropout.active else None)
         y, cache = K.attention_forward(q, k, v, mask)                    # (B, H_i, T, D)
+        if self.recompute:           # selective recomputation: keep q, k, v, not the (B, H_i, T, T) arrays
+            cache = (q, k, v, mask is not None, self.dropout.key())
         self.save_cache(cache)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, self.H_i * self.D)     # (B, T, H_i*D), rank's columns
         return self.proj.forward(y)                                      # row split + g -> (B, T, C)
@@ -48,7 +57,15 @@ class ParallelAttention(Module):
         dy = self.proj.backward(dout)                                    # (B, T, H_i*D)
         B, T = dy.shape[:2]
         dy = dy.reshape(B, T, self.H_i, self.D)
-        grads = K.attention_backward(dy.transpose(0, 2, 1, 3), *self.take_cache())
+        (cache,) = self.take_cache()
+        if self.recompute:           # the attention core again, with the same dropout masks (keyed, redrawn)
+            q, k, v, masked, key = cache
+            mask = None
+            if masked:
+                with self.dropout.replay(key):
+                    mask = self.dropout.head_masks(B, T, self.heads, q.dtype, self.layer)
+            _, cache = K.attention_forward(q, k, v, mask)
+        grads = K.attention_backward(dy.transpose(0, 2, 1, 3), cache)
         dqkv = backend.xp().empty((B, T, 3, self.H_i, self.D), dtype=dout.dtype)
         for j, d in enumerate(grads):                                    # dq, dk, dv: (B, H_i, T, D)
             dqkv[:, :, j] = d.transpose(0, 2, 1, 3)

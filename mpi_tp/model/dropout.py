@@ -1,6 +1,8 @@
 """Dropout whose masks are the same at every parallel layout."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy
 
 from mpi_tp.core import backend
@@ -21,6 +23,20 @@ class Dropout:
     def __init__(self, p: float, seed: int):
         self.p, self.seed, self.step, self.training = p, seed, 0, True
         self.row0 = 0            # index of this replica's first sequence in the global batch
+
+    def key(self) -> tuple:
+        """What the masks of a forward pass depend on besides their site: (step, row0)."""
+        return self.step, self.row0
+
+    @contextmanager
+    def replay(self, key: tuple):
+        """Draw the masks of the forward pass that had this key (activation recomputation)."""
+        now = self.key()
+        self.step, self.row0 = key
+        try:
+            yield
+        finally:
+            self.step, self.row0 = now
 
     @property
     def active(self) -> bool:

@@ -34,8 +34,18 @@ from mpi_tp.parallel.tensor_parallel import gather_from_tp
 from mpi_tp.parallel.topology import Topology
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
 class Block(Module):
-    """x = x + drop(attn(ln_1(x))); x = x + drop(mlp(ln_2(x)))."""
+    """x = x + drop(attn(ln_1(x))); x = x + drop(mlp(ln_2(x))).
+
+    recompute (set by the model for --recompute full): keep only the block's input for
+    the backward pass and run the forward again there, collectives and dropout masks
+    included (the masks are keyed, so they come out the same).
+    """
+
+    recompute = False
 
     def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None):
         name = f"h/{i}"
@@ -54,6 +64,14 @@ class Block(Module):
         return y * m, m
 
     def forward(self, x):
+        if not self.recompute:
+            return self._forward(x)
+        out = self._forward(x)
+        self.stash_caches()                          # dropped: the backward computes them again
+        self.save_cache(x, self.dropout.key())
+        return out
+
+    def _forward(self, x):
         a, m_a = self._residual_drop(self.attn.forward(self.ln_1.forward(x)), 2)
         x = x + a
         h, m_h = self._residual_drop(self.mlp.forward(self.ln_2.forward(x)), 3)
@@ -61,6 +79,10 @@ class Block(Module):
         return x + h
 
     def backward(self, dout):
+        if self.recompute:
+            x, key = self.take_cache()
+            with self.dropout.replay(key):           # the same masks as the first time
+                self._forward(x)                     # the caches again (the output is not needed)
         m_a, m_h = self.take_cache()
         dh = dout if m_h is None else dout * m_h
         dx = dout + self.ln_2.backward(self.mlp.backward(dh))
@@ -83,7 +105,7 @@ class GPT(Module):
 
     def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0,
                  sequence_parallel: bool = False, blocks: range | None = None, first: bool = True,
-                 last: bool = True):
+                 last: bool = True, recompute: str = "none"):
         topo = Topology.serial() if topo is None else topo
         cfg.validate(topo.tp.size)
         self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
@@ -98,6 +120,11 @@ class GPT(Module):
             self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), self.dtype, seed=seed)
         blocks = range(cfg.n_layer) if blocks is None else blocks
         self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp) for i in blocks]
+        if recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        for block in self.h:         # activation recomputation (Korthikanti et al. 2022)
+            block.recompute = recompute == "full"
+            block.attn.recompute = recompute == "selective"
         if last:
             self.ln_f = LayerNorm("ln_f", cfg.n_embd, self.dtype)
             self.loss = VocabParallelCrossEntropy(topo.tp, self.wte.start, self.wte.stop)

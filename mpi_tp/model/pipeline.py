@@ -40,12 +40,13 @@ class PipelineStage:
 
     def __init__(self, cfg: GPTConfig, topo: Topology, dtype="float32", seed: int = 0,
                  sequence_parallel: bool = False, schedule_name: str = "1f1b", micro_batches: int = 1,
-                 virtual: int = 1):
+                 virtual: int = 1, recompute: str = "none"):
         P, s, V = topo.pp.size, topo.pp.rank, virtual
         self.cfg, self.topo, self.M, self.V = cfg, topo, micro_batches, V
         last = P * V - 1
         self.chunks = [GPT(cfg, topo, dtype, seed, sequence_parallel, blocks=r,
-                           first=global_chunk(s, v, P) == 0, last=global_chunk(s, v, P) == last)
+                           first=global_chunk(s, v, P) == 0, last=global_chunk(s, v, P) == last,
+                           recompute=recompute)
                        for v, r in enumerate(layer_ranges(cfg.n_layer, P, V)[s])]
         self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
         self.dtype = self.chunks[0].dtype

@@ -9,10 +9,11 @@ memory per rank exceeds the machine's are dropped; the rest are ranked by
 predicted step time. The winner is explained against the best layout with
 another tensor-parallel size.
 
-What mpi_tp runs today is a subset: tensor x data layouts, with sequence
-parallelism, ZeRO-1 and micro-batches (gradient accumulation, --micro-batches).
-Pipeline stages (pp > 1) and activation recomputation are priced by the cost
-model only, so a plan that uses them cannot be trained with `mpi-tp train` yet.
+mpi_tp runs every dimension priced here (`mpi-tp train --tp --pp --dp
+--micro-batches --sequence-parallel --zero 1 --recompute`), but the cost model
+does not yet price what the engine does exactly (the interleaved bubble, uneven
+stages, the micro-batch size's GEMM rate), and a plan cannot yet be written as
+a config file (--emit-config, issue 11).
 """
 from __future__ import annotations
 

@@ -113,10 +113,10 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
         model = PipelineStage(cfg.model_config(), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
-                              cfg.micro_batches, cfg.virtual_stages)
+                              cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
     else:
         model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed,
-                    sequence_parallel=cfg.sequence_parallel)
+                    sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
     # the reducer moves the gradients into buckets: before the optimizer reads them
     reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")
     per_replica = cfg.batch_size * cfg.micro_batches

@@ -45,6 +45,9 @@ class TrainConfig:
     sequence_parallel: bool = opt(False, "split the activations between the tensor-parallel regions along "
                                   "the sequence (Korthikanti et al. 2022): less activation memory, same traffic")
     zero: int = opt(0, "1: ZeRO stage 1, the optimizer state split over the data-parallel replicas", [0, 1])
+    recompute: str = opt("none", "activation recomputation: 'selective' keeps q, k, v and computes the attention "
+                         "softmax again in the backward pass; 'full' keeps only each block's input and runs "
+                         "its forward again (Korthikanti et al. 2022)", ["none", "selective", "full"])
     # data
     data: str = opt("pydoc", "'pydoc' (Python's reference docs, built in), 'shakespeare' (downloaded "
                     "once, cached) or a path to a text file")
