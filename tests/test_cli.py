@@ -156,6 +156,28 @@ def test_trace_of_a_pipelined_run(tmp_path):
     assert sent == (8 + 1) * 1 * 16 * 16 * 4        # 8 training activations + 1 evaluation, (1, 16, 16) float32
 
 
+@pytest.mark.parametrize("nodes,ranks,pin", [(1, 2, []), (2, 4, ["--pp", "2"])])
+def test_plan_emits_a_config_that_trains(tmp_path, nodes, ranks, pin):
+    """mpi-tp plan --emit-config for this machine (calibrated, 2 ranks a node) at 2 and 4 ranks; the
+    file trains unchanged under mpiexec with that many ranks, in the layout the plan chose."""
+    machine = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                           "results", "machine_2ranks.json")
+    config = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "mpi_tp", "plan", "--machine", machine, "--nodes", str(nodes),
+                        "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--global-batch", "8",
+                        "--vocab", "256", *pin, "--emit-config", str(config)],
+                       capture_output=True, text=True, timeout=60, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    chosen = json.load(open(config))
+    assert chosen["tp"] * chosen["pp"] * chosen["dp"] == ranks and (not pin or chosen["pp"] == 2)
+    r = mpirun(ranks, "train", "--config", str(config), "--steps", "2", "--eval-batches", "1", "--sample-len", "0",
+               "--out", str(tmp_path / "run"), timeout=180)
+    assert r.returncode == 0, r.stderr
+    run = json.load(open(tmp_path / "run" / "run.json"))
+    assert run["layout"] == {"world": ranks, "tp": chosen["tp"], "pp": chosen["pp"], "dp": chosen["dp"]}
+    assert run["config"]["micro_batches"] == chosen["micro_batches"]
+
+
 def test_bad_option_and_config_file(tmp_path):
     r = mpirun(2, "train", "--n-layer", "two", timeout=60)
     assert r.returncode == 2 and r.stderr.count("invalid int value") == 1

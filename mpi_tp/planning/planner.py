@@ -18,6 +18,8 @@ a config file (--emit-config, issue 11).
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.planning.costmodel import Layout, Workload, machine, memory_per_rank, step_time
@@ -27,13 +29,15 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None):
-    """Layouts to price: tp up to the heads (and max_tp), pp dividing the layers, dp the rest."""
+def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
+               pp_only: int | None = None):
+    """Layouts to price: tp up to the heads (and max_tp), pp dividing the layers, dp the rest
+    (tp_only / pp_only: just that size)."""
     for tp in divisors(ranks):
-        if tp > w.n_head or (max_tp and tp > max_tp):
+        if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
         for pp in divisors(ranks // tp):
-            if w.n_layer % pp:
+            if w.n_layer % pp or (pp_only and pp != pp_only):
                 continue
             dp = ranks // (tp * pp)
             if w.global_batch % dp:
@@ -47,10 +51,11 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                             yield Layout(tp, pp, dp, b, sp, zero, recompute)
 
 
-def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None) -> dict:
+def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
+         pp: int | None = None) -> dict:
     ranks = nodes * m.ranks_per_node
     rows = []
-    for lay in candidates(w, ranks, m.ranks_per_node, max_tp):
+    for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp):
         mem = memory_per_rank(m, w, lay)
         t = step_time(m, w, lay)
         rows.append({"layout": lay, "time": t, "memory": mem, "fits": mem["total"] <= m.mem_bytes})
@@ -110,7 +115,12 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab", type=int, default=51200)
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
+    p.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")
+    p.add_argument("--pp", type=int, default=None, help="consider only this number of pipeline stages")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--emit-config", metavar="FILE", default=None,
+                   help="write the best layout as a config that `mpi-tp train --config FILE` runs (on a job "
+                        "of that many ranks; the model trained is byte-level, vocabulary 256)")
     p.set_defaults(run=cmd_plan)
 
 
@@ -122,12 +132,40 @@ def _check(args):
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
 
 
+def train_config(w: Workload, lay: Layout) -> dict:
+    """The options of `mpi-tp train` that run layout `lay` of workload `w` (JSON for --config)."""
+    micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
+    return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "batch_size": lay.micro_batch,
+            "micro_batches": micro_batches, "schedule": "1f1b", "sequence_parallel": lay.sp, "zero": lay.zero,
+            "recompute": "full" if lay.recompute else "none"}
+
+
+def emit_config(path: str, w: Workload, lay: Layout) -> dict:
+    """Write train_config(w, lay) to path, checked first as `mpi-tp train --config` will check it."""
+    from mpi_tp.training.config import TrainConfig
+    values = train_config(w, lay)
+    TrainConfig(**values).validate(lay.ranks)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(values, f, indent=2)
+    os.replace(tmp, path)
+    return values
+
+
 def cmd_plan(args, comm) -> int:
     from mpi_tp.core.runtime import collective_setup
     m, w = collective_setup(_check, args, comm=comm)
     if comm.Get_rank():
         return 0
-    result = plan(m, w, args.nodes, args.top, args.max_tp)
+    result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp)
+    if args.emit_config:
+        if not result["ranked"]:
+            raise UserError(f"no layout fits, so there is no config to write: {result['why']}")
+        best = result["ranked"][0]["layout"]
+        emit_config(args.emit_config, w, best)
+        print(f"wrote {args.emit_config}: {best.describe()}; run it with mpiexec -n {best.ranks} mpi-tp train "
+              f"--config {args.emit_config}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"], "ranked": [
             {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"]}
