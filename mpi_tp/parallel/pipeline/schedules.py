@@ -45,17 +45,19 @@ def gpipe(stages: int, micro_batches: int) -> list[list[Action]]:
     return [list(one) for _ in range(stages)]
 
 
+def _warmup_steady_cooldown(warmup: int, total: int, action) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the backwards left;
+    action(kind, k) is the k-th forward or backward of the stage."""
+    acts = [action("F", k) for k in range(warmup)]
+    for i in range(total - warmup):
+        acts += [action("F", warmup + i), action("B", i)]
+    return acts + [action("B", k) for k in range(total - warmup, total)]
+
+
 def one_f_one_b(stages: int, micro_batches: int) -> list[list[Action]]:
     """PipeDream-Flush: warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
-    out = []
-    for s in range(stages):
-        warmup = min(stages - s - 1, micro_batches)
-        acts = [Action("F", m) for m in range(warmup)]
-        for i in range(micro_batches - warmup):
-            acts += [Action("F", warmup + i), Action("B", i)]
-        acts += [Action("B", m) for m in range(micro_batches - warmup, micro_batches)]
-        out.append(acts)
-    return out
+    return [_warmup_steady_cooldown(min(stages - s - 1, micro_batches), micro_batches, Action)
+            for s in range(stages)]
 
 
 def interleaved(stages: int, micro_batches: int, virtual: int) -> list[list[Action]]:
@@ -69,15 +71,8 @@ def interleaved(stages: int, micro_batches: int, virtual: int) -> list[list[Acti
     def action(kind, k):
         chunk = (k // P) % V
         return Action(kind, (k // (P * V)) * P + k % P, chunk if kind == "F" else V - 1 - chunk)
-    total, out = M * V, []
-    for s in range(P):
-        warmup = min((P - s - 1) * 2 + (V - 1) * P, total)
-        acts = [action("F", k) for k in range(warmup)]
-        for i in range(total - warmup):
-            acts += [action("F", warmup + i), action("B", i)]
-        acts += [action("B", k) for k in range(total - warmup, total)]
-        out.append(acts)
-    return out
+    total = M * V
+    return [_warmup_steady_cooldown(min((P - s - 1) * 2 + (V - 1) * P, total), total, action) for s in range(P)]
 
 
 def schedule(name: str, stages: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
