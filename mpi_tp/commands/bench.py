@@ -27,12 +27,14 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.commands.bench_pipeline import print_pipeline, run_pipeline_shape
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.pipeline.schedules import schedule
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
@@ -209,6 +211,11 @@ def add_parser(sub) -> None:
                    help="with --dp > 1: run each shape three times, gradient all-reduce during the backward "
                         "(overlap), after it, and not at all (baseline), to show what it adds to a step")
     b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
+    b.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = ranks / (pp * dp)); with "
+                   "--micro-batches, --schedule, --virtual-stages; batch is per micro-batch")
+    b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
+    b.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    b.add_argument("--virtual-stages", type=int, default=1, help="with --schedule interleaved: chunks per stage")
     b.add_argument("--backend", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: GPUs)")
     b.add_argument("--json", metavar="FILE", help="append one JSON line per shape to FILE")
     b.set_defaults(run=cmd_bench)
@@ -230,13 +237,19 @@ def _shapes(args, ranks: int) -> list[tuple]:
         shapes = [SHAPES[s] for s in presets] + custom
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    if args.dp < 1 or ranks % args.dp:
-        raise UserError(f"--dp {args.dp} must divide the {ranks} ranks of this job")
-    tp = ranks // args.dp
+    if args.dp < 1 or args.pp < 1 or ranks % (args.dp * args.pp):
+        raise UserError(f"--dp {args.dp} x --pp {args.pp} must divide the {ranks} ranks of this job")
+    if args.pp > 1:
+        if args.micro_batches < 1 or args.virtual_stages < 1:
+            raise UserError("--micro-batches and --virtual-stages must be at least 1")
+        schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages)     # checks the combination
+    tp = ranks // (args.dp * args.pp)
     for C, H, L, S, B in shapes:
         if B < 1:
             raise UserError(f"batch must be at least 1, got {B}")
         GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S).validate(tp)
+        if L < args.pp * args.virtual_stages:
+            raise UserError(f"{L} layers cannot fill {args.pp} stages x {args.virtual_stages} chunks")
     return shapes
 
 
@@ -250,6 +263,16 @@ def cmd_bench(args, comm) -> int:
                 comm=comm)
     modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
     for C, H, L, S, B in shapes:
+        if args.pp > 1:
+            r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
+                                   comm.Get_size() // (args.dp * args.pp), args.pp, args.dp, args.micro_batches,
+                                   args.schedule, args.virtual_stages, args.sequence_parallel)
+            r["environment"] = env
+            rank0_print(print_pipeline(r), comm=comm)
+            if args.json and comm.Get_rank() == 0:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+            continue
         for mode in modes:
             r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype, dp=args.dp, dp_mode=mode,
                           sequence_parallel=args.sequence_parallel)

@@ -1,0 +1,103 @@
+"""`mpi-tp bench --pp P`: timed training steps of a pipelined layout, with the bubble and the bytes
+sent between stages measured in the same run.
+
+    mpiexec -n 2 mpi-tp bench --pp 2 --micro-batches 8 --shape a
+    mpiexec -n 4 mpi-tp bench --tp 2 --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2
+
+The shape's batch B is the micro-batch size: a step is M micro-batches of B
+sequences per replica. Each timed step is also traced (mpi_tp.parallel.trace):
+the bubble is the span of the schedule's actions over the busiest stage's time
+in them, minus one, next to (P - 1) / M, or (P - 1) / (V M) for the interleaved
+schedule; the point-to-point bytes are what each rank sent to the next or
+previous stage, next to the formula (p2p_formula: M activations forward from
+every chunk but the model's last, M gradients back from every chunk but its
+first, B S C / t values each). The other fields are those of `mpi-tp bench`.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy
+from mpi4py import MPI
+
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.topology import Topology, split_sizes
+from mpi_tp.parallel.trace import Trace
+from mpi_tp.training.optim import AdamW, clip_coefficient
+
+
+def p2p_formula(stage: int, P: int, V: int, M: int, values: int, itemsize: int) -> int:
+    """Bytes rank `stage` sends in one step: each of its chunks but the model's last sends M
+    activations forward, each but the model's first sends M gradients back; `values` per message."""
+    chunks = [v * P + stage for v in range(V)]
+    messages = sum(M for g in chunks if g < P * V - 1) + sum(M for g in chunks if g > 0)
+    return messages * values * itemsize
+
+
+def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, micro_batches, schedule,
+                       virtual=1, sequence_parallel=False, seed=0) -> dict:
+    """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones)."""
+    from mpi_tp.commands.bench import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
+    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
+    stage = PipelineStage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
+                          sequence_parallel, schedule, micro_batches, virtual)
+    reducer = GradReducer(stage, topo.dp, overlap=False)
+    opt = AdamW(stage.parameters(), lr=1e-4)
+    M = micro_batches
+    rng = numpy.random.default_rng(seed)
+    x, y = rng.integers(0, 256, (B * M * dp, S)), rng.integers(0, 256, (B * M * dp, S))
+    rows = slice(topo.dp.rank * B * M, (topo.dp.rank + 1) * B * M)
+    step_s, bubbles, sent = [], [], []
+    for i in range(warmup + steps):
+        topo.stats.reset()
+        trace = Trace(comm) if i >= warmup else None           # the barrier also lines the ranks up
+        topo.stats.trace = trace
+        t0 = time.perf_counter()
+        stage.forward_backward(x, y, rows, reducer, topo.dp)
+        opt.step(grad_scale=clip_coefficient(stage.grad_norm(), 1.0))
+        t = time.perf_counter() - t0
+        topo.stats.trace = None
+        if trace is None:
+            continue
+        step_s.append(comm.allreduce(t, op=MPI.MAX))
+        acts = [e for e in trace.events if e["name"] in ("F", "B")]
+        first = comm.allreduce(min(e["ts"] for e in acts), op=MPI.MIN)
+        last = comm.allreduce(max(e["ts"] + e["dur"] for e in acts), op=MPI.MAX)
+        busy = comm.allreduce(sum(e["dur"] for e in acts), op=MPI.MAX)
+        bubbles.append((last - first - busy) / busy)
+        sent.append(topo.stats.snapshot().get("pp/send", {}).get("bytes", 0))
+    med = float(numpy.median(step_s))
+    flops = model_flops(C, L, S, B * M) * dp
+    peak = comm.allreduce(gemm_peak(comm), op=MPI.SUM) / comm.Get_size()
+    if sequence_parallel:                                        # what crosses per message: 1/t of B S C
+        values = B * stage.sp.sizes[topo.tp.rank] * C
+    else:
+        values = split_sizes(B * S * C, tp)[topo.tp.rank]
+    result = {
+        "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": tp, "pp": pp, "dp": dp,
+        "schedule": schedule, "virtual_stages": virtual, "micro_batches": M, "sequence_parallel": sequence_parallel,
+        "dtype": dtype, "steps": steps,
+        "step_ms": {"median": 1e3 * med, "min": 1e3 * min(step_s), "max": 1e3 * max(step_s)},
+        "tokens_per_s": B * M * S * dp / med, "model_gflop_per_step": flops / 1e9,
+        "model_gflops_per_rank": flops / med / comm.Get_size() / 1e9, "gemm_peak_gflops_per_rank": peak,
+        "bubble": {"measured": float(numpy.median(bubbles)), "formula": (pp - 1) / (virtual * M)},
+        "p2p_bytes_per_step": {"measured": int(numpy.median(sent)),
+                               "formula": p2p_formula(topo.pp.rank, pp, virtual, M, values,
+                                                      numpy.dtype(dtype).itemsize)},
+    }
+    result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
+    topo.free()
+    return result
+
+
+def print_pipeline(r: dict) -> str:
+    s = r["shape"]
+    return (f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} tp={r['tp']} "
+            f"pp={r['pp']} dp={r['dp']} {r['schedule']} M={r['micro_batches']} V={r['virtual_stages']}: step "
+            f"{r['step_ms']['median']:.1f} ms (min {r['step_ms']['min']:.1f}), {r['tokens_per_s']:,.0f} tok/s, "
+            f"{100 * r['fraction_of_gemm_peak']:.0f}% of the GEMM peak\n"
+            f"  bubble {r['bubble']['measured']:.3f} (formula {r['bubble']['formula']:.3f}); sent to other stages "
+            f"{r['p2p_bytes_per_step']['measured']:,} bytes per step on rank 0 (formula "
+            f"{r['p2p_bytes_per_step']['formula']:,})")
