@@ -171,3 +171,43 @@ def test_sigterm_at_the_last_step_completes_the_run(tmp_path):
     r = mpirun(2, "train", *TINY, "--steps", "6", "--out", out, "--resume")
     assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr
     assert json.load(open(os.path.join(out, "run.json"))) == summary  # the summary stays as it was
+
+
+def test_pipeline_sigterm_and_resume(tmp_path):
+    """--pp 2: SIGTERM after step 2 saves at a step every stage agrees on; --resume continues bitwise."""
+    args = ["--n-layer", "3", "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "2",
+            "--micro-batches", "2", "--pp", "2", "--dropout", "0.1", "--log-every", "1", "--eval-every", "1000",
+            "--eval-batches", "1", "--sample-len", "0", "--steps", "4"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert mpirun(2, "train", *args, "--out", a).returncode == 0
+    r = failing(2, "train", *args, "--out", b, failpoint="sigterm:2")
+    assert r.returncode == 0 and "SIGTERM received: saved step 2" in r.stdout, r.stderr
+    assert ck.complete_steps(os.path.join(b, "checkpoints")) == [2]
+    assert mpirun(2, "train", *args, "--out", b, "--resume").returncode == 0
+    assert losses(a) == losses(b)
+
+
+def test_exception_in_one_stage_aborts_the_job(tmp_path):
+    """Stage 1 raises in a backward pass while stage 0 waits to receive its gradient: the job ends."""
+    script = tmp_path / "stage_crash.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "from mpi_tp.core.runtime import install_abort_hook\n"
+        "from mpi_tp.model.config import GPTConfig\n"
+        "from mpi_tp.model.pipeline import PipelineStage\n"
+        "from mpi_tp.parallel.topology import Topology\n"
+        "install_abort_hook()\n"
+        "topo = Topology.create(MPI.COMM_WORLD, tp=1, pp=2, dp=1)\n"
+        "stage = PipelineStage(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=8), topo,\n"
+        "                      'float64', 0, False, '1f1b', 2)\n"
+        "if topo.pp.rank == 1:\n"
+        "    def broken(*a, **k):\n"
+        "        raise RuntimeError('boom in stage 1')\n"
+        "    stage.chunks[0].backward = broken\n"
+        "x = np.zeros((2, 4), dtype=int)\n"
+        "stage.forward_backward(x, x, slice(0, 2))\n")
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=60, env=clean_env())
+    assert r.returncode != 0
+    assert r.stderr.count("RuntimeError: boom in stage 1") == 1 and "[rank 1]" in r.stderr
