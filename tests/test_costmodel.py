@@ -1,4 +1,5 @@
 """The cost model's arithmetic against hand-computed cases, the planner's choices, and the paper check."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -107,3 +108,20 @@ def test_plan_command(tmp_path):
     cpu().save(str(m))
     r = subprocess.run(cmd[:5] + [str(m)] + cmd[6:], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_pipeline_prices_follow_the_engine():
+    """The interleaved schedule's bubble is 1/V of 1F1B's; the largest of uneven stages sets the pace;
+    uneven heads price the rank with the most."""
+    m = PRESETS["dgx-a100"]
+    w = Workload(n_layer=48, n_embd=6144, n_head=48, seq=2048, global_batch=512, vocab=51200)
+    one = step_time(m, w, Layout(tp=8, pp=4, dp=1, micro_batch=1))
+    two = step_time(m, w, Layout(tp=8, pp=4, dp=1, micro_batch=1, virtual=2))
+    assert two["bubble"] == pytest.approx(one["bubble"] / 2) and two["pp_comm"] > one["pp_comm"]
+    odd = Workload(n_layer=47, n_embd=6144, n_head=48, seq=2048, global_batch=512, vocab=51200)
+    assert step_time(m, odd, Layout(tp=8, pp=4))["compute"] == pytest.approx(
+        step_time(m, w, Layout(tp=8, pp=4))["compute"])                    # 12 blocks on the largest stage
+    gemm_only = dataclasses.replace(m, ew_rep=0.0, ew_par=0.0, ew_att=0.0, elem_rate=1.0)
+    w12 = Workload(n_layer=4, n_embd=1536, n_head=12, seq=512, global_batch=8, vocab=256)
+    at6, at8 = (step_time(gemm_only, w12, Layout(tp=t))["compute"] for t in (6, 8))
+    assert at8 > 1.05 * at6 * 6 / 8        # 12 heads on 8 ranks: some hold 2, as on 6: no gain there

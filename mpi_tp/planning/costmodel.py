@@ -92,13 +92,15 @@ class Layout:
     sp: bool = False
     zero: int = 0
     recompute: bool = False
+    virtual: int = 1             # model chunks per pipeline stage (the interleaved schedule)
 
     @property
     def ranks(self) -> int:
         return self.tp * self.pp * self.dp
 
     def describe(self) -> str:
-        extra = "".join([" +sp" if self.sp else "", " +zero1" if self.zero else "", " +recompute" if self.recompute else ""])
+        extra = "".join([f" v{self.virtual}" if self.virtual > 1 else "", " +sp" if self.sp else "",
+                         " +zero1" if self.zero else "", " +recompute" if self.recompute else ""])
         return f"tp{self.tp} pp{self.pp} dp{self.dp} b{self.micro_batch}{extra}"
 
 
@@ -129,10 +131,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     L, h, a, s, V = w.n_layer, w.n_embd, w.n_head, w.seq, w.vocab
     t, p, d, b = lay.tp, lay.pp, lay.dp, lay.micro_batch
     micro = w.global_batch / (d * b)                           # micro-batches per replica and step
-    layers = L / p                                             # layers on this pipeline stage
+    layers = math.ceil(L / p)                                  # the largest stage sets the pace
     fwd_bwd = 4 if lay.recompute else 3                        # forward counted again when recomputing
-    gemm = fwd_bwd * 2 * b * s * (12 * h * h / t) * layers     # 2 FLOPs per MAC; 12 h^2 weights per layer
-    gemm += fwd_bwd * 2 * b * s * s * h * 2 / t * layers       # QK^T and AV
+    # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t
+    att_share, mlp_share = math.ceil(a / t) / a, math.ceil(4 * h / t) / (4 * h)
+    gemm = fwd_bwd * 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers   # 2 FLOPs per MAC
+    gemm += fwd_bwd * 2 * b * s * s * h * 2 * att_share * layers                           # QK^T and AV
     gemm += 3 * 2 * b * s * h * V / t / p                      # the tied head, on one stage's share
     elem = layers * (m.ew_rep * s * b * h / (t if lay.sp else 1) + m.ew_par * s * b * h / t
                      + m.ew_att * a * s * s * b / t) * (fwd_bwd / 3)
@@ -144,8 +148,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
         pa, pbw = _link(t * p, m)
-        pp_comm = micro * 2 * (pa + n / pbw) * (p - 1) / p * 2
-        bubble = (p - 1) / micro * (compute + tp_comm)
+        v = lay.virtual                                        # V chunks: more messages, 1/V the bubble
+        # each message is 1/t of b s h (scatter/gather: all-gathered on arrival unless under sp);
+        # per step a stage sends, on average, 2 (p v - 1) / p messages per micro-batch
+        message = pa + n / t / pbw + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))
+        pp_comm = micro * 2 * (p * v - 1) / p * message
+        bubble = (p - 1) / (v * micro) * (compute + tp_comm)
     params_rank = w.params / (t * p)
     grad_bytes = params_rank * 4
     if d > 1 and hierarchical_dp:

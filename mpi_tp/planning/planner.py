@@ -45,10 +45,13 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
             for b in divisors(w.global_batch // dp):
                 if b > 16:
                     break
+                micro = w.global_batch // (dp * b)
+                chunks = [1, 2] if pp > 1 and micro % pp == 0 and w.n_layer % (2 * pp) == 0 else [1]
                 for sp in ([False, True] if tp > 1 else [False]):
                     for zero in ([0, 1] if dp > 1 else [0]):
                         for recompute in (False, True):
-                            yield Layout(tp, pp, dp, b, sp, zero, recompute)
+                            for virtual in chunks:          # the interleaved schedule where it applies
+                                yield Layout(tp, pp, dp, b, sp, zero, recompute, virtual)
 
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
@@ -137,7 +140,8 @@ def train_config(w: Workload, lay: Layout) -> dict:
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "batch_size": lay.micro_batch,
-            "micro_batches": micro_batches, "schedule": "1f1b", "sequence_parallel": lay.sp, "zero": lay.zero,
+            "micro_batches": micro_batches, "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
+            "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
             "recompute": "full" if lay.recompute else "none"}
 
 
