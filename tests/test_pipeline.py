@@ -155,3 +155,21 @@ def test_stages_send_one_tth_of_the_activation(world):
     assert snap["pp/send"]["bytes"] == STEPS * M * half * 8           # M messages a step, one way each
     assert snap["pp/send"]["calls"] == STEPS * M
     topo.free()
+
+
+def test_activations_held_follow_the_schedule(world):
+    """The bytes of activations a stage holds at its peak: one micro-batch's times min(P - s, M) under
+    1F1B, times M under GPipe; full recomputation holds less (float64, measured from the caches)."""
+    n = world.Get_size()
+    topo = Topology.create(world, tp=1, pp=n, dp=1)
+    s, M = topo.pp.rank, 4
+    peak = {}
+    for name, micro, recompute in (("1f1b", 1, "none"), ("1f1b", M, "none"), ("gpipe", M, "none"),
+                                   ("1f1b", M, "full")):
+        _, stage = pipelined(topo, n, name, micro, recompute=recompute)
+        peak[name, micro, recompute] = stage.peak_activation_bytes
+    one = peak["1f1b", 1, "none"]
+    assert peak["1f1b", M, "none"] == min(n - s, M) * one
+    assert peak["gpipe", M, "none"] == M * one
+    assert peak["1f1b", M, "full"] < peak["1f1b", M, "none"]
+    topo.free()

@@ -216,6 +216,8 @@ def add_parser(sub) -> None:
     b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
     b.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
     b.add_argument("--virtual-stages", type=int, default=1, help="with --schedule interleaved: chunks per stage")
+    b.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="with --pp: activation recomputation")
     b.add_argument("--backend", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: GPUs)")
     b.add_argument("--json", metavar="FILE", help="append one JSON line per shape to FILE")
     b.set_defaults(run=cmd_bench)
@@ -266,7 +268,8 @@ def cmd_bench(args, comm) -> int:
         if args.pp > 1:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
                                    comm.Get_size() // (args.dp * args.pp), args.pp, args.dp, args.micro_batches,
-                                   args.schedule, args.virtual_stages, args.sequence_parallel)
+                                   args.schedule, args.virtual_stages, args.sequence_parallel,
+                                   recompute=args.recompute)
             r["environment"] = env
             rank0_print(print_pipeline(r), comm=comm)
             if args.json and comm.Get_rank() == 0:

@@ -37,12 +37,12 @@ def p2p_formula(stage: int, P: int, V: int, M: int, values: int, itemsize: int) 
 
 
 def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, micro_batches, schedule,
-                       virtual=1, sequence_parallel=False, seed=0) -> dict:
+                       virtual=1, sequence_parallel=False, seed=0, recompute="none") -> dict:
     """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones)."""
     from mpi_tp.commands.bench import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     stage = PipelineStage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
-                          sequence_parallel, schedule, micro_batches, virtual)
+                          sequence_parallel, schedule, micro_batches, virtual, recompute)
     reducer = GradReducer(stage, topo.dp, overlap=False)
     opt = AdamW(stage.parameters(), lr=1e-4)
     M = micro_batches
@@ -88,6 +88,8 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
                                                       numpy.dtype(dtype).itemsize)},
     }
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
+    result["recompute"] = recompute
+    result["peak_activation_mb_per_stage"] = [b / 2**20 for b in topo.pp.comm.allgather(stage.peak_activation_bytes)]
     topo.free()
     return result
 
@@ -100,4 +102,6 @@ def print_pipeline(r: dict) -> str:
             f"{100 * r['fraction_of_gemm_peak']:.0f}% of the GEMM peak\n"
             f"  bubble {r['bubble']['measured']:.3f} (formula {r['bubble']['formula']:.3f}); sent to other stages "
             f"{r['p2p_bytes_per_step']['measured']:,} bytes per step on rank 0 (formula "
-            f"{r['p2p_bytes_per_step']['formula']:,})")
+            f"{r['p2p_bytes_per_step']['formula']:,})\n"
+            f"  activations held at the peak, per stage: "
+            f"{', '.join(f'{mb:.1f}' for mb in r['peak_activation_mb_per_stage'])} MB (recompute {r['recompute']})")

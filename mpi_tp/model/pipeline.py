@@ -165,7 +165,8 @@ class PipelineStage:
             raise ValueError(f"{n} sequences do not split into {M} equal micro-batches")
         b, step, seed = n // M, self.dropout.step, self.dropout.seed
         shape, to_wire, from_wire = self._wire(b, T)
-        losses, kept = [0.0] * M, {}
+        losses, kept, held = [0.0] * M, {}, {}
+        live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
         self.zero_grad()
 
         def mine(m):
@@ -178,7 +179,11 @@ class PipelineStage:
             if chunk.sp is not None:
                 chunk.sp.set(T)
             inp = x[mine(m)] if chunk.first else from_wire(inp)
+            nonlocal live
             out = chunk.forward(inp, y[mine(m)] if chunk.last else None)
+            held[m, v] = chunk.activation_bytes()
+            live += held[m, v]
+            self.peak_activation_bytes = max(self.peak_activation_bytes, live)
             kept[m, v] = chunk.stash_caches()
             if chunk.last:
                 losses[m] = out
@@ -186,8 +191,10 @@ class PipelineStage:
             return to_wire(out)
 
         def backward(m, v, dout):
+            nonlocal live
             chunk = self.chunks[v]
             chunk.restore_caches(kept.pop((m, v)))
+            live -= held.pop((m, v))
             dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout))
             return None if chunk.first else to_wire(dx)
 
