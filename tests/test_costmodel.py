@@ -125,3 +125,20 @@ def test_pipeline_prices_follow_the_engine():
     w12 = Workload(n_layer=4, n_embd=1536, n_head=12, seq=512, global_batch=8, vocab=256)
     at6, at8 = (step_time(gemm_only, w12, Layout(tp=t))["compute"] for t in (6, 8))
     assert at8 > 1.05 * at6 * 6 / 8        # 12 heads on 8 ranks: some hold 2, as on 6: no gain there
+
+
+def test_planner_filters_and_achieved_flops():
+    """Pins and exclusions hold in every row; each row's FLOP/s is the model's FLOPs over its time."""
+    from mpi_tp.planning.costmodel import model_flops_per_step
+    m = PRESETS["dgx-a100"]
+    w = Workload(n_layer=48, n_embd=6144, n_head=48, seq=2048, global_batch=512, vocab=51200)
+    r = plan(m, w, 4, top=50, micro_only=2, sp=(False,), zeros=(0,), recomputes=(False,))
+    assert r["ranked"] and all(x["layout"].micro_batch == 2 and not x["layout"].sp and not x["layout"].zero
+                               and not x["layout"].recompute for x in r["all"])
+    best = r["ranked"][0]
+    per_rank = model_flops_per_step(w) / best["time"]["total"] / 32
+    assert best["achieved"]["flops_per_rank"] == pytest.approx(per_rank)
+    assert best["achieved"]["fraction_of_peak"] == pytest.approx(per_rank / 312e12)
+    # 72 B s l h^2 (1 + s / 6h) + 6 B s h V, by hand for a small case
+    small = Workload(n_layer=2, n_embd=64, n_head=2, seq=32, global_batch=4, vocab=100)
+    assert model_flops_per_step(small) == 72 * 4 * 32 * 2 * 64 * 64 * (1 + 32 / 384) + 6 * 4 * 32 * 64 * 100

@@ -50,6 +50,7 @@ class Machine:
     ew_par: float = 60.0           # ... split by TP
     ew_att: float = 10.0           # ... per a s^2 b (softmax and friends), split by TP
     activations: str = "mpi_tp"    # "mpi_tp" (our count, float32) or "korthikanti" (16-bit Megatron)
+    peak_flops: float = 0.0        # the datasheet peak per rank that papers quote fractions of (0: gemm_flops)
     source: str = ""
 
     @classmethod
@@ -170,6 +171,20 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
             "dp_comm": dp_comm, "optimizer": opt, "micro_batches": micro}
 
 
+def model_flops_per_step(w: Workload) -> float:
+    """The model's FLOPs per training step, forward and backward, recomputation not counted (as papers
+    report achieved FLOP/s): 72 B s l h^2 (1 + s / (6 h)) + 6 B s h V (Narayanan et al. 2021, eq. 3
+    without its recomputed forward)."""
+    B, s, l, h, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab
+    return 72 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V
+
+
+def achieved(m: Machine, w: Workload, lay: Layout, seconds: float) -> dict:
+    """FLOP/s per rank at this step time, and its fraction of the machine's peak (as papers report)."""
+    per_rank = model_flops_per_step(w) / seconds / lay.ranks
+    return {"flops_per_rank": per_rank, "fraction_of_peak": per_rank / (m.peak_flops or m.gemm_flops)}
+
+
 def activation_bytes_per_layer(m: Machine, w: Workload, lay: Layout) -> float:
     s, b, h, a, t = w.seq, lay.micro_batch, w.n_embd, w.n_head, lay.tp
     if m.activations == "korthikanti":
@@ -205,7 +220,7 @@ def memory_per_rank(m: Machine, w: Workload, lay: Layout) -> dict:
 # peaks; each field says where its number comes from.
 PRESETS = {
     "dgx-2h": Machine(
-        name="dgx-2h", ranks_per_node=16, gemm_flops=90e12, elem_rate=115e9, mem_bw=800e9, mem_bytes=32e9,
+        name="dgx-2h", ranks_per_node=16, gemm_flops=90e12, peak_flops=125e12, elem_rate=115e9, mem_bw=800e9, mem_bytes=32e9,
         intra_alpha=10e-6, intra_bw=120e9, inter_alpha=20e-6, inter_bw=12.5e9, bytes_per_value=2,
         opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=40, ew_par=60, ew_att=10,
         activations="korthikanti",
@@ -215,7 +230,7 @@ PRESETS = {
                "assumed); Megatron-LM (arXiv 1909.08053) sustains 39 TFLOP/s per GPU end to end; "
                "elementwise rate and counts: see docs/costmodel.md (calibrated on the paper's 1-GPU point)"),
     "dgx-a100": Machine(
-        name="dgx-a100", ranks_per_node=8, gemm_flops=230e12, elem_rate=400e9, mem_bw=1.6e12, mem_bytes=80e9,
+        name="dgx-a100", ranks_per_node=8, gemm_flops=230e12, peak_flops=312e12, elem_rate=400e9, mem_bw=1.6e12, mem_bytes=80e9,
         intra_alpha=8e-6, intra_bw=230e9, inter_alpha=10e-6, inter_bw=23e9, bytes_per_value=2,
         opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=20, ew_par=30, ew_att=6,
         activations="korthikanti",
@@ -225,7 +240,7 @@ PRESETS = {
                "2104.04473) report 135-163 TFLOP/s per GPU end to end; fused kernels assumed (smaller "
                "elementwise counts than dgx-2h)"),
     "dgx-h100": Machine(
-        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
+        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, peak_flops=989e12, elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
         intra_alpha=6e-6, intra_bw=360e9, inter_alpha=8e-6, inter_bw=45e9, bytes_per_value=2,
         opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=20, ew_par=30, ew_att=6,
         activations="korthikanti",

@@ -22,7 +22,7 @@ import os
 import sys
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.planning.costmodel import Layout, Workload, machine, memory_per_rank, step_time
+from mpi_tp.planning.costmodel import Layout, Workload, achieved, machine, memory_per_rank, step_time
 
 
 def divisors(n: int) -> list[int]:
@@ -30,9 +30,10 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
-               pp_only: int | None = None):
+               pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1),
+               recomputes=(False, True)):
     """Layouts to price: tp up to the heads (and max_tp), pp dividing the layers, dp the rest
-    (tp_only / pp_only: just that size)."""
+    (tp_only / pp_only / micro_only: just that size; sp, zeros, recomputes: the settings allowed)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
@@ -45,23 +46,27 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
             for b in divisors(w.global_batch // dp):
                 if b > 16:
                     break
+                if micro_only and b != micro_only:
+                    continue
                 micro = w.global_batch // (dp * b)
                 chunks = [1, 2] if pp > 1 and micro % pp == 0 and w.n_layer % (2 * pp) == 0 else [1]
-                for sp in ([False, True] if tp > 1 else [False]):
-                    for zero in ([0, 1] if dp > 1 else [0]):
-                        for recompute in (False, True):
+                for seq in (sp if tp > 1 else (False,)):
+                    for zero in (zeros if dp > 1 else (0,)):
+                        for recompute in recomputes:
                             for virtual in chunks:          # the interleaved schedule where it applies
-                                yield Layout(tp, pp, dp, b, sp, zero, recompute, virtual)
+                                yield Layout(tp, pp, dp, b, seq, zero, recompute, virtual)
 
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
-         pp: int | None = None) -> dict:
+         pp: int | None = None, **allowed) -> dict:
+    """allowed: candidates()'s micro_only, sp, zeros, recomputes."""
     ranks = nodes * m.ranks_per_node
     rows = []
-    for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp):
+    for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed):
         mem = memory_per_rank(m, w, lay)
         t = step_time(m, w, lay)
-        rows.append({"layout": lay, "time": t, "memory": mem, "fits": mem["total"] <= m.mem_bytes})
+        rows.append({"layout": lay, "time": t, "memory": mem, "fits": mem["total"] <= m.mem_bytes,
+                     "achieved": achieved(m, w, lay, t["total"])})
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
     return {"machine": m.name, "ranks": ranks, "workload": w, "ranked": fitting[:top], "all": rows,
             "why": explain(fitting, rows, m)}
@@ -120,6 +125,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
     p.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")
     p.add_argument("--pp", type=int, default=None, help="consider only this number of pipeline stages")
+    p.add_argument("--micro-batch", type=int, default=None, help="consider only this micro-batch size")
+    p.add_argument("--no-sp", action="store_true", help="leave out sequence parallelism")
+    p.add_argument("--no-zero", action="store_true", help="leave out ZeRO-1")
+    p.add_argument("--no-recompute", action="store_true", help="leave out activation recomputation")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--emit-config", metavar="FILE", default=None,
                    help="write the best layout as a config that `mpi-tp train --config FILE` runs (on a job "
@@ -162,7 +171,9 @@ def cmd_plan(args, comm) -> int:
     m, w = collective_setup(_check, args, comm=comm)
     if comm.Get_rank():
         return 0
-    result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp)
+    result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp, micro_only=args.micro_batch,
+                  sp=(False,) if args.no_sp else (False, True), zeros=(0,) if args.no_zero else (0, 1),
+                  recomputes=(False,) if args.no_recompute else (False, True))
     if args.emit_config:
         if not result["ranked"]:
             raise UserError(f"no layout fits, so there is no config to write: {result['why']}")
@@ -172,17 +183,19 @@ def cmd_plan(args, comm) -> int:
               f"--config {args.emit_config}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"], "ranked": [
-            {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"]}
+            {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"],
+             "achieved": r["achieved"]}
             for r in result["ranked"]]}, default=float))
         return 0
     print(f"{m.name}: {args.nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model {w.params / 1e9:.2f}B "
           f"parameters (L={w.n_layer}, h={w.n_embd}, a={w.n_head}, s={w.seq}, V={w.vocab}), global batch "
           f"{w.global_batch}")
     print(f"{'#':>3} {'layout':<28} {'step s':>8} {'compute':>8} {'tp comm':>8} {'dp comm':>8} {'bubble':>8} "
-          f"{'optim':>7} {'GB/rank':>8}")
+          f"{'optim':>7} {'GB/rank':>8} {'TFLOP/s':>8} {'of peak':>7}")
     for i, r in enumerate(result["ranked"], 1):
-        t, mem = r["time"], r["memory"]
+        t, mem, a = r["time"], r["memory"], r["achieved"]
         print(f"{i:>3} {r['layout'].describe():<28} {t['total']:>8.3f} {t['compute']:>8.3f} {t['tp_comm']:>8.3f} "
-              f"{t['dp_comm']:>8.3f} {t['bubble']:>8.3f} {t['optimizer']:>7.3f} {mem['total'] / 1e9:>8.1f}")
+              f"{t['dp_comm']:>8.3f} {t['bubble']:>8.3f} {t['optimizer']:>7.3f} {mem['total'] / 1e9:>8.1f} "
+              f"{a['flops_per_rank'] / 1e12:>8.1f} {100 * a['fraction_of_peak']:>6.0f}%")
     print(result["why"])
     return 0
