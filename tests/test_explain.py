@@ -8,6 +8,7 @@ import argparse
 import re
 
 import pytest
+from mpi4py import MPI
 from test_cli import MPIEXEC, mpirun
 
 from mpi_tp.commands.explain import cmd_explain
@@ -122,11 +123,14 @@ def test_impossible_requests_are_usage_errors_on_every_rank(capsys, world):
     assert capsys.readouterr().out == ""                              # nothing printed before the check
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+# Tests that start their own MPI job: only with an mpiexec, and only in the one-rank pass.
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+one_rank_pass = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job: one-rank pass only")
+
+
+@needs_mpiexec
+@one_rank_pass
 def test_explain_command_prints_once():
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_size() > 1:
-        pytest.skip("starts its own MPI job: one-rank pass only")
     r = mpirun(2, "explain", "--layer", "mlp", timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("mlp: all ranks equal the serial layer: yes") == 1
@@ -135,11 +139,9 @@ def test_explain_command_prints_once():
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+@needs_mpiexec
+@one_rank_pass
 def test_pipeline_lesson_draws_each_schedule():
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_size() > 1:
-        pytest.skip("starts its own MPI job: one-rank pass only")
     r = mpirun(2, "explain", "--layer", "pipeline", timeout=120)
     assert r.returncode == 0, r.stderr
     for name in ("== gpipe ==", "== 1f1b ==", "== interleaved, 2 chunks per stage =="):

@@ -39,6 +39,7 @@ def serial(n_layer, rows):
 
 def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none"):
     stage = PipelineStage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual, recompute)
+    stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=False)
     opt = AdamW(stage.parameters(), lr=1e-2)
     per_replica = micro * B
@@ -47,7 +48,7 @@ def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none")
     for step in range(STEPS):
         x, y = global_batch(step, per_replica * topo.dp.size)
         losses.append(stage.forward_backward(x, y, rows, reducer, topo.dp))
-        opt.step(grad_scale=clip_coefficient(stage.grad_norm(), 1.0))
+        opt.step(grad_scale=clip_coefficient(grad_norm(stage.unique_parameters(), topo.tp, topo.pp), 1.0))
     return np.array(losses), stage
 
 
@@ -124,6 +125,8 @@ def test_checkpoints_between_pipelined_and_serial(world, tmp_path_factory):
     ck.save(root, 1, stage, opt, {"config": stage.cfg.to_dict(), "rng": ck.rng_state(stage)})
     with ck.Checkpoint(root) as c:
         for name, value in ref.items():
+            if name.endswith("attn/k/bias"):
+                continue        # exact gradient 0: its value is rounding noise (docs/tensor_parallelism.md)
             assert_close(c.read(f"model/{name}"), value, 1e-12, name, comm=world)
         assert len(c.shards) == n and sum(1 for t in c.tensors if t.startswith("model/")) == len(ref)
     if n > 1:                                   # load at the other shape: tp = n, one stage
@@ -132,6 +135,8 @@ def test_checkpoints_between_pipelined_and_serial(world, tmp_path_factory):
         with ck.Checkpoint(root) as c:
             ck.load_into(c, model)
         for p in model.parameters():
+            if p.name.endswith("attn/k/bias"):
+                continue        # as above
             assert_close(gather_full(p, other.tp.comm), ref[p.name], 1e-12, p.name, comm=world)
         other.free()
     topo.free()

@@ -25,7 +25,7 @@ from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology, split_sizes
 from mpi_tp.parallel.trace import Trace
-from mpi_tp.training.optim import AdamW, clip_coefficient
+from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
 
 def p2p_formula(stage: int, P: int, V: int, M: int, values: int, itemsize: int) -> int:
@@ -43,6 +43,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     stage = PipelineStage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)
+    stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, overlap=False)
     opt = AdamW(stage.parameters(), lr=1e-4)
     M = micro_batches
@@ -56,7 +57,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
         topo.stats.trace = trace
         t0 = time.perf_counter()
         stage.forward_backward(x, y, rows, reducer, topo.dp)
-        opt.step(grad_scale=clip_coefficient(stage.grad_norm(), 1.0))
+        opt.step(grad_scale=clip_coefficient(grad_norm(stage.unique_parameters(), topo.tp, topo.pp), 1.0))
         t = time.perf_counter() - t0
         topo.stats.trace = None
         if trace is None:

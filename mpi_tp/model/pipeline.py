@@ -19,13 +19,10 @@ table has both gradients too.
 """
 from __future__ import annotations
 
-import math
-
 import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import backend
-from mpi_tp.core.params import storages
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.collectives import Group
@@ -35,8 +32,24 @@ from mpi_tp.parallel.pipeline.stages import layer_ranges
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
 
+def micro_batch_rows(rows: slice, micro_batches: int) -> list[slice]:
+    """A replica's rows of the global batch cut into equal micro-batches, in order (the same cut
+    with a pipeline and without one, so the dropout masks, keyed by row, agree)."""
+    n = rows.stop - rows.start
+    if n % micro_batches:
+        raise ValueError(f"{n} sequences do not split into {micro_batches} equal micro-batches")
+    b = n // micro_batches
+    return [slice(rows.start + m * b, rows.start + (m + 1) * b) for m in range(micro_batches)]
+
+
 class PipelineStage:
-    """This rank's stage: `chunks` (GPT chunks, in local order) and the step that runs the schedule."""
+    """This rank's stage: `chunks` (GPT chunks, in local order) and the step that runs the schedule.
+
+    count_activations: measure the bytes of activations held for backward passes still to come
+    (peak_activation_bytes, over the last step); off by default, a walk over the caches per action.
+    """
+
+    count_activations = False
 
     def __init__(self, cfg: GPTConfig, topo: Topology, dtype="float32", seed: int = 0,
                  sequence_parallel: bool = False, schedule_name: str = "1f1b", micro_batches: int = 1,
@@ -160,30 +173,26 @@ class PipelineStage:
         schedule (the gradients are complete only then).
         """
         M, T = self.M, x.shape[1]
-        n = rows.stop - rows.start
-        if n % M:
-            raise ValueError(f"{n} sequences do not split into {M} equal micro-batches")
-        b, step, seed = n // M, self.dropout.step, self.dropout.seed
-        shape, to_wire, from_wire = self._wire(b, T)
+        parts = micro_batch_rows(rows, M)
+        step, seed = self.dropout.step, self.dropout.seed
+        shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, T)
         losses, kept, held = [0.0] * M, {}, {}
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
         self.zero_grad()
 
-        def mine(m):
-            return slice(rows.start + m * b, rows.start + (m + 1) * b)
-
         def forward(m, v, inp):
+            nonlocal live
             chunk = self.chunks[v]
             chunk.dropout.seed, chunk.dropout.step = seed, step             # the serial model's masks
-            chunk.dropout.row0 = mine(m).start
+            chunk.dropout.row0 = parts[m].start
             if chunk.sp is not None:
                 chunk.sp.set(T)
-            inp = x[mine(m)] if chunk.first else from_wire(inp)
-            nonlocal live
-            out = chunk.forward(inp, y[mine(m)] if chunk.last else None)
-            held[m, v] = chunk.activation_bytes()
-            live += held[m, v]
-            self.peak_activation_bytes = max(self.peak_activation_bytes, live)
+            inp = x[parts[m]] if chunk.first else from_wire(inp)
+            out = chunk.forward(inp, y[parts[m]] if chunk.last else None)
+            if self.count_activations:
+                held[m, v] = chunk.activation_bytes()
+                live += held[m, v]
+                self.peak_activation_bytes = max(self.peak_activation_bytes, live)
             kept[m, v] = chunk.stash_caches()
             if chunk.last:
                 losses[m] = out
@@ -194,7 +203,7 @@ class PipelineStage:
             nonlocal live
             chunk = self.chunks[v]
             chunk.restore_caches(kept.pop((m, v)))
-            live -= held.pop((m, v))
+            live -= held.pop((m, v), 0)
             dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout))
             return None if chunk.first else to_wire(dx)
 
@@ -223,15 +232,3 @@ class PipelineStage:
         for t in self.tables:
             t.weight.grad[...] = total
             t.weight.fresh = False
-
-    def grad_norm(self) -> float:
-        """The L2 norm of the whole model's gradient (every stage's, wte once), the same on every rank."""
-        xp = backend.xp()
-        sharded, replicated = [], []
-        for _, grad, members in storages(self.unique_parameters()):
-            g = grad.reshape(-1)
-            (sharded if members[0].sharded else replicated).append(float(g @ g))
-        parts = xp.asarray([math.fsum(sharded), math.fsum(replicated)], dtype="float64")
-        self.topo.tp.all_reduce(parts[:1])
-        self.topo.pp.all_reduce(parts)
-        return math.sqrt(float(parts.sum()))

@@ -32,7 +32,7 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.pipeline import PipelineStage, micro_batch_rows
 from mpi_tp.parallel.trace import Trace, span
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
@@ -63,15 +63,11 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
     batch gives the same numbers. Returns the mean loss over the global batch,
     the same on every rank (not finite if any micro-batch's is not).
     """
-    n = rows.stop - rows.start
-    if n % micro_batches:
-        raise ValueError(f"{n} sequences do not split into {micro_batches} equal micro-batches")
-    b, step = n // micro_batches, model.dropout.step
+    step = model.dropout.step
     model.zero_grad()
     total = 0.0
     trace = model.topo.stats.trace
-    for m in range(micro_batches):
-        mine = slice(rows.start + m * b, rows.start + (m + 1) * b)
+    for m, mine in enumerate(micro_batch_rows(rows, micro_batches)):
         model.dropout.step, model.dropout.row0 = step, mine.start
         with span(trace, "forward", "compute", micro=m):
             total += model.forward(x[mine], y[mine])
@@ -101,7 +97,7 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, float, str | None
     params = run.opt.params
     if armed("nan-grad", step):
         params[0].grad[...] = float("nan")
-    norm = model.grad_norm() if isinstance(model, PipelineStage) else grad_norm(params, run.topo.tp)
+    norm = grad_norm(model.unique_parameters(), run.topo.tp, run.topo.pp)   # every stage's, wte once
     if not math.isfinite(norm):
         return loss, norm, f"the gradient norm became {norm}"
     with span(run.topo.stats.trace, "optimizer", "compute", step=step):

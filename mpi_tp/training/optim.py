@@ -16,8 +16,12 @@ from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.topology import split_sizes
 
 
-def grad_norm(params: list[Param], group: Group) -> float:
-    """The L2 norm of the full model's gradient, the same on every rank."""
+def grad_norm(params: list[Param], group: Group, stages: Group | None = None) -> float:
+    """The L2 norm of the full model's gradient, the same on every rank.
+
+    params: this rank's parameters, each once (a pipeline stage's unique_parameters());
+    group: the tensor-parallel group; stages: the pipeline group, whose ranks hold
+    different parts of the model (their squares are summed too)."""
     xp = backend.xp()
     sharded, replicated = [], []
     for _, grad, members in storages(params):
@@ -25,7 +29,11 @@ def grad_norm(params: list[Param], group: Group) -> float:
         (sharded if members[0].sharded else replicated).append(float(g @ g))   # BLAS dot, no temporary
     buf = xp.asarray([math.fsum(sharded)], dtype="float64")
     group.all_reduce(buf)                                   # one scalar all-reduce per step
-    return math.sqrt(float(buf[0]) + math.fsum(replicated))
+    total = float(buf[0]) + math.fsum(replicated)
+    if stages is not None and stages.size > 1:
+        buf[0] = total
+        total = float(stages.all_reduce(buf)[0])
+    return math.sqrt(total)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
