@@ -20,7 +20,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mpi_tp.planning.costmodel import PRESETS, Layout, Machine, Workload, step_time  # noqa: E402
+from mpi_tp.planning.costmodel import Layout, Workload, step_time  # noqa: E402
+from mpi_tp.planning.machines import PRESETS, Machine  # noqa: E402
 
 SHAPES = {"a": (256, 4, 4, 128, 8), "b": (512, 8, 4, 128, 8), "c": (1024, 16, 2, 128, 4)}
 PAPER = [(1, 1536, 16, 40, 1.00), (2, 1920, 20, 54, 0.95), (4, 2304, 24, 64, 0.82), (8, 3072, 32, 72, 0.77)]
@@ -62,7 +63,8 @@ def measured_here(results=os.path.join(HERE, "results")):
     for (shape, tp, dp, mode), times in sorted(runs.items(), key=str):
         C, H, L, S, B = SHAPES[shape]
         m = machines["1rank" if tp * dp == 1 else "2ranks"]
-        pred = step_time(m, Workload(L, C, H, S, B * dp), Layout(tp=tp, dp=dp, micro_batch=B))["total"] * 1e3
+        pred = step_time(m, Workload(L, C, H, S, B * dp), Layout(tp=tp, dp=dp, micro_batch=B,
+                                                                  overlap_dp=mode != "after"))["total"] * 1e3
         meas = statistics.median(times)
         rows.append({"shape": shape, "tp": tp, "dp": dp, "dp_mode": mode, "measured_ms": meas,
                      "predicted_ms": pred, "error": (pred - meas) / meas})

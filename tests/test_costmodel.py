@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from mpi_tp.planning.costmodel import (PRESETS, Layout, Machine, Workload, memory_per_rank, ring_all_gather,
-                                       ring_all_reduce, step_time)
+from mpi_tp.planning.costmodel import Layout, Workload, ring_all_gather, ring_all_reduce, step_time
+from mpi_tp.planning.machines import PRESETS, Machine
+from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.planner import plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,3 +143,49 @@ def test_planner_filters_and_achieved_flops():
     # 72 B s l h^2 (1 + s / 6h) + 6 B s h V, by hand for a small case
     small = Workload(n_layer=2, n_embd=64, n_head=2, seq=32, global_batch=4, vocab=100)
     assert model_flops_per_step(small) == 72 * 4 * 32 * 2 * 64 * 64 * (1 + 32 / 384) + 6 * 4 * 32 * 64 * 100
+
+
+def test_narayanan_table1_layouts_and_throughput():
+    """The published rows of 76B parameters and above (Narayanan et al. 2021, Table 1; data and sources in
+    experiments/published/): the published (t, p) is among the planner's first three (t, p) pairs, the layout
+    fits in an A100's 80 GB, and the predicted teraFLOP/s per GPU is within 10% of the published figure."""
+    from published_layouts import compare, published_rows
+    rows = published_rows()
+    assert [r["name"] for r in rows] == ["1.7B", "3.6B", "7.5B", "18B", "39B", "76B", "145B", "310B", "530B", "1T"]
+    for r in rows:                                      # the table's own arithmetic: t p divides the GPUs
+        assert r["gpus"] % (r["t"] * r["p"]) == 0 and r["layers"] % r["p"] == 0
+    checked = [r for r in compare() if r["gpus"] >= 1024]
+    assert [r["name"] for r in checked] == ["76B", "145B", "310B", "530B", "1T"]
+    for r in checked:
+        assert r["rank"] is not None and r["rank"] < 3, r
+        assert r["memory_gb"] <= 80, r
+        assert abs(r["error"]) <= 0.10, r
+
+
+def test_gemm_rate_by_micro_batch_and_layer_overhead():
+    """A measured GEMM curve (slow small GEMMs) or a per-layer overhead makes bigger micro-batches pay;
+    with neither, micro-batch 1 wins under a pipeline (the smallest bubble)."""
+    from mpi_tp.planning.costmodel import gemm_rate
+    curve = cpu(gemm_curve=[[64, 2e10], [1024, 1e11]])
+    assert gemm_rate(curve, 16) == 2e10 and gemm_rate(curve, 4096) == 1e11
+    assert gemm_rate(curve, 256) == pytest.approx(2e10 + 0.5 * 8e10)            # halfway in log(rows)
+    assert gemm_rate(cpu(), 16) == 1e11
+    w = Workload(n_layer=8, n_embd=256, n_head=4, seq=64, global_batch=32)
+    best = {}
+    for name, m in (("flat", cpu()), ("curve", curve), ("overhead", cpu(layer_overhead=2e-3))):
+        r = plan(m, w, nodes=1, pp=4, micro_only=None, sp=(False,), zeros=(0,), recomputes=(False,))
+        best[name] = r["ranked"][0]["layout"].micro_batch
+    assert best["flat"] == 1 and best["curve"] > 1 and best["overhead"] > 1, best
+
+
+def test_data_parallel_overlap_hides_at_most_the_last_backward():
+    m = cpu(dp_overlap=1.0, inter_bw=1e8)                 # a slow network: the all-reduce is long
+    w = Workload(n_layer=4, n_embd=256, n_head=4, seq=64, global_batch=16)
+    after = step_time(m, w, Layout(dp=8, micro_batch=2, overlap_dp=False))
+    over = step_time(m, w, Layout(dp=8, micro_batch=2))
+    assert after["dp_hidden"] == 0 and over["dp_hidden"] > 0
+    assert over["total"] == pytest.approx(after["total"] - over["dp_hidden"])
+    backward = (over["compute"] + over["tp_comm"]) * 2 / 3                   # one micro-batch per step here
+    assert over["dp_hidden"] == pytest.approx(backward)                      # the network outlasts it
+    never = step_time(cpu(dp_overlap=0.0, inter_bw=1e8), w, Layout(dp=8, micro_batch=2))
+    assert never["dp_hidden"] == 0 and never["total"] == pytest.approx(after["total"])

@@ -4,10 +4,19 @@
 
 - GEMM rate: the matrix products of a transformer layer (q/k/v, projection, MLP;
   forward, dX and dW) at the calibration shapes, timed on every rank at once (ranks
-  share the machine as they will in a run).
-- Elementwise rate: timed training steps of those shapes at tensor-parallel size 1
-  on every rank at once; what the GEMMs and the optimizer do not explain, divided
-  by the model's count of elementwise work (a one-parameter least-squares fit).
+  share the machine as they will in a run); and the same products with 32 to 4096
+  rows (the b s tokens of a micro-batch): the GEMM curve, so that the planner
+  prices small micro-batches at the rate they really get.
+- Per-layer overhead: training steps of a tiny model (hidden 32, 8 positions) with
+  1 and 5 blocks: a quarter of the difference is what a layer costs regardless of
+  its size (the interpreter, launches).
+- Elementwise rate: timed training steps of the calibration shapes at
+  tensor-parallel size 1 on every rank at once; what the GEMMs, the per-layer
+  overhead and the optimizer do not explain, divided by the model's count of
+  elementwise work (a one-parameter least-squares fit).
+- Overlap: a data-parallel-sized Iallreduce started before a block of GEMMs,
+  tested between them (as the training loop does), against the two run apart:
+  the fraction of the shorter one hidden (dp_overlap; 0 for a one-rank job).
 - Memory bandwidth of the optimizer: a timed AdamW update of 8M parameters.
 - Collectives: all-reduce of 1 KB..16 MB over the world, fitted to the ring
   model 2(p-1) alpha + 2(p-1)/p n / bw (the same link is used for "intra" and
@@ -26,10 +35,12 @@ from mpi_tp.core.runtime import rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.planning.costmodel import Layout, Machine, Workload, step_time
+from mpi_tp.planning.costmodel import Layout, Workload, step_time
+from mpi_tp.planning.machines import Machine
 from mpi_tp.training.optim import AdamW
 
 SHAPES = [(128, 2, 2, 64, 4), (256, 4, 2, 64, 4), (256, 4, 2, 128, 4), (384, 6, 2, 128, 4)]   # C, H, L, S, B
+CURVE_ROWS = (32, 128, 512, 2048, 4096)
 
 
 # Noise on a shared machine only ever slows a run down, so the calibration keeps the fastest
@@ -49,10 +60,10 @@ def _fastest_step(model, opt, x, y, steps):
     return min(ts)
 
 
-def measure_steps(steps=5) -> list[tuple]:
+def measure_steps(steps=5, shapes=SHAPES) -> list[tuple]:
     """[(Workload, seconds per step)] on this rank, tp = 1."""
     out = []
-    for C, H, L, S, B in SHAPES:
+    for C, H, L, S, B in shapes:
         model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), Topology.serial(), dtype="float32")
         opt = AdamW(model.parameters())
         rng = numpy.random.default_rng(0)
@@ -61,26 +72,74 @@ def measure_steps(steps=5) -> list[tuple]:
     return out
 
 
+def _layer_gemms(rng, N, C):
+    """The matrix products of one layer's forward, dX and dW with N rows: [(x, w, d)], FLOPs."""
+    mats = []
+    for K, M in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):
+        mats.append((rng.standard_normal((N, K), dtype=numpy.float32), rng.standard_normal((K, M), dtype=numpy.float32),
+                     rng.standard_normal((N, M), dtype=numpy.float32)))
+    return mats, sum(3 * 2 * N * x.shape[1] * w.shape[1] for x, w, _ in mats)
+
+
+def _run(mats, between=None):
+    for x, w, d in mats:
+        x @ w, d @ w.T, x.T @ d                              # forward, dX, dW
+        if between is not None:
+            between()
+
+
+def _timed(comm, work, repeats=7) -> float:
+    """The fastest of `repeats` runs of work(), every rank at once."""
+    work()
+    ts = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t = time.perf_counter()
+        work()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
 def gemm_rate(comm, repeats=7) -> float:
     """FLOP/s of a layer's matrix products at the calibration shapes, all ranks at once (fastest)."""
     rng = numpy.random.default_rng(0)
     flops, seconds = 0.0, 0.0
     for C, H, L, S, B in SHAPES:
-        N = B * S
-        for K, M in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):
-            x = rng.standard_normal((N, K), dtype=numpy.float32)
-            w = rng.standard_normal((K, M), dtype=numpy.float32)
-            d = rng.standard_normal((N, M), dtype=numpy.float32)
-            x @ w
-            ts = []
-            for _ in range(repeats):
-                comm.Barrier()
-                t = time.perf_counter()
-                x @ w, d @ w.T, x.T @ d                      # forward, dX, dW
-                ts.append(time.perf_counter() - t)
-            flops += 3 * 2 * N * K * M
-            seconds += min(ts)
+        mats, f = _layer_gemms(rng, B * S, C)
+        flops += f
+        seconds += _timed(comm, lambda: _run(mats), repeats)
     return comm.allreduce(flops / seconds, op=MPI.MIN)
+
+
+def gemm_curve(comm, C=256, repeats=5) -> list:
+    """[[rows, FLOP/s]]: a layer's matrix products (hidden C) with CURVE_ROWS rows, all ranks at once."""
+    rng = numpy.random.default_rng(0)
+    curve = []
+    for rows in CURVE_ROWS:
+        mats, f = _layer_gemms(rng, rows, C)
+        curve.append([rows, comm.allreduce(f / _timed(comm, lambda: _run(mats), repeats), op=MPI.MIN)])
+    return curve
+
+
+def overlap_fraction(comm, n_bytes=8 * 2**20, repeats=5) -> float:
+    """How much of an Iallreduce of n_bytes a block of GEMMs hides when the request is tested
+    between them: (apart - together) / the shorter of the two, in [0, 1]; 0 for one rank."""
+    if comm.Get_size() == 1:
+        return 0.0
+    buf = numpy.ones(n_bytes // 4, dtype=numpy.float32)
+    mats, _ = _layer_gemms(numpy.random.default_rng(0), 512, 256)
+
+    def reduce():
+        comm.Iallreduce(MPI.IN_PLACE, buf).Wait()
+
+    def together():
+        req = comm.Iallreduce(MPI.IN_PLACE, buf)
+        _run(mats * 4, between=req.Test)
+        req.Wait()
+    comm_s, gemm_s = _timed(comm, reduce, repeats), _timed(comm, lambda: _run(mats * 4), repeats)
+    both = _timed(comm, together, repeats)
+    hidden = (comm_s + gemm_s - both) / min(comm_s, gemm_s)
+    return comm.allreduce(float(min(1.0, max(0.0, hidden))), op=MPI.MIN)
 
 
 def optimizer_bandwidth(n=8_000_000) -> float:
@@ -118,12 +177,22 @@ def fit_allreduce(comm) -> tuple[float, float]:
     return float(alpha), float(1 / inv_bw)
 
 
+def layer_overhead(steps=9) -> float:
+    """Seconds per layer and micro-batch that do not depend on its size: (step with 5 blocks - step
+    with 1) / 4, for a model too small for its arithmetic to count."""
+    (_, one), (_, five) = measure_steps(steps, [(32, 2, 1, 8, 1), (32, 2, 5, 8, 1)])
+    return max(0.0, (five - one) / 4)
+
+
 def calibrate(comm, name="this-machine") -> Machine:
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     per_node = local.Get_size()
     local.Free()
     mem_bw = comm.allreduce(optimizer_bandwidth(), op=MPI.MIN)
     G = gemm_rate(comm)
+    curve = gemm_curve(comm)
+    overlap = overlap_fraction(comm)
+    overhead = comm.allreduce(layer_overhead(), op=MPI.MAX)
     comm.Barrier()
     runs = measure_steps()
     times = [comm.allreduce(t, op=MPI.MAX) for _, t in runs]     # the slowest rank's, ranks run at once
@@ -134,13 +203,14 @@ def calibrate(comm, name="this-machine") -> Machine:
         lay = Layout(micro_batch=w.global_batch)
         gemm_s = step_time(replace(probe, ew_rep=0, ew_par=0, ew_att=0), w, lay)["compute"]
         elements.append(step_time(replace(probe, gemm_flops=1e30), w, lay)["compute"])      # elements (E = 1)
-        rest.append(t - gemm_s - step_time(probe, w, lay)["optimizer"])
+        rest.append(t - gemm_s - w.n_layer * overhead - step_time(probe, w, lay)["optimizer"])
     elements, rest = numpy.array(elements), numpy.array(rest)
     inv_e = float(elements @ rest / (elements @ elements))         # least squares through the origin
     alpha, bw = fit_allreduce(comm)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return Machine(
         name=name, ranks_per_node=per_node, gemm_flops=G, elem_rate=float(1 / max(inv_e, 1e-15)), mem_bw=mem_bw, mem_bytes=pages / per_node,
+        gemm_curve=curve, layer_overhead=overhead, dp_overlap=overlap,
         intra_alpha=alpha or 1e-6, intra_bw=bw or 1e10, inter_alpha=alpha or 1e-6, inter_bw=bw or 1e10,
         bytes_per_value=4, state_bytes_per_param=16, activations="mpi_tp",
         source=f"mpi-tp calibrate, {comm.Get_size()} rank(s), {time.strftime('%Y-%m-%d %H:%M')}, "
@@ -160,7 +230,9 @@ def cmd_calibrate(args, comm) -> int:
     if comm.Get_rank() == 0:
         m.save(args.out)
     rank0_print(f"wrote {args.out}: GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s and elementwise "
-                f"{m.elem_rate / 1e9:.2f} G elements/s per rank, optimizer {m.mem_bw / 1e9:.1f} GB/s, "
+                f"{m.elem_rate / 1e9:.2f} G elements/s per rank (+{m.layer_overhead * 1e6:.0f} us per layer "
+                f"and micro-batch), GEMM at {m.gemm_curve[0][0]} rows {m.gemm_curve[0][1] / 1e9:.1f} GFLOP/s, "
+                f"overlap {m.dp_overlap:.2f}, optimizer {m.mem_bw / 1e9:.1f} GB/s, "
                 f"all-reduce alpha {m.intra_alpha * 1e6:.1f} us, bw {m.intra_bw / 1e9:.2f} GB/s, "
                 f"{m.ranks_per_node} rank(s) per node", comm=comm)
     return 0

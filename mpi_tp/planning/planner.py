@@ -10,10 +10,14 @@ predicted step time. The winner is explained against the best layout with
 another tensor-parallel size.
 
 mpi_tp runs every dimension priced here (`mpi-tp train --tp --pp --dp
---micro-batches --sequence-parallel --zero 1 --recompute`), but the cost model
-does not yet price what the engine does exactly (the interleaved bubble, uneven
-stages, the micro-batch size's GEMM rate), and a plan cannot yet be written as
-a config file (--emit-config, issue 11).
+--micro-batches --schedule --virtual-stages --sequence-parallel --zero 1
+--recompute`), and `--emit-config FILE` writes the winner as a config that
+`mpi-tp train --config FILE` runs. The cost model prices what the engine does:
+the interleaved bubble, the largest of uneven stages, the rank with the most
+heads, the GEMM rate of each micro-batch size (a calibrated machine's curve),
+and the data-parallel all-reduce hidden behind the last backward pass.
+experiments/published_layouts.py checks it against Narayanan et al. 2021's
+Table 1 (tests/test_costmodel.py).
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ import os
 import sys
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.planning.costmodel import Layout, Workload, achieved, machine, memory_per_rank, step_time
+from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
+from mpi_tp.planning.machines import machine
+from mpi_tp.planning.memory import memory_per_rank
 
 
 def divisors(n: int) -> list[int]:
@@ -80,7 +86,7 @@ def explain(fitting, rows, m) -> str:
                 "use more nodes, or a machine with more memory")
     best = fitting[0]
     lay, t = best["layout"], best["time"]
-    parts = sorted(((k, v) for k, v in t.items() if k not in ("total", "micro_batches")), key=lambda kv: -kv[1])
+    parts = sorted(((k, v) for k, v in t.items() if k not in ("total", "micro_batches", "dp_hidden")), key=lambda kv: -kv[1])
     lines = [f"best: {lay.describe()}, {t['total']:.3f} s per step, {best['memory']['total'] / 1e9:.1f} GB per rank; "
              "time goes to " + ", ".join(f"{k} {v:.3f} s" for k, v in parts if v > 0)]
     where = "inside a node" if lay.tp <= m.ranks_per_node else "across nodes"

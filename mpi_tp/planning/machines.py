@@ -1,0 +1,110 @@
+"""What the cost model knows of a machine: a `Machine`'s rates, links and memory, and presets with sources.
+
+A Machine comes from a preset (`dgx-2h`, `dgx-a100`, `dgx-h100`: datasheet and
+published figures, each named in its `source`) or from `mpi-tp calibrate`
+(measured on the machine you are on, written as JSON).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from mpi_tp.core.errors import UserError
+
+
+@dataclass
+class Machine:
+    name: str
+    ranks_per_node: int            # GPUs (or CPU ranks) per node
+    gemm_flops: float              # sustained GEMM FLOP/s per rank
+    elem_rate: float               # elementwise work: activation elements processed per second per rank
+    mem_bw: float                  # bytes/s per rank for the optimizer's streaming update
+    mem_bytes: float               # memory per rank
+    intra_alpha: float             # seconds per collective step inside a node
+    intra_bw: float                # bytes/s per rank inside a node (collective bus bandwidth)
+    inter_alpha: float
+    inter_bw: float                # bytes/s per rank across nodes
+    bytes_per_value: int = 4       # activations and communication (2: fp16/bf16)
+    opt_traffic_per_param: int = 28  # bytes the optimizer reads+writes per parameter and step
+    state_bytes_per_param: int = 16  # weights + grads + optimizer moments kept per parameter
+    ew_rep: float = 40.0           # elementwise elements per s b h per layer not split by TP
+    ew_par: float = 60.0           # ... split by TP
+    ew_att: float = 10.0           # ... per a s^2 b (softmax and friends), split by TP
+    activations: str = "mpi_tp"    # "mpi_tp" (our count, float32) or "korthikanti" (16-bit Megatron)
+    peak_flops: float = 0.0        # the datasheet peak per rank that papers quote fractions of (0: gemm_flops)
+    # [[rows, FLOP/s], ...]: the GEMM rate measured with that many rows (the b s tokens of a
+    # micro-batch); when given it replaces gemm_flops, interpolated in log(rows) (empty: constant)
+    gemm_curve: list = field(default_factory=list)
+    layer_overhead: float = 0.0    # seconds per layer and micro-batch (forward + backward) not
+    #                                proportional to the work: kernel launches, the interpreter
+    dp_overlap: float = 0.0        # fraction of a concurrent data-parallel all-reduce that compute
+    #                                hides (0: none, as measured on one CPU core per rank; 1: fully)
+    source: str = ""
+
+    @classmethod
+    def load(cls, path: str) -> "Machine":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UserError(f"machine file {path!r} is not JSON ({e}): write it with `mpi-tp calibrate`") from None
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise UserError(f"machine file {path!r}: unknown keys {sorted(unknown)}")
+        m = cls(**data)
+        if not all(isinstance(pt, list) and len(pt) == 2 and min(pt) > 0 for pt in m.gemm_curve):
+            raise UserError(f"machine file {path!r}: gemm_curve must be [[rows, FLOP/s], ...] with positive "
+                            "numbers")
+        return m
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+
+
+# Presets for common nodes. Sustained rates are what real training reaches, not datasheet
+# peaks; each field says where its number comes from. dp_overlap = 1: NCCL runs the gradient
+# all-reduce on its own stream while the backward pass computes; the Megatron-LM README (2022)
+# says the data-parallel all-reduce "can almost entirely be eliminated by overlapping" it with
+# back-propagation. No GEMM curve or per-layer overhead: constant rates (see docs/costmodel.md).
+PRESETS = {
+    "dgx-2h": Machine(
+        name="dgx-2h", ranks_per_node=16, gemm_flops=90e12, peak_flops=125e12, elem_rate=115e9, mem_bw=800e9, mem_bytes=32e9,
+        intra_alpha=10e-6, intra_bw=120e9, inter_alpha=20e-6, inter_bw=12.5e9, bytes_per_value=2,
+        opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=40, ew_par=60, ew_att=10,
+        activations="korthikanti", dp_overlap=1.0,
+        source="16x V100 32 GB (SXM3, 450 W) per node, NVSwitch; V100 datasheet: 125 TFLOP/s fp16 tensor "
+               "peak, 900 GB/s HBM2, NVLink 300 GB/s bidirectional; NCCL all-reduce bus bandwidth on "
+               "NVSwitch ~120 GB/s; 8x 100 Gb/s InfiniBand per node (12.5 GB/s per GPU pair share "
+               "assumed); Megatron-LM (arXiv 1909.08053) sustains 39 TFLOP/s per GPU end to end; "
+               "elementwise rate and counts: see docs/costmodel.md (calibrated on the paper's 1-GPU point)"),
+    "dgx-a100": Machine(
+        name="dgx-a100", ranks_per_node=8, gemm_flops=230e12, peak_flops=312e12, elem_rate=400e9, mem_bw=1.6e12, mem_bytes=80e9,
+        intra_alpha=8e-6, intra_bw=230e9, inter_alpha=10e-6, inter_bw=23e9, bytes_per_value=2,
+        opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=20, ew_par=30, ew_att=6,
+        activations="korthikanti", dp_overlap=1.0,
+        source="8x A100 80 GB per node, NVSwitch (NVLink3 600 GB/s bidirectional); A100 datasheet: "
+               "312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e; NCCL all-reduce bus bandwidth ~230 GB/s in-node; "
+               "8x 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU); Narayanan et al. 2021 (arXiv "
+               "2104.04473) report 135-163 TFLOP/s per GPU end to end; fused kernels assumed (smaller "
+               "elementwise counts than dgx-2h)"),
+    "dgx-h100": Machine(
+        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, peak_flops=989e12, elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
+        intra_alpha=6e-6, intra_bw=360e9, inter_alpha=8e-6, inter_bw=45e9, bytes_per_value=2,
+        opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=20, ew_par=30, ew_att=6,
+        activations="korthikanti", dp_overlap=1.0,
+        source="8x H100 SXM 80 GB per node, NVSwitch (NVLink4 900 GB/s bidirectional); H100 datasheet: "
+               "989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NCCL all-reduce bus bandwidth ~360 GB/s in-node; "
+               "8x 400 Gb/s NDR InfiniBand per node (50 GB/s per GPU); sustained GEMM ~60% of peak"),
+}
+
+
+def machine(name_or_path: str) -> Machine:
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    try:
+        return Machine.load(name_or_path)
+    except FileNotFoundError:
+        raise UserError(f"unknown machine {name_or_path!r}: use one of {', '.join(PRESETS)} or a JSON "
+                         "file from `mpi-tp calibrate`") from None

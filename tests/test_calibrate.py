@@ -1,0 +1,50 @@
+"""`mpi-tp calibrate`: what it measures has the shape the cost model reads, and the file plans.
+
+Values depend on the machine and its load, so the tests check ranges and structure; the
+measured machines in experiments/results/machine_*.json are the values in use.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+from mpi4py import MPI
+
+from mpi_tp.planning.calibrate import CURVE_ROWS, gemm_curve, layer_overhead, overlap_fraction
+from mpi_tp.planning.machines import Machine
+
+
+@pytest.mark.mpi(min_size=1)
+def test_gemm_curve_and_overlap_on_every_rank(world):
+    curve = gemm_curve(world, repeats=2)
+    assert [r for r, _ in curve] == list(CURVE_ROWS) and all(f > 1e6 for _, f in curve)
+    assert world.allreduce(curve[0][1], op=MPI.MAX) == curve[0][1]             # the slowest rank's, on every rank
+    overlap = overlap_fraction(world, n_bytes=2**20, repeats=2)
+    assert 0.0 <= overlap <= 1.0 and world.allreduce(overlap, op=MPI.MAX) == overlap
+    if world.Get_size() == 1:
+        assert overlap == 0.0                                                # nothing to overlap with
+
+
+def test_layer_overhead_is_a_time_per_layer():
+    seconds = layer_overhead(steps=3)
+    assert 0.0 <= seconds < 0.1
+
+
+def test_calibrate_writes_a_machine_the_planner_reads(tmp_path):
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, "-m", "mpi_tp", "calibrate", "--out", str(out), "--name", "ci"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = Machine.load(str(out))
+    assert m.name == "ci" and m.ranks_per_node >= 1 and m.gemm_flops > 1e6 and m.elem_rate > 0
+    assert [rows for rows, _ in m.gemm_curve] == list(CURVE_ROWS) and m.layer_overhead >= 0 and m.dp_overlap == 0.0
+    plan = subprocess.run([sys.executable, "-m", "mpi_tp", "plan", "--machine", str(out), "--layers", "4",
+                           "--hidden", "64", "--heads", "4", "--seq", "32", "--global-batch", "8", "--vocab", "256",
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["ranked"]
+    data = json.loads(out.read_text())
+    data["gemm_curve"] = [[128, -1.0]]
+    out.write_text(json.dumps(data))
+    bad = subprocess.run(plan.args, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "gemm_curve" in bad.stderr and "Traceback" not in bad.stderr
