@@ -269,7 +269,7 @@ def cmd_bench(args, comm) -> int:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
                                    comm.Get_size() // (args.dp * args.pp), args.pp, args.dp, args.micro_batches,
                                    args.schedule, args.virtual_stages, args.sequence_parallel,
-                                   recompute=args.recompute)
+                                   recompute=args.recompute, overlap_dp=True)
             r["environment"] = env
             rank0_print(print_pipeline(r), comm=comm)
             if args.json and comm.Get_rank() == 0:

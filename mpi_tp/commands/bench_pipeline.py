@@ -37,14 +37,16 @@ def p2p_formula(stage: int, P: int, V: int, M: int, values: int, itemsize: int) 
 
 
 def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, micro_batches, schedule,
-                       virtual=1, sequence_parallel=False, seed=0, recompute="none") -> dict:
-    """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones)."""
+                       virtual=1, sequence_parallel=False, seed=0, recompute="none", overlap_dp=False) -> dict:
+    """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones).
+    overlap_dp: start the data-parallel all-reduces during each chunk's last backward (default:
+    after the schedule)."""
     from mpi_tp.commands.bench import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     stage = PipelineStage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)
     stage.count_activations = True
-    reducer = GradReducer(stage, topo.dp, overlap=False)
+    reducer = GradReducer(stage, topo.dp, overlap=overlap_dp)
     opt = AdamW(stage.parameters(), lr=1e-4)
     M = micro_batches
     rng = numpy.random.default_rng(seed)
@@ -90,6 +92,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     }
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
     result["recompute"] = recompute
+    result["dp_overlapped"] = bool(overlap_dp and dp > 1)       # the DP all-reduces ran during the schedule
     result["peak_activation_mb_per_stage"] = [b / 2**20 for b in topo.pp.comm.allgather(stage.peak_activation_bytes)]
     topo.free()
     return result

@@ -182,7 +182,9 @@ class GPT(Module):
         for the first chunk.
 
         reducer: a data_parallel.GradReducer, told when each block's gradients are
-        final (so it can start their all-reduce) and finished at the end.
+        final (so it can start their all-reduce) and finished at the end; a pipeline
+        chunk gets the view GradReducer.chunk(offset) instead, which numbers the
+        blocks within the stage and leaves finishing to the stage.
         """
         replicated = ([*self.ln_f.parameters()] if self.last else []) + ([self.wpe] if self.first else [])
         with sum_replicated_grads(replicated, self.sp):

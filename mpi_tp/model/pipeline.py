@@ -12,10 +12,18 @@ engine) runs the schedule; this class supplies what runs at each action:
 a micro-batch's forward through a chunk (with that micro-batch's dropout masks,
 its forward caches set aside until its backward) and its backward.
 
+Data parallelism (a data_parallel.GradReducer over the stage): a chunk's
+block gradients are final after the chunk's last backward in the stage's
+action list; during that backward each block is reported to the reducer, which
+starts the all-reduce of every bucket whose blocks are all done, so it runs
+behind the rest of the schedule. The buckets not owned by blocks (embeddings,
+ln_f, the copies of `wte`) are reduced after the schedule (`finish`), and so is
+everything with overlap off or hierarchical all-reduce.
+
 After the schedule the two copies of `wte` (first and last chunk) get the sum
 of their gradients, over the stages that hold them (Megatron's embedding
 group), so both make the same update and stay equal: the serial model's one
-table has both gradients too.
+table has both gradients too (after the data-parallel average: the two commute).
 """
 from __future__ import annotations
 
@@ -62,6 +70,7 @@ class PipelineStage:
                            recompute=recompute)
                        for v, r in enumerate(layer_ranges(cfg.n_layer, P, V)[s])]
         self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
+        self.block_offsets = [sum(len(c.h) for c in self.chunks[:v]) for v in range(V)]   # chunk v's in h
         self.dtype = self.chunks[0].dtype
         self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, V)[s], V)
         self.tables = [c.wte for c in self.chunks if c.first or c.last]   # copies of wte on this rank
@@ -169,8 +178,9 @@ class PipelineStage:
         """The global batch's mean loss (the same on every rank), its gradient in every Param.grad.
 
         x, y: the global batch; this replica takes `rows`, in M micro-batches of equal size.
-        reducer: a data_parallel.GradReducer over this stage's parameters, finished after the
-        schedule (the gradients are complete only then).
+        reducer: a data_parallel.GradReducer over this stage's parameters: told of each chunk's
+        blocks during the chunk's last backward (their gradients are final then), finished after the
+        schedule (the rest are complete only then).
         """
         M, T = self.M, x.shape[1]
         parts = micro_batch_rows(rows, M)
@@ -178,6 +188,7 @@ class PipelineStage:
         shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, T)
         losses, kept, held = [0.0] * M, {}, {}
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
+        final = {a.chunk: a.micro for a in self.engine.actions if a.kind == "B"}   # each chunk's last backward
         self.zero_grad()
 
         def forward(m, v, inp):
@@ -204,7 +215,8 @@ class PipelineStage:
             chunk = self.chunks[v]
             chunk.restore_caches(kept.pop((m, v)))
             live -= held.pop((m, v), 0)
-            dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout))
+            hook = reducer.chunk(self.block_offsets[v]) if reducer is not None and m == final[v] else None
+            dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout), reducer=hook)
             return None if chunk.first else to_wire(dx)
 
         self.engine.run(forward, backward, shape, self.dtype)

@@ -7,10 +7,15 @@ global batch; the mean of their gradients is the gradient of the global batch.
 The gradients live in a few contiguous buckets (every parameter's gradient is a
 view into one), so that a bucket is one `Iallreduce` with no packing. Buckets
 are cut at block boundaries, last block first: as soon as the backward pass has
-finished the blocks of a bucket, its all-reduce starts, and it proceeds while
-the earlier blocks compute (Megatron's and PyTorch DDP's overlap). The
-embedding tables and the final LayerNorm, whose gradients are final only when
-the backward pass ends, form the last bucket.
+finished every block of a bucket (`block_done`), its all-reduce starts, and it
+proceeds while the earlier blocks compute (Megatron's and PyTorch DDP's
+overlap). The embedding tables and the final LayerNorm, whose gradients are
+final only when the backward pass ends, form the last bucket, started by
+`finish`. With gradient accumulation only the last micro-batch's backward
+reports its blocks. A pipeline stage (mpi_tp.model.pipeline) reports each of
+its chunks' blocks during that chunk's last backward, through `chunk(offset)`,
+and finishes after the schedule: a bucket's all-reduce proceeds while the rest
+of the schedule runs (the chunk's earlier blocks, the stage's other chunks).
 
 Without a spare core, MPI progresses a non-blocking collective only when the
 process calls into MPI; `block_done` therefore also tests the outstanding
@@ -34,6 +39,8 @@ class GradReducer:
         self.group, self.overlap = group, overlap and not hierarchical
         self.hierarchical = HierarchicalAllReduce(group) if hierarchical and group.size > 1 else None
         self.buckets = []          # [(flat grad buffer, index of the block that completes it or None)]
+        self._blocks = []          # per bucket: the indices of the blocks it holds (empty: not blocks')
+        self._done, self._started = set(), set()            # this step's finished blocks, started buckets
         self._pending = []
         if group.size == 1:
             return
@@ -52,13 +59,13 @@ class GradReducer:
                     size += store[0].nbytes
             if size >= limit or i == 0:
                 if current:
-                    self._make_bucket(current, i)
+                    self._make_bucket(current, i, {owner[id(store[0])] for store in current})
                 current, size = [], 0
         rest = [s for s in stores if id(s[0]) not in owner]
         if rest:
-            self._make_bucket(rest, None)
+            self._make_bucket(rest, None, set())
 
-    def _make_bucket(self, stores, ready_after) -> None:
+    def _make_bucket(self, stores, ready_after, blocks: set) -> None:
         """One flat gradient buffer for these storages; their Params' grads become views into it."""
         xp = backend.xp()
         n = sum(base.size for base, _, _ in stores)
@@ -71,16 +78,25 @@ class GradReducer:
                 p.grad_base, p.grad = view, view[p.view]
             at += base.size
         self.buckets.append((flat, ready_after))
+        self._blocks.append(frozenset(blocks))
 
     def block_done(self, i: int) -> None:
-        """Called by the backward pass after block i: start the buckets it completes."""
+        """Called by the backward pass once block i's gradients are final: start the buckets whose
+        blocks are all done now (in bucket order, the same on every replica)."""
         if not self.overlap:
             return
-        for flat, ready_after in self.buckets:
-            if ready_after == i:
+        self._done.add(i)
+        for k, (flat, _) in enumerate(self.buckets):
+            if k not in self._started and self._blocks[k] and self._blocks[k] <= self._done:
+                self._started.add(k)
                 self._pending.append((self.group.iall_reduce(flat), flat))
         for pending, _ in self._pending:
             pending.test()                                  # drive MPI's progress engine
+
+    def chunk(self, offset: int) -> "ChunkReducer":
+        """What one pipeline chunk's GPT.backward takes as its reducer: its block i is block
+        offset + i of the model given here (the stage); finishing is left to the stage."""
+        return ChunkReducer(self, offset)
 
     def finish(self) -> None:
         """After the backward pass: reduce what is left, wait for everything, divide by D."""
@@ -91,11 +107,23 @@ class GradReducer:
                 self.hierarchical.all_reduce(flat)
                 flat *= 1.0 / self.group.size
             return
-        started = {id(flat) for _, flat in self._pending}
-        for flat, _ in self.buckets:
-            if id(flat) not in started:
+        for k, (flat, _) in enumerate(self.buckets):
+            if k not in self._started:
                 self._pending.append((self.group.iall_reduce(flat), flat))
         for pending, flat in self._pending:
             pending.wait()
             flat *= 1.0 / self.group.size
-        self._pending = []
+        self._pending, self._done, self._started = [], set(), set()
+
+
+class ChunkReducer:
+    """GradReducer.chunk(offset): block_done(i) reports block offset + i; finish() does nothing."""
+
+    def __init__(self, reducer: GradReducer, offset: int):
+        self.reducer, self.offset = reducer, offset
+
+    def block_done(self, i: int) -> None:
+        self.reducer.block_done(self.offset + i)
+
+    def finish(self) -> None:
+        """Nothing: the pipeline stage calls GradReducer.finish() after the schedule."""
