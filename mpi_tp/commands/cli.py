@@ -4,6 +4,7 @@
     mpi-tp train --help                                 every option, with its default
     mpiexec -n 2 mpi-tp eval --checkpoint C --data F    loss of a saved model on a text file
     mpiexec -n 2 mpi-tp generate --checkpoint C         sample text from a saved model
+    mpiexec -n 2 mpi-tp serve --checkpoint C            an HTTP completions API (OpenAI-style)
     mpi-tp inspect C / mpi-tp export C OUT.h5           look into / flatten a checkpoint
     mpiexec -n 2 mpi-tp bench --shape c                 timed steps against the machine's limits
     mpi-tp plan --machine dgx-a100 --nodes 4 ...        rank layouts with the cost model
@@ -57,6 +58,8 @@ def build_parser() -> Parser:
     t.set_defaults(run=_train)
     from mpi_tp.commands.tools import add_parsers
     add_parsers(sub)
+    from mpi_tp.commands.serve import add_parser as add_serve
+    add_serve(sub)
     from mpi_tp.commands.bench import add_parser as add_bench
     add_bench(sub)
     from mpi_tp.planning.planner import add_parser as add_plan

@@ -1,7 +1,7 @@
 """Commands on saved checkpoints: eval, generate (at any world size), inspect and export.
 
     mpiexec -n 2 mpi-tp eval --checkpoint runs/X/checkpoints --data notes.txt [--json]
-    mpiexec -n 2 mpi-tp generate --checkpoint runs/X/checkpoints --prompt "The "
+    mpiexec -n 2 mpi-tp generate --checkpoint runs/X/checkpoints --prompt "The " [--prompt "Once" ...]
     mpi-tp inspect runs/X/checkpoints           # layout, tensors, full integrity check
     mpi-tp export runs/X/checkpoints model.h5   # one self-contained file of full tensors (.h5 or .npz)
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import h5py
 import numpy
@@ -19,7 +20,8 @@ import numpy
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
-from mpi_tp.inference.sampling import printable, sample
+from mpi_tp.inference.generate import Request, generate
+from mpi_tp.inference.sampling import printable
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
@@ -91,10 +93,19 @@ def cmd_eval(args, comm) -> int:
 
 
 def cmd_generate(args, comm) -> int:
+    """Every prompt continued, in one batch, with a KV cache (mpi_tp.inference.generate); a prompt
+    longer than block_size keeps its last block_size bytes (said on stderr)."""
     model, ck = load_model(args.checkpoint, comm, args.dtype)
-    text = sample(model, args.prompt.encode(), args.max_new_tokens, args.temperature,
-                  args.top_k or None, args.seed)
-    rank0_print(printable(text), comm=comm)
+    S = model.cfg.block_size
+    prompts = [p.encode() for p in (args.prompt or ["The "])]
+    if any(len(p) > S for p in prompts):
+        rank0_print(f"generate: prompts longer than block_size = {S} bytes keep their last {S}", comm=comm,
+                    file=sys.stderr)
+    requests = [Request(p[-S:], args.max_new_tokens, 0.0 if args.greedy else args.temperature, args.top_k,
+                        args.top_p, args.seed + i) for i, p in enumerate(prompts)]
+    collective_setup(lambda: [r.check(S) for r in requests], comm=comm)
+    for r, new in zip(requests, generate(model, requests)):
+        rank0_print(printable(r.prompt + new), comm=comm)
     return 0
 
 
@@ -166,11 +177,15 @@ def add_parsers(sub) -> None:
     e.set_defaults(run=cmd_eval)
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
-    g.add_argument("--prompt", default="The ", help="text to continue (default 'The ')")
+    g.add_argument("--prompt", action="append", help="text to continue (default 'The '); repeat it for a "
+                   "batch of prompts, generated together")
     g.add_argument("--max-new-tokens", type=_positive, default=200, help="bytes to generate (default 200)")
     g.add_argument("--temperature", type=_positive_float, default=0.8, help="sampling temperature (default 0.8)")
+    g.add_argument("--greedy", action="store_true", help="always the likeliest byte (the same as --top-k 1)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes (0: all)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest bytes whose probability "
+                   "reaches p (default 1: all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (the i-th: seed + i)")
     g.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
     g.set_defaults(run=cmd_generate)
     i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")

@@ -1,13 +1,18 @@
-"""Sampling text from a (tensor-parallel) model, byte by byte.
+"""Sampling text from any model without a cache: the reference, byte by byte.
 
-Every rank of the group runs the same forward passes. Only the last position's
-logits are gathered (V values per step, not B*T*V), and rank 0's choice of the
-next byte is broadcast, so every rank extends the same context.
+Each new byte costs a forward pass over the whole context (cropped to
+block_size), so it works with every layout (sequence parallelism, pipeline
+stages: anything with last_logits) and is what training samples with at its
+end; `mpi-tp generate` and `mpi-tp serve` use the cached decoder instead
+(mpi_tp.inference.generate), which tests/test_decode.py checks against this
+full forward pass. Every rank of the group runs the same forward passes. Only
+the last position's logits are gathered (V values per step, not B*T*V), and
+rank 0's choice of the next byte is broadcast, so every rank extends the same
+context.
 """
 from __future__ import annotations
 
 import numpy
-
 
 
 def sample(model, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int | None = None,

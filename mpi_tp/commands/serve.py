@@ -1,0 +1,55 @@
+"""`mpi-tp serve`: a saved model behind an OpenAI-style HTTP API, tensor-parallel over every rank.
+
+    mpiexec -n 2 mpi-tp serve --checkpoint runs/X/checkpoints --port 8000
+    curl -s localhost:8000/v1/completions -d '{"prompt": "The ", "max_tokens": 32, "temperature": 0}'
+
+The model loads at tensor-parallel size = world size (as eval and generate do);
+rank 0 answers HTTP and every rank computes (mpi_tp.inference.server).
+SIGTERM or Ctrl-C stops it cleanly: the batch in flight is finished, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from mpi_tp.commands.tools import load_model
+from mpi_tp.inference.server import Stop, serve
+
+
+def _integer(low: int, high: int):
+    def parse(value: str) -> int:
+        n = int(value)
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {n}")
+        return n
+    return parse
+
+
+def _milliseconds(value: str) -> float:
+    x = float(value)
+    if not 0 <= x <= 60_000:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 60000 ms, got {value}")
+    return x
+
+
+def cmd_serve(args, comm) -> int:
+    stop = Stop().install()          # before the (slow) load: a Ctrl-C then still ends the job cleanly
+    model, _ = load_model(args.checkpoint, comm, args.dtype)
+    return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
+                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop)
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-style /v1/completions)",
+                       description="Serve a saved model over HTTP at tensor-parallel size = world size: "
+                                   "mpiexec -n T mpi-tp serve --checkpoint C. Rank 0 answers POST "
+                                   "/v1/completions, GET /v1/models and GET /health; every rank computes. "
+                                   "SIGTERM or Ctrl-C finishes the batch in flight and exits 0.")
+    s.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    s.add_argument("--port", type=_integer(0, 65535), default=8000, help="TCP port (default 8000; 0: any free port, printed)")
+    s.add_argument("--max-batch", type=_integer(1, 1024), default=8, help="requests generated together (default 8)")
+    s.add_argument("--batch-wait-ms", type=_milliseconds, default=20.0,
+                   help="after a first request, wait this long for more to batch with it (default 20)")
+    s.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    s.set_defaults(run=cmd_serve)

@@ -1,0 +1,118 @@
+"""Cached decoding against the full forward pass, and batched generation against the serial model.
+
+float64, a tiny model whose 5 heads and 37-byte vocabulary split unevenly at 2, 3 and 4 ranks.
+"""
+import numpy
+import pytest
+
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.testing import all_true
+from mpi_tp.inference.decode import Decoder, window
+from mpi_tp.inference.generate import Request, choose, generate
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.topology import Topology
+
+pytestmark = pytest.mark.mpi(min_size=1)
+CFG = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=5, n_embd=20)
+
+
+def models(world, seed=3):
+    serial = GPT(CFG, Topology.serial(), dtype="float64", seed=seed).eval()
+    topo = Topology.create(world, tp=world.Get_size())
+    return serial, GPT(CFG, topo, dtype="float64", seed=seed).eval(), topo
+
+
+def full_last(model, row) -> numpy.ndarray:
+    """The reference: the whole context through the model, the last position's logits (V,)."""
+    return model.full_logits(numpy.array([row[-CFG.block_size:]]))[0, -1]
+
+
+def test_cached_logits_equal_the_full_context_at_every_position(world):
+    """Every step's logits equal the full forward pass of what the decoder attends to: the whole row
+    while it fits, then its window (the last block_size / 2 bytes, growing back to block_size)."""
+    serial, model, topo = models(world)
+    rng = numpy.random.default_rng(0)
+    histories = [list(rng.integers(0, 37, n)) for n in (5, 1, 3)]          # left padding: 0, 4 and 2 columns
+    windows = [list(h) for h in histories]
+    dec = Decoder(model, len(windows))
+    logits = dec.prefill(windows)
+    worst, slides = 0.0, 0
+    for step in range(2 * CFG.block_size):
+        for b, seen in enumerate(windows):
+            worst = max(worst, float(numpy.abs(logits[b] - full_last(serial, seen)).max()))
+        nxt = rng.integers(0, 37, len(windows))
+        for history, i in zip(histories, nxt):
+            history.append(int(i))
+        windows = [h[-window(len(h), CFG.block_size):] for h in histories]
+        slides += any(len(w) < len(h) and len(w) == CFG.block_size // 2 for w, h in zip(windows, histories))
+        logits = dec.step(nxt)
+    assert slides >= 2 and dec.cache.length <= CFG.block_size
+    assert all_true(worst < 1e-10, world), worst
+    topo.free()
+
+
+def test_window_depends_on_the_row_alone():
+    assert [window(n, 8) for n in range(1, 20)] == [1, 2, 3, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4]
+
+
+def test_text_is_the_serial_models_at_every_size(world):
+    """Greedy, and sampled with a fixed seed: the same bytes at every tensor-parallel size."""
+    serial, model, topo = models(world, seed=5)
+    reqs = [Request(bytes([1, 2, 3]), max_tokens=20, temperature=0), Request(bytes([7]), max_tokens=9, top_k=1),
+            Request(bytes([2, 9]), max_tokens=16, temperature=0.9, top_p=0.9, seed=11)]
+    want = generate(serial, reqs)
+    got = generate(model, reqs)
+    assert all_true(got == want, world), (got, want)
+    assert [len(g) for g in got] == [20, 9, 16]
+    topo.free()
+
+
+def test_batched_generation_equals_each_alone(world):
+    _, model, topo = models(world, seed=6)
+    reqs = [Request(bytes([4, 5, 6, 7, 8]), max_tokens=15, temperature=1.0, seed=1),
+            Request(bytes([9]), max_tokens=6, temperature=0.7, top_k=5, seed=2),
+            Request(bytes([1, 1]), max_tokens=20, temperature=1.3, top_p=0.8, seed=3, stop=bytes([0]))]
+    alone = [generate(model, [r])[0] for r in reqs]
+    together = generate(model, reqs)
+    assert all_true(together == alone, world), (together, alone)
+    assert len(together[1]) == 6 and (len(together[2]) == 20 or together[2].endswith(bytes([0])))
+    streamed = {}
+    generate(model, reqs, on_token=lambda i, b: streamed.setdefault(i, bytearray()).append(b))
+    assert all_true([bytes(streamed[i]) for i in range(3)] == together, world)
+    topo.free()
+
+
+def test_sampling_rules():
+    logits = numpy.log(numpy.array([0.5, 0.3, 0.15, 0.05]))
+    rng = numpy.random.default_rng(0)
+    assert choose(logits, Request(b"x", temperature=0), rng) == 0
+    top2 = {choose(logits, Request(b"x", temperature=1.0, top_k=2), rng) for _ in range(200)}
+    assert top2 == {0, 1}
+    nucleus = {choose(logits, Request(b"x", temperature=1.0, top_p=0.75), rng) for _ in range(200)}
+    assert nucleus == {0, 1}                                  # 0.5 + 0.3 reaches 0.75: the smallest such set
+    assert {choose(logits, Request(b"x", temperature=1.0, top_p=0.5), rng) for _ in range(50)} == {0}
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(prompt=b""), "prompt must hold 1 to 12 bytes"),
+    (dict(prompt=bytes(13)), "prompt must hold 1 to 12 bytes"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(temperature="hot"), "temperature must be a number"),
+    (dict(seed=-1), "seed must be a non-negative integer"),
+    (dict(max_tokens=True), "max_tokens"),
+])
+def test_bad_requests_say_what_is_wrong(bad, says):
+    req = Request(**{"prompt": b"ab", **bad})
+    with pytest.raises(UserError, match=says):
+        req.check(CFG.block_size)
+
+
+def test_decoder_refuses_sequence_parallel_models(world):
+    topo = Topology.create(world, tp=world.Get_size())
+    with pytest.raises(UserError, match="plain tensor parallelism"):
+        Decoder(GPT(CFG, topo, dtype="float64", sequence_parallel=True), 1)
+    topo.free()
