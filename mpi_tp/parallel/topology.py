@@ -72,6 +72,10 @@ class Topology:
     world: every rank of the job.  tp: this rank's tensor-parallel group.
     pp: its pipeline group (the stages of one model replica; size 1 without a pipeline).
     dp: its data-parallel group (size 1 until data parallelism is used).
+    ep: its expert-parallel group: ep consecutive members of dp, among which the experts of a
+        mixture-of-experts layer are split (tokens travel between them by all-to-all).
+    edp: its expert-data-parallel group: the members of dp holding the same experts (dp / ep
+        of them), over which those experts' gradients are averaged; dp itself when ep = 1.
     stats: the collective counters shared by all groups.
     """
 
@@ -79,12 +83,18 @@ class Topology:
     tp: Group
     pp: Group
     dp: Group
+    ep: Group
+    edp: Group
     stats: CommStats
 
     @classmethod
-    def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1) -> "Topology":
+    def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1,
+               ep: int = 1) -> "Topology":
         """world = dp x pp x tp ranks: tensor-parallel groups are consecutive ranks (inside a node),
-        pipeline stages come next, data-parallel replicas outermost (Narayanan et al.'s PTD-P order)."""
+        pipeline stages come next, data-parallel replicas outermost (Narayanan et al.'s PTD-P order).
+        ep (dividing dp): the data-parallel group is cut into expert-parallel groups of ep
+        consecutive members (Megatron's and DeepSpeed's placement: experts split where the
+        dense model is replicated)."""
         comm = MPI.COMM_WORLD if comm is None else comm
         n = comm.Get_size()
         if tp is None:
@@ -96,6 +106,9 @@ class Topology:
                 f"layout tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} ranks but the job has {n}; "
                 f"launch with mpiexec -n {tp * pp * dp} or change --tp/--pp/--dp"
             )
+        if ep < 1 or dp % ep:
+            raise TopologyError(f"expert parallelism ep={ep} must divide the data-parallel size dp={dp}: "
+                                "experts are split among replicas of the dense model")
         stats = CommStats()
         # Rank order is kept (reorder=False) so that tp groups are consecutive world ranks.
         cart = comm.Create_cart(dims=[dp, pp, tp], periods=[False, False, False], reorder=False)
@@ -103,8 +116,12 @@ class Topology:
         pp_comm = cart.Sub([False, True, False])
         dp_comm = cart.Sub([True, False, False])
         cart.Free()
+        r = dp_comm.Get_rank()
+        ep_comm = dp_comm.Split(r // ep, key=r)
+        edp_comm = dp_comm.Split(r % ep, key=r)
         return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats),
-                   dp=Group(dp_comm, "dp", stats), stats=stats)
+                   dp=Group(dp_comm, "dp", stats), stats=stats, ep=Group(ep_comm, "ep", stats),
+                   edp=Group(edp_comm, "edp", stats))
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -112,8 +129,11 @@ class Topology:
         return cls.create(MPI.COMM_SELF, tp=1, dp=1)
 
     def describe(self) -> dict:
-        return {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
+        out = {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
+        if self.ep.size > 1:
+            out["ep"] = self.ep.size
+        return out
 
     def free(self) -> None:
-        for g in (self.tp, self.pp, self.dp):
+        for g in (self.tp, self.pp, self.dp, self.ep, self.edp):
             g.comm.Free()
