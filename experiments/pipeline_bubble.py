@@ -1,16 +1,25 @@
 """The pipeline bubble against the number of micro-batches, measured from traced steps, beside the formula.
 
     mpiexec -n 2 python -m mpi4py experiments/pipeline_bubble.py      # P = 2: results/pipeline_bubble.jsonl + plot
+    mpiexec -n 4 python -m mpi4py experiments/pipeline_bubble.py --n-layer 8 \
+        --results experiments/results/pipeline_bubble_P4.jsonl --figure docs/figures/pipeline_bubble_P4.png
 
 For M = 1, 2, 4, 8, 16 micro-batches of one sequence (C 256, 4 heads, 4 blocks,
 S 128, float32) and the schedules GPipe, 1F1B and interleaved (2 chunks per
 stage, M a multiple of P), runs `mpi-tp bench --pp`'s measurement
 (commands.bench_pipeline.run_pipeline_shape: 3 timed steps after 1 warm-up,
 the median bubble) and draws measured against (P - 1) / (V M), stamped with the
-machine and the command. Needs matplotlib (the `experiments` extra).
+machine and the command. With more ranks than cores the title and the stamp
+say so ("4 ranks on 2 cores (oversubscribed)"): the stages then share cores,
+which the formula does not know about. --n-layer 8 gives P = 4 two blocks per
+stage (the interleaved schedule needs a block per chunk). Needs matplotlib (the
+`experiments` extra).
 """
+import argparse
 import json
 import os
+import sys
+import textwrap
 import time
 
 from mpi4py import MPI
@@ -24,22 +33,33 @@ FIGURE = os.path.join(HERE, "..", "docs", "figures", "pipeline_bubble.png")
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n-layer", type=int, default=4, help="transformer blocks (default 4)")
+    ap.add_argument("--results", default=RESULTS, help="JSON lines written here (default results/pipeline_bubble.jsonl)")
+    ap.add_argument("--figure", default=FIGURE, help="the plot (default docs/figures/pipeline_bubble.png)")
+    args = ap.parse_args()
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
+    cores = os.cpu_count()
+    crowded = f"{P} ranks on {cores} cores (oversubscribed)" if P > cores else ""
     rows = []
     for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         for M in (1, 2, 4, 8, 16):
             if name == "interleaved" and M % P:
                 continue
-            r = run_pipeline_shape(comm, 256, 4, 4, 128, 1, 3, 1, "float32", 1, P, 1, M, name, V)
+            load0 = os.getloadavg()
+            r = run_pipeline_shape(comm, 256, 4, args.n_layer, 128, 1, 3, 1, "float32", 1, P, 1, M, name, V)
             r["environment"] = environment(comm)
+            r["loadavg_start"], r["loadavg_end"] = list(load0), list(os.getloadavg())
+            if crowded:
+                r["oversubscribed"] = crowded
             rows.append(r)
             if comm.Get_rank() == 0:
                 print(f"{name} M={M}: bubble {r['bubble']['measured']:.3f} (formula {r['bubble']['formula']:.3f}), "
                       f"step {r['step_ms']['median']:.0f} ms", flush=True)
     if comm.Get_rank():
         return
-    with open(RESULTS, "w") as f:
+    with open(args.results, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     import matplotlib
@@ -55,16 +75,18 @@ def main():
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per step, M")
     ax.set_ylabel("bubble: idle time / busiest stage's work")
-    ax.set_title(f"Pipeline bubble, P = {P} stages, C 256, 4 blocks, S 128, one sequence per micro-batch",
-                 fontsize=9)
+    ax.set_title(f"Pipeline bubble, P = {P} stages, C 256, {args.n_layer} blocks, S 128, one sequence per micro-batch"
+                 + (f"\n{crowded}" if crowded else ""), fontsize=9)
     ax.legend(fontsize=7)
     e = rows[0]["environment"]
+    command = textwrap.wrap(f"mpiexec -n {P} python -m mpi4py experiments/pipeline_bubble.py {' '.join(sys.argv[1:])}",
+                            150, break_on_hyphens=False)
     fig.text(0.01, 0.01, f"{e['cpu']}, {e['cores']} cores, {' '.join(e['mpi'].replace('Version:', '').split())}, "
-             f"{time.strftime('%Y-%m-%d')}; mpiexec -n {P} python -m mpi4py experiments/pipeline_bubble.py",
+             f"{time.strftime('%Y-%m-%d')}{'; ' + crowded if crowded else ''}\n" + "\n".join(command),
              fontsize=6, color="#555555")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(FIGURE, dpi=110)
-    print(f"wrote {RESULTS} and {FIGURE}")
+    fig.tight_layout(rect=(0, 0.035 + 0.025 * len(command), 1, 1))
+    fig.savefig(args.figure, dpi=110)
+    print(f"wrote {args.results} and {args.figure}")
 
 
 if __name__ == "__main__":
