@@ -116,12 +116,15 @@ class Topology:
         pp_comm = cart.Sub([False, True, False])
         dp_comm = cart.Sub([True, False, False])
         cart.Free()
-        r = dp_comm.Get_rank()
-        ep_comm = dp_comm.Split(r // ep, key=r)
-        edp_comm = dp_comm.Split(r % ep, key=r)
-        return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats),
-                   dp=Group(dp_comm, "dp", stats), stats=stats, ep=Group(ep_comm, "ep", stats),
-                   edp=Group(edp_comm, "edp", stats))
+        dp_group = Group(dp_comm, "dp", stats)
+        if ep == 1:            # no new communicators (an MPI process has a few thousand): one rank, and dp
+            ep_group, edp_group = Group(MPI.COMM_SELF, "ep", stats), dp_group
+        else:
+            r = dp_comm.Get_rank()
+            ep_group = Group(dp_comm.Split(r // ep, key=r), "ep", stats)
+            edp_group = Group(dp_comm.Split(r % ep, key=r), "edp", stats)
+        return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats), dp=dp_group,
+                   ep=ep_group, edp=edp_group, stats=stats)
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -135,5 +138,6 @@ class Topology:
         return out
 
     def free(self) -> None:
-        for g in (self.tp, self.pp, self.dp, self.ep, self.edp):
-            g.comm.Free()
+        for comm in {id(g.comm): g.comm for g in (self.tp, self.pp, self.dp, self.ep, self.edp)}.values():
+            if comm != MPI.COMM_SELF:
+                comm.Free()
