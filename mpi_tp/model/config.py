@@ -19,8 +19,19 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    # Mixture of experts (mpi_tp.model.moe); moe_experts = 0 is the dense model.
+    moe_experts: int = 0          # E: experts in each MoE block
+    moe_top_k: int = 1            # k: experts per token
+    moe_every: int = 1            # block i is an MoE block when i % moe_every == moe_every - 1
+    moe_capacity: float = 0.0     # capacity factor per sequence and expert; 0: dropless
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss (Switch / GShard)
+    moe_z_weight: float = 0.0     # weight of the router z-loss (ST-MoE)
 
-    def validate(self, tp: int = 1) -> None:
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block i's MLP is a mixture of experts."""
+        return self.moe_experts > 0 and i % self.moe_every == self.moe_every - 1
+
+    def validate(self, tp: int = 1, ep: int = 1) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if int(getattr(self, key)) < 1:
                 raise ConfigError(f"{key} must be a positive integer, got {getattr(self, key)}")
@@ -37,6 +48,29 @@ class GPTConfig:
             check_splittable(self.vocab_size, tp, "vocab_size")
         except TopologyError as e:
             raise ConfigError(str(e)) from None
+        self._validate_moe(ep)
+
+    def _validate_moe(self, ep: int) -> None:
+        E, k = self.moe_experts, self.moe_top_k
+        if not isinstance(E, int) or E < 0:
+            raise ConfigError(f"moe_experts must be an integer >= 0 (0: a dense model), got {E!r}")
+        if E == 0:
+            if ep > 1:
+                raise ConfigError(f"expert parallelism ep={ep} needs a mixture-of-experts model: set "
+                                  "moe_experts > 0, or use ep=1")
+            return
+        if not isinstance(k, int) or not 1 <= k <= E:
+            raise ConfigError(f"moe_top_k = {k!r} must be an integer in [1, moe_experts = {E}]")
+        if not isinstance(self.moe_every, int) or not 1 <= self.moe_every <= self.n_layer:
+            raise ConfigError(f"moe_every = {self.moe_every!r} must be in [1, n_layer = {self.n_layer}] "
+                              "(block i is an MoE block when i % moe_every == moe_every - 1)")
+        for key in ("moe_capacity", "moe_aux_weight", "moe_z_weight"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+                raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
+        if ep > E:
+            raise ConfigError(f"{E} experts cannot be divided among ep={ep} expert-parallel ranks (some "
+                              f"rank would hold none): use ep <= {E} or more experts")
 
     def to_dict(self) -> dict:
         return asdict(self)

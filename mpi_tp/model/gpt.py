@@ -14,6 +14,10 @@ shards allowed; see mpi_tp.model.parallel_linear).
 
 Per block the forward pass all-reduces twice (after attention, after the MLP)
 and so does the backward (the two f's), B*T*C values each (Megatron-LM, sec. 3).
+
+Mixture of experts (cfg.moe_experts > 0): the MLP of every moe_every-th block is an
+MoEMLP (mpi_tp.model.moe), its experts divided over topo.ep; the loss then adds the
+blocks' load-balancing and router z-losses (moe_stats() keeps the parts).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.dropout import Dropout, region_mask
 from mpi_tp.model.layernorm import LayerNorm
 from mpi_tp.model.mlp import ParallelMLP
+from mpi_tp.model.moe import MoEMLP
 from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
 from mpi_tp.parallel.sequence_parallel import SequenceSplit, sum_replicated_grads
@@ -53,7 +58,9 @@ class Block(Module):
         self.ln_1 = LayerNorm(f"{name}/ln_1", cfg.n_embd, dtype)
         self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp)
         self.ln_2 = LayerNorm(f"{name}/ln_2", cfg.n_embd, dtype)
-        self.mlp = ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed, sp)
+        self.moe = cfg.is_moe_block(i)
+        self.mlp = MoEMLP(f"{name}/moe", cfg, topo, dtype, seed) if self.moe else \
+            ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed, sp)
 
     def _residual_drop(self, y, site):
         # Outside the parallel regions: one mask for the whole group (keyed by layer and site only;
@@ -107,7 +114,15 @@ class GPT(Module):
                  sequence_parallel: bool = False, blocks: range | None = None, first: bool = True,
                  last: bool = True, recompute: str = "none"):
         topo = Topology.serial() if topo is None else topo
-        cfg.validate(topo.tp.size)
+        cfg.validate(topo.tp.size, topo.ep.size)
+        if cfg.moe_experts and sequence_parallel:
+            raise ConfigError("mixture of experts with sequence parallelism is not supported: the router "
+                              "and the dispatch need every position on every tensor-parallel rank; "
+                              "drop --sequence-parallel (or set moe_experts = 0)")
+        if cfg.moe_experts and not (first and last):
+            raise ConfigError("mixture of experts with pipeline parallelism is not supported yet: the "
+                              "load-balancing losses of every stage would have to reach the loss; use pp = 1 "
+                              "(or set moe_experts = 0)")
         self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
         self.first, self.last = first, last
         self.dropout = Dropout(cfg.dropout, seed)
@@ -172,6 +187,9 @@ class GPT(Module):
         if targets is None:
             return logits
         loss = self.loss.forward(logits, backend.asarray(targets))
+        self._cross_entropy = loss
+        if self.moe_layers():
+            loss = loss + sum(m.loss_term for m in self.moe_layers())          # + aux and z-losses
         if self.dropout.training:
             self.dropout.step += 1                                      # next call draws fresh masks
         return loss
@@ -187,6 +205,8 @@ class GPT(Module):
         blocks within the stage and leaves finishing to the stage.
         """
         replicated = ([*self.ln_f.parameters()] if self.last else []) + ([self.wpe] if self.first else [])
+        for m in self.moe_layers():
+            m.loss_scale = float(dout)            # their aux and z-losses are part of the loss dout scales
         with sum_replicated_grads(replicated, self.sp):
             if self.last:
                 dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dout)))
@@ -218,6 +238,19 @@ class GPT(Module):
         last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
         return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.wte.sizes))[0].astype(numpy.float64)
 
+    def moe_layers(self) -> list:
+        """The MoEMLP of every MoE block of this model, in order."""
+        return [b.mlp for b in self.h if b.moe]
+
+    def moe_stats(self) -> dict:
+        """After a forward with targets: the parts of the loss and each MoE block's routing on this
+        replica's batch (cross_entropy + aux_weight * aux_loss + z_weight * z_loss = the loss; aux_loss
+        and z_loss summed over blocks, unweighted)."""
+        layers = [{"block": b.i, **b.mlp.stats} for b in self.h if b.moe]
+        return {"cross_entropy": getattr(self, "_cross_entropy", None),
+                "aux_loss": sum(m["aux_loss"] for m in layers), "z_loss": sum(m["z_loss"] for m in layers),
+                "aux_weight": self.cfg.moe_aux_weight, "z_weight": self.cfg.moe_z_weight, "layers": layers}
+
     def unique_parameters(self) -> list:
         """Every parameter once (a pipeline stage leaves out its copy of the tied table)."""
         return self.parameters()
@@ -227,5 +260,8 @@ class GPT(Module):
         return gather_from_tp(self.forward(idx), self.topo.tp, self.wte.sizes)
 
     def num_params(self) -> int:
-        """Parameters of the full model (not of this rank's shard)."""
-        return sum(int(numpy.prod(p.global_shape)) for p in self.parameters())
+        """Parameters of the full model (not of this rank's shard; every expert, wherever it lives)."""
+        moe = self.moe_layers()
+        in_moe = {id(p) for m in moe for p in m.parameters()}
+        return sum(int(numpy.prod(p.global_shape)) for p in self.parameters() if id(p) not in in_moe) + \
+            sum(m.num_params() for m in moe)

@@ -16,7 +16,10 @@ Bytes are the size of the array each rank ends up with: an all-reduce of
 reduce-scatter the array that is reduced. Wire bytes are what each rank sends
 in the bandwidth-optimal (ring) algorithm for a group of p ranks: all-reduce
 2n(p-1)/p, all-gather and reduce-scatter n(p-1)/p each. So a reduce-scatter
-followed by an all-gather moves exactly what one all-reduce moves.
+followed by an all-gather moves exactly what one all-reduce moves. An
+all-to-all (expert parallelism's token exchange) counts, as bytes and wire
+bytes alike, what this rank sends to the other ranks: its block for itself
+stays where it is.
 """
 from __future__ import annotations
 
@@ -259,3 +262,47 @@ class Group:
             _in_place(lambda buf: self.comm.Reduce(buf, None, op=MPI.SUM, root=root), x, result=False)
         self.stats.record(f"{self.name}/reduce", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return x
+
+    # -- all-to-all (expert parallelism) ----------------------------------------
+
+    def all_to_all(self, x):
+        """Block r of x goes to rank r, which keeps it as block `self.rank` of the result (Alltoall):
+        x (size, ...) -> (size, ...), every block the same shape (e.g. counts agreed before an all_to_allv)."""
+        if self.size == 1:
+            return x
+        if x.shape[0] != self.size:
+            raise ValueError(f"{self.name}.all_to_all: leading axis {x.shape[0]} is not the group size {self.size}")
+        _check_buffer(x, f"{self.name}.all_to_all")
+        t0 = time.perf_counter()
+        out = backend.array_module(x).empty_like(x)
+        _out_of_place(lambda send, recv: self.comm.Alltoall(send, recv), x, out)
+        sent = x.nbytes * (self.size - 1) // self.size
+        self.stats.record(f"{self.name}/all_to_all", sent, time.perf_counter() - t0, float(sent))
+        return out
+
+    def all_to_allv(self, x, send_rows: list[int], recv_rows: list[int]):
+        """Rows of x cut in consecutive blocks, block r (send_rows[r] rows) going to rank r; returns the
+        rows received, rank r's block (recv_rows[r] rows) at its place in rank order (Alltoallv):
+        x (sum(send_rows), ...) -> (sum(recv_rows), ...). recv_rows must be what the others send
+        (exchange the counts first with all_to_all)."""
+        if self.size == 1:
+            return x
+        if len(send_rows) != self.size or len(recv_rows) != self.size or x.shape[0] != sum(send_rows):
+            raise ValueError(f"{self.name}.all_to_allv: {x.shape[0]} rows do not match send_rows {send_rows} "
+                             f"(recv_rows {recv_rows}, group of {self.size})")
+        _check_buffer(x, f"{self.name}.all_to_allv")
+        per = int(numpy.prod(x.shape[1:]))
+        send = [n * per for n in send_rows]
+        recv = [n * per for n in recv_rows]
+        t0 = time.perf_counter()
+        out = backend.array_module(x).empty((sum(recv_rows),) + x.shape[1:], dtype=x.dtype)
+        _out_of_place(lambda s, r: self.comm.Alltoallv([s, (send, _displacements(send))],
+                                                       [r, (recv, _displacements(recv))]), x, out)
+        sent = (sum(send_rows) - send_rows[self.rank]) * per * x.itemsize
+        self.stats.record(f"{self.name}/all_to_allv", sent, time.perf_counter() - t0, float(sent))
+        return out
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    """Where each rank's block starts: _displacements([2, 0, 3]) == [0, 2, 2]."""
+    return [sum(counts[:r]) for r in range(len(counts))]

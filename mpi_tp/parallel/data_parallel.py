@@ -22,17 +22,30 @@ process calls into MPI; `block_done` therefore also tests the outstanding
 requests. `overlap=False` does every all-reduce after the backward pass, for
 comparison. `hierarchical=True` reduces each bucket node by node
 (mpi_tp.parallel.hierarchical), after the backward pass.
+
+Mixture of experts: an expert's parameters (marked by MoEMLP, see
+mpi_tp.parallel.expert_parallel) exist only on the replicas holding that
+expert, `edp` (dp / ep of them), so they go into buckets of their own, summed
+over edp instead of dp. Each copy of an expert has already received the tokens
+of its ep replicas (the all-to-all), so its gradient is the sum of ep replicas'
+shares: summed over edp it covers all dp of them, and is divided by dp like
+every other bucket (with ep = dp there is nothing to sum, only the division).
+Dense and expert buckets are cut independently (each from its own sizes), so
+every member of a group cuts its buckets alike even when the experts are
+divided unevenly. Without experts everything is as before.
 """
 from __future__ import annotations
 
 from mpi_tp.core import backend
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.expert_parallel import expert_of
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 
 
 class GradReducer:
-    """Averages gradients over `group` (the data-parallel group); hook it into GPT.backward."""
+    """Averages gradients over `group` (the data-parallel group; expert parameters are summed over
+    their expert-data-parallel group, then divided the same); hook it into GPT.backward."""
 
     def __init__(self, model, group: Group, bucket_mb: float = 8.0, overlap: bool = True,
                  hierarchical: bool = False):
@@ -40,6 +53,7 @@ class GradReducer:
         self.hierarchical = HierarchicalAllReduce(group) if hierarchical and group.size > 1 else None
         self.buckets = []          # [(flat grad buffer, index of the block that completes it or None)]
         self._blocks = []          # per bucket: the indices of the blocks it holds (empty: not blocks')
+        self._groups = []          # per bucket: the group that sums it (dp, or edp for experts)
         self._done, self._started = set(), set()            # this step's finished blocks, started buckets
         self._pending = []
         if group.size == 1:
@@ -50,22 +64,30 @@ class GradReducer:
             for p in block.parameters():
                 owner[id(p.base)] = i
         stores = storages(model.parameters())
+        experts = {id(p.base): expert_of(p) for p in model.parameters() if expert_of(p) is not None}
+        kinds = [([s for s in stores if id(s[0]) not in experts], group)]        # (storages, their group)
+        edp = next(iter(experts.values())).edp if experts else None
+        if edp is not None:
+            kinds.append(([s for s in stores if id(s[0]) in experts], edp))
+            if hierarchical:               # (ep = 1: edp is dp itself, and so is this)
+                self.hierarchical_experts = self.hierarchical if edp is group else HierarchicalAllReduce(edp)
         limit = bucket_mb * 2**20
-        current, size = [], 0
+        current, size = [[] for _ in kinds], [0] * len(kinds)
         for i in reversed(range(len(model.h))):            # backward order
-            for store in stores:
-                if owner.get(id(store[0])) == i:
-                    current.append(store)
-                    size += store[0].nbytes
-            if size >= limit or i == 0:
-                if current:
-                    self._make_bucket(current, i, {owner[id(store[0])] for store in current})
-                current, size = [], 0
-        rest = [s for s in stores if id(s[0]) not in owner]
+            for k, (mine, g) in enumerate(kinds):          # dense, then experts: each cut on its own sizes
+                for store in mine:
+                    if owner.get(id(store[0])) == i:
+                        current[k].append(store)
+                        size[k] += store[0].nbytes
+                if size[k] >= limit or i == 0:
+                    if current[k]:
+                        self._make_bucket(current[k], i, {owner[id(store[0])] for store in current[k]}, g)
+                    current[k], size[k] = [], 0
+        rest = [s for s in kinds[0][0] if id(s[0]) not in owner]
         if rest:
-            self._make_bucket(rest, None, set())
+            self._make_bucket(rest, None, set(), group)
 
-    def _make_bucket(self, stores, ready_after, blocks: set) -> None:
+    def _make_bucket(self, stores, ready_after, blocks: set, group: Group) -> None:
         """One flat gradient buffer for these storages; their Params' grads become views into it."""
         xp = backend.xp()
         n = sum(base.size for base, _, _ in stores)
@@ -79,6 +101,7 @@ class GradReducer:
             at += base.size
         self.buckets.append((flat, ready_after))
         self._blocks.append(frozenset(blocks))
+        self._groups.append(group)
 
     def block_done(self, i: int) -> None:
         """Called by the backward pass once block i's gradients are final: start the buckets whose
@@ -89,7 +112,7 @@ class GradReducer:
         for k, (flat, _) in enumerate(self.buckets):
             if k not in self._started and self._blocks[k] and self._blocks[k] <= self._done:
                 self._started.add(k)
-                self._pending.append((self.group.iall_reduce(flat), flat))
+                self._pending.append((self._groups[k].iall_reduce(flat), flat))
         for pending, _ in self._pending:
             pending.test()                                  # drive MPI's progress engine
 
@@ -103,16 +126,16 @@ class GradReducer:
         if self.group.size == 1:
             return
         if self.hierarchical is not None:
-            for flat, _ in self.buckets:
-                self.hierarchical.all_reduce(flat)
+            for (flat, _), g in zip(self.buckets, self._groups):
+                (self.hierarchical_experts if g is not self.group else self.hierarchical).all_reduce(flat)
                 flat *= 1.0 / self.group.size
             return
         for k, (flat, _) in enumerate(self.buckets):
             if k not in self._started:
-                self._pending.append((self.group.iall_reduce(flat), flat))
+                self._pending.append((self._groups[k].iall_reduce(flat), flat))
         for pending, flat in self._pending:
             pending.wait()
-            flat *= 1.0 / self.group.size
+            flat *= 1.0 / self.group.size              # experts too: summed over edp, they hold all dp shares
         self._pending, self._done, self._started = [], set(), set()
 
 

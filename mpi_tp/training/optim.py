@@ -13,6 +13,7 @@ import math
 from mpi_tp.core import backend
 from mpi_tp.core.params import Param, storages
 from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.expert_parallel import expert_of
 from mpi_tp.parallel.topology import split_sizes
 
 
@@ -21,15 +22,34 @@ def grad_norm(params: list[Param], group: Group, stages: Group | None = None) ->
 
     params: this rank's parameters, each once (a pipeline stage's unique_parameters());
     group: the tensor-parallel group; stages: the pipeline group, whose ranks hold
-    different parts of the model (their squares are summed too)."""
+    different parts of the model (their squares are summed too).
+
+    Expert parameters (mpi_tp.parallel.expert_parallel.ExpertShard) live on one rank of
+    the expert-parallel group each: their squares (tp shards summed over tp, tp-replicated
+    ones counted once) are summed over ep as well. The other members of the data-parallel
+    group are replicas and are not counted again.
+    """
     xp = backend.xp()
-    sharded, replicated = [], []
+    sharded, replicated, expert_sharded, expert_replicated, ep = [], [], [], [], None
     for _, grad, members in storages(params):
         g = grad.reshape(-1)
-        (sharded if members[0].sharded else replicated).append(float(g @ g))   # BLAS dot, no temporary
-    buf = xp.asarray([math.fsum(sharded)], dtype="float64")
-    group.all_reduce(buf)                                   # one scalar all-reduce per step
-    total = float(buf[0]) + math.fsum(replicated)
+        shard = expert_of(members[0])
+        if shard is None:
+            (sharded if members[0].sharded else replicated).append(float(g @ g))   # BLAS dot, no temporary
+        else:
+            ep = shard.ep
+            (expert_sharded if members[0].sharded else expert_replicated).append(float(g @ g))
+    if ep is None:
+        buf = xp.asarray([math.fsum(sharded)], dtype="float64")
+        group.all_reduce(buf)                                   # one scalar all-reduce per step
+        total = float(buf[0]) + math.fsum(replicated)
+    else:
+        buf = xp.asarray([math.fsum(sharded), math.fsum(expert_sharded)], dtype="float64")
+        group.all_reduce(buf)                                   # dense and expert shards over tp
+        experts = xp.asarray([float(buf[1]) + math.fsum(expert_replicated)], dtype="float64")
+        ep.all_reduce(experts)                                  # every expert, over the ranks holding them
+        total = float(buf[0]) + math.fsum(replicated) + float(experts[0])
+        buf = buf[:1]
     if stages is not None and stages.size > 1:
         buf[0] = total
         total = float(stages.all_reduce(buf)[0])

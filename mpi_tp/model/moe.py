@@ -1,0 +1,260 @@
+"""A mixture-of-experts MLP (Switch Transformer, Fedus et al. 2021; GShard, Lepikhin et al. 2020):
+a router sends each token to k of E expert MLPs, divided among the expert-parallel group.
+
+Legend: B = batch, T = sequence, N = B*T tokens, C = channels, E = experts, k = experts per
+token, F = 4C an expert's width, F_i rank i's columns of it (tensor parallelism, as in the dense
+MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.expert_parallel).
+
+    z = x W_r                       (N, C) @ (C, E) -> (N, E)     router logits; W_r replicated
+    p = softmax(z)                  (N, E)
+    c = top-k(p)                    (N, k)   best first; ties to the lower expert index
+    g = p_c          (k = 1)        (N, k)   Switch: the gate is the probability, so the router
+        p_c / sum p_c  (k > 1)               learns from the loss (a renormalised top-1 is always 1)
+    a = admitted(c)                 (N, k)   0/1: the capacity (below); all 1 when dropless
+    y_n = sum_j a_nj g_nj FFN_{c_nj}(x_n)    FFN_e: fc C -> F, GELU, proj F -> C, as the dense MLP
+
+Capacity (moe_capacity > 0): each sequence may send at most cap = ceil(moe_capacity * T * k / E)
+assignments to an expert; they are admitted in order of choice rank, then position (every first
+choice in position order, then the second choices, ...), and those past cap are dropped: they add
+nothing (a token with every assignment dropped passes through the residual alone). Capacity is
+per sequence and a replica holds whole sequences, so the same assignments are dropped at every
+layout (tp, dp, ep).
+
+Losses added to the model's (summed over MoE blocks, times their weights):
+    aux = mean_b  E sum_e f_be P_be    f_be: the fraction of sequence b's k T assignments (before
+                                       dropping) that chose e; P_be = mean_t p_bte. Its gradient
+                                       flows through P only (f is piecewise constant).
+    zl  = mean_n (logsumexp_e z_ne)^2  router z-loss (ST-MoE, Zoph et al. 2022)
+The mean over sequences averages over data-parallel replicas like the cross-entropy does.
+
+Communication: dispatch (all-to-all over ep), f on the rows received, each local expert's
+column/row split, one g (all-reduce over tp) for all of them, then combine (all-to-all back).
+The router and the gates are computed alike on every tp rank (replicated, like a LayerNorm).
+The experts hold the dense MLP's shards but not its ColumnParallelLinear/RowParallelLinear,
+which would communicate once per expert: here f and g happen once for all local experts.
+
+Backward: the gates are differentiated (the top-k selection and the admissions are piecewise
+constant), then the softmax; the aux loss reaches p through P, the z-loss through lse, both
+times the loss scale; the experts' gradient comes back by the inverse all-to-alls.
+"""
+from __future__ import annotations
+
+import math
+
+from mpi_tp.core import backend
+from mpi_tp.core import kernels as K
+from mpi_tp.core.module import Module
+from mpi_tp.core.params import make_param
+from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
+from mpi_tp.parallel.tensor_parallel import copy_to_tp_backward, reduce_from_tp
+from mpi_tp.parallel.topology import shard_range
+
+
+# ---------------------------------------------------------------- routing (pure functions)
+
+def route(z, k: int):
+    """Router logits z (N, E) -> p (N, E), lse (N,), choice (N, k) best first, gate (N, k)."""
+    xp = backend.array_module(z)
+    m = z.max(axis=1, keepdims=True)
+    e = xp.exp(z - m)
+    s = e.sum(axis=1, keepdims=True)
+    p = e / s
+    lse = (m + xp.log(s))[:, 0]
+    rest, choice = p.copy(), []
+    rows = xp.arange(p.shape[0])
+    for _ in range(k):                     # argmax takes the first maximum: ties go to the lower index
+        c = rest.argmax(axis=1)
+        choice.append(c)
+        rest[rows, c] = -1.0
+    choice = xp.stack(choice, axis=1)
+    chosen = xp.take_along_axis(p, choice, axis=1)                    # p_c (N, k)
+    gate = chosen if k == 1 else chosen / chosen.sum(axis=1, keepdims=True)
+    return p, lse, choice, gate
+
+
+def gate_backward(dgate, p, choice, gate):
+    """d/dp (N, E) of the gates, given dgate (N, k): through p_c (k = 1) or the renormalisation."""
+    xp = backend.array_module(p)
+    if choice.shape[1] == 1:
+        dchosen = dgate
+    else:   # g_j = p_j / S  =>  dp_j = (dg_j - sum_l dg_l g_l) / S
+        S = xp.take_along_axis(p, choice, axis=1).sum(axis=1, keepdims=True)
+        dchosen = (dgate - (dgate * gate).sum(axis=1, keepdims=True)) / S
+    dp = xp.zeros_like(p)
+    dp[xp.arange(p.shape[0])[:, None], choice] = dchosen              # a token's k choices differ
+    return dp
+
+
+def admitted(choice, n_experts: int, capacity: float):
+    """choice (B, T, k) -> (B, T, k) bool: which assignments fit in their expert's capacity."""
+    xp = backend.array_module(choice)
+    B, T, k = choice.shape
+    if capacity <= 0:
+        return xp.ones(choice.shape, dtype=bool)
+    cap = math.ceil(round(capacity * T * k / n_experts, 9))          # rounded: 1.1 * 10 / 11 is 1, not 2
+    queue = choice.transpose(0, 2, 1).reshape(B, k * T)               # choice rank first, then position
+    seen = xp.cumsum(queue[:, :, None] == xp.arange(n_experts), axis=1)   # (B, kT, E) so far, itself included
+    place = xp.take_along_axis(seen, queue[:, :, None], axis=2)[:, :, 0]  # (B, kT): 1 = first in its queue
+    return (place <= cap).reshape(B, k, T).transpose(0, 2, 1)
+
+
+def balance_loss(p, choice, n_experts: int):
+    """aux = mean_b E sum_e f_be P_be and d aux / dp (N, E), for p (B, T, E), choice (B, T, k)."""
+    xp = backend.array_module(p)
+    B, T, k = choice.shape
+    f = (choice[..., None] == xp.arange(n_experts)).sum(axis=(1, 2)) / (k * T)   # (B, E)
+    P = p.mean(axis=1)                                                             # (B, E)
+    aux = n_experts * float((f * P).sum()) / B
+    dp = xp.broadcast_to((n_experts / (B * T)) * f[:, None, :], p.shape)           # through P only
+    return aux, dp.reshape(B * T, n_experts)
+
+
+def z_loss(z_lse):
+    """zl = mean_n lse_n^2 and d zl / d lse (N,)."""
+    n = z_lse.shape[0]
+    return float((z_lse * z_lse).sum()) / n, z_lse * (2.0 / n)
+
+
+# ---------------------------------------------------------------- layers
+
+class Expert(Module):
+    """One expert: the dense MLP's parameters and split (fc column-parallel, proj row-parallel), without
+    its communication: MoEMLP does f and g once for all its experts. forward returns this rank's
+    partial sum X_e A_fc,i -> gelu -> @ A_proj,i, before the all-reduce and the proj bias."""
+
+    def __init__(self, name, cfg, tp, dtype, seed):
+        C, F = cfg.n_embd, 4 * cfg.n_embd
+        _, start, stop = shard_range(F, tp, None, f"{name}: expert width")
+        self.fc_weight = make_param(f"{name}/fc/weight", (C, F), dtype, seed=seed, axis=1, start=start,
+                                    stop=stop, decay=True)                                  # (C, F_i)
+        self.fc_bias = make_param(f"{name}/fc/bias", (F,), dtype, init="zeros", axis=0, start=start, stop=stop)
+        self.proj_weight = make_param(f"{name}/proj/weight", (F, C), dtype, std=0.02 / math.sqrt(2 * cfg.n_layer),
+                                      seed=seed, axis=0, start=start, stop=stop, decay=True)  # (F_i, C)
+        self.proj_bias = make_param(f"{name}/proj/bias", (C,), dtype, init="zeros")      # replicated
+
+    def forward(self, x):
+        h, fc = K.linear_forward(x, self.fc_weight.data, self.fc_bias.data)   # (R_e, C) -> (R_e, F_i)
+        h, act = K.gelu_forward(h)
+        y, proj = K.linear_forward(h, self.proj_weight.data)                 # (R_e, F_i) -> (R_e, C) partial
+        self.save_cache(fc, act, proj)
+        return y
+
+    def backward(self, dout):
+        fc, act, proj = self.take_cache()
+        dh, dw, _ = K.linear_backward(dout, proj)
+        self.proj_weight.accumulate(dw)
+        dx, dw, db = K.linear_backward(K.gelu_backward(dh, act), fc)
+        self.fc_weight.accumulate(dw)
+        self.fc_bias.accumulate(db)
+        return dx                                                            # (R_e, C), partial over tp
+
+
+class MoEMLP(Module):
+    """The mixture-of-experts MLP of block i (see the module docstring): (B, T, C) -> (B, T, C).
+
+    Holds the router (every rank) and this rank's experts E_i (expert e keyed by its name, so it
+    has the same values wherever it lives). After a forward, on this replica's batch: `stats` holds
+    aux_loss and z_loss (unweighted), tokens_per_expert (E,): the assignments each expert computed
+    (after the capacity), and dropped: the assignments dropped; `routing` holds the (choice,
+    admitted) arrays (B, T, k); `loss_term` = aux_weight aux + z_weight zl, what the block adds to
+    the model's loss. The backward adds that term's gradient times `loss_scale` (GPT.backward
+    sets it to its dout, e.g. 1 / micro-batches).
+    """
+
+    loss_scale = 1.0
+
+    def __init__(self, name, cfg, topo, dtype, seed):
+        self.E, self.k, self.capacity = cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity
+        self.aux_weight, self.z_weight, self.tp = cfg.moe_aux_weight, cfg.moe_z_weight, topo.tp
+        self.router = make_param(f"{name}/router/weight", (cfg.n_embd, self.E), dtype, seed=seed,
+                                 decay=True)                                          # W_r (C, E)
+        self.dispatcher = ExpertDispatcher(self.E, topo.ep)
+        self.experts = [Expert(f"{name}/experts/{e}", cfg, topo.tp, dtype, seed) for e in self.dispatcher.local]
+        for e, expert in zip(self.dispatcher.local, self.experts):
+            mark_expert(expert.parameters(), e, topo)
+        self.stats, self.routing, self.loss_term = {}, None, 0.0
+
+    def forward(self, x):
+        xp = backend.array_module(x)
+        B, T, C = x.shape
+        N, E, k = B * T, self.E, self.k
+        x2 = x.reshape(N, C)
+        z, router = K.linear_forward(x2, self.router.data)                  # (N, C) -> (N, E)
+        p, lse, choice, gate = route(z, k)
+        keep = admitted(choice.reshape(B, T, k), E, self.capacity)
+        aux, daux = balance_loss(p.reshape(B, T, E), choice.reshape(B, T, k), E)
+        zl, dlse = z_loss(lse)
+        self.loss_term = self.aux_weight * aux + self.z_weight * zl
+        keep = keep.reshape(N, k)
+        # Admitted assignments (token n, choice j), sorted by expert (so by destination rank too).
+        n_idx, j_idx = xp.nonzero(keep)
+        experts = choice[n_idx, j_idx]
+        by_expert = xp.argsort(experts, kind="stable")
+        n_idx, j_idx, experts = n_idx[by_expert], j_idx[by_expert], experts[by_expert]
+        kept = backend.asnumpy(xp.bincount(experts, minlength=E))
+        plan = self.dispatcher.plan(kept)
+        x_recv = self.dispatcher.dispatch(x2[n_idx], plan)                   # (M, C) -> (R, C)
+        y_send = self.dispatcher.combine(self._experts_forward(x_recv, plan.expert_rows), plan)   # (M, C)
+        out = xp.zeros((N, k, C), dtype=x.dtype)                             # FFN_{c_nj}(x_n), 0 if dropped
+        out[n_idx, j_idx] = y_send
+        w = gate * keep                                                      # a g (N, k)
+        y = xp.einsum("nk,nkc->nc", w, out)
+        self.save_cache(router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse)
+        self.stats = {"aux_loss": aux, "z_loss": zl, "tokens_per_expert": kept,
+                      "dropped": int(N * k - int(kept.sum()))}
+        self.routing = (choice.reshape(B, T, k), keep.reshape(B, T, k))
+        return y.reshape(B, T, C)
+
+    def backward(self, dout):
+        xp = backend.array_module(dout)
+        router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse = self.take_cache()
+        N, _, C = out.shape
+        dy = dout.reshape(N, C)
+        # y = sum_j w_j out_j
+        dgate = xp.einsum("nkc,nc->nk", out, dy) * keep
+        dy_send = (w[:, :, None] * dy[:, None, :])[n_idx, j_idx]            # (M, C), contiguous (a copy)
+        dy_recv = self.dispatcher.combine_backward(dy_send, plan)
+        dx_send = self.dispatcher.dispatch_backward(self._experts_backward(dy_recv, plan.expert_rows), plan)
+        dfull = xp.zeros_like(out)
+        dfull[n_idx, j_idx] = dx_send
+        dx = dfull.sum(axis=1)                                               # (N, k, C) -> (N, C)
+        # The router: gates, the aux loss through P, softmax, the z-loss through lse.
+        dp = gate_backward(dgate, p, choice, gate)
+        if self.aux_weight:
+            dp += (self.loss_scale * self.aux_weight) * daux
+        dz = p * (dp - (dp * p).sum(axis=1, keepdims=True))
+        if self.z_weight:
+            dz += (self.loss_scale * self.z_weight) * dlse[:, None] * p      # d lse / dz = p
+        dx_r, dw, _ = K.linear_backward(dz, router)
+        self.router.accumulate(dw)
+        dx += dx_r
+        return dx.reshape(dout.shape)
+
+    def _experts_forward(self, x_recv, rows):
+        """x_recv (R, C), whole on every tp rank (f), expert by expert -> outputs (R, C) after one g."""
+        y = backend.array_module(x_recv).empty_like(x_recv)
+        at = 0
+        for expert, n in zip(self.experts, rows):
+            y[at:at + n] = expert.forward(x_recv[at:at + n])
+            at += n
+        y = reduce_from_tp(y, self.tp)                                       # g: the partial sums
+        at = 0
+        for expert, n in zip(self.experts, rows):
+            y[at:at + n] += expert.proj_bias.data                             # once, after the reduce
+            at += n
+        return y
+
+    def _experts_backward(self, dy, rows):
+        """dy (R, C), the same on every tp rank (g's gradient) -> dx (R, C) after one all-reduce (f's)."""
+        dx = backend.array_module(dy).empty_like(dy)
+        at = 0
+        for expert, n in zip(self.experts, rows):
+            expert.proj_bias.accumulate(dy[at:at + n].sum(axis=0))
+            dx[at:at + n] = expert.backward(dy[at:at + n])
+            at += n
+        return copy_to_tp_backward(dx, self.tp)
+
+    def num_params(self) -> int:
+        """Parameters of the whole layer: the router and all E experts (wherever they live)."""
+        one = sum(int(math.prod(p.global_shape)) for p in self.experts[0].parameters())
+        return int(math.prod(self.router.global_shape)) + self.E * one

@@ -1,0 +1,127 @@
+"""Expert parallelism: a mixture-of-experts layer's experts divided among the expert-parallel group,
+tokens carried to them and back by all-to-all (GShard, Lepikhin et al. 2020; Switch Transformer).
+
+Legend: C = channels, E = experts, ep = the expert-parallel group's size (topo.ep), E_i = the
+experts rank i holds (split_sizes(E, ep): experts [o_i, o_i + E_i), the first E % ep ranks one
+more), M = rows this rank sends (one per admitted (token, expert) assignment), R = rows it receives.
+
+    rank r: x_send (M, C), rows sorted by expert ---- dispatch ---->  rank s: x_recv (R, C), grouped
+            (so by destination rank too)        (Alltoall of counts,           by local expert
+                                                 Alltoallv of rows)              |
+                                                                             its experts
+                                                                                 |
+    rank r: y_send (M, C), in x_send's order  <---- combine ----      rank s: y_recv (R, C)
+                                                 (the inverse Alltoallv: counts known)
+
+Both are linear maps that only move rows, so each one's gradient is the other:
+the backward of combine is a dispatch and the backward of dispatch a combine,
+with the same plan. Per MoE layer and step: one Alltoall of counts (int64) and
+four Alltoallv of rows (two forward, two backward), each moving
+rows x C x itemsize bytes per row that leaves the rank.
+
+With tensor parallelism the ep groups are per tensor-parallel coordinate (ep
+splits the data-parallel group, whose members share the tp and pp coordinates),
+and every tp rank of a replica holds the same tokens and routes them alike, so
+tp rank j's copy of the rows reaches tp rank j of the expert's owner, which
+holds column/row shard j of that expert: each shard sees the same tokens.
+
+Expert parameters carry an `ExpertShard` mark (`p.expert`): the data-parallel
+reducer sums their gradients over `edp` (the replicas holding the same experts)
+instead of `dp`, then divides by dp like the rest (each copy has gathered the
+tokens of ep replicas already); the gradient norm sums their squares over `ep`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy
+
+from mpi_tp.core import backend
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.topology import TopologyError, offsets, split_sizes
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """What marks a Param as (a tensor-parallel shard of) expert `index`'s: it lives on one member of
+    `ep` (sum its gradient's squares over ep for the norm) and is replicated over `edp` (sum its
+    gradient there, not over the whole data-parallel group)."""
+
+    index: int
+    ep: Group
+    edp: Group
+
+
+def mark_expert(params, index: int, topo) -> None:
+    """Mark expert `index`'s parameters (p.expert = ExpertShard), for the reducer and the norm."""
+    for p in params:
+        p.expert = ExpertShard(index, topo.ep, topo.edp)
+
+
+def expert_of(p) -> ExpertShard | None:
+    """The ExpertShard of an expert parameter, None for a dense one."""
+    return getattr(p, "expert", None)
+
+
+@dataclass
+class DispatchPlan:
+    """Who sends how many rows to whom, for one dispatch and its combine (data, host integers).
+
+    send_rows[r]: rows this rank sends to ep rank r; recv_rows[r]: rows it receives from r;
+    expert_rows[j]: received rows for its local expert j (sum R); order: the permutation that
+    turns the received rows (source-major) into expert-major order (None with one rank)."""
+
+    send_rows: list
+    recv_rows: list
+    expert_rows: list
+    order: object
+
+
+class ExpertDispatcher:
+    """Carries rows to the ranks holding their experts and back, over the expert-parallel group."""
+
+    def __init__(self, n_experts: int, group: Group):
+        if n_experts < group.size:
+            raise TopologyError(f"{n_experts} experts cannot be divided among {group.size} expert-parallel "
+                                f"ranks: some rank would hold none; use ep <= {n_experts}")
+        self.group, self.n_experts = group, n_experts
+        self.sizes = split_sizes(n_experts, group.size)            # E_i for every rank
+        self.starts = offsets(self.sizes)                          # o_i
+        self.local = range(self.starts[group.rank], self.starts[group.rank] + self.sizes[group.rank])
+
+    def plan(self, per_expert) -> DispatchPlan:
+        """per_expert (E,): rows this rank sends to each expert (its rows sorted by expert). The
+        counts travel first (one Alltoall of E_max = max E_i integers per pair of ranks)."""
+        per_expert = numpy.asarray(backend.asnumpy(per_expert), dtype=numpy.int64)
+        p, wide = self.group.size, max(self.sizes)
+        counts = numpy.zeros((p, wide), dtype=numpy.int64)         # block r: rows for rank r's experts
+        for r in range(p):
+            counts[r, :self.sizes[r]] = per_expert[self.starts[r]:self.starts[r] + self.sizes[r]]
+        got = self.group.all_to_all(counts)[:, :len(self.local)]   # (ep, E_i): from source s, per local expert
+        send_rows = [int(n) for n in counts.sum(axis=1)]
+        recv_rows = [int(n) for n in got.sum(axis=1)]
+        order = None
+        if p > 1:   # received blocks are (source, expert); the experts want (expert, source)
+            start = numpy.cumsum(got.reshape(-1)) - got.reshape(-1)            # each block's first row
+            start = start.reshape(got.shape)
+            order = numpy.concatenate([numpy.arange(start[s, j], start[s, j] + got[s, j])
+                                       for j in range(got.shape[1]) for s in range(p)] + [numpy.zeros(0, int)])
+            order = backend.asarray(order.astype(numpy.int64))
+        return DispatchPlan(send_rows, recv_rows, [int(n) for n in got.sum(axis=0)], order)
+
+    def dispatch(self, x_send, plan: DispatchPlan):
+        """x_send (M, C), sorted by expert -> x_recv (R, C): the rows for this rank's experts, expert by expert."""
+        x_recv = self.group.all_to_allv(x_send, plan.send_rows, plan.recv_rows)
+        return x_recv if plan.order is None else x_recv[plan.order]
+
+    def combine(self, y_recv, plan: DispatchPlan):
+        """y_recv (R, C), expert by expert -> y_send (M, C): every row back to its sender, in x_send's order."""
+        if plan.order is not None:
+            by_source = backend.array_module(y_recv).empty_like(y_recv)
+            by_source[plan.order] = y_recv
+            y_recv = by_source
+        return self.group.all_to_allv(y_recv, plan.recv_rows, plan.send_rows)
+
+    # Each is the other's gradient: they only move rows.
+    dispatch_backward = combine
+    combine_backward = dispatch

@@ -1,0 +1,220 @@
+"""Mixture-of-experts GPT at every layout (tp x dp, experts over ep dividing dp) against the serial MoE
+model on the same global batch: losses, gradient norms and weights over 5 AdamW steps (float64,
+1e-8; first loss 1e-10), the same dropped assignments, and the all-to-all's counted calls and bytes.
+
+    mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_moe.py     (N = 1 .. 4)
+"""
+import numpy as np
+import pytest
+
+from mpi_tp.core.testing import all_true, assert_close, gather_full, max_rel_diff
+from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.expert_parallel import ExpertDispatcher, expert_of
+from mpi_tp.parallel.topology import Topology, offsets, split_sizes
+from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
+
+pytestmark = pytest.mark.mpi(min_size=1)
+CFG = dict(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1,
+           moe_aux_weight=0.05, moe_z_weight=0.01)
+MOE = {   # E = 3 splits unevenly over ep = 2 (2 + 1); E = 4 over ep = 3 (2 + 1 + 1)
+    "E4-top2": dict(moe_experts=4, moe_top_k=2),
+    "E3-top1-capacity-every2": dict(moe_experts=3, moe_top_k=1, moe_capacity=1.0, moe_every=2),
+    "E3-top2-capacity": dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0),
+    "E4-top1-capacity": dict(moe_experts=4, moe_top_k=1, moe_capacity=1.25),
+}
+B, T, STEPS = 2, 8, 5                               # sequences per replica, positions, AdamW steps
+
+
+def layouts(n):
+    """Every (tp, dp, ep): tp in {1, 2}, tp dp = n, ep dividing dp (ep = 3 at dp = 3: uneven experts)."""
+    return [(tp, n // tp, ep) for tp in (1, 2) if n % tp == 0 for ep in (1, 2, 3, 4) if (n // tp) % ep == 0]
+
+
+def global_batch(step, rows):
+    rng = np.random.default_rng([5, step])
+    return rng.integers(0, 37, (rows, T)), rng.integers(0, 37, (rows, T))
+
+
+def run(model, topo, rows):
+    """5 AdamW steps on the global batch (rows per replica): losses, norms, routing per step and layer."""
+    params = model.parameters()
+    reducer = GradReducer(model, topo.dp, bucket_mb=0.001)          # tiny buckets: several per step
+    opt = AdamW(params, lr=1e-2)
+    losses, norms, routing = [], [], []
+    for step in range(STEPS):
+        x, y = global_batch(step, rows * topo.dp.size)
+        mine = slice(topo.dp.rank * rows, (topo.dp.rank + 1) * rows)
+        model.zero_grad()
+        model.dropout.row0 = mine.start
+        loss = np.array([model.forward(x[mine], y[mine])])
+        topo.dp.all_reduce(loss)
+        losses.append(loss[0] / topo.dp.size)
+        routing.append([(c.copy(), a.copy()) for c, a in (m.routing for m in model.moe_layers())])
+        model.backward(reducer=reducer)
+        norms.append(grad_norm(params, topo.tp))
+        opt.step(grad_scale=clip_coefficient(norms[-1], 1.0))
+    return np.array(losses), np.array(norms), routing
+
+
+_serial = {}
+SERIAL = Topology.serial()          # one for every reference model: a Topology holds several communicators
+
+
+def serial_reference(name, dp):
+    if (name, dp) not in _serial:
+        model = GPT(GPTConfig(**CFG, **MOE[name]), SERIAL, dtype="float64", seed=3)
+        losses, norms, routing = run(model, model.topo, rows=B * dp)
+        _serial[name, dp] = losses, norms, routing, {p.name: p.data.copy() for p in model.parameters()}
+    return _serial[name, dp]
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_layouts_equal_serial(world, name):
+    for tp, dp, ep in layouts(world.Get_size()):
+        cfg = GPTConfig(**CFG, **MOE[name])
+        topo = Topology.create(world, tp=tp, dp=dp, ep=ep)
+        what = f"{name} at tp={tp} dp={dp} ep={ep}"
+        if ep > cfg.moe_experts:
+            with pytest.raises(ConfigError, match=f"ep={ep}"):
+                GPT(cfg, topo, dtype="float64", seed=3)
+            topo.free()
+            continue
+        model = GPT(cfg, topo, dtype="float64", seed=3)
+        losses, norms, routing = run(model, topo, rows=B)
+        ref_losses, ref_norms, ref_routing, ref_weights = serial_reference(name, dp)
+        assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")
+        assert_close(losses, ref_losses, 1e-8, f"loss curve, {what}")
+        assert_close(norms[:1], ref_norms[:1], 1e-10, f"first gradient norm, {what}")
+        assert_close(norms, ref_norms, 1e-8, f"gradient norms, {what}")
+        mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+        same = all(np.array_equal(c, rc[mine]) and np.array_equal(a, ra[mine])
+                   for step, ref_step in zip(routing, ref_routing) for (c, a), (rc, ra) in zip(step, ref_step))
+        assert all_true(same, world), f"routing or dropped assignments differ from serial, {what}"
+        if cfg.moe_capacity:
+            dropped = sum(int((~a).sum()) for step in routing for _, a in step)
+            assert world.allreduce(dropped) > 0, f"no assignment was dropped, {what}: the test proves nothing"
+        # Ranks hold different numbers of experts: compare locally, agree once.
+        bad = [f"{p.name}: {max_rel_diff(gather_full(p, topo.tp.comm), ref_weights[p.name]):.2e}"
+               for p in model.parameters() if not p.name.endswith("attn/k/bias")    # exact gradient 0
+               and max_rel_diff(gather_full(p, topo.tp.comm), ref_weights[p.name]) > 1e-8]
+        assert all_true(not bad, world), f"weights after {STEPS} steps differ from serial, {what}: {bad}"
+        held = {p.name for p in model.parameters()}
+        everywhere = set().union(*topo.ep.comm.allgather(held))
+        assert all_true(everywhere == set(ref_weights), world), f"some parameter is nowhere, {what}"
+        same = True                                     # replicas hold the same numbers, bit for bit
+        for expert in (False, True):                    # dense ones over dp, each expert's over edp
+            for p in model.parameters():
+                if (expert_of(p) is not None) == expert:
+                    group = topo.edp.comm if expert else topo.dp.comm
+                    same &= np.array_equal(group.bcast(p.data, root=0), p.data)
+        assert all_true(same, world), f"replicas differ, {what}"
+        topo.free()
+
+
+def moved_rows(model, topo):
+    """(rows this rank sends to other ep ranks, rows it receives from them) per MoE layer, from the
+    routing of every ep rank (not from the dispatcher)."""
+    out = []
+    for m in model.moe_layers():
+        choice, keep = m.routing
+        starts = offsets(split_sizes(m.E, topo.ep.size))
+        owner = np.searchsorted(starts, choice[keep], side="right") - 1
+        every = topo.ep.comm.allgather(np.bincount(owner, minlength=topo.ep.size))   # [source][destination]
+        me = topo.ep.rank
+        out.append((sum(every[me]) - every[me][me], sum(e[me] for e in every) - every[me][me]))
+    return out
+
+
+def test_all_to_all_calls_and_bytes(world):
+    """Per MoE layer: one Alltoall of counts, 4 Alltoallv of rows (2 forward, 2 backward), bytes = rows
+    leaving the rank x C x 8, both ways; the expert gradients reduced over edp, the rest over dp."""
+    for tp, dp, ep in layouts(world.Get_size()):
+        cfg = GPTConfig(**{**CFG, "dropout": 0.0}, **MOE["E4-top2"])
+        if ep > cfg.moe_experts:
+            continue
+        topo = Topology.create(world, tp=tp, dp=dp, ep=ep)
+        model = GPT(cfg, topo, dtype="float64", seed=3)
+        reducer = GradReducer(model, topo.dp, bucket_mb=0.001)
+        x, y = global_batch(0, B * dp)
+        mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+        topo.stats.reset()
+        model.forward(x[mine], y[mine])
+        model.backward(reducer=reducer)
+        snap = topo.stats.snapshot()
+        L, C = len(model.moe_layers()), cfg.n_embd
+        what = f"tp={tp} dp={dp} ep={ep}"
+        if ep == 1:
+            ok = not any(k.startswith("ep/") for k in snap)
+        else:
+            rows = sum(sent + got for sent, got in moved_rows(model, topo))
+            counts = snap["ep/all_to_all"]
+            v = snap["ep/all_to_allv"]
+            ok = (counts["calls"] == L and counts["bytes"] == L * (ep - 1) * max(split_sizes(4, ep)) * 8
+                  and v["calls"] == 4 * L and v["bytes"] == 2 * rows * C * 8 and v["wire_bytes"] == v["bytes"])
+        nbytes = {False: {}, True: {}}                  # gradient bytes, dense and experts, each storage once
+        for p in model.parameters():
+            nbytes[expert_of(p) is not None][id(p.base)] = p.base.nbytes
+        dense, experts = sum(nbytes[False].values()), sum(nbytes[True].values())
+        if dp > 1:    # ep = 1: edp is dp itself; ep = dp: one replica per expert, nothing to sum
+            ok &= snap["dp/iall_reduce"]["bytes"] == dense + (experts if ep == 1 else 0)
+            ok &= snap.get("edp/iall_reduce", {"bytes": 0})["bytes"] == (experts if 1 < ep < dp else 0)
+        assert all_true(ok, world), f"all-to-all or reduction counters at {what}: {snap}"
+        topo.free()
+
+
+def test_dispatch_and_combine_closed_form(world):
+    """Rank s sends (s + e) % 3 rows to expert e, each row filled with 100 s + e; expert j's rows must
+    arrive source by source; combine brings 2 x those rows back in the sender's order."""
+    n = world.Get_size()
+    topo = Topology.create(world, tp=1, dp=n, ep=n)
+    E = n + 1 if n > 1 else 3                               # uneven: one rank holds two experts
+    d = ExpertDispatcher(E, topo.ep)
+    s = topo.ep.rank
+    per_expert = np.array([(s + e) % 3 for e in range(E)])
+    x = np.concatenate([np.full((per_expert[e], 4), 100.0 * s + e) for e in range(E)])
+    plan = d.plan(per_expert)
+    got = d.dispatch(x, plan)
+    want = np.concatenate([np.full(((r + e) % 3, 4), 100.0 * r + e) for e in d.local for r in range(n)])
+    assert all_true(np.array_equal(got, want), world), "dispatch: rows in the wrong place"
+    assert all_true(plan.expert_rows == [sum((r + e) % 3 for r in range(n)) for e in d.local], world)
+    back = d.combine(2 * got, plan)
+    assert all_true(np.array_equal(back, 2 * x), world), "combine is not dispatch's inverse"
+    topo.free()
+
+
+def test_recompute_full_gives_the_same_gradients(world):
+    n = world.Get_size()
+    cfg = GPTConfig(**{**CFG, "dropout": 0.1}, **MOE["E3-top2-capacity"])
+    x, y = global_batch(0, B)
+    grads = []
+    for recompute in ("none", "full"):
+        topo = Topology.create(world, tp=1, dp=n, ep=n if n < 4 else 2)
+        model = GPT(cfg, topo, dtype="float64", seed=3, recompute=recompute)
+        model.forward(x, y)
+        model.backward()
+        grads.append([p.grad.copy() for p in model.parameters()])
+        topo.free()
+    assert all_true(all(np.array_equal(a, b) for a, b in zip(*grads)), world)
+
+
+def test_hierarchical_reduction_matches_flat(world):
+    """GradReducer(hierarchical=True) reduces the expert buckets over edp node by node too."""
+    for tp, dp, ep in layouts(world.Get_size()):
+        if dp == 1 or ep > 3:
+            continue
+        topo = Topology.create(world, tp=tp, dp=dp, ep=ep)
+        cfg = GPTConfig(**{**CFG, "dropout": 0.0}, **MOE["E3-top2-capacity"])
+        x, y = global_batch(0, B * dp)
+        mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+        grads = []
+        for hierarchical in (False, True):
+            model = GPT(cfg, topo, dtype="float64", seed=3)
+            model.forward(x[mine], y[mine])
+            model.backward(reducer=GradReducer(model, topo.dp, bucket_mb=0.001, hierarchical=hierarchical))
+            grads.append([p.grad.copy() for p in model.parameters()])
+        scale = max(np.abs(g).max() for g in grads[0])
+        worst = max(np.abs(a - b).max() for a, b in zip(*grads)) / scale
+        assert all_true(worst < 1e-13, world), f"hierarchical differs at tp={tp} dp={dp} ep={ep}: {worst:.1e}"
+        topo.free()
