@@ -145,13 +145,29 @@ class Checkpoint:
 
 # ---------------------------------------------------------------- loading into a model
 
+# How a model is trained, not what it is: these may differ between a checkpoint and the model loading it.
+TRAINING_ONLY = ("dropout", "moe_capacity", "moe_aux_weight", "moe_z_weight")
+
+
 def check_model_config(ckpt: Checkpoint, cfg) -> None:
-    """Refuse to load into a model whose architecture differs from the saved one."""
-    saved = ckpt.meta.get("config", {})
-    diff = [f"{k}: checkpoint {saved[k]} vs model {v}" for k, v in cfg.to_dict().items()
-            if k in saved and k != "dropout" and saved[k] != v]
+    """Refuse to load into a model whose architecture differs from the saved one.
+
+    A key the saved configuration lacks (written before the field existed, e.g. moe_* in a
+    checkpoint older than mixture of experts) counts as the field's default, which is what
+    that model was; so a dense checkpoint and a mixture-of-experts model (or the reverse)
+    differ in moe_experts. Routing options (moe_top_k, moe_every) count only for MoE models."""
+    defaults = type(cfg)().to_dict()
+    saved = {**defaults, **ckpt.meta.get("config", {})}
+    mine = cfg.to_dict()
+    dense = not saved.get("moe_experts") and not mine.get("moe_experts")
+    diff = [f"{k}: checkpoint {saved[k]} vs model {v}" for k, v in mine.items()
+            if k in saved and k not in TRAINING_ONLY and saved[k] != v and not (dense and k.startswith("moe_"))]
     if diff:
-        raise CheckpointError(f"checkpoint {ckpt.dir} was saved from a different model ({'; '.join(diff)}): "
+        kinds = ""
+        if bool(saved.get("moe_experts")) != bool(mine.get("moe_experts")):
+            kinds = (f"a {'mixture-of-experts' if saved.get('moe_experts') else 'dense'} checkpoint into a "
+                     f"{'mixture-of-experts' if mine.get('moe_experts') else 'dense'} model; ")
+        raise CheckpointError(f"checkpoint {ckpt.dir} was saved from a different model ({kinds}{'; '.join(diff)}): "
                               "build the model with the checkpoint's configuration (drop the conflicting "
                               "options) or start a new run")
 

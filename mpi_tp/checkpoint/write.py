@@ -9,6 +9,13 @@ A checkpoint root holds one directory per saved step and a `latest` pointer:
         index.h5                      format version, configs, layout, step, random state,
                                       and every full tensor as an HDF5 virtual dataset
 
+Shards are numbered (ep rank, pipeline stage, tensor-parallel rank), tensor-parallel
+fastest: shard-{(e * pp + s) * tp + t}-of-{ep * pp * tp}, the names of before when
+ep = 1. Dense tensors are written by the first data-parallel replica (dp rank 0),
+a mixture-of-experts layer's experts, held by one member of each expert-parallel
+group, by the first replica holding them (edp rank 0: the members of the first ep
+group), so every expert is written once, into the shards of its owner's ep rank.
+
 `h5py.File("ROOT/step-00000020/index.h5")["model/h/0/attn/q/weight"][...]` is the
 full (C, C) matrix, read from the shards by HDF5 itself. docs/checkpoints.md
 describes the format.
@@ -47,6 +54,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import failpoint, no_space
 from mpi_tp.core.runtime import collective_setup
+from mpi_tp.parallel.expert_parallel import expert_of
 
 # HDF5's own bytes per dataset in a shard: 3.5-4.8 KiB measured (h5py 3.16, HDF5 2.0). Counting a
 # little less, and not the index, the check before writing never refuses a save that would fit.
@@ -134,20 +142,22 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     """Save model (and optimizer) state as ROOT/step-N; collective over every rank of the model's topology.
 
     The first data-parallel replica's tensor-parallel ranks write the shards (the
-    other replicas hold the same numbers); every rank takes part in the agreements,
-    so an error anywhere (a full disk) raises CheckpointError on all of them together.
+    other replicas hold the same numbers), and with expert parallelism the first
+    ep group's members write their experts too (see the module docstring); every rank
+    takes part in the agreements, so an error anywhere (a full disk) raises
+    CheckpointError on all of them together.
 
     meta: JSON-able entries stored as index attributes (config, train_config, rng, data ...).
     keep: keep only the newest `keep` complete steps (0 = keep all). Returns the step directory.
     """
-    group = model.topo.tp
-    comm = model.topo.world
-    writer = model.topo.dp.rank == 0
+    topo = model.topo
+    group, comm, ep = topo.tp, topo.world, topo.ep
+    writer = topo.edp.rank == 0                       # dp rank 0, and the rest of its ep group (experts)
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, "." + step_dir_name(step) + ".tmp")
     pointer = os.path.join(root, "latest.tmp")
     tensors = state_tensors(model, optimizer)
-    mine = [(g, p, d) for g, p, d in tensors if p.sharded or group.rank == 0] if writer else []  # replicated: once
+    mine = [(g, p, d) for g, p, d in tensors if _writes(p, topo)]
     shard_bytes = _estimate(data for _, _, data in mine)
     total_bytes = comm.allreduce(shard_bytes)        # one int per rank, at save time only
 
@@ -161,14 +171,14 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
             raise _no_room(root, step, "the checkpoint", total_bytes, free)
         os.makedirs(tmp)
         return free
-    pp = model.topo.pp                                # one shard per (stage, tensor-parallel rank)
-    fname = shard_name(pp.rank * group.size + group.rank, pp.size * group.size)
+    pp = topo.pp                                      # one shard per (ep rank, stage, tensor-parallel rank)
+    fname = shard_name((ep.rank * pp.size + pp.rank) * group.size + group.rank, ep.size * pp.size * group.size)
 
     def write():
         if not writer:
             return None
         path = os.path.join(tmp, fname)
-        last = group.rank == group.size - 1 and pp.rank == pp.size - 1
+        last = group.rank == group.size - 1 and pp.rank == pp.size - 1 and ep.rank == ep.size - 1
         fault = (lambda: no_space("save-enospc", step, path)) if last else None
         with _full_disk_reported(root, step, "this rank's shard", shard_bytes, shutil.disk_usage(tmp).free):
             pieces = _write_shard(path, mine, step, fault)
@@ -209,7 +219,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         free_at_start = collective_setup(prepare, comm=comm)
         record = collective_setup(write, comm=comm)
         shards = [s for s in comm.allgather(record) if s]   # a few hundred bytes per rank, at save time only
-        shards.sort(key=lambda s: s["file"])          # (stage, tensor-parallel rank) order
+        shards.sort(key=lambda s: s["file"])          # (ep rank, stage, tensor-parallel rank) order
         described, seen = [], set()                   # every stage's tensors, each once, in rank order
         for rank_tensors in comm.allgather([(f"{g}/{p.name}", list(p.global_shape), numpy.dtype(d.dtype).str,
                                              p.axis) for g, p, d in mine]):
@@ -225,6 +235,13 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         comm.Barrier()                 # gone before save returns anywhere
         raise CheckpointError(str(e), e.status) from e
     return final
+
+
+def _writes(p, topo) -> bool:
+    """Whether this rank writes tensor p: its replica is the first to hold p (dp rank 0 for a dense
+    tensor, edp rank 0 for an expert's), and p is a shard or this is tensor-parallel rank 0."""
+    first = topo.dp.rank == 0 if expert_of(p) is None else topo.edp.rank == 0
+    return first and (p.sharded or topo.tp.rank == 0)
 
 
 def _clean_debris(root: str) -> None:

@@ -11,7 +11,8 @@ plain tensor parallelism (no sequence parallelism: a decode step has one
 position, nothing to split; a checkpoint saved at any layout, pipelines
 included, loads as plain TP at the world size of the job). Rows are
 left-padded to the longest prompt; positions count from each row's first
-byte, so a padded row computes what it would alone.
+byte, so a padded row computes what it would alone. Mixture-of-experts blocks
+run dropless (GPT.moe_dropless), every token independent of the others.
 
 Longer than block_size: each row's context is a window over its own bytes
 that depends on nothing but their number n (so a request gets the same bytes
@@ -91,9 +92,10 @@ class Decoder:
         positions = numpy.maximum(columns[None, :] - cache.first[:, None], 0)   # padding: position 0
         xp = backend.xp()
         x = model.wte.forward(backend.asarray(ids)) + model.wpe.data[xp.asarray(positions)]
-        for j, block in enumerate(model.h):
-            x = x + attend(block.attn, block.ln_1.forward(x), cache, j)
-            x = x + block.mlp.forward(block.ln_2.forward(x))
+        with model.moe_dropless():      # experts: exact one position at a time only without capacity
+            for j, block in enumerate(model.h):
+                x = x + attend(block.attn, block.ln_1.forward(x), cache, j)
+                x = x + block.mlp.forward(block.ln_2.forward(x))
         cache.length += t
         last = model.ln_f.forward(xp.ascontiguousarray(x[:, -1:]))              # (B, 1, C)
         logits_i = xp.ascontiguousarray(model.wte.logits_forward(last)[:, 0])    # (B, V_i)

@@ -21,6 +21,8 @@ blocks' load-balancing and router z-losses (moe_stats() keeps the parts).
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy
 
 from mpi_tp.core import backend
@@ -241,6 +243,21 @@ class GPT(Module):
     def moe_layers(self) -> list:
         """The MoEMLP of every MoE block of this model, in order."""
         return [b.mlp for b in self.h if b.moe]
+
+    @contextlib.contextmanager
+    def moe_dropless(self):
+        """Inside, the MoE blocks drop no assignment (MoEMLP.dropless), whatever moe_capacity says:
+        for inference, where cached decoding (mpi_tp.inference.decode) sees one position at a time and
+        a per-sequence capacity would drop otherwise than over the whole sequence. Dense: no effect."""
+        layers = self.moe_layers()
+        before = [m.dropless for m in layers]
+        for m in layers:
+            m.dropless = True
+        try:
+            yield self
+        finally:
+            for m, was in zip(layers, before):
+                m.dropless = was
 
     def moe_stats(self) -> dict:
         """After a forward with targets: the parts of the loss and each MoE block's routing on this

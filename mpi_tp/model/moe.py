@@ -159,9 +159,14 @@ class MoEMLP(Module):
     admitted) arrays (B, T, k); `loss_term` = aux_weight aux + z_weight zl, what the block adds to
     the model's loss. The backward adds that term's gradient times `loss_scale` (GPT.backward
     sets it to its dout, e.g. 1 / micro-batches).
+
+    dropless (default False): when set, no assignment is dropped whatever moe_capacity says. For
+    inference (GPT.moe_dropless): cached decoding runs one position at a time, where the
+    per-sequence capacity (of T = 1) would admit other assignments than the full forward's.
     """
 
     loss_scale = 1.0
+    dropless = False
 
     def __init__(self, name, cfg, topo, dtype, seed):
         self.E, self.k, self.capacity = cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity
@@ -181,7 +186,7 @@ class MoEMLP(Module):
         x2 = x.reshape(N, C)
         z, router = K.linear_forward(x2, self.router.data)                  # (N, C) -> (N, E)
         p, lse, choice, gate = route(z, k)
-        keep = admitted(choice.reshape(B, T, k), E, self.capacity)
+        keep = admitted(choice.reshape(B, T, k), E, 0.0 if self.dropless else self.capacity)
         aux, daux = balance_loss(p.reshape(B, T, E), choice.reshape(B, T, k), E)
         zl, dlse = z_loss(lse)
         self.loss_term = self.aux_weight * aux + self.z_weight * zl

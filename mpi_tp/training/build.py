@@ -110,7 +110,7 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
     out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
     tp, pp, dp = cfg.layout(comm.Get_size())
-    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
+    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep)      # ep inside dp (checked by validate)
     if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
         model = PipelineStage(cfg.model_config(), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
                               cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
@@ -121,7 +121,7 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")
     per_replica = cfg.batch_size * cfg.micro_batches
     rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
-    zero_group = topo.dp if cfg.zero else None
+    zero_group = topo.dp if cfg.zero else None        # experts' state: over edp (see optim._Optimizer)
     if cfg.optimizer == "adamw":
         opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                     zero_group=zero_group)

@@ -25,6 +25,14 @@ class TrainConfig:
     n_embd: int = opt(128, "channels (hidden size C)")
     block_size: int = opt(128, "context length in bytes (sequence length T)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
+    # mixture of experts (see mpi_tp.model.moe); moe_experts = 0 is the dense model
+    moe_experts: int = opt(0, "experts per MoE block (0: a dense model)")
+    moe_top_k: int = opt(1, "experts per token")
+    moe_every: int = opt(1, "every N-th block is an MoE block (block i when i % N == N - 1)")
+    moe_capacity: float = opt(0.0, "capacity factor per sequence and expert: assignments past "
+                              "ceil(F * T * k / E) are dropped (0: dropless)")
+    moe_aux_weight: float = opt(0.01, "weight of the load-balancing loss (Switch / GShard)")
+    moe_z_weight: float = opt(0.0, "weight of the router z-loss (ST-MoE)")
     # parallel layout
     tp: int = opt(0, "tensor-parallel size; 0 = world size / (pp * dp)")
     pp: int = opt(1, "pipeline stages (consecutive runs of blocks on different ranks); world size = "
@@ -36,6 +44,8 @@ class TrainConfig:
                               "micro_batches must then be a multiple of pp)")
     dp: int = opt(1, "data-parallel size (replicas, each on micro_batches x batch_size sequences); "
                   "world size = tp * pp * dp")
+    ep: int = opt(1, "expert-parallel size: each MoE block's experts split over ep consecutive data-parallel "
+                  "replicas (must divide dp; the layout stays tp * pp * dp)")
     overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
                            "(--no-overlap-dp: after it)")
     bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
@@ -44,7 +54,8 @@ class TrainConfig:
                             "emulates k nodes)", ["flat", "hierarchical"])
     sequence_parallel: bool = opt(False, "split the activations between the tensor-parallel regions along "
                                   "the sequence (Korthikanti et al. 2022): less activation memory, same traffic")
-    zero: int = opt(0, "1: ZeRO stage 1, the optimizer state split over the data-parallel replicas", [0, 1])
+    zero: int = opt(0, "1: ZeRO stage 1, the optimizer state split over the data-parallel replicas (an "
+                    "expert's over the replicas holding it)", [0, 1])
     recompute: str = opt("none", "activation recomputation: 'selective' keeps q, k, v and computes the attention "
                          "softmax again in the backward pass; 'full' keeps only each block's input and runs "
                          "its forward again (Korthikanti et al. 2022)", ["none", "selective", "full"])
@@ -92,7 +103,10 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int = 256) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout)
+                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
+                         moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every,
+                         moe_capacity=self.moe_capacity, moe_aux_weight=self.moe_aux_weight,
+                         moe_z_weight=self.moe_z_weight)
 
     def validate(self, world_size: int) -> None:
         for f in fields(self):
@@ -134,7 +148,30 @@ class TrainConfig:
             raise ConfigError(f"the layout tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} MPI ranks but the "
                               f"job has {world_size}: launch with mpiexec -n {tp * pp * dp}, or change "
                               "--tp/--pp/--dp")
-        self.model_config().validate(tp)
+        self._validate_moe(dp)
+        self.model_config().validate(tp, self.ep)
+
+    def _validate_moe(self, dp: int) -> None:
+        """The expert-parallel layout and what mixture of experts cannot be combined with, in CLI terms."""
+        E, ep = self.moe_experts, self.ep
+        if ep < 1:
+            raise ConfigError(f"--ep must be at least 1, got {ep}")
+        if ep > 1 and E == 0:
+            raise ConfigError(f"--ep {ep} needs a mixture-of-experts model: pass --moe-experts E (E >= {ep}), "
+                              "or drop --ep")
+        if dp % ep:
+            raise ConfigError(f"--ep {ep} must divide the data-parallel size --dp {dp}: the experts are split "
+                              "among groups of ep consecutive data-parallel replicas")
+        if E > 0 and ep > E:
+            raise ConfigError(f"--ep {ep} exceeds --moe-experts {E}: some rank would hold no expert; use "
+                              f"--ep <= {E} or more experts")
+        if E > 0 and self.sequence_parallel:
+            raise ConfigError("--sequence-parallel is not supported with a mixture-of-experts model "
+                              "(--moe-experts): the router and the dispatch need every position on every "
+                              "tensor-parallel rank; drop --sequence-parallel")
+        if E > 0 and (self.pp > 1 or self.virtual_stages > 1):
+            raise ConfigError("pipeline parallelism (--pp, --virtual-stages) is not supported with a "
+                              "mixture-of-experts model (--moe-experts) yet: use --pp 1")
 
     def layout(self, world_size: int) -> tuple[int, int, int]:
         """(tp, pp, dp) for a job of world_size ranks."""

@@ -39,7 +39,7 @@ from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
 from mpi_tp.training.faults import Preemption
 from mpi_tp.training.optim import clip_coefficient, grad_norm, lr_at
-from mpi_tp.training.progress import Progress, environment, fmt_time
+from mpi_tp.training.progress import MoEMeter, Progress, environment, fmt_time
 
 
 def evaluate(model: GPT, batches) -> float:
@@ -51,7 +51,7 @@ def evaluate(model: GPT, batches) -> float:
     return loss
 
 
-def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer, dp) -> float:
+def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer, dp, meter=None) -> float:
     """The global batch's loss, and its gradient accumulated into every Param.grad (zeroed first).
 
     x, y: the global batch (rows = sequences); this replica takes `rows`, in
@@ -61,7 +61,8 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
     micro-batch draws the dropout masks of this step, keyed by its sequences'
     rows in the global batch, so any (dp, micro_batches) split of the same global
     batch gives the same numbers. Returns the mean loss over the global batch,
-    the same on every rank (not finite if any micro-batch's is not).
+    the same on every rank (not finite if any micro-batch's is not). meter: a
+    progress.MoEMeter, given each micro-batch's MoE statistics (MoE models).
     """
     step = model.dropout.step
     model.zero_grad()
@@ -71,6 +72,8 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
         model.dropout.step, model.dropout.row0 = step, mine.start
         with span(trace, "forward", "compute", micro=m):
             total += model.forward(x[mine], y[mine])
+        if meter is not None:
+            meter.add(model, 1.0 / micro_batches)
         last = m == micro_batches - 1
         with span(trace, "backward", "compute", micro=m):
             model.backward(dout=1.0 / micro_batches, reducer=reducer if last else None)
@@ -80,18 +83,21 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
     return loss
 
 
-def train_step(run: Run, step: int, lr: float) -> tuple[float, float, str | None]:
+def train_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) -> tuple[float, float, str | None]:
     """One optimizer step on the global batch of `step`: (loss, gradient norm, problem).
 
     problem is None, or what went non-finite; then the update is not applied.
     The loss and the norm are the same on every rank, so all ranks decide alike.
+    meter (MoE models): takes this step's MoE statistics.
     """
     cfg, model = run.cfg, run.model
     x, y = run.sampler.batch(step - 1)
+    if meter is not None:
+        meter.begin()
     if isinstance(model, PipelineStage):                 # the schedule runs the micro-batches
         loss = model.forward_backward(x, y, run.rows, run.reducer, run.topo.dp)
     else:
-        loss = forward_backward(model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp)
+        loss = forward_backward(model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp, meter)
     if not math.isfinite(loss):
         return loss, float("nan"), f"the loss became {loss}"
     params = run.opt.params
@@ -102,6 +108,8 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, float, str | None
         return loss, norm, f"the gradient norm became {norm}"
     with span(run.topo.stats.trace, "optimizer", "compute", step=step):
         run.opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
+    if meter is not None:
+        meter.commit()
     return loss, norm, None
 
 
@@ -133,8 +141,13 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
         progress.close(None)
         return {**record, "steps": cfg.steps, "first_step": run.first}
     pipeline = f" x pp={topo.pp.size} ({cfg.schedule}, M={cfg.micro_batches})" if topo.pp.size > 1 else ""
+    moe = isinstance(model, GPT) and bool(model.moe_layers())
+    meter = MoEMeter(model, topo.dp) if moe else None
+    experts = (f" (ep={topo.ep.size}; MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, every "
+               f"{cfg.moe_every} block(s), capacity {cfg.moe_capacity or 'none'})") if moe else ""
     progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}{pipeline} x "
-                 f"dp={topo.dp.size}{' +sp' if cfg.sequence_parallel else ''}{' +zero1' if cfg.zero else ''}, "
+                 f"dp={topo.dp.size}{experts}{' +sp' if cfg.sequence_parallel else ''}"
+                 f"{' +zero1' if cfg.zero else ''}, "
                  f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
                  f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {run.out}")
 
@@ -145,7 +158,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
     try:
         for step in range(run.first, cfg.steps + 1):
             lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-            loss, norm, problem = train_step(run, step, lr)
+            loss, norm, problem = train_step(run, step, lr, meter)
             if problem is None:
                 skipped = 0
                 losses.append(loss)
@@ -165,7 +178,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
                     val_loss = evaluate(model, run.val_batches)
                 progress.log({"step": step, "val_loss": val_loss})
             if problem is None and (step % cfg.log_every == 0 or last):
-                progress.step_line(step, losses, lr, norm, val_loss)
+                progress.step_line(step, losses, lr, norm, val_loss, meter.report() if meter else None)
             stop = preemption.agreed()    # SIGTERM on any rank: save, then leave cleanly (collective)
             if last or stop or (cfg.save_every and step % cfg.save_every == 0):
                 save(run, step, progress)

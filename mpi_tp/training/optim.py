@@ -106,6 +106,15 @@ class _Optimizer:
     1/D share of every storage (a contiguous range of its flat view), then the
     updated parameters are all-gathered over the group. The update of each element
     is the same arithmetic as without ZeRO, so results are identical.
+
+    Mixture of experts: an expert's storage (p.expert, mpi_tp.parallel.expert_parallel)
+    is the same only on the replicas holding that expert, its expert-data-parallel group
+    `edp` (dp / ep ranks; dp itself at ep = 1), whose members hold the same experts in
+    the same order. So it is sharded over edp instead of dp (whole, no gather, when
+    ep = dp), and each storage's share is all-gathered over its own group: dense
+    storages over dp, in the same order on every member, expert storages over edp,
+    in the same order on the members of each edp group. Still exact: every element
+    has one owner, which does the same update as without ZeRO.
     """
 
     def __init__(self, params: list[Param], kinds: tuple, zero_group: Group | None = None):
@@ -116,10 +125,13 @@ class _Optimizer:
         self._where = [where[id(p.base)] for p in params]
         self.zero = zero_group if zero_group is not None and zero_group.size > 1 else None
         self._parts = []                 # per storage: (every rank's share sizes, this rank's flat range)
-        for base, _, _ in self.storages:
-            sizes = split_sizes(base.size, self.zero.size) if self.zero else [base.size]
-            lo = sum(sizes[:self.zero.rank]) if self.zero else 0
-            self._parts.append((sizes, slice(lo, lo + sizes[self.zero.rank if self.zero else 0])))
+        self._zero_groups = []           # per storage: the group its state is split over (None: whole here)
+        for base, _, members in self.storages:
+            g = self._zero_group_of(members[0])
+            sizes = split_sizes(base.size, g.size) if g else [base.size]
+            lo = sum(sizes[:g.rank]) if g else 0
+            self._parts.append((sizes, slice(lo, lo + sizes[g.rank if g else 0])))
+            self._zero_groups.append(g)
         self.state = {k: [xp.zeros(part.stop - part.start, base.dtype)
                           for (base, _, _), (_, part) in zip(self.storages, self._parts)] for k in kinds}
         dtype = self.storages[0][0].dtype if self.storages else "float32"
@@ -127,9 +139,18 @@ class _Optimizer:
         self._scratch, self._scaled = xp.empty(n, dtype), xp.empty(n, dtype)
         self.t = 0
 
+    def _zero_group_of(self, p: Param) -> Group | None:
+        """ZeRO-1's group for p's storage: dp, or edp for an expert's; None without ZeRO or for one rank."""
+        if self.zero is None:
+            return None
+        shard = expert_of(p)
+        g = self.zero if shard is None else shard.edp
+        return g if g.size > 1 else None
+
     def state_tensors(self) -> dict:
         """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>), whole:
-        under ZeRO-1 the shares are all-gathered first, so every rank of the dp group must call this."""
+        under ZeRO-1 the shares are all-gathered first, so every rank of the dp group must call this
+        (experts' shares over their edp groups)."""
         out = {}
         for kind, arrays in self.state.items():
             full = [self._gather(a, j) for j, a in enumerate(arrays)]
@@ -148,11 +169,12 @@ class _Optimizer:
 
     def _gather(self, share, j: int):
         """A storage's whole flat state from every replica's share (the share itself without ZeRO)."""
-        if self.zero is None:
+        group = self._zero_groups[j]
+        if group is None:
             return share
         full = backend.xp().empty(sum(self._parts[j][0]), share.dtype)
         full[self._parts[j][1]] = share
-        return self.zero.all_gather_inplace(full, self._parts[j][0])
+        return group.all_gather_inplace(full, self._parts[j][0])
 
     def _flat(self):
         """(param, grad, decay, *state) as flat views of this rank's range, one tuple per storage."""
@@ -163,10 +185,10 @@ class _Optimizer:
                    *(arrays[j] for arrays in self.state.values()))
 
     def _share_updated_params(self) -> None:
-        """ZeRO-1: every replica updated its share; all-gather the parameters over the dp group."""
-        if self.zero is not None:
-            for j, (base, _, _) in enumerate(self.storages):
-                self.zero.all_gather_inplace(base.reshape(-1), self._parts[j][0])
+        """ZeRO-1: every replica updated its share; all-gather the parameters over dp (experts: edp)."""
+        for j, (base, _, _) in enumerate(self.storages):
+            if self._zero_groups[j] is not None:
+                self._zero_groups[j].all_gather_inplace(base.reshape(-1), self._parts[j][0])
 
     def _scratch_for(self, n: int):
         if n > self._scratch.size:       # one block per storage on GPUs

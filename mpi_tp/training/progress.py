@@ -4,6 +4,16 @@
     metrics.jsonl    one JSON object per logged step, per validation estimate and per skipped step
     run.json         summary: data hash, layout, final losses, timings, communication, sample
 
+A mixture-of-experts run's logged steps also hold (MoEMeter) cross_entropy, aux_loss and
+z_loss, means over the same steps as `loss`, which is the loss trained on and printed:
+cross_entropy + moe_aux_weight * aux_loss + moe_z_weight * z_loss (aux_loss and z_loss
+unweighted, summed over the MoE blocks); and `moe`, per MoE block the routing of the
+logged step's global batch (every micro-batch of every replica): tokens_per_expert (the
+assignments each expert computed, after the capacity), imbalance (max / mean of those)
+and dropped (assignments past the capacity); tokens and drops add up to B T k per block,
+B the global batch. The progress line adds the cross-entropy, the worst block's imbalance
+and the share of assignments dropped. Dense runs log and print what they did before.
+
 A resumed run continues metrics.jsonl from its checkpoint: lines of steps after
 the checkpoint (logged before a crash, then run again) are cut first, so every
 step appears once.
@@ -87,8 +97,9 @@ class Progress:
             self.metrics.write(json.dumps(entry) + "\n")
             self.metrics.flush()
 
-    def step_line(self, step: int, losses: list, lr: float, norm: float, val_loss: float) -> None:
-        """Log the mean loss since the last line and print the progress line."""
+    def step_line(self, step: int, losses: list, lr: float, norm: float, val_loss: float,
+                  moe: dict | None = None) -> None:
+        """Log the mean loss since the last line and print the progress line (moe: MoEMeter.report())."""
         cfg, now = self.run.cfg, time.perf_counter()
         n = min((step - 1) % cfg.log_every + 1, len(losses))
         comm_s = self.run.topo.stats.total_seconds() - self.comm_log
@@ -96,10 +107,17 @@ class Progress:
         entry = {"step": step, "loss": sum(losses[-n:]) / n if n else float("nan"), "lr": lr, "grad_norm": norm,
                  "step_s": span / max(n, 1), "tokens_per_s": n * self.run.tokens_per_step / span,
                  "comm_s": comm_s, "elapsed_s": now - self.t0}
+        experts = ""
+        if moe is not None:
+            entry.update(moe)
+            assigned = sum(sum(m["tokens_per_expert"]) + m["dropped"] for m in moe["moe"])
+            dropped = sum(m["dropped"] for m in moe["moe"])
+            experts = (f"ce {moe['cross_entropy']:.4f} | imbalance {max(m['imbalance'] for m in moe['moe']):.2f}, "
+                       f"dropped {100 * dropped / max(assigned, 1):.1f}% | ")
         self.log(entry)
         left = (now - self.t0) / (step - self.run.first + 1) * (cfg.steps - step)
         val = "-" if math.isnan(val_loss) else f"{val_loss:.4f}"
-        self.say(f"step {step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {entry['loss']:.4f} | val {val} | "
+        self.say(f"step {step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {entry['loss']:.4f} | {experts}val {val} | "
                  f"lr {lr:.2e} | {entry['tokens_per_s']:,.0f} tok/s | comm {100 * comm_s / span:.0f}% | "
                  f"{fmt_time(now - self.t0)} elapsed, {fmt_time(left)} left")
         self.t_log, self.comm_log = now, self.run.topo.stats.total_seconds()
@@ -112,3 +130,54 @@ class Progress:
         if record is not None:
             with open(os.path.join(self.run.out, "run.json"), "w") as f:
                 json.dump(record, f, indent=2)
+
+
+class MoEMeter:
+    """The mixture-of-experts metrics of a run, on every rank (see the module docstring).
+
+    Per micro-batch `add` takes the model's moe_stats() into the step being run; `commit` keeps a
+    finished step (a skipped one is left out, as from the loss); `report`, at a logged step and on
+    every rank (a collective), sums this replica's numbers over the data-parallel group (one small
+    all-reduce: 3 floats and (E + 1) integers per MoE block, exact in float64) and starts afresh.
+    """
+
+    def __init__(self, model, dp):
+        self.dp, self.E = dp, model.cfg.moe_experts
+        self.blocks = [b.i for b in model.h if b.moe]
+        self.parts = numpy.zeros(3)                                   # cross-entropy, aux, z: summed over steps
+        self.steps = 0
+        self._parts, self._counts = numpy.zeros(3), numpy.zeros((len(self.blocks), self.E + 1))
+        self.counts = self._counts.copy()                             # the last committed step's routing
+
+    def begin(self) -> None:
+        self._parts[:] = 0
+        self._counts[:] = 0
+
+    def add(self, model, weight: float) -> None:
+        """After a micro-batch's forward: its loss parts (times weight: 1 / micro-batches) and routing."""
+        s = model.moe_stats()
+        self._parts += weight * numpy.array([s["cross_entropy"], s["aux_loss"], s["z_loss"]], dtype=float)
+        for row, layer in zip(self._counts, s["layers"]):
+            row[:self.E] += backend.asnumpy(layer["tokens_per_expert"])
+            row[self.E] += layer["dropped"]
+
+    def commit(self) -> None:
+        self.parts += self._parts
+        self.steps += 1
+        self.counts = self._counts.copy()
+
+    def report(self) -> dict:
+        """The logged entry's MoE fields, the same on every rank; then a new window begins."""
+        buf = numpy.concatenate([self.parts, self.counts.reshape(-1)])
+        if self.dp.size > 1:
+            buf = self.dp.all_reduce(buf)
+        ce, aux, z = buf[:3] / (max(self.steps, 1) * self.dp.size)
+        layers = []
+        for block, row in zip(self.blocks, buf[3:].reshape(len(self.blocks), self.E + 1)):
+            tokens = [int(round(t)) for t in row[:self.E]]
+            mean = sum(tokens) / self.E
+            layers.append({"block": block, "tokens_per_expert": tokens, "dropped": int(round(row[self.E])),
+                           "imbalance": max(tokens) / mean if mean else float("nan")})
+        self.parts[:] = 0
+        self.steps = 0
+        return {"cross_entropy": float(ce), "aux_loss": float(aux), "z_loss": float(z), "moe": layers}
