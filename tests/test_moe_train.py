@@ -184,6 +184,7 @@ def test_dense_and_moe_checkpoints_do_not_mix(tmp_path, reference):
 @cli
 @pytest.mark.parametrize("args,message", [
     (["--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
+    (["--moe-top-k", "2"], "--moe-top-k set on a dense model"),
     (["--moe-experts", "1", "--dp", "2", "--ep", "2"], "--ep 2 exceeds --moe-experts 1"),
     (["--moe-experts", "4", "--ep", "2"], "--ep 2 must divide the data-parallel size --dp 1"),
     (["--moe-experts", "4", "--dp", "2", "--ep", "0"], "--ep must be at least 1"),

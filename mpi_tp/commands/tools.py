@@ -120,7 +120,7 @@ def cmd_inspect(args, comm) -> int:
         with ckpt_io.Checkpoint(args.checkpoint) as ck:
             m = ck.meta
             print(f"checkpoint {ck.dir}")
-            print(f"  format {ckpt_io.FORMAT} v{ckpt_io.VERSION}; step {ck.step}; saved at tp={m['layout']['tp']}; "
+            print(f"  format {ckpt_io.FORMAT} v{ckpt_io.VERSION}; step {ck.step}; saved at {' x '.join(f'{k}={v}' for k, v in m['layout'].items() if k != 'world')}; "
                   f"data {m.get('data', {}).get('name')} (sha256 {str(m.get('data', {}).get('sha256'))[:12]})")
             print(f"  model {json.dumps(m['config'])}")
             total = 0

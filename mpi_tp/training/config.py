@@ -156,6 +156,11 @@ class TrainConfig:
         E, ep = self.moe_experts, self.ep
         if ep < 1:
             raise ConfigError(f"--ep must be at least 1, got {ep}")
+        if E == 0:
+            set_ = [f"--{k.replace('_', '-')}" for k in ("moe_top_k", "moe_every", "moe_capacity", "moe_aux_weight",
+                                                        "moe_z_weight") if getattr(self, k) != getattr(TrainConfig, k)]
+            if set_:
+                raise ConfigError(f"{', '.join(set_)} set on a dense model: pass --moe-experts E as well, or drop them")
         if ep > 1 and E == 0:
             raise ConfigError(f"--ep {ep} needs a mixture-of-experts model: pass --moe-experts E (E >= {ep}), "
                               "or drop --ep")
