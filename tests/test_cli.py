@@ -255,3 +255,12 @@ def test_presets_are_valid(tmp_path):
         add_arguments(parser)
         cfg = resolve(parser.parse_args(["--config", os.path.join(folder, name)]))
         cfg.validate((cfg.tp or 1) * cfg.dp)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "serve", "inspect", "export", "bench", "plan",
+                                     "calibrate", "explain"])
+def test_every_command_has_help(command):
+    """argparse formats help lazily: a '%' in one option's text breaks only --help (it did, once)."""
+    r = subprocess.run([sys.executable, "-m", "mpi_tp", command, "--help"], capture_output=True, text=True,
+                       timeout=60, env=clean_env())
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr

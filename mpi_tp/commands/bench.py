@@ -27,7 +27,7 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.commands import bench_inference
+from mpi_tp.commands import bench_inference, bench_moe
 from mpi_tp.commands.bench_pipeline import print_pipeline, run_pipeline_shape
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
@@ -221,6 +221,7 @@ def add_parser(sub) -> None:
                    help="with --pp: activation recomputation")
     b.add_argument("--backend", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: GPUs)")
     bench_inference.add_arguments(b)
+    bench_moe.add_arguments(b)
     b.add_argument("--json", metavar="FILE", help="append one JSON line per shape to FILE")
     b.set_defaults(run=cmd_bench)
 
@@ -258,11 +259,13 @@ def _shapes(args, ranks: int) -> list[tuple]:
 
 
 def cmd_bench(args, comm) -> int:
-    if args.inference and not args.shape and not args.custom:
-        args.shape = ["c"]
+    if (args.inference or args.moe) and not args.shape and not args.custom:
+        args.shape = ["a" if args.moe else "c"]
     shapes = collective_setup(_shapes, args, comm.Get_size(), comm=comm)
     if args.inference:
         collective_setup(bench_inference.check, args, shapes, comm=comm)
+    if args.moe:
+        collective_setup(bench_moe.check, args, comm.Get_size(), comm=comm)
     collective_setup(backend.use, args.backend, comm, comm=comm)
     env = environment(comm)
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
@@ -271,6 +274,8 @@ def cmd_bench(args, comm) -> int:
                 comm=comm)
     if args.inference:
         return bench_inference.cmd_inference(args, comm, shapes, env)
+    if args.moe:
+        return bench_moe.cmd_moe(args, comm, shapes, env)
     modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
     for C, H, L, S, B in shapes:
         if args.pp > 1:

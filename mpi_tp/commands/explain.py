@@ -21,6 +21,7 @@ import textwrap
 
 import numpy
 
+from mpi_tp.commands import explain_moe
 from mpi_tp.commands.explain_pipeline import lesson as pipeline_lesson
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
@@ -215,6 +216,8 @@ def run(args, comm) -> bool:
         if args.micro_batches is not None and args.micro_batches < 1:
             raise UserError(f"--micro-batches must be at least 1, got {args.micro_batches}")
         return pipeline_lesson(comm, args.micro_batches)
+    if args.layer == "moe":
+        return explain_moe.lesson(args, comm)
     p = collective_setup(plan, args, comm.Get_size(), comm=comm)
     cfg, T = p["cfg"], comm.Get_size()
     kinds = LAYERS if args.layer == "all" else (args.layer,)
@@ -237,9 +240,9 @@ def run(args, comm) -> bool:
 def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="a live lesson: one tiny layer split over the ranks, against its serial self",
                        description=__doc__.split("\n\n")[0])
-    e.add_argument("--layer", choices=LAYERS + ("all", "pipeline"), default="mlp",
+    e.add_argument("--layer", choices=LAYERS + ("all", "pipeline", "moe"), default="mlp",
                    help="the layer to show (default mlp); pipeline: the schedules on P = world size stages, "
-                        "drawn from the run's own timestamps")
+                        "drawn from the run's own timestamps; moe: a mixture-of-experts layer at ep = world size")
     e.add_argument("--features", type=int, default=8, help="features C (default 8)")
     e.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
@@ -248,6 +251,7 @@ def add_parser(sub) -> None:
     e.add_argument("--sequence-parallel", action="store_true", help="split the activations along the sequence")
     e.add_argument("--micro-batches", type=int, default=None,
                    help="with --layer pipeline: micro-batches per step (default 2 P)")
+    explain_moe.add_arguments(e)
     e.set_defaults(run=cmd_explain)
 
 

@@ -28,7 +28,7 @@ class TrainConfig:
     # mixture of experts (see mpi_tp.model.moe); moe_experts = 0 is the dense model
     moe_experts: int = opt(0, "experts per MoE block (0: a dense model)")
     moe_top_k: int = opt(1, "experts per token")
-    moe_every: int = opt(1, "every N-th block is an MoE block (block i when i % N == N - 1)")
+    moe_every: int = opt(1, "every N-th block is an MoE block (block i when i mod N = N - 1)")
     moe_capacity: float = opt(0.0, "capacity factor per sequence and expert: assignments past "
                               "ceil(F * T * k / E) are dropped (0: dropless)")
     moe_aux_weight: float = opt(0.01, "weight of the load-balancing loss (Switch / GShard)")

@@ -1,0 +1,259 @@
+"""`mpi-tp explain --layer moe`: a live lesson in expert parallelism, one mixture-of-experts layer
+split over the ranks of the job.
+
+    mpiexec -n 2 mpi-tp explain --layer moe                           # ep = 2: 4 experts, 2 per rank
+    mpiexec -n 3 mpi-tp explain --layer moe --moe-top-k 1 --moe-capacity 0   # 4 experts: 2 + 1 + 1, dropless
+    mpiexec -n 4 mpi-tp explain --layer moe --tp 2                    # tp = 2 inside each of ep = 2 replicas
+
+Builds one MoEMLP (float64, random weights) at tp = --tp (default 1) and
+ep = dp = world size / tp: each replica holds B sequences of S tokens of its
+own, routes them (the top k of E experts, a capacity per sequence), sends each
+admitted (token, expert) row to the rank holding that expert and gets its
+result back (all-to-all), then runs the backward pass. Rank by rank it prints
+the routing (token, chosen experts, gates, admitted or dropped), the experts
+the rank holds, the collectives it counted beside the formula (rows leaving
+the rank x C x itemsize, worked out from every replica's routing), and how far
+the output, the input gradient and the parameter gradients are from the same
+layer on one rank over the whole batch (same seed and names: expert e has the
+same weights wherever it lives). Exit status 0 when everything matches.
+"""
+from __future__ import annotations
+
+import math
+import textwrap
+
+import numpy
+from mpi4py import MPI
+
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.core.testing import all_true, max_rel_diff, randomize
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.moe import MoEMLP, route
+from mpi_tp.parallel.topology import Topology, offsets, split_sizes
+
+F64 = numpy.float64
+SEED = 7
+RTOL = 1e-10                  # float64: the parallel layer only moves rows and reorders sums
+AUX_WEIGHT, Z_WEIGHT = 0.01, 0.001
+
+LESSON = ("MoEMLP: a router (W_r, C x E, whole on every rank) scores each token; its k best experts take it, "
+          "weighted by the gates, and each sequence may send at most cap = ceil(capacity x S x k / E) "
+          "assignments to one expert (the rest are dropped: first choices first, then by position). The E "
+          "experts are whole MLPs (C -> 4C -> C) divided among the ep ranks; each ep rank is a data-parallel "
+          "replica with tokens of its own. Dispatch: one all-to-all of the row counts, then an Alltoallv "
+          "carries every admitted row to its expert's rank; combine: the inverse Alltoallv brings the "
+          "results back. Backward: the same two exchanges in reverse (combine's gradient is a dispatch). "
+          "With --tp > 1 each expert is also split column/row over the tp ranks, with one g (all-reduce) "
+          "for all of a rank's experts.")
+DENSE = ("Beside the dense MLP (mpi-tp explain --layer mlp): there every rank holds every token and a slice "
+         "of every weight, and the activations are all-reduced (g forward, f backward), whatever the routing. "
+         "Here every rank holds whole experts and only its own tokens, and the tokens travel: an all-to-all "
+         "of the rows that leave the rank (k per token, fewer when dropped) instead of an all-reduce of "
+         "every activation.")
+ROLES = {
+    ("forward", "ep/all_to_all"): "the row counts per expert, before the rows",
+    ("forward", "ep/all_to_allv"): "dispatch the rows to the experts' ranks, combine the results back",
+    ("backward", "ep/all_to_allv"): "output gradients to the experts, input gradients back",
+    ("forward", "tp/all_reduce"): "g: sum the experts' partial outputs, once for all local experts",
+    ("backward", "tp/all_reduce"): "f's backward: sum the partial input gradients",
+}
+
+
+def add_arguments(e) -> None:
+    e.add_argument("--moe-experts", type=int, default=4, help="with --layer moe: experts E (default 4)")
+    e.add_argument("--moe-top-k", type=int, default=2, help="with --layer moe: experts per token k (default 2)")
+    e.add_argument("--moe-capacity", type=float, default=1.0,
+                   help="with --layer moe: capacity factor per sequence and expert (default 1.0; 0: dropless)")
+    e.add_argument("--tp", type=int, default=1,
+                   help="with --layer moe: tensor-parallel size inside each replica (default 1; ep = ranks / tp)")
+
+
+def plan(args, world: int) -> dict:
+    """The lesson's sizes, checked against the world size (a UserError says what to change)."""
+    E, k, capacity, tp = args.moe_experts, args.moe_top_k, args.moe_capacity, args.tp
+    C, B, S = args.features, args.batch, args.seq
+    for flag, v in (("--features", C), ("--batch", B), ("--seq", S), ("--moe-experts", E), ("--tp", tp)):
+        if v < 1:
+            raise UserError(f"{flag} must be a positive integer, got {v}")
+    if world % tp:
+        raise UserError(f"--tp {tp} must divide the {world} ranks of this job (ep = ranks / tp)")
+    ep = world // tp
+    if E < ep:
+        raise UserError(f"--moe-experts {E} cannot be divided among ep = {ep} ranks (some rank would hold none): "
+                        f"use --moe-experts {ep} or more, or a larger --tp")
+    if not 1 <= k <= E:
+        raise UserError(f"--moe-top-k {k} must be between 1 and --moe-experts {E}")
+    if not 0 <= capacity < math.inf:
+        raise UserError(f"--moe-capacity must be a finite number >= 0 (0: dropless), got {capacity}")
+    if 4 * C < tp:
+        raise UserError(f"an expert's width 4C = {4 * C} cannot be split over --tp {tp}: use --features {tp} or more")
+    cfg = GPTConfig(vocab_size=1, block_size=S, n_layer=1, n_head=1, n_embd=C, moe_experts=E, moe_top_k=k,
+                    moe_capacity=capacity, moe_aux_weight=AUX_WEIGHT, moe_z_weight=Z_WEIGHT)
+    cfg.validate(1, ep)
+    cap = math.ceil(round(capacity * S * k / E, 9)) if capacity else None
+    return {"cfg": cfg, "B": B, "S": S, "C": C, "E": E, "k": k, "tp": tp, "ep": ep, "cap": cap}
+
+
+def owners(E: int, ep: int):
+    """Expert -> the ep rank holding it (split_sizes: the first E % ep ranks hold one more)."""
+    return numpy.repeat(numpy.arange(ep), split_sizes(E, ep))
+
+
+def moved_rows(routes, E: int, me: int) -> tuple[int, int]:
+    """From every replica's (choice, admitted): rows ep rank `me` dispatches to other ranks (its tokens'
+    admitted assignments to experts it does not hold), and rows it returns (other replicas' admitted
+    assignments to its experts). Each crosses twice per pass (there, and back as a result or gradient)."""
+    owner = owners(E, len(routes))
+    c, a = routes[me]
+    out = int((a & (owner[c] != me)).sum())
+    back = sum(int((a_s & (owner[c_s] == me)).sum()) for s, (c_s, a_s) in enumerate(routes) if s != me)
+    return out, back
+
+
+def _table(x, layer, routing, first_seq: int, k: int) -> list[str]:
+    """One line per token of this replica: global index, (sequence, position), each choice's gate and fate."""
+    B, S, C = x.shape
+    _, _, choice, gate = route(x.reshape(B * S, C) @ layer.router.data, k)
+    lines = [("  token  seq pos  " + "".join(f"{f'choice {j + 1}':<19}" for j in range(k))).rstrip()]
+    for n in range(B * S):
+        b, t = divmod(n, S)
+        cells = [f"e{int(choice[n, j])} {float(gate[n, j]):.3f} {'kept' if routing[1][b, t, j] else 'DROPPED'}"
+                 for j in range(k)]
+        picks = "".join(f"{cell:<19}" for cell in cells)
+        lines.append(f"  {(first_seq + b) * S + t:5d}  {first_seq + b:3d} {t:3d}  {picks.rstrip()}")
+    return lines
+
+
+def _expected(p: dict, routes, me: int, rows_here: int) -> dict:
+    """{(pass, key): (calls, bytes)} the counters should show on this rank, and the formula texts."""
+    E, ep, tp, C = p["E"], p["ep"], p["tp"], p["C"]
+    out, back = moved_rows(routes, E, me)
+    a2av = (out + back) * C * 8
+    expect, why = {}, {}
+    if ep > 1:
+        counts = (ep - 1) * max(split_sizes(E, ep)) * 8
+        expect[("forward", "ep/all_to_all")] = (1, counts)
+        why[("forward", "ep/all_to_all")] = f"(ep - 1) x E_max x 8 = {ep - 1} x {max(split_sizes(E, ep))} x 8"
+        for phase in ("forward", "backward"):
+            expect[(phase, "ep/all_to_allv")] = (2, a2av)
+            why[(phase, "ep/all_to_allv")] = (f"({out} rows out + {back} rows back) x C {C} x 8 bytes"
+                                              if phase == "forward" else
+                                              f"({out} gradient rows out + {back} back) x C {C} x 8 bytes")
+    if tp > 1:
+        for phase in ("forward", "backward"):
+            expect[(phase, "tp/all_reduce")] = (1, rows_here * C * 8)
+            why[(phase, "tp/all_reduce")] = f"(R = {rows_here} rows, C {C}) x 8 bytes"
+    return {"expect": expect, "why": why, "out": out, "back": back}
+
+
+def _comm_lines(phase, snapshot, formula, world) -> list[str]:
+    if not snapshot:
+        return [f"  {phase:<9} none" + (" (one rank: every expert is here)" if world == 1 else "")]
+    lines = []
+    for key, v in snapshot.items():
+        nbytes = formula["expect"].get((phase, key), (None, None))[1]
+        said = f" = {formula['why'][(phase, key)]} = {nbytes}" if (phase, key) in formula["why"] else " (unexpected)"
+        lines.append(f"  {phase:<9} {key}: {v['calls']} call{'s' * (v['calls'] != 1)}, {v['bytes']} bytes"
+                     f"{said}  ({ROLES.get((phase, key), '')})")
+    return lines
+
+
+def lesson(args, comm) -> bool:
+    """Run the lesson on every rank, print it from rank 0; True when every check passed."""
+    p = collective_setup(plan, args, comm.Get_size(), comm=comm)
+    cfg, B, S, C, E, k, tp, ep = (p[key] for key in ("cfg", "B", "S", "C", "E", "k", "tp", "ep"))
+    world = comm.Get_size()
+    sizes = split_sizes(E, ep)
+    cap = (f"cap = ceil({cfg.moe_capacity:g} x S x k / E) = {p['cap']} assignments per sequence and expert"
+           if p["cap"] else "dropless (capacity 0)")
+    rank0_print(f"mixture of experts: E = {E} experts, top-k = {k}, {cap}; tp = {tp}, ep = dp = {ep} "
+                f"replica{'s' * (ep > 1)} of B = {B} sequence{'s' * (B > 1)} x S = {S} tokens; C = {C}, "
+                f"F = 4C = {4 * C} per expert; float64; aux weight {AUX_WEIGHT}, z weight {Z_WEIGHT}\n"
+                f"experts by ep rank: " + "; ".join(
+                    f"rank {r}: " + " ".join(f"e{e}" for e in range(o, o + n))
+                    for r, (o, n) in enumerate(zip(offsets(sizes), sizes))) +
+                f"\n\n== moe ==\n{textwrap.fill(LESSON, 100)}", comm=comm)
+    topo, serial = Topology.create(comm, tp=tp, dp=ep, ep=ep), Topology.serial()
+    par, ser = MoEMLP("moe", cfg, topo, F64, SEED), MoEMLP("moe", cfg, serial, F64, SEED)
+    randomize(par, seed=SEED)                  # the same values slice for slice, whoever holds the expert
+    randomize(ser, seed=SEED)
+    rng = numpy.random.default_rng(SEED)
+    x, dout = rng.standard_normal((B * ep, S, C)), rng.standard_normal((B * ep, S, C))   # the global batch
+    mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+    y_ref = ser.forward(x)
+    dx_ref = ser.backward(dout)
+    par.loss_scale = 1.0 / ep                  # each replica's aux and z-loss are means over its own batch
+    topo.stats.reset()
+    y = par.forward(numpy.ascontiguousarray(x[mine]))
+    fwd = topo.stats.snapshot()
+    topo.stats.reset()
+    dx = par.backward(numpy.ascontiguousarray(dout[mine]))
+    bwd = topo.stats.snapshot()
+
+    # Against the serial layer: the router's gradient is summed over the replicas (as the reducer would).
+    router_grad = par.router.grad.copy()
+    topo.dp.comm.Allreduce(MPI.IN_PLACE, router_grad)
+    reference = {q.name: q for q in ser.parameters()}
+    scale = max(float(numpy.abs(q.grad).max()) for q in ser.parameters())
+    grads = {q.name: max_rel_diff(router_grad if q is par.router else q.grad, reference[q.name].grad[q.index()],
+                                  scale) for q in par.parameters()}
+    worst = max(grads, key=grads.get)
+    err_out, err_in = max_rel_diff(y, y_ref[mine]), max_rel_diff(dx, dx_ref[mine])
+    aux = topo.dp.comm.allreduce(par.stats["aux_loss"]) / ep
+    err_aux = abs(aux - ser.stats["aux_loss"]) / abs(ser.stats["aux_loss"])
+
+    routes = topo.ep.comm.allgather(par.routing)              # a lesson: pickled once
+    me, local = topo.ep.rank, list(par.dispatcher.local)
+    rows = {e: sum(int((a & (c == e)).sum()) for c, a in routes) for e in local}
+    formula = _expected(p, routes, me, sum(rows.values()))
+    counted = {(phase, key): (v["calls"], v["bytes"]) for phase, snap in (("forward", fwd), ("backward", bwd))
+               for key, v in snap.items()}
+    bytes_ok = counted == formula["expect"]
+    ok = max(err_out, err_in, grads[worst], err_aux) <= RTOL and bytes_ok
+
+    ex = par.experts[0]
+    seqs = f"sequence {mine.start}" if B == 1 else f"sequences {mine.start}-{mine.stop - 1}"
+    lines = [(f"-- rank {comm.Get_rank()} of {world}: ep rank {me}, tp rank {topo.tp.rank}; replica {topo.dp.rank}: "
+              f"{seqs} of the global batch --"),
+             (f"  holds experts {', '.join(f'e{e}' for e in local)} (E_i = {len(local)} of {E}); each: fc "
+              f"{ex.fc_weight.global_shape} -> shard {tuple(ex.fc_weight.data.shape)}, proj "
+              f"{ex.proj_weight.global_shape} -> shard {tuple(ex.proj_weight.data.shape)}; router "
+              f"{par.router.global_shape} whole (replicated)")]
+    if topo.tp.rank == 0:
+        lines += _table(x[mine], par, par.routing, mine.start, k)
+    else:
+        lines.append("  tokens and routing: those of tp rank 0 of this replica (the router is replicated)")
+    kept = int(par.routing[1].sum())
+    lines.append(f"  assignments B S k = {B * S * k}: {kept} admitted, {B * S * k - kept} dropped; rows out to "
+                 f"other ep ranks {formula['out']}, rows in from them {formula['back']}; rows per local expert: "
+                 + ", ".join(f"e{e} {n}" for e, n in rows.items()))
+    lines += _comm_lines("forward", fwd, formula, world) + _comm_lines("backward", bwd, formula, world)
+    lines.append(f"  counted bytes = formula: {'yes' if bytes_ok else 'NO'}")
+    lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} (worst "
+                 f"{worst}), aux loss {aux:.6f} (mean over replicas) vs {ser.stats['aux_loss']:.6f}; tolerance "
+                 f"{RTOL:.0e}: {'PASS' if ok else 'FAIL'}")
+    texts = comm.gather("\n".join(lines), root=0)
+    every = all_true(ok, comm)
+
+    per_expert = numpy.zeros(E, dtype=int)
+    for c, a in routes:
+        numpy.add.at(per_expert, c[a], 1)
+    N = B * S * ep
+    sent = comm.gather(sum(v["bytes"] for key, v in fwd.items() if key.startswith("ep/")), root=0)
+    if comm.Get_rank() == 0:
+        mean_sent = sum(sent) / len(sent)
+        dense = N * C * 8
+        print("\n".join(texts))
+        counts = ", ".join(f"e{e} {n}" for e, n in enumerate(per_expert))
+        print(f"\ntokens per expert (admitted, all replicas): {counts}"
+              f"; max/mean {per_expert.max() / per_expert.mean():.2f}; dropped {N * k - per_expert.sum()} of {N * k} "
+              f"assignments (the same ones at every layout: capacity is per sequence)")
+        print(f"\n{textwrap.fill(DENSE, 100)}\nOn these N = {N} tokens: the dense MLP at tp = {world} all-reduces "
+              f"(N, C) = {dense} bytes forward and {dense} backward on every rank (ring: {2 * (world - 1) / world:.2f}"
+              f" x that on the wire); here a rank sent {mean_sent:.0f} bytes forward on average (all-to-all "
+              f"{'rows and counts' if ep > 1 else ': none, one rank'}).")
+        print(f"moe: all ranks equal the serial layer: {'yes' if every else 'no'}")
+    topo.free()
+    serial.free()
+    return every

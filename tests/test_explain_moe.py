@@ -1,0 +1,106 @@
+"""`mpi-tp explain --layer moe` at 1, 2, 3 ranks (and tp 2 x ep 2 at 4): every rank equals the serial
+layer, and the bytes it prints for each collective are what the printed routing table implies, worked
+out here from the table alone (rows leaving each rank x C x 8, both directions; the counts exchange).
+
+These tests start their own MPI jobs, so they run in the one-rank pass only (no mpi marker), as the
+end-to-end tests of tests/test_explain.py do.
+"""
+import math
+import re
+
+import pytest
+from test_cli import MPIEXEC, mpirun
+
+from mpi_tp.parallel.topology import split_sizes
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+C, S = 8, 4
+TOKEN = re.compile(r"^  +(\d+) +(\d+) +(\d+)  (e\d+ .*)$", re.MULTILINE)
+CHOICE = re.compile(r"e(\d+) ([\d.]+) (kept|DROPPED)")
+COUNTED = re.compile(r"^  (forward|backward) +(\w+/\w+): (\d+) calls?, (\d+) bytes", re.MULTILINE)
+
+
+def parse(out):
+    """Owners of the experts, and per world rank: ep rank, tp rank, routing rows, counted collectives."""
+    owner = {}
+    for r, names in re.findall(r"rank (\d+): ((?:e\d+ ?)+)", out.split("\n", 2)[1]):
+        owner.update({int(e): int(r) for e in re.findall(r"e(\d+)", names)})
+    ranks = []
+    for part in out.split("\n-- rank ")[1:]:
+        head = re.match(r"(\d+) of \d+: ep rank (\d+), tp rank (\d+)", part)
+        tokens = [(int(n), int(b), int(t), [(int(e), float(g), f == "kept") for e, g, f in CHOICE.findall(rest)])
+                  for n, b, t, rest in TOKEN.findall(part)]
+        counted = {(phase, key): (int(c), int(nb)) for phase, key, c, nb in COUNTED.findall(part)}
+        ranks.append({"world": int(head[1]), "ep": int(head[2]), "tp": int(head[3]), "tokens": tokens,
+                      "counted": counted, "pass": "tolerance 1e-10: PASS" in part})
+    return owner, ranks
+
+
+def expected(owner, routing, me, ep, tp, E):
+    """The counters of ep rank `me`, from the routing tables of every replica (ep rank -> tokens)."""
+    out = sum(kept and owner[e] != me for _, _, _, picks in routing[me] for e, _, kept in picks)
+    back = sum(kept and owner[e] == me for s in routing if s != me for _, _, _, picks in routing[s]
+               for e, _, kept in picks)
+    here = sum(kept and owner[e] == me for s in routing for _, _, _, picks in routing[s] for e, _, kept in picks)
+    want = {}
+    if ep > 1:
+        want[("forward", "ep/all_to_all")] = (1, (ep - 1) * max(split_sizes(E, ep)) * 8)
+        want[("forward", "ep/all_to_allv")] = want[("backward", "ep/all_to_allv")] = (2, (out + back) * C * 8)
+    if tp > 1:
+        want[("forward", "tp/all_reduce")] = want[("backward", "tp/all_reduce")] = (1, here * C * 8)
+    return want
+
+
+@pytest.mark.parametrize("ranks,extra", [
+    (1, []), (2, []), (3, ["--batch", "1"]), (2, ["--moe-top-k", "1", "--moe-capacity", "0", "--moe-experts", "3"]),
+    (4, ["--tp", "2", "--batch", "1"]),
+], ids=["1", "2", "3-uneven-experts", "2-top1-dropless-E3", "4-tp2-ep2"])
+def test_moe_lesson_equals_serial_and_prints_the_counted_bytes(ranks, extra):
+    r = mpirun(ranks, "explain", "--layer", "moe", "--features", str(C), "--seq", str(S), *extra, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.count("moe: all ranks equal the serial layer: yes") == 1 and "FAIL" not in out, out
+    E = int(extra[extra.index("--moe-experts") + 1]) if "--moe-experts" in extra else 4
+    k = int(extra[extra.index("--moe-top-k") + 1]) if "--moe-top-k" in extra else 2
+    tp = int(extra[extra.index("--tp") + 1]) if "--tp" in extra else 1
+    B = int(extra[extra.index("--batch") + 1]) if "--batch" in extra else 2
+    dropless = "--moe-capacity" in extra
+    ep = ranks // tp
+    owner, found = parse(out)
+    assert len(found) == ranks and all(f["pass"] for f in found)
+    sizes = split_sizes(E, ep)                                   # experts split as split_sizes says
+    assert [sum(1 for e in owner if owner[e] == r) for r in range(ep)] == sizes
+    assert sorted(owner) == list(range(E)) and all(owner[e] <= owner[e + 1] for e in range(E - 1))
+    routing = {f["ep"]: f["tokens"] for f in found if f["tp"] == 0}
+    assert sorted(routing) == list(range(ep))
+    cap = math.ceil(1.0 * S * k / E)
+    for me, tokens in routing.items():
+        assert [n for n, *_ in tokens] == list(range(me * B * S, (me + 1) * B * S))   # its own sequences
+        per_seq = {}
+        for _, b, _, picks in tokens:
+            assert len(picks) == k and len({e for e, _, _ in picks}) == k
+            gates = [g for _, g, _ in picks]
+            assert gates == sorted(gates, reverse=True)              # best first
+            if k > 1:
+                assert abs(sum(gates) - 1) < 2e-3                    # renormalised (3 decimals each)
+            for e, _, kept in picks:
+                per_seq[b, e] = per_seq.get((b, e), 0) + kept
+        if dropless:
+            assert all(kept for *_, picks in tokens for _, _, kept in picks)
+        else:
+            assert max(per_seq.values()) <= cap
+    for f in found:
+        if f["tp"] > 0:
+            assert not f["tokens"] and "those of tp rank 0" in out
+        assert f["counted"] == expected(owner, routing, f["ep"], ep, tp, E), f
+    if ranks == 1:
+        assert "  forward   none (one rank: every expert is here)" in out
+    else:
+        assert any(not kept for t in routing.values() for *_, picks in t for _, _, kept in picks) or dropless
+
+
+def test_moe_lesson_refuses_what_cannot_be_split():
+    r = mpirun(3, "explain", "--layer", "moe", "--moe-experts", "2", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("mpi-tp: error: --moe-experts 2 cannot be divided") == 1, r.stderr
+    r = mpirun(3, "explain", "--layer", "moe", "--tp", "2", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("--tp 2 must divide the 3 ranks") == 1, r.stderr
