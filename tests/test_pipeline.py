@@ -41,6 +41,11 @@ def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none")
     stage = PipelineStage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual, recompute)
     stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=False)
+    return train_stage(stage, topo, reducer, micro), stage
+
+
+def train_stage(stage, topo, reducer, micro):
+    """STEPS AdamW steps of a pipeline stage on this replica's rows of the global batches: the losses."""
     opt = AdamW(stage.parameters(), lr=1e-2)
     per_replica = micro * B
     rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
@@ -49,7 +54,7 @@ def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none")
         x, y = global_batch(step, per_replica * topo.dp.size)
         losses.append(stage.forward_backward(x, y, rows, reducer, topo.dp))
         opt.step(grad_scale=clip_coefficient(grad_norm(stage.unique_parameters(), topo.tp, topo.pp), 1.0))
-    return np.array(losses), stage
+    return np.array(losses)
 
 
 def layouts(n):

@@ -16,9 +16,8 @@ from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
-from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
-from test_pipeline import B, STEPS, cfg, global_batch, serial  # the same model, batches and reference
+from test_pipeline import B, STEPS, cfg, serial, train_stage  # the same model, batches and reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -35,7 +34,6 @@ def pipelined(topo, n_layer, name, micro, virtual, bucket_mb, **reducer_args):
     The last step is traced (topo.stats.trace holds its events afterwards)."""
     stage = PipelineStage(cfg(n_layer), topo, "float64", 3, False, name, micro, virtual)
     reducer = GradReducer(stage, topo.dp, bucket_mb=bucket_mb, **reducer_args)
-    opt = AdamW(stage.parameters(), lr=1e-2)
     started, run = [], stage.engine.run
 
     def counted(*args, **kwargs):
@@ -44,14 +42,7 @@ def pipelined(topo, n_layer, name, micro, virtual, bucket_mb, **reducer_args):
         run(*args, **kwargs)
         started.append(topo.stats.calls.get("dp/iall_reduce", 0) - before)
     stage.engine.run = counted
-    per_replica = micro * B
-    rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, per_replica * topo.dp.size)
-        losses.append(stage.forward_backward(x, y, rows, reducer, topo.dp))
-        opt.step(grad_scale=clip_coefficient(grad_norm(stage.unique_parameters(), topo.tp, topo.pp), 1.0))
-    return np.array(losses), stage, reducer, started
+    return train_stage(stage, topo, reducer, micro), stage, reducer, started
 
 
 # (schedule, micro-batches (0: the number of stages), chunks per stage, bucket MB): 0.001 MB makes

@@ -217,7 +217,7 @@ class MoEMLP(Module):
         dy = dout.reshape(N, C)
         # y = sum_j w_j out_j
         dgate = xp.einsum("nkc,nc->nk", out, dy) * keep
-        dy_send = (w[:, :, None] * dy[:, None, :])[n_idx, j_idx]            # (M, C), contiguous (a copy)
+        dy_send = w[n_idx, j_idx, None] * dy[n_idx]                           # (M, C): admitted rows only
         dy_recv = self.dispatcher.combine_backward(dy_send, plan)
         dx_send = self.dispatcher.dispatch_backward(self._experts_backward(dy_recv, plan.expert_rows), plan)
         dfull = xp.zeros_like(out)
