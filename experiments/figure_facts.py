@@ -28,7 +28,7 @@ def linear_facts(group):
     """ColumnParallelLinear(6 -> 7) followed by RowParallelLinear(7 -> 6), as in an MLP."""
     col = ColumnParallelLinear("demo/fc", 6, 7, group, "float64")
     row = RowParallelLinear("demo/proj", 7, 6, group, "float64", sizes=col.sizes)
-    x = np.random.default_rng(0).standard_normal((1, 4, 6))           # (B, T, K): 4 tokens
+    x = np.random.default_rng(0).standard_normal((1, 4, 6))           # (B, S, K): 4 tokens
     y, col_fwd = counted(group.stats, lambda: col.forward(x))          # (1, 4, M_i)
     _, col_bwd = counted(group.stats, lambda: col.backward(np.ones_like(y)))
     z, row_fwd = counted(group.stats, lambda: row.forward(y))          # (1, 4, 6), all-reduced
@@ -54,7 +54,7 @@ def block_facts(comm, sp: bool):
     y, fwd = counted(topo.stats, lambda: block.forward(x))
     _, bwd = counted(topo.stats, lambda: block.backward(np.ones_like(y)))
     attn, mlp = block.attn, block.mlp
-    facts = {"heads": (attn.heads.start, attn.heads.stop), "head_size": attn.D,
+    facts = {"heads": (attn.heads.start, attn.heads.stop), "head_size": attn.hs,
              "qkv_cols": (attn.qkv.weight.start, attn.qkv.weight.stop),
              "fc_cols": (mlp.fc.weight.start, mlp.fc.weight.stop),
              "positions": (rows.start, rows.stop), "fwd": fwd, "bwd": bwd}

@@ -199,7 +199,7 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="time training steps against this machine's GEMM and MPI limits",
                        description=__doc__.split("\n\n")[0])
     b.add_argument("--shape", choices=sorted(SHAPES), action="append",
-                   help="a preset (repeatable): a = 256/4/4/128/8, b = 512/8/4/128/8, c = 1024/16/2/128/4 "
+                   help="a preset (repeatable): a: 256/4/4/128/8, b: 512/8/4/128/8, c: 1024/16/2/128/4 "
                         "(C/heads/layers/seq/batch); default a, b, c")
     b.add_argument("--custom", metavar="C,H,L,S,B", action="append", default=[],
                    help="a shape of your own (repeatable): channels, heads, layers, sequence, batch")

@@ -27,7 +27,7 @@ the transfers themselves cost.
 
 The limit: a step must read, on each rank, every one of its weight shards once
 (the tied table E_i for the head; of the position table only the B rows used)
-and the keys and values of its H_i heads filled so far (2 L B H_i n D values at
+and the keys and values of its H_i heads filled so far (2 L B H_i n hs values at
 context n, averaged over the steps). limit_ms is those bytes over the rank's
 memory bandwidth, measured in the same run with every rank at once: the
 fastest of 7 x @ W with x (1, K) and W a float32 (K, M) matrix of
@@ -131,7 +131,7 @@ def step_bytes(model, B, n) -> dict:
     wpe = model.wpe.data
     weights = sum(p.data.nbytes for p in model.parameters()) - wpe.nbytes + B * wpe[0].nbytes
     attn = model.h[0].attn
-    kv = 2 * len(model.h) * B * attn.H_i * n * attn.D * model.dtype.itemsize
+    kv = 2 * len(model.h) * B * attn.H_i * n * attn.hs * model.dtype.itemsize
     return {"weights": int(weights), "kv_cache": int(kv)}
 
 

@@ -7,11 +7,11 @@ sent between stages measured in the same run.
 The shape's batch B is the micro-batch size: a step is M micro-batches of B
 sequences per replica. Each timed step is also traced (mpi_tp.parallel.trace):
 the bubble is the span of the schedule's actions over the busiest stage's time
-in them, minus one, next to (P - 1) / M, or (P - 1) / (V M) for the interleaved
+in them, minus one, next to (P - 1) / M, or (P - 1) / (v M) for the interleaved
 schedule; the point-to-point bytes are what each rank sent to the next or
 previous stage, next to the formula (p2p_formula: M activations forward from
 every chunk but the model's last, M gradients back from every chunk but its
-first, B S C / t values each). The other fields are those of `mpi-tp bench`.
+first, B S C / T values each). The other fields are those of `mpi-tp bench`.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from mpi_tp.parallel.trace import Trace
 from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
 
-def p2p_formula(stage: int, P: int, V: int, M: int, values: int, itemsize: int) -> int:
+def p2p_formula(stage: int, P: int, v: int, M: int, values: int, itemsize: int) -> int:
     """Bytes rank `stage` sends in one step: each of its chunks but the model's last sends M
     activations forward, each but the model's first sends M gradients back; `values` per message."""
-    chunks = [v * P + stage for v in range(V)]
-    messages = sum(M for g in chunks if g < P * V - 1) + sum(M for g in chunks if g > 0)
+    chunks = [c * P + stage for c in range(v)]
+    messages = sum(M for g in chunks if g < P * v - 1) + sum(M for g in chunks if g > 0)
     return messages * values * itemsize
 
 
@@ -74,7 +74,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     med = float(numpy.median(step_s))
     flops = model_flops(C, L, S, B * M) * dp
     peak = comm.allreduce(gemm_peak(comm), op=MPI.SUM) / comm.Get_size()
-    if sequence_parallel:                                        # what crosses per message: 1/t of B S C
+    if sequence_parallel:                                        # what crosses per message: 1/T of B S C
         values = B * stage.sp.sizes[topo.tp.rank] * C
     else:
         values = split_sizes(B * S * C, tp)[topo.tp.rank]
@@ -101,7 +101,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
 def print_pipeline(r: dict) -> str:
     s = r["shape"]
     return (f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} tp={r['tp']} "
-            f"pp={r['pp']} dp={r['dp']} {r['schedule']} M={r['micro_batches']} V={r['virtual_stages']}: step "
+            f"pp={r['pp']} dp={r['dp']} {r['schedule']} M={r['micro_batches']} v={r['virtual_stages']}: step "
             f"{r['step_ms']['median']:.1f} ms (min {r['step_ms']['min']:.1f}), {r['tokens_per_s']:,.0f} tok/s, "
             f"{100 * r['fraction_of_gemm_peak']:.0f}% of the GEMM peak\n"
             f"  bubble {r['bubble']['measured']:.3f} (formula {r['bubble']['formula']:.3f}); sent to other stages "

@@ -48,7 +48,7 @@ def eval_windows(tokens: numpy.ndarray, S: int, batch_size: int):
         raise DataError(f"the evaluation text has {tokens.size} bytes; one window needs {S + 1} "
                         f"(block_size + 1): use a longer file")
     for i in range(0, starts.size, batch_size):
-        idx = starts[i:i + batch_size, None] + numpy.arange(S + 1)[None, :]     # (b, S + 1)
+        idx = starts[i:i + batch_size, None] + numpy.arange(S + 1)[None, :]     # (B, S + 1)
         w = tokens[idx].astype(numpy.int64)
         yield w[:, :-1], w[:, 1:]
 

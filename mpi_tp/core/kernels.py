@@ -11,10 +11,10 @@ never modify their inputs or their cache, so a backward may be called twice.
 They run unchanged on NumPy and CuPy arrays (the module comes from the input)
 and keep the input dtype: float32 in, float32 out and float32 gradients.
 
-Legend: B = batch, T = sequence, C = channels, H = heads, D = head size (C/H),
-V = vocab, K = input features, M = output features, N = number of rows (the
-product of all leading axes, e.g. B*T). Under tensor parallelism the caller
-passes rank i's shards (e.g. H_i of the H heads, M_i of the M columns); the kernels
+Legend (docs/notation.md): B = batch, S = sequence, C = channels, H = heads, hs = head size (C/H),
+V = vocab, K = input features, O = output features, N = number of rows (the
+product of all leading axes, e.g. B*S). Under tensor parallelism the caller
+passes rank i's shards (e.g. H_i of the H heads, O_i of the O columns); the kernels
 do not care.
 """
 from __future__ import annotations
@@ -30,31 +30,31 @@ GELU_CUBIC = 0.044715
 # ---------------------------------------------------------------- linear
 
 def linear_forward(x, w, b=None):
-    """out = x @ w + b. x (..., K), w (K, M) stored (in, out), b (M,) or None."""
-    K, M = w.shape
+    """out = x @ w + b. x (..., K), w (K, O) stored (in, out), b (O,) or None."""
+    K, O = w.shape
     x2 = x.reshape(-1, K)                              # (..., K) -> (N, K): one big GEMM
-    out = x2 @ w                                       # (N, K) @ (K, M) -> (N, M)
+    out = x2 @ w                                       # (N, K) @ (K, O) -> (N, O)
     if b is not None:
         out += b                                       # fresh temporary: safe in place
-    out = out.reshape(*x.shape[:-1], M)                # (N, M) -> (..., M)
+    out = out.reshape(*x.shape[:-1], O)                # (N, O) -> (..., O)
     return out, (x, w, b is not None)
 
 
 def linear_backward(dout, cache, dw_out=None):
-    """dx (..., K), dw (K, M), db (M,) or None when the forward had no bias.
+    """dx (..., K), dw (K, O), db (O,) or None when the forward had no bias.
 
-    dw_out: an array (K, M) to write dw into instead of a fresh one (the caller's
+    dw_out: an array (K, O) to write dw into instead of a fresh one (the caller's
     zeroed gradient: one pass over it instead of a new array plus an addition).
     """
     x, w, has_bias = cache
-    K, M = w.shape
+    K, O = w.shape
     xp = array_module(dout)
     x2 = x.reshape(-1, K)                              # (..., K) -> (N, K)
-    dout2 = dout.reshape(-1, M)                        # (..., M) -> (N, M)
+    dout2 = dout.reshape(-1, O)                        # (..., O) -> (N, O)
     # out = x @ w  =>  dx = dout @ w^T, dw = x^T @ dout
-    dx = (dout2 @ w.T).reshape(x.shape)                # (N, M) @ (M, K) -> (..., K)
-    dw = xp.matmul(x2.T, dout2, out=dw_out)            # (K, N) @ (N, M) -> (K, M)
-    db = dout2.sum(axis=0) if has_bias else None       # (N, M) -> (M,)
+    dx = (dout2 @ w.T).reshape(x.shape)                # (N, O) @ (O, K) -> (..., K)
+    dw = xp.matmul(x2.T, dout2, out=dw_out)            # (K, N) @ (N, O) -> (K, O)
+    db = dout2.sum(axis=0) if has_bias else None       # (N, O) -> (O,)
     return dx, dw, db
 
 
@@ -152,60 +152,60 @@ def gelu_backward(dout, cache):
 _BIAS = {}
 
 
-def _causal_bias(T, dtype, xp):
-    """(T, T): 0 where key s <= query t, -inf above the diagonal (made once per size and dtype)."""
-    key = (T, str(dtype), xp.__name__)
+def _causal_bias(S, dtype, xp):
+    """(S, S): 0 where key s <= query t, -inf above the diagonal (made once per size and dtype)."""
+    key = (S, str(dtype), xp.__name__)
     if key not in _BIAS:
-        bias = xp.zeros((T, T), dtype=dtype)
-        bias[xp.arange(T)[None, :] > xp.arange(T)[:, None]] = -math.inf
+        bias = xp.zeros((S, S), dtype=dtype)
+        bias[xp.arange(S)[None, :] > xp.arange(S)[:, None]] = -math.inf
         _BIAS[key] = bias
     return _BIAS[key]
 
 
 def attention_forward(q, k, v, drop_mask=None):
-    """Causal softmax(q k^T / sqrt(D)) v per head. q, k, v (B, H, T, D) -> out (B, H, T, D).
+    """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
 
-    drop_mask, if given, is broadcastable to (B, H, T, T) and holds 0 or 1/(1-p);
+    drop_mask, if given, is broadcastable to (B, H, S, S) and holds 0 or 1/(1-p);
     it multiplies the probabilities after the softmax (attention dropout).
     """
     xp = array_module(q)
-    T, D = q.shape[-2:]
-    scale = 1.0 / math.sqrt(D)
-    att = (q * scale) @ k.swapaxes(-1, -2)             # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
-    # (scaling q, (T, D), is cheaper than scaling the (T, T) scores; the scaled copy is not kept)
-    att += _causal_bias(T, att.dtype, xp)              # position t sees keys s <= t only
+    S, hs = q.shape[-2:]
+    scale = 1.0 / math.sqrt(hs)
+    att = (q * scale) @ k.swapaxes(-1, -2)             # (B, H, S, hs) @ (B, H, hs, S) -> (B, H, S, S)
+    # (scaling q, (S, hs), is cheaper than scaling the (S, S) scores; the scaled copy is not kept)
+    att += _causal_bias(S, att.dtype, xp)              # position t sees keys s <= t only
     # stable softmax over keys, in place; the diagonal is never masked so the max is finite
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
-    att *= 1.0 / (att @ xp.ones(T, dtype=att.dtype))[..., None]   # row sums by BLAS
-    probs = att                                        # (B, H, T, T)
+    att *= 1.0 / (att @ xp.ones(S, dtype=att.dtype))[..., None]   # row sums by BLAS
+    probs = att                                        # (B, H, S, S)
     if drop_mask is not None:
         drop_mask = drop_mask.astype(probs.dtype, copy=False)  # a float64 mask must not upcast
-        probs_used = probs * drop_mask                 # (B, H, T, T)
+        probs_used = probs * drop_mask                 # (B, H, S, S)
     else:
         probs_used = probs
-    out = probs_used @ v                               # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    out = probs_used @ v                               # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
     return out, (q, k, v, probs, drop_mask, scale)
 
 
 def attention_backward(dout, cache):
-    """dq, dk, dv, each (B, H, T, D)."""
+    """dq, dk, dv, each (B, H, S, hs)."""
     q, k, v, probs, drop_mask, scale = cache
     xp = array_module(dout)
     probs_used = probs if drop_mask is None else probs * drop_mask  # recomputed, not cached
     # out = probs_used @ v
-    dv = probs_used.swapaxes(-1, -2) @ dout            # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
-    datt = dout @ v.swapaxes(-1, -2)                   # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    dv = probs_used.swapaxes(-1, -2) @ dout            # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
+    datt = dout @ v.swapaxes(-1, -2)                   # (B, H, S, hs) @ (B, H, hs, S) -> (B, H, S, S)
     if drop_mask is not None:
         datt *= drop_mask                              # probs_used = probs * drop_mask
     # softmax: datt = probs * (dprobs - sum_s dprobs * probs); masked entries have probs = 0
-    rowdot = xp.einsum("...ts,...ts->...t", datt, probs)[..., None]   # (B, H, T, 1), no (T, T) temporary
+    rowdot = xp.einsum("...ts,...ts->...t", datt, probs)[..., None]   # (B, H, S, 1), no (S, S) temporary
     datt -= rowdot
     datt *= probs
-    # att = (q * scale) @ k^T: the scale goes on the (T, D) results, not on (T, T)
-    dq = datt @ k                                      # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    # att = (q * scale) @ k^T: the scale goes on the (S, hs) results, not on (S, S)
+    dq = datt @ k                                      # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
     dq *= scale
-    dk = datt.swapaxes(-1, -2) @ q                     # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+    dk = datt.swapaxes(-1, -2) @ q                     # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
     dk *= scale
     return dq, dk, dv
 
@@ -213,8 +213,8 @@ def attention_backward(dout, cache):
 # ---------------------------------------------------------------- embedding
 
 def embedding_forward(ids, table):
-    """out = table[ids]. ids integer (B, T) (any shape), table (V, C) -> out (B, T, C)."""
-    out = table[ids]                                   # (B, T) -> (B, T, C)
+    """out = table[ids]. ids integer (B, S) (any shape), table (V, C) -> out (B, S, C)."""
+    out = table[ids]                                   # (B, S) -> (B, S, C)
     return out, (ids, table.shape, table.dtype)
 
 
@@ -223,7 +223,7 @@ def embedding_backward(dout, cache):
     xp = array_module(dout)
     ids, shape, dtype = cache
     dtable = xp.zeros(shape, dtype=dtype)              # (V, C)
-    scatter_add(dtable, ids.reshape(-1), dout.reshape(-1, shape[1]))  # (B, T, C) -> (N, C)
+    scatter_add(dtable, ids.reshape(-1), dout.reshape(-1, shape[1]))  # (B, S, C) -> (N, C)
     return dtable
 
 

@@ -93,7 +93,7 @@ BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 def limit_blas_threads(comm=MPI.COMM_WORLD) -> int | None:
     """Share this node's cores among its ranks: threads per rank = cores / ranks on the node.
 
-    Without this, every rank's BLAS starts one thread per core and N ranks fight over
+    Without this, every rank's BLAS starts one thread per core and the ranks fight over
     the cores (a 2-rank job on 2 cores ran 5x slower). Must run before NumPy is
     imported; a value the user set in the environment is left alone. Returns the
     number chosen, or None when the user's setting stands.

@@ -1,10 +1,10 @@
 """The attention cache of tensor-parallel decoding: each rank keeps the keys and values of its own heads.
 
-    cache = KVCache(model, batch=4)          # (B, H_i, block_size, D) keys and values per block
+    cache = KVCache(model, batch=4)          # (B, H_i, block_size, hs) keys and values per block
     y = attend(block.attn, x, cache, j)      # t new positions of every row, over the cache
 
 Rank i holds H_i of the H heads (uneven splits included), so its cache is
-H_i / H of the whole: 2 x L x B x H_i x S x D values, allocated once for
+H_i / H of the whole: 2 x L x B x H_i x S x hs values, allocated once for
 S = block_size positions. The rows of a batch share the cache's columns:
 prompts of different lengths are left-padded, and `first[b]` is the first
 column of row b that holds a token. A query at column c attends to the keys
@@ -34,7 +34,7 @@ class KVCache:
     def __init__(self, model, batch: int):
         xp, cfg = backend.xp(), model.cfg
         attn = model.h[0].attn
-        shape = (batch, attn.H_i, cfg.block_size, attn.D)
+        shape = (batch, attn.H_i, cfg.block_size, attn.hs)
         self.k = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.v = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.batch, self.size, self.dtype = batch, cfg.block_size, model.dtype
@@ -58,13 +58,13 @@ class KVCache:
 
 
 def cached_attention(q, k, v, start: int, first):
-    """softmax(q k^T / sqrt(D)) v over the cache. q (B, H, t, D): the queries of columns start ..
-    start + t - 1; k, v (B, H, S, D) with columns 0 .. start + t - 1 filled; first (B,): each row's
-    first real column. -> (B, H, t, D). The same arithmetic as kernels.attention_forward."""
+    """softmax(q k^T / sqrt(hs)) v over the cache. q (B, H, t, hs): the queries of columns start ..
+    start + t - 1; k, v (B, H, S, hs) with columns 0 .. start + t - 1 filled; first (B,): each row's
+    first real column. -> (B, H, t, hs). The same arithmetic as kernels.attention_forward."""
     xp = array_module(q)
-    t, D = q.shape[-2:]
+    t, hs = q.shape[-2:]
     n = start + t
-    att = (q * (1.0 / math.sqrt(D))) @ k[:, :, :n].swapaxes(-1, -2)          # (B, H, t, n)
+    att = (q * (1.0 / math.sqrt(hs))) @ k[:, :, :n].swapaxes(-1, -2)         # (B, H, t, n)
     cols = xp.arange(n)[None, None, :]
     rows = (start + xp.arange(t))[None, :, None]
     first = xp.asarray(first)[:, None, None]
@@ -76,7 +76,7 @@ def cached_attention(q, k, v, start: int, first):
 def step_attention(q, k, v, n: int, padding=None):
     """cached_attention for one query column per row, at column n - 1, after every row's padding
     (a decode step): it sees every filled column of its row, so the mask is the padding bias alone
-    (KVCache.padding, (B, 1, 1, S), or None: no padding). q (B, H, 1, D) -> (B, H, 1, D)."""
+    (KVCache.padding, (B, 1, 1, S), or None: no padding). q (B, H, 1, hs) -> (B, H, 1, hs)."""
     att = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k[:, :, :n].swapaxes(-1, -2)  # (B, H, 1, n)
     if padding is not None:
         att += padding[..., :n]
@@ -89,7 +89,7 @@ def _softmax_times_v(att, v, n: int):
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
     att *= 1.0 / (att @ xp.ones(n, dtype=att.dtype))[..., None]             # row sums by BLAS
-    return att @ v[:, :, :n]                                                # (B, H, t, D)
+    return att @ v[:, :, :n]                                                # (B, H, t, hs)
 
 
 def attend(attn, x, cache: KVCache, j: int):
@@ -100,12 +100,12 @@ def attend(attn, x, cache: KVCache, j: int):
     start = cache.length
     if start + t > cache.size:
         raise ValueError(f"the cache holds {cache.size} positions: {start} + {t} do not fit")
-    qkv = attn.qkv.forward(x).reshape(B, t, 3, attn.H_i, attn.D)
-    q, k, v = qkv.transpose(2, 0, 3, 1, 4)                                  # each (B, H_i, t, D)
+    qkv = attn.qkv.forward(x).reshape(B, t, 3, attn.H_i, attn.hs)
+    q, k, v = qkv.transpose(2, 0, 3, 1, 4)                                  # each (B, H_i, t, hs)
     cache.k[j][:, :, start:start + t] = k
     cache.v[j][:, :, start:start + t] = v
     if t == 1 and start >= cache.real_from:                                 # a decode step
         y = step_attention(q, cache.k[j], cache.v[j], start + 1, cache.padding)
     else:
         y = cached_attention(q, cache.k[j], cache.v[j], start, cache.first)
-    return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.D))
+    return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.hs))

@@ -6,7 +6,7 @@ stages: anything with last_logits) and is what training samples with at its
 end; `mpi-tp generate` and `mpi-tp serve` use the cached decoder instead
 (mpi_tp.inference.generate), which tests/test_decode.py checks against this
 full forward pass. Every rank of the group runs the same forward passes. Only
-the last position's logits are gathered (V values per step, not B*T*V), and
+the last position's logits are gathered (V values per step, not B S V), and
 rank 0's choice of the next byte is broadcast, so every rank extends the same
 context.
 """
@@ -27,7 +27,7 @@ def sample(model, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: in
     tokens = list(prompt) or [ord("\n")]
     choice = numpy.zeros(1, dtype=numpy.int64)
     for _ in range(n_new):
-        ctx = numpy.array([tokens[-model.cfg.block_size:]], dtype=numpy.int64)       # (1, T)
+        ctx = numpy.array([tokens[-model.cfg.block_size:]], dtype=numpy.int64)       # (1, S)
         logits = model.last_logits(ctx) / temperature                                 # (V,), every rank
         if top_k is not None and top_k < logits.size:
             logits[logits < numpy.sort(logits)[-top_k]] = -numpy.inf

@@ -56,13 +56,13 @@ class Dropout:
             rows.append(keep if positions is None else keep[positions])
         return backend.asarray(numpy.stack(rows).astype(dtype) / (1.0 - self.p))
 
-    def head_masks(self, B, T, heads, dtype, layer):
-        """Attention-probability masks (B, H_i, T, T), one stream per global head index."""
-        return backend.xp().stack([self.mask((B, T, T), dtype, layer, 1, h) for h in heads], axis=1)
+    def head_masks(self, B, S, heads, dtype, layer):
+        """Attention-probability masks (B, H_i, S, S), one stream per global head index."""
+        return backend.xp().stack([self.mask((B, S, S), dtype, layer, 1, h) for h in heads], axis=1)
 
 
 def region_mask(dropout: Dropout, y, sp, layer, site):
-    """The dropout mask of a replicated (or, under sp, sequence-split) activation y (B, T or T_i, C)."""
+    """The dropout mask of a replicated (or, under sp, sequence-split) activation y (B, S or S_i, C)."""
     if sp is None:
         return dropout.mask(y.shape, y.dtype, layer, site)
     B, _, C = y.shape

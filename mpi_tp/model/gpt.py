@@ -1,11 +1,12 @@
 """A GPT-2 style transformer whose every layer is split across the tensor-parallel group.
 
-Legend: B = batch, T = sequence, C = channels (n_embd), H = heads, D = C/H head
-size, V = vocabulary; a subscript i is rank i's share: H_i heads, F_i MLP
-columns, V_i vocabulary rows, E_i its rows of the embedding table (uneven
-shards allowed; see mpi_tp.model.parallel_linear).
+Legend (docs/notation.md): B = batch, S = sequence, C = channels (n_embd), H =
+heads, hs = C/H head size, V = vocabulary, T = tensor-parallel size; a subscript
+i is rank i's share (i = 0 ... T-1): H_i heads, F_i MLP columns, V_i vocabulary
+rows, E_i its rows of the embedding table (uneven shards allowed; see
+mpi_tp.model.parallel_linear).
 
-    x = wte[idx] + wpe[0:T]                       wte vocab-parallel (1 all-reduce)
+    x = wte[idx] + wpe[0:S]                       wte vocab-parallel (1 all-reduce)
     for each block:
         x = x + attn(ln_1(x))                     heads split: f, q/k/v column, proj row, g
         x = x + mlp(ln_2(x))                      fc column, gelu, proj row, g
@@ -13,7 +14,7 @@ shards allowed; see mpi_tp.model.parallel_linear).
     loss = vocab-parallel cross-entropy           2 small all-reduces, no gather
 
 Per block the forward pass all-reduces twice (after attention, after the MLP)
-and so does the backward (the two f's), B*T*C values each (Megatron-LM, sec. 3).
+and so does the backward (the two f's), B S C values each (Megatron-LM, sec. 3).
 
 Mixture of experts (cfg.moe_experts > 0): the MLP of every moe_every-th block is an
 MoEMLP (mpi_tp.model.moe), its experts divided over topo.ep; the loss then adds the
@@ -104,8 +105,8 @@ class GPT(Module):
     pipeline, one chunk of it: the blocks `blocks` (default: all), with the embeddings when `first`
     and the final LayerNorm, tied output layer and loss when `last`.
 
-    A chunk that is not first takes the previous chunk's activations (B, T, C)
-    (under sequence parallelism (B, T_i, C), after `sp.set(T)` by the caller);
+    A chunk that is not first takes the previous chunk's activations (B, S, C)
+    (under sequence parallelism (B, S_i, C), after `sp.set(S)` by the caller);
     one that is not last returns its activations, and its backward takes their
     gradient and returns the input's. The last chunk of a pipeline with several
     stages holds its own copy of the tied table `wte` (same name, same initial
@@ -154,16 +155,16 @@ class GPT(Module):
         return self.train(False)
 
     def _embed(self, idx):
-        """(B, T) token ids -> wte[idx] + wpe[0:T], dropped out: (B, T, C), or (B, T_i, C) under sp."""
-        B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ConfigError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        """(B, S) token ids -> wte[idx] + wpe[0:S], dropped out: (B, S, C), or (B, S_i, C) under sp."""
+        B, S = idx.shape
+        if S > self.cfg.block_size:
+            raise ConfigError(f"sequence length {S} exceeds block_size {self.cfg.block_size}")
         idx = backend.asarray(idx)
-        positions = slice(0, T)
+        positions = slice(0, S)
         if self.sp is not None:
-            self.sp.set(T)
+            self.sp.set(S)
             positions = self.sp.positions
-        x = self.wte.forward(idx) + self.wpe.data[positions]            # (B, T, C) or (B, T_i, C)
+        x = self.wte.forward(idx) + self.wpe.data[positions]            # (B, S, C) or (B, S_i, C)
         m = None
         if self.dropout.active:
             m = region_mask(self.dropout, x, self.sp, -1, 0)
@@ -172,8 +173,8 @@ class GPT(Module):
 
     def hidden(self, inp):
         """Token ids (first chunk) or activations -> this chunk's output activations; for the last
-        chunk the final hidden states after ln_f (B, T, C), whole on every rank (under sequence
-        parallelism: this rank's positions, (B, T_i, C))."""
+        chunk the final hidden states after ln_f (B, S, C), whole on every rank (under sequence
+        parallelism: this rank's positions, (B, S_i, C))."""
         x, embedded = self._embed(inp) if self.first else (inp, None)
         for block in self.h:
             x = block.forward(x)
@@ -182,10 +183,10 @@ class GPT(Module):
 
     def forward(self, inp, targets=None):
         """Loss (a float, the same on every rank) when targets are given, else this rank's logits
-        (B, T, V_i); a chunk that is not last returns its activations."""
+        (B, S, V_i); a chunk that is not last returns its activations."""
         if not self.last:
             return self.hidden(inp)
-        logits = self.wte.logits_forward(self.hidden(inp))              # (B, T, V_i)
+        logits = self.wte.logits_forward(self.hidden(inp))              # (B, S, V_i)
         if targets is None:
             return logits
         loss = self.loss.forward(logits, backend.asarray(targets))
@@ -234,9 +235,9 @@ class GPT(Module):
         return dx
 
     def last_logits(self, idx):
-        """The whole vocabulary's logits at the last position of one sequence idx (1, T): (V,) float64,
-        the same on every rank (what sampling needs: V numbers gathered, not T V)."""
-        logits_i = self.forward(idx)                                                  # (1, T, V_i)
+        """The whole vocabulary's logits at the last position of one sequence idx (1, S): (V,) float64,
+        the same on every rank (what sampling needs: V numbers gathered, not S V)."""
+        logits_i = self.forward(idx)                                                  # (1, S, V_i)
         last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
         return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.wte.sizes))[0].astype(numpy.float64)
 
@@ -273,7 +274,7 @@ class GPT(Module):
         return self.parameters()
 
     def full_logits(self, idx):
-        """Logits over the whole vocabulary (B, T, V) on every rank: for sampling and tests, not training."""
+        """Logits over the whole vocabulary (B, S, V) on every rank: for sampling and tests, not training."""
         return gather_from_tp(self.forward(idx), self.topo.tp, self.wte.sizes)
 
     def num_params(self) -> int:

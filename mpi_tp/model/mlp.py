@@ -20,10 +20,10 @@ class ParallelMLP(Module):
                                       seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
     def forward(self, x):
-        h = self.fc.forward(x)                     # (B, T, C) -> (B, T, F_i)
+        h = self.fc.forward(x)                     # (B, S, C) -> (B, S, F_i)
         h, cache = K.gelu_forward(h)
         self.save_cache(cache)
-        return self.proj.forward(h)                # (B, T, F_i) -> (B, T, C), all-reduced
+        return self.proj.forward(h)                # (B, S, F_i) -> (B, S, C), all-reduced
 
     def backward(self, dout):
         dh = self.proj.backward(dout)

@@ -1,9 +1,9 @@
 """A mixture-of-experts MLP (Switch Transformer, Fedus et al. 2021; GShard, Lepikhin et al. 2020):
 a router sends each token to k of E expert MLPs, divided among the expert-parallel group.
 
-Legend: B = batch, T = sequence, N = B*T tokens, C = channels, E = experts, k = experts per
-token, F = 4C an expert's width, F_i rank i's columns of it (tensor parallelism, as in the dense
-MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.expert_parallel).
+Legend (docs/notation.md): B = batch, S = sequence, N = B S tokens, C = channels, E = experts,
+k = experts per token, F = 4C an expert's width, F_i rank i's columns of it (tensor parallelism,
+as in the dense MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.expert_parallel).
 
     z = x W_r                       (N, C) @ (C, E) -> (N, E)     router logits; W_r replicated
     p = softmax(z)                  (N, E)
@@ -13,7 +13,7 @@ MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.expert_parallel)
     a = admitted(c)                 (N, k)   0/1: the capacity (below); all 1 when dropless
     y_n = sum_j a_nj g_nj FFN_{c_nj}(x_n)    FFN_e: fc C -> F, GELU, proj F -> C, as the dense MLP
 
-Capacity (moe_capacity > 0): each sequence may send at most cap = ceil(moe_capacity * T * k / E)
+Capacity (moe_capacity > 0): each sequence may send at most cap = ceil(moe_capacity * S * k / E)
 assignments to an expert; they are admitted in order of choice rank, then position (every first
 choice in position order, then the second choices, ...), and those past cap are dropped: they add
 nothing (a token with every assignment dropped passes through the residual alone). Capacity is
@@ -21,7 +21,7 @@ per sequence and a replica holds whole sequences, so the same assignments are dr
 layout (tp, dp, ep).
 
 Losses added to the model's (summed over MoE blocks, times their weights):
-    aux = mean_b  E sum_e f_be P_be    f_be: the fraction of sequence b's k T assignments (before
+    aux = mean_b  E sum_e f_be P_be    f_be: the fraction of sequence b's k S assignments (before
                                        dropping) that chose e; P_be = mean_t p_bte. Its gradient
                                        flows through P only (f is piecewise constant).
     zl  = mean_n (logsumexp_e z_ne)^2  router z-loss (ST-MoE, Zoph et al. 2022)
@@ -77,36 +77,36 @@ def gate_backward(dgate, p, choice, gate):
     xp = backend.array_module(p)
     if choice.shape[1] == 1:
         dchosen = dgate
-    else:   # g_j = p_j / S  =>  dp_j = (dg_j - sum_l dg_l g_l) / S
-        S = xp.take_along_axis(p, choice, axis=1).sum(axis=1, keepdims=True)
-        dchosen = (dgate - (dgate * gate).sum(axis=1, keepdims=True)) / S
+    else:   # g_j = p_j / Z  =>  dp_j = (dg_j - sum_l dg_l g_l) / Z
+        Z = xp.take_along_axis(p, choice, axis=1).sum(axis=1, keepdims=True)
+        dchosen = (dgate - (dgate * gate).sum(axis=1, keepdims=True)) / Z
     dp = xp.zeros_like(p)
     dp[xp.arange(p.shape[0])[:, None], choice] = dchosen              # a token's k choices differ
     return dp
 
 
 def admitted(choice, n_experts: int, capacity: float):
-    """choice (B, T, k) -> (B, T, k) bool: which assignments fit in their expert's capacity."""
+    """choice (B, S, k) -> (B, S, k) bool: which assignments fit in their expert's capacity."""
     xp = backend.array_module(choice)
-    B, T, k = choice.shape
+    B, S, k = choice.shape
     if capacity <= 0:
         return xp.ones(choice.shape, dtype=bool)
-    cap = math.ceil(round(capacity * T * k / n_experts, 9))          # rounded: 1.1 * 10 / 11 is 1, not 2
-    queue = choice.transpose(0, 2, 1).reshape(B, k * T)               # choice rank first, then position
+    cap = math.ceil(round(capacity * S * k / n_experts, 9))          # rounded: 1.1 * 10 / 11 is 1, not 2
+    queue = choice.transpose(0, 2, 1).reshape(B, k * S)               # choice rank first, then position
     seen = xp.cumsum(queue[:, :, None] == xp.arange(n_experts), axis=1)   # (B, kT, E) so far, itself included
     place = xp.take_along_axis(seen, queue[:, :, None], axis=2)[:, :, 0]  # (B, kT): 1 = first in its queue
-    return (place <= cap).reshape(B, k, T).transpose(0, 2, 1)
+    return (place <= cap).reshape(B, k, S).transpose(0, 2, 1)
 
 
 def balance_loss(p, choice, n_experts: int):
-    """aux = mean_b E sum_e f_be P_be and d aux / dp (N, E), for p (B, T, E), choice (B, T, k)."""
+    """aux = mean_b E sum_e f_be P_be and d aux / dp (N, E), for p (B, S, E), choice (B, S, k)."""
     xp = backend.array_module(p)
-    B, T, k = choice.shape
-    f = (choice[..., None] == xp.arange(n_experts)).sum(axis=(1, 2)) / (k * T)   # (B, E)
+    B, S, k = choice.shape
+    f = (choice[..., None] == xp.arange(n_experts)).sum(axis=(1, 2)) / (k * S)   # (B, E)
     P = p.mean(axis=1)                                                             # (B, E)
     aux = n_experts * float((f * P).sum()) / B
-    dp = xp.broadcast_to((n_experts / (B * T)) * f[:, None, :], p.shape)           # through P only
-    return aux, dp.reshape(B * T, n_experts)
+    dp = xp.broadcast_to((n_experts / (B * S)) * f[:, None, :], p.shape)           # through P only
+    return aux, dp.reshape(B * S, n_experts)
 
 
 def z_loss(z_lse):
@@ -150,19 +150,19 @@ class Expert(Module):
 
 
 class MoEMLP(Module):
-    """The mixture-of-experts MLP of block i (see the module docstring): (B, T, C) -> (B, T, C).
+    """The mixture-of-experts MLP of block i (see the module docstring): (B, S, C) -> (B, S, C).
 
     Holds the router (every rank) and this rank's experts E_i (expert e keyed by its name, so it
     has the same values wherever it lives). After a forward, on this replica's batch: `stats` holds
     aux_loss and z_loss (unweighted), tokens_per_expert (E,): the assignments each expert computed
     (after the capacity), and dropped: the assignments dropped; `routing` holds the (choice,
-    admitted) arrays (B, T, k); `loss_term` = aux_weight aux + z_weight zl, what the block adds to
+    admitted) arrays (B, S, k); `loss_term` = aux_weight aux + z_weight zl, what the block adds to
     the model's loss. The backward adds that term's gradient times `loss_scale` (GPT.backward
     sets it to its dout, e.g. 1 / micro-batches).
 
     dropless (default False): when set, no assignment is dropped whatever moe_capacity says. For
     inference (GPT.moe_dropless): cached decoding runs one position at a time, where the
-    per-sequence capacity (of T = 1) would admit other assignments than the full forward's.
+    per-sequence capacity (of S = 1) would admit other assignments than the full forward's.
     """
 
     loss_scale = 1.0
@@ -181,13 +181,13 @@ class MoEMLP(Module):
 
     def forward(self, x):
         xp = backend.array_module(x)
-        B, T, C = x.shape
-        N, E, k = B * T, self.E, self.k
+        B, S, C = x.shape
+        N, E, k = B * S, self.E, self.k
         x2 = x.reshape(N, C)
         z, router = K.linear_forward(x2, self.router.data)                  # (N, C) -> (N, E)
         p, lse, choice, gate = route(z, k)
-        keep = admitted(choice.reshape(B, T, k), E, 0.0 if self.dropless else self.capacity)
-        aux, daux = balance_loss(p.reshape(B, T, E), choice.reshape(B, T, k), E)
+        keep = admitted(choice.reshape(B, S, k), E, 0.0 if self.dropless else self.capacity)
+        aux, daux = balance_loss(p.reshape(B, S, E), choice.reshape(B, S, k), E)
         zl, dlse = z_loss(lse)
         self.loss_term = self.aux_weight * aux + self.z_weight * zl
         keep = keep.reshape(N, k)
@@ -207,8 +207,8 @@ class MoEMLP(Module):
         self.save_cache(router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse)
         self.stats = {"aux_loss": aux, "z_loss": zl, "tokens_per_expert": kept,
                       "dropped": int(N * k - int(kept.sum()))}
-        self.routing = (choice.reshape(B, T, k), keep.reshape(B, T, k))
-        return y.reshape(B, T, C)
+        self.routing = (choice.reshape(B, S, k), keep.reshape(B, S, k))
+        return y.reshape(B, S, C)
 
     def backward(self, dout):
         xp = backend.array_module(dout)

@@ -5,7 +5,7 @@ Rank i holds logits[:, v_i : v_i + V_i]. Per position n, with target t_n:
     loss_n = log sum_v exp(l_nv - m_n) - (l_n,t_n - m_n),     m_n = max_v l_nv
 
 Three quantities need the whole vocabulary, and each is a sum (or max) of
-per-rank parts, so two small all-reduces of N = B*T values replace an
+per-rank parts, so two small all-reduces of N = B*S values replace an
 all-gather of N*V logits (Megatron-LM's vocab_parallel_cross_entropy):
 
     1. m_n                       all-reduce MAX over ranks of the local max
@@ -31,7 +31,7 @@ class VocabParallelCrossEntropy(Module):
         self.group, self.start, self.stop = group, start, stop
 
     def forward(self, logits, targets) -> float:
-        """logits (B, T, V_i), targets (B, T) global token ids -> mean loss (same on every rank)."""
+        """logits (B, S, V_i), targets (B, S) global token ids -> mean loss (same on every rank)."""
         xp = backend.array_module(logits)
         V_i = logits.shape[-1]
         l = logits.reshape(-1, V_i)                                    # (N, V_i)
@@ -54,7 +54,7 @@ class VocabParallelCrossEntropy(Module):
         return float(loss.mean())
 
     def backward(self, dloss: float = 1.0):
-        """dlogits (B, T, V_i) = dloss * (softmax - onehot(target)) / N, on this rank's columns."""
+        """dlogits (B, S, V_i) = dloss * (softmax - onehot(target)) / N, on this rank's columns."""
         probs, t, mine, shape = self.take_cache()
         xp = backend.array_module(probs)
         N = probs.shape[0]

@@ -13,7 +13,7 @@ from mpi_tp.parallel.topology import shard_range
 class VocabParallelEmbedding(Module):
     """Token embedding with the table split by rows (vocabulary entries).
 
-        E = [E_1; ...; E_p]      rank i holds rows [v_i, v_i + V_i) of E (V, C)
+        E = [E_0; ...; E_{T-1}]      rank i holds rows [V_start, V_start + V_i) of E (V, C)
 
     Each rank looks up the tokens that fall in its rows (zeros for the rest);
     g all-reduces, so every rank ends with E[ids]. The same table serves as the
@@ -29,15 +29,15 @@ class VocabParallelEmbedding(Module):
 
     def forward(self, ids):
         xp = backend.xp()
-        local = ids - self.start                                      # (B, T) row index into E_i
+        local = ids - self.start                                      # (B, S) row index into E_i
         outside = None
         if self.group.size > 1:
             outside = (local < 0) | (local >= self.stop - self.start)
             local = xp.where(outside, 0, local)
-        out, cache = K.embedding_forward(local, self.weight.data)     # (B, T) -> (B, T, C)
+        out, cache = K.embedding_forward(local, self.weight.data)     # (B, S) -> (B, S, C)
         if outside is not None:
             out[outside] = 0
-        out, seq = leave_tp(out, self.group, self.sp)                   # sp: -> (B, T_i, C)
+        out, seq = leave_tp(out, self.group, self.sp)                   # sp: -> (B, S_i, C)
         self.save_cache(cache, outside, seq)
         return out
 
@@ -49,7 +49,7 @@ class VocabParallelEmbedding(Module):
         self.weight.accumulate(K.embedding_backward(dout, cache))
 
     def logits_forward(self, x):
-        """Tied output layer: (B, T, C) -> (B, T, V_i) = x @ E_i^T, behind f (sp: an all-gather)."""
+        """Tied output layer: (B, S, C) -> (B, S, V_i) = x @ E_i^T, behind f (sp: an all-gather)."""
         x, seq = enter_tp(x, self.group, self.sp)
         y, cache = K.linear_forward(x, self.weight.data.T)
         self._logits_cache = cache, seq

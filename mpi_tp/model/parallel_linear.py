@@ -1,11 +1,11 @@
 """The column split and the row split: Megatron's two tensor-parallel linear layers.
 
-Legend: B = batch, T = sequence, K = input features, M = output features, p =
-tensor-parallel size. A subscript i is rank i's share, in one notation for
-blocks and sizes: A_i is the block of A that rank i holds, M_i and K_i the
-number of columns and rows in it, T_i its positions under sequence parallelism.
-Shards may be uneven (sizes differ by at most one unit); `sizes` lists every
-rank's share.
+Legend (docs/notation.md): B = batch, S = sequence, K = input features, O =
+output features, T = tensor-parallel size, ranks i = 0 ... T-1. A subscript i
+is rank i's share, in one notation for blocks and sizes: A_i is the block of A
+that rank i holds, O_i and K_i the number of columns and rows in it, S_i its
+positions under sequence parallelism. Shards may be uneven (sizes differ by at
+most one unit); `sizes` lists every rank's share.
 
 Communication happens only in the regions of `mpi_tp.parallel.tensor_parallel`
 (f, g, scatter, gather) and their sequence-parallel forms; nothing here calls
@@ -39,21 +39,21 @@ def _linear_backward(dout, cache, weights):
 class ColumnParallelLinear(Module):
     """Y = X A + b with A split by columns (its output features):
 
-        A = [A_1 | A_2 | ... | A_p]        b = [b_1 | ... | b_p]
+        A = [A_0 | ... | A_{T-1}]          b = [b_0 | ... | b_{T-1}]
 
-               X (B, T, K), whole on every rank
+               X (B, S, K), whole on every rank
                |
                f        forward: identity     backward: all-reduce dX
              / | \\
-        X A_1 + b_1 ... X A_p + b_p   -> Y_i (B, T, M_i), rank i's columns of Y
+        X A_0 + b_0 ... X A_{T-1} + b_{T-1}   -> Y_i (B, S, O_i), rank i's columns of Y
                |
-             gather (optional): Y = [Y_1 ... Y_p] (all-gather), else Y_i stays split
+             gather (optional): Y = [Y_0 ... Y_{T-1}] (all-gather), else Y_i stays split
 
-    The weight is stored (in, out) so that y = x @ A + b. Rank i holds A_i (K, M_i).
+    The weight is stored (in, out) so that y = x @ A + b. Rank i holds A_i (K, O_i).
 
     parts: several column-parallel layers that read the same X, computed as one.
-    parts=("q", "k", "v") makes three parameters {name}/q/weight, ... (each (K, M),
-    split as above) whose shards sit side by side in one (K, 3 M_i) array, so
+    parts=("q", "k", "v") makes three parameters {name}/q/weight, ... (each (K, O),
+    split as above) whose shards sit side by side in one (K, 3 O_i) array, so
     that one GEMM gives the rank's [q_i | k_i | v_i] columns and the backward
     needs one GEMM and one all-reduce for dX instead of three.
     """
@@ -67,12 +67,12 @@ class ColumnParallelLinear(Module):
             raise ValueError(f"{name}: gather_output needs a single part")
         names = [f"{name}/{part}" for part in parts] if parts else [name]
         self.weights = [make_param(f"{n}/weight", (in_features, out_features), dtype, std=std, seed=seed,
-                                   axis=1, start=start, stop=stop, decay=True)      # A_i: (K, M_i)
+                                   axis=1, start=start, stop=stop, decay=True)      # A_i: (K, O_i)
                         for n in names]
         self.biases = [make_param(f"{n}/bias", (out_features,), dtype, init="zeros", axis=0,
-                                  start=start, stop=stop) for n in names] if bias else []   # b_i: (M_i,)
+                                  start=start, stop=stop) for n in names] if bias else []   # b_i: (O_i,)
         if parts:
-            fuse_last_axis(self.weights)                              # (K, parts * M_i)
+            fuse_last_axis(self.weights)                              # (K, parts * O_i)
             if bias:
                 fuse_last_axis(self.biases)
 
@@ -85,12 +85,12 @@ class ColumnParallelLinear(Module):
         return self.biases[0] if self.biases else None
 
     def forward(self, x):
-        x, seq = enter_tp(x, self.group, self.sp)                       # sp: (B, T_i, K) -> (B, S, K)
+        x, seq = enter_tp(x, self.group, self.sp)                       # sp: (B, S_i, K) -> (B, S, K)
         b = self.biases[0].base if self.biases else None
-        y, cache = K.linear_forward(x, self.weights[0].base, b)       # (B, T, K) -> (B, T, parts * M_i)
+        y, cache = K.linear_forward(x, self.weights[0].base, b)       # (B, S, K) -> (B, S, parts * O_i)
         self.save_cache(cache, seq)
         if self.gather_output:
-            y = gather_from_tp(y, self.group, self.sizes)             # (B, T, M_i) -> (B, T, M)
+            y = gather_from_tp(y, self.group, self.sizes)             # (B, S, O_i) -> (B, S, O)
         return y
 
     def backward(self, dout):
@@ -106,11 +106,11 @@ class ColumnParallelLinear(Module):
 class RowParallelLinear(Module):
     """Y = X A + b with A split by rows (its input features) and X split to match:
 
-        A = [A_1        X = [X_1 | ... | X_p]
+        A = [A_0        X = [X_0 | ... | X_{T-1}]
              ...
-             A_p]       Y = X_1 A_1 + ... + X_p A_p + b
+             A_{T-1}]   Y = X_0 A_0 + ... + X_{T-1} A_{T-1} + b
 
-        X_i (B, T, K_i) on rank i  ->  X_i A_i  (B, T, M), a partial sum
+        X_i (B, S, K_i) on rank i  ->  X_i A_i  (B, S, O), a partial sum
                |
                g        forward: all-reduce      backward: identity
                |
@@ -126,14 +126,14 @@ class RowParallelLinear(Module):
         self.sizes, start, stop = shard_range(in_features, group, sizes, f"{name}: input features")
         self.input_is_parallel = input_is_parallel
         self.weight = make_param(f"{name}/weight", (in_features, out_features), dtype, std=std, seed=seed,
-                                 axis=0, start=start, stop=stop, decay=True)        # A_i: (K_i, M)
+                                 axis=0, start=start, stop=stop, decay=True)        # A_i: (K_i, O)
         self.bias = make_param(f"{name}/bias", (out_features,), dtype, init="zeros") if bias else None
 
     def forward(self, x):
         if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.group, self.sizes)              # (B, T, K) -> (B, T, K_i)
-        y, cache = K.linear_forward(x, self.weight.data)              # (B, T, K_i) -> (B, T, M) partial
-        y, seq = leave_tp(y, self.group, self.sp)                       # sp: -> (B, T_i, M), this rank's positions
+            x = scatter_to_tp(x, self.group, self.sizes)              # (B, S, K) -> (B, S, K_i)
+        y, cache = K.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial
+        y, seq = leave_tp(y, self.group, self.sp)                       # sp: -> (B, S_i, O), this rank's positions
         self.save_cache(cache, seq)
         if self.bias is not None:
             y += self.bias.data

@@ -3,7 +3,7 @@
     stage = PipelineStage(cfg, topo, schedule="1f1b", micro_batches=4)   # topo.pp: the stages
     loss = stage.forward_backward(x, y, rows)                            # gradients in stage.parameters()
 
-Stage s of P holds chunks s, s + P, ... of the model (V per stage, the
+Stage s of P holds chunks s, s + P, ... of the model (v per stage, the
 interleaved schedule's virtual stages), each a `GPT` over a contiguous run of
 blocks (mpi_tp.parallel.pipeline.stages); the model's first chunk also holds
 the embeddings, its last chunk the final LayerNorm, a copy of the tied table
@@ -46,8 +46,8 @@ def micro_batch_rows(rows: slice, micro_batches: int) -> list[slice]:
     n = rows.stop - rows.start
     if n % micro_batches:
         raise ValueError(f"{n} sequences do not split into {micro_batches} equal micro-batches")
-    b = n // micro_batches
-    return [slice(rows.start + m * b, rows.start + (m + 1) * b) for m in range(micro_batches)]
+    B = n // micro_batches                                       # sequences per micro-batch
+    return [slice(rows.start + m * B, rows.start + (m + 1) * B) for m in range(micro_batches)]
 
 
 class PipelineStage:
@@ -62,17 +62,17 @@ class PipelineStage:
     def __init__(self, cfg: GPTConfig, topo: Topology, dtype="float32", seed: int = 0,
                  sequence_parallel: bool = False, schedule_name: str = "1f1b", micro_batches: int = 1,
                  virtual: int = 1, recompute: str = "none"):
-        P, s, V = topo.pp.size, topo.pp.rank, virtual
-        self.cfg, self.topo, self.M, self.V = cfg, topo, micro_batches, V
-        last = P * V - 1
+        P, s, v = topo.pp.size, topo.pp.rank, virtual
+        self.cfg, self.topo, self.M, self.v = cfg, topo, micro_batches, v
+        last = P * v - 1
         self.chunks = [GPT(cfg, topo, dtype, seed, sequence_parallel, blocks=r,
-                           first=global_chunk(s, v, P) == 0, last=global_chunk(s, v, P) == last,
+                           first=global_chunk(s, j, P) == 0, last=global_chunk(s, j, P) == last,
                            recompute=recompute)
-                       for v, r in enumerate(layer_ranges(cfg.n_layer, P, V)[s])]
+                       for j, r in enumerate(layer_ranges(cfg.n_layer, P, v)[s])]
         self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
-        self.block_offsets = [sum(len(c.h) for c in self.chunks[:v]) for v in range(V)]   # chunk v's in h
+        self.block_offsets = [sum(len(c.h) for c in self.chunks[:j]) for j in range(v)]   # chunk j's in h
         self.dtype = self.chunks[0].dtype
-        self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, V)[s], V)
+        self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, v)[s], v)
         self.tables = [c.wte for c in self.chunks if c.first or c.last]   # copies of wte on this rank
         holds = bool(self.tables) and P > 1
         sub = topo.pp.comm.Split(0 if holds else MPI.UNDEFINED, key=topo.pp.rank)
@@ -112,21 +112,21 @@ class PipelineStage:
             c.train(mode)
         return self
 
-    def _wire(self, b: int, T: int):
-        """(shape of a message between stages, to_wire, from_wire) for activations of b sequences.
+    def _wire(self, B: int, S: int):
+        """(shape of a message between stages, to_wire, from_wire) for activations of B sequences.
 
-        Without sequence parallelism every tensor-parallel rank holds the whole activation (B, T, C):
-        each sends only its 1/t of it, flattened, and the receiving stage's ranks all-gather the
+        Without sequence parallelism every tensor-parallel rank holds the whole activation (B, S, C):
+        each sends only its 1/T of it, flattened, and the receiving stage's ranks all-gather the
         pieces (Narayanan et al. 2021, sec. 4.1, scatter/gather). Under sequence parallelism each
-        rank's activation is its T_i positions already, sent as it is.
+        rank's activation is its S_i positions already, sent as it is.
         """
         tp, C = self.topo.tp, self.cfg.n_embd
         if self.sp is not None:
-            self.sp.set(T)
-            return (b, self.sp.sizes[tp.rank], C), (lambda a: a), (lambda a: a)
+            self.sp.set(S)
+            return (B, self.sp.sizes[tp.rank], C), (lambda a: a), (lambda a: a)
         if tp.size == 1:
-            return (b, T, C), (lambda a: a), (lambda a: a)
-        sizes = split_sizes(b * T * C, tp.size)
+            return (B, S, C), (lambda a: a), (lambda a: a)
+        sizes = split_sizes(B * S * C, tp.size)
         start = offsets(sizes)[tp.rank]
         xp = backend.xp()
 
@@ -134,21 +134,21 @@ class PipelineStage:
             return xp.ascontiguousarray(a.reshape(-1)[start:start + sizes[tp.rank]])
 
         def from_wire(piece):
-            return tp.all_gather(piece, sizes, axis=0).reshape(b, T, C)
+            return tp.all_gather(piece, sizes, axis=0).reshape(B, S, C)
         return (sizes[tp.rank],), to_wire, from_wire
 
     def _forward_only(self, x, y=None):
-        """x (B, T) through every stage, one micro-batch: the loss (y given) or the last position's
+        """x (B, S) through every stage, one micro-batch: the loss (y given) or the last position's
         whole-vocabulary logits (V,), on every rank of the pipeline."""
-        T, out = x.shape[1], {}
-        shape, to_wire, from_wire = self._wire(x.shape[0], T)
+        S, out = x.shape[1], {}
+        shape, to_wire, from_wire = self._wire(x.shape[0], S)
         for c in self.chunks:
             c.dropout.seed, c.dropout.step = self.dropout.seed, self.dropout.step
 
-        def forward(m, v, inp):
-            chunk = self.chunks[v]
+        def forward(m, j, inp):
+            chunk = self.chunks[j]
             if chunk.sp is not None:
-                chunk.sp.set(T)
+                chunk.sp.set(S)
             inp = x if chunk.first else from_wire(inp)
             if chunk.last:
                 out["value"] = chunk.forward(inp, y) if y is not None else chunk.last_logits(inp)
@@ -182,40 +182,40 @@ class PipelineStage:
         blocks during the chunk's last backward (their gradients are final then), finished after the
         schedule (the rest are complete only then).
         """
-        M, T = self.M, x.shape[1]
+        M, S = self.M, x.shape[1]
         parts = micro_batch_rows(rows, M)
         step, seed = self.dropout.step, self.dropout.seed
-        shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, T)
+        shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, S)
         losses, kept, held = [0.0] * M, {}, {}
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
         final = {a.chunk: a.micro for a in self.engine.actions if a.kind == "B"}   # each chunk's last backward
         self.zero_grad()
 
-        def forward(m, v, inp):
+        def forward(m, j, inp):
             nonlocal live
-            chunk = self.chunks[v]
+            chunk = self.chunks[j]
             chunk.dropout.seed, chunk.dropout.step = seed, step             # the serial model's masks
             chunk.dropout.row0 = parts[m].start
             if chunk.sp is not None:
-                chunk.sp.set(T)
+                chunk.sp.set(S)
             inp = x[parts[m]] if chunk.first else from_wire(inp)
             out = chunk.forward(inp, y[parts[m]] if chunk.last else None)
             if self.count_activations:
-                held[m, v] = chunk.activation_bytes()
-                live += held[m, v]
+                held[m, j] = chunk.activation_bytes()
+                live += held[m, j]
                 self.peak_activation_bytes = max(self.peak_activation_bytes, live)
-            kept[m, v] = chunk.stash_caches()
+            kept[m, j] = chunk.stash_caches()
             if chunk.last:
                 losses[m] = out
                 return None
             return to_wire(out)
 
-        def backward(m, v, dout):
+        def backward(m, j, dout):
             nonlocal live
-            chunk = self.chunks[v]
-            chunk.restore_caches(kept.pop((m, v)))
-            live -= held.pop((m, v), 0)
-            hook = reducer.chunk(self.block_offsets[v]) if reducer is not None and m == final[v] else None
+            chunk = self.chunks[j]
+            chunk.restore_caches(kept.pop((m, j)))
+            live -= held.pop((m, j), 0)
+            hook = reducer.chunk(self.block_offsets[j]) if reducer is not None and m == final[j] else None
             dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout), reducer=hook)
             return None if chunk.first else to_wire(dx)
 

@@ -12,10 +12,10 @@ seconds per group and kind); one-rank groups return before any MPI call and
 record nothing, since nothing is communicated.
 
 Bytes are the size of the array each rank ends up with: an all-reduce of
-(B, T, C) float32 counts B*T*C*4, an all-gather counts the gathered array, a
+(B, S, C) float32 counts B*S*C*4, an all-gather counts the gathered array, a
 reduce-scatter the array that is reduced. Wire bytes are what each rank sends
-in the bandwidth-optimal (ring) algorithm for a group of p ranks: all-reduce
-2n(p-1)/p, all-gather and reduce-scatter n(p-1)/p each. So a reduce-scatter
+in the bandwidth-optimal (ring) algorithm for a group of T ranks: all-reduce
+2 (T-1)/T n, all-gather and reduce-scatter (T-1)/T n each. So a reduce-scatter
 followed by an all-gather moves exactly what one all-reduce moves. An
 all-to-all (expert parallelism's token exchange) counts, as bytes and wire
 bytes alike, what this rank sends to the other ranks: its block for itself

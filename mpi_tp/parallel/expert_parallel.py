@@ -93,19 +93,19 @@ class ExpertDispatcher:
         """per_expert (E,): rows this rank sends to each expert (its rows sorted by expert). The
         counts travel first (one Alltoall of E_max = max E_i integers per pair of ranks)."""
         per_expert = numpy.asarray(backend.asnumpy(per_expert), dtype=numpy.int64)
-        p, wide = self.group.size, max(self.sizes)
-        counts = numpy.zeros((p, wide), dtype=numpy.int64)         # block r: rows for rank r's experts
-        for r in range(p):
+        ep, wide = self.group.size, max(self.sizes)
+        counts = numpy.zeros((ep, wide), dtype=numpy.int64)         # block r: rows for rank r's experts
+        for r in range(ep):
             counts[r, :self.sizes[r]] = per_expert[self.starts[r]:self.starts[r] + self.sizes[r]]
         got = self.group.all_to_all(counts)[:, :len(self.local)]   # (ep, E_i): from source s, per local expert
         send_rows = [int(n) for n in counts.sum(axis=1)]
         recv_rows = [int(n) for n in got.sum(axis=1)]
         order = None
-        if p > 1:   # received blocks are (source, expert); the experts want (expert, source)
+        if ep > 1:   # received blocks are (source, expert); the experts want (expert, source)
             start = numpy.cumsum(got.reshape(-1)) - got.reshape(-1)            # each block's first row
             start = start.reshape(got.shape)
             order = numpy.concatenate([numpy.arange(start[s, j], start[s, j] + got[s, j])
-                                       for j in range(got.shape[1]) for s in range(p)] + [numpy.zeros(0, int)])
+                                       for j in range(got.shape[1]) for s in range(ep)] + [numpy.zeros(0, int)])
             order = backend.asarray(order.astype(numpy.int64))
         return DispatchPlan(send_rows, recv_rows, [int(n) for n in got.sum(axis=0)], order)
 

@@ -1,5 +1,5 @@
 """Sequence parallelism (Korthikanti et al. 2022): the activations between the tensor-parallel
-regions are split along the sequence (axis 1 of (B, T, C)), and f / g become an all-gather / a
+regions are split along the sequence (axis 1 of (B, S, C)), and f / g become an all-gather / a
 reduce-scatter along it:
 
     region               forward                   backward
@@ -41,12 +41,12 @@ class SequenceSplit:
         return slice(start, start + self.sizes[self.group.rank])
 
 
-# -- sequence-parallel regions (axis 1 of (B, T, C); sizes: every rank's positions) --------
+# -- sequence-parallel regions (axis 1 of (B, S, C); sizes: every rank's positions) --------
 # Each pair: `name(x, group, sizes)` is the forward, `name_backward(dout, group, sizes)` its gradient.
 
 
 def gather_from_sp(x, group: Group, sizes: list[int]):
-    """Enter a tensor-parallel region from a sequence-split one: (B, T_i, C) -> (B, S, C)."""
+    """Enter a tensor-parallel region from a sequence-split one: (B, S_i, C) -> (B, S, C)."""
     return group.all_gather(x, sizes, axis=1)
 
 

@@ -23,14 +23,14 @@ class TrainConfig:
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads (split among tensor-parallel ranks; must divide n_embd)")
     n_embd: int = opt(128, "channels (hidden size C)")
-    block_size: int = opt(128, "context length in bytes (sequence length T)")
+    block_size: int = opt(128, "context length in bytes (sequence length S)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
     # mixture of experts (see mpi_tp.model.moe); moe_experts = 0 is the dense model
     moe_experts: int = opt(0, "experts per MoE block (0: a dense model)")
     moe_top_k: int = opt(1, "experts per token")
     moe_every: int = opt(1, "every N-th block is an MoE block (block i when i mod N = N - 1)")
     moe_capacity: float = opt(0.0, "capacity factor per sequence and expert: assignments past "
-                              "ceil(F * T * k / E) are dropped (0: dropless)")
+                              "ceil(factor * S * k / E) are dropped (0: dropless)")
     moe_aux_weight: float = opt(0.01, "weight of the load-balancing loss (Switch / GShard)")
     moe_z_weight: float = opt(0.0, "weight of the router z-loss (ST-MoE)")
     # parallel layout

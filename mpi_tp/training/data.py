@@ -10,7 +10,8 @@ file can be a corpus. Three kinds of corpus, chosen by `load_corpus(spec)`:
 Batches are a pure function of (seed, step): every tensor-parallel rank draws
 the same batch without communicating, and a resumed run sees the same batches.
 
-Legend: B = batch size, T = block size (context length), N = number of tokens.
+Legend (docs/notation.md): B = batch size, S = block size (context length); n = number of
+tokens in the data.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class DataError(UserError, ValueError):
 @dataclass
 class Corpus:
     name: str          # "pydoc", "shakespeare" or the file's name
-    data: np.ndarray   # [N] uint8, one token per byte
+    data: np.ndarray   # [n] uint8, one token per byte
     sha256: str        # hex digest of the bytes, for the run record
     source: str        # path or URL the bytes came from
 
@@ -185,14 +186,14 @@ def split(corpus: Corpus, val_fraction: float = 0.1) -> tuple[np.ndarray, np.nda
         raise DataError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     n = len(corpus.data)
     n_val = int(n * val_fraction)
-    return corpus.data[: n - n_val], corpus.data[n - n_val:]   # views: [N - N_val], [N_val]
+    return corpus.data[: n - n_val], corpus.data[n - n_val:]   # views: [n - n_val], [n_val]
 
 
 class BatchSampler:
     """Random (x, y) windows of a token array; the batch for a step depends only on (seed, step).
 
-        x, y = BatchSampler(train, block_size=T, batch_size=B, seed=0).batch(step)
-        # x: [B, T] int64 bytes, y: [B, T] int64, y[b, t] = x[b, t + 1] (next byte)
+        x, y = BatchSampler(train, block_size=S, batch_size=B, seed=0).batch(step)
+        # x: [B, S] int64 bytes, y: [B, S] int64, y[b, t] = x[b, t + 1] (next byte)
     """
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
@@ -208,20 +209,20 @@ class BatchSampler:
                 f"{block_size + 1} (one window plus its next-byte target): pass a smaller "
                 "--block-size or a longer --data file"
             )
-        self.tokens = tokens          # [N] uint8
-        self.block_size = block_size  # T
+        self.tokens = tokens          # [n] uint8
+        self.block_size = block_size  # S
         self.batch_size = batch_size  # B
         self.seed = seed
-        self._offsets = np.arange(block_size + 1)   # [T+1]
+        self._offsets = np.arange(block_size + 1)   # [S+1]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(x, y), both [B, T] int64, for this step; the same on every call and every rank."""
+        """(x, y), both [B, S] int64, for this step; the same on every call and every rank."""
         rng = np.random.default_rng([self.seed, step])
-        # starts uniform in [0, N - T - 1], so the last target index s + T is <= N - 1
+        # starts uniform in [0, n - S - 1], so the last target index start + S is <= n - 1
         starts = rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)  # [B]
-        windows = self.tokens[starts[:, None] + self._offsets].astype(np.int64)  # [B, T+1]
-        x = np.ascontiguousarray(windows[:, :-1])   # [B, T]
-        y = np.ascontiguousarray(windows[:, 1:])    # [B, T]
+        windows = self.tokens[starts[:, None] + self._offsets].astype(np.int64)  # [B, S+1]
+        x = np.ascontiguousarray(windows[:, :-1])   # [B, S]
+        y = np.ascontiguousarray(windows[:, 1:])    # [B, S]
         return x, y
 
 

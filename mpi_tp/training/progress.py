@@ -10,7 +10,7 @@ cross_entropy + moe_aux_weight * aux_loss + moe_z_weight * z_loss (aux_loss and 
 unweighted, summed over the MoE blocks); and `moe`, per MoE block the routing of the
 logged step's global batch (every micro-batch of every replica): tokens_per_expert (the
 assignments each expert computed, after the capacity), imbalance (max / mean of those)
-and dropped (assignments past the capacity); tokens and drops add up to B T k per block,
+and dropped (assignments past the capacity); tokens and drops add up to B S k per block,
 B the global batch. The progress line adds the cross-entropy, the worst block's imbalance
 and the share of assignments dropped. Dense runs log and print what they did before.
 

@@ -1,11 +1,11 @@
 """The pipeline engine: runs one stage's action list, moving activations and gradients between stages.
 
-    engine = PipelineEngine(group, actions, chunks=V)            # group: this rank's pipeline group
+    engine = PipelineEngine(group, actions, chunks=v)            # group: this rank's pipeline group
     engine.run(forward, backward, message_shape, dtype)
 
-`forward(m, v, x)` runs micro-batch m through local chunk v (x: the previous
+`forward(m, c, x)` runs micro-batch m through local chunk c (x: the previous
 chunk's output, or None for the model's first chunk) and returns its output
-(None for the model's last chunk, which computed the loss). `backward(m, v, dy)`
+(None for the model's last chunk, which computed the loss). `backward(m, c, dy)`
 runs its backward (dy None for the last chunk) and returns the gradient of its
 input (None for the first chunk). The engine knows nothing of the model: it
 executes the schedule (mpi_tp.parallel.pipeline.schedules) and does the
@@ -37,7 +37,7 @@ class PipelineEngine:
     """One stage of the pipeline group `group`, running `actions` over its `chunks` model chunks."""
 
     def __init__(self, group: Group, actions: list[Action], chunks: int = 1):
-        self.group, self.actions, self.V = group, actions, chunks
+        self.group, self.actions, self.v = group, actions, chunks
         self.P, self.s = group.size, group.rank
         self.last = self.P * chunks - 1                     # the model's last chunk, globally
         micro = 1 + max((a.micro for a in actions), default=0)
@@ -82,4 +82,4 @@ class PipelineEngine:
 
     def forward_only(self, micro_batches: int) -> list[Action]:
         """The forwards alone, micro-batch by micro-batch, chunk by chunk (evaluation, sampling)."""
-        return [Action("F", m, v) for m in range(micro_batches) for v in range(self.V)]
+        return [Action("F", m, c) for m in range(micro_batches) for c in range(self.v)]

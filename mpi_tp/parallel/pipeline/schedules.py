@@ -1,10 +1,10 @@
 """Pipeline schedules as data: for each stage, the ordered actions it runs in one training step.
 
 An action is (kind, micro-batch, chunk): kind "F" (forward) or "B" (backward)
-of one micro-batch through one model chunk that the stage holds. With V
-virtual stages per rank (the interleaved schedule), P ranks hold P*V chunks,
+of one micro-batch through one model chunk that the stage holds. With v
+virtual stages per rank (the interleaved schedule), P ranks hold P*v chunks,
 and rank s holds chunks s, s + P, s + 2P, ... (Megatron's placement): local
-chunk v of rank s is global chunk v*P + s. With V = 1 the chunk is always 0.
+chunk c of rank s is global chunk c*P + s. With v = 1 the chunk is always 0.
 
     schedule("1f1b", stages=4, micro_batches=8)       # [[Action, ...] per stage]
 
@@ -13,12 +13,12 @@ backward, dependencies between stages, in-flight bounds), the cost model and
 the pictures: `simulate` plays them with given times per action and returns
 each action's start and end, from which the bubble follows.
 
-Legend: P = pipeline stages (ranks), M = micro-batches, V = chunks per rank.
+Legend (docs/notation.md): P = pipeline stages (ranks), M = micro-batches, v = chunks per rank.
     gpipe        all M forwards, then all M backwards (GPipe, Huang et al. 2019); M in flight
     1f1b         P - s - 1 warm-up forwards, then one forward and one backward in turn, then the
                  remaining backwards (PipeDream-Flush, Narayanan et al. 2021); at most P - s in flight
-    interleaved  1f1b over V chunks per rank, micro-batches in groups of P (Narayanan et al. 2021,
-                 sec. 2.2); the bubble shrinks by V, M must be a multiple of P
+    interleaved  1f1b over v chunks per rank, micro-batches in groups of P (Narayanan et al. 2021,
+                 sec. 2.2); the bubble shrinks by v, M must be a multiple of P
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 class Action:
     kind: str           # "F" or "B"
     micro: int          # micro-batch index, 0 .. M - 1
-    chunk: int = 0      # this rank's model chunk, 0 .. V - 1
+    chunk: int = 0      # this rank's model chunk, 0 .. v - 1
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
@@ -62,24 +62,24 @@ def one_f_one_b(stages: int, micro_batches: int) -> list[list[Action]]:
 
 def interleaved(stages: int, micro_batches: int, virtual: int) -> list[list[Action]]:
     """1F1B over `virtual` chunks per rank. The k-th forward of a rank is micro-batch
-    (k // (P V)) P + k % P through chunk (k // P) % V; backwards run the chunks in reverse."""
-    P, M, V = stages, micro_batches, virtual
+    (k // (P v)) P + k % P through chunk (k // P) % v; backwards run the chunks in reverse."""
+    P, M, v = stages, micro_batches, virtual
     if M % P:
         raise UserError(f"the interleaved schedule needs a multiple of the {P} pipeline stages as micro-batches, "
                         f"got {M}: use --micro-batches {M + (-M) % P}")
 
     def action(kind, k):
-        chunk = (k // P) % V
-        return Action(kind, (k // (P * V)) * P + k % P, chunk if kind == "F" else V - 1 - chunk)
-    total = M * V
-    return [_warmup_steady_cooldown(min((P - s - 1) * 2 + (V - 1) * P, total), total, action) for s in range(P)]
+        chunk = (k // P) % v
+        return Action(kind, (k // (P * v)) * P + k % P, chunk if kind == "F" else v - 1 - chunk)
+    total = M * v
+    return [_warmup_steady_cooldown(min((P - s - 1) * 2 + (v - 1) * P, total), total, action) for s in range(P)]
 
 
 def schedule(name: str, stages: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
     """The action lists of schedule `name` (one of SCHEDULES), one list per stage."""
     if stages < 1 or micro_batches < 1 or virtual < 1:
         raise UserError(f"a schedule needs at least one stage, micro-batch and chunk, got P={stages} "
-                        f"M={micro_batches} V={virtual}")
+                        f"M={micro_batches} v={virtual}")
     if name == "interleaved":
         return interleaved(stages, micro_batches, virtual)
     if virtual != 1:
@@ -101,15 +101,15 @@ def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float
 
     F(m, g) needs F(m, g - 1) (the previous chunk's output, from the stage before);
     B(m, g) needs F(m, g) and B(m, g + 1). Times are per action of one chunk
-    (divide by V for the interleaved schedule's smaller chunks yourself).
+    (divide by v for the interleaved schedule's smaller chunks yourself).
     Returns {"events": [(stage, action, start, end)], "time", "busy", "bubble"}: busy is each
     stage's working time, and bubble Narayanan et al.'s bubble time fraction, the idle time of the
     step over the ideal (no-bubble) time: (time - busy) / busy, (P - 1) / M for GPipe and 1F1B.
     Raises ValueError when the lists deadlock or break a dependency.
     """
     P = len(plan)
-    V = 1 + max((a.chunk for acts in plan for a in acts), default=0)
-    last = P * V - 1
+    v = 1 + max((a.chunk for acts in plan for a in acts), default=0)
+    last = P * v - 1
     done, events = {}, []
     clock, nxt = [0.0] * P, [0] * P
     while any(nxt[s] < len(plan[s]) for s in range(P)):
@@ -152,8 +152,8 @@ def in_flight(actions: list[Action]) -> int:
 def check(plan: list[list[Action]], micro_batches: int) -> None:
     """Every stage runs each (micro-batch, chunk) forward exactly once, before its backward; the stages
     together respect the dependencies (simulate raises otherwise). Raises ValueError."""
-    V = 1 + max((a.chunk for acts in plan for a in acts), default=0)
-    want = {(m, c) for m in range(micro_batches) for c in range(V)}
+    v = 1 + max((a.chunk for acts in plan for a in acts), default=0)
+    want = {(m, c) for m in range(micro_batches) for c in range(v)}
     for s, acts in enumerate(plan):
         seen_f = [(a.micro, a.chunk) for a in acts if a.kind == "F"]
         seen_b = [(a.micro, a.chunk) for a in acts if a.kind == "B"]

@@ -1,6 +1,6 @@
 """Which transformer blocks each pipeline stage holds: contiguous runs, remainders at the front.
 
-The model's blocks are cut into P * V chunks (P stages, V chunks per stage for
+The model's blocks are cut into P * v chunks (P stages, v chunks per stage for
 the interleaved schedule), in model order; rank s holds chunks s, s + P, ...
 (see schedules.global_chunk). Layer counts need not divide: the chunks differ
 by at most one block, and the chunks that get the extra block are the first
