@@ -3,6 +3,7 @@
 These tests start their own MPI jobs, so they run in the one-rank pass only
 (they carry no mpi marker; the multi-rank passes select -m mpi).
 """
+import argparse
 import importlib.util
 import json
 import os
@@ -257,8 +258,18 @@ def test_presets_are_valid(tmp_path):
         cfg.validate((cfg.tp or 1) * cfg.dp)
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "generate", "serve", "inspect", "export", "bench", "plan",
-                                     "calibrate", "explain"])
+def _subcommands() -> list[str]:
+    """Every subcommand the parser knows, so that a new command is covered without editing this file."""
+    from mpi_tp.commands.cli import build_parser
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(action.choices)
+
+
+def test_the_subcommands_are_found():
+    assert {"train", "explain", "exercise", "plan"} <= set(_subcommands())
+
+
+@pytest.mark.parametrize("command", _subcommands())
 def test_every_command_has_help(command):
     """argparse formats help lazily: a '%' in one option's text breaks only --help (it did, once)."""
     r = subprocess.run([sys.executable, "-m", "mpi_tp", command, "--help"], capture_output=True, text=True,

@@ -11,6 +11,7 @@
     mpiexec -n 2 mpi-tp calibrate --out machine.json    measure this machine for the cost model
     mpiexec -n 2 mpi-tp explain --layer mlp             a live lesson: one layer split over the ranks
     mpiexec -n 2 mpi-tp explain --layer pipeline        the pipeline schedules, drawn from their own run
+    mpiexec -n 2 mpi-tp exercise 1 --file exercise1.py  an exercise: fix a broken layer, checked (--list)
 
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
@@ -68,6 +69,8 @@ def build_parser() -> Parser:
     add_calibrate(sub)
     from mpi_tp.commands.explain import add_parser as add_explain
     add_explain(sub)
+    from mpi_tp.commands.exercise import add_parser as add_exercise
+    add_exercise(sub)
     return p
 
 

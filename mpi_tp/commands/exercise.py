@@ -1,0 +1,94 @@
+"""`mpi-tp exercise`: broken layers to fix and a prediction to make, checked with feedback.
+
+    mpi-tp exercise --list                                   the exercises
+    mpi-tp exercise 1 --copy DIR                             write DIR/exercise1.py, the broken layer
+    mpiexec -n 2 mpi-tp exercise 1 --file DIR/exercise1.py   check your fix at T = 2
+    mpiexec -n 2 mpi-tp exercise 1                           check the shipped broken version (FAIL)
+    mpiexec -n 2 mpi-tp exercise 1 --solution                check the reference solution (PASS)
+
+Each check runs the layer at T = world size against the serial layer built from
+the same seed (float64), or a prediction against the counters, and prints PASS
+or what is still wrong. Exit status 0 on PASS, 1 on FAIL, 2 on bad input.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.course.common import load_everywhere, needs_ranks
+from mpi_tp.course.registry import EXERCISES, get
+
+
+def _exercise(number):
+    if number is None:
+        raise UserError("give an exercise number (mpi-tp exercise 1) or --list")
+    try:
+        found = get(int(number))
+    except ValueError:
+        found = None
+    if found is None:
+        raise UserError(f"no exercise {number}: choose 1 to {len(EXERCISES)} (mpi-tp exercise --list)")
+    return found
+
+
+def _copy(ex, folder: str, rank: int) -> str:
+    """Write folder/exerciseN.py (rank 0 only); refuse to overwrite the student's work."""
+    target = os.path.join(folder, f"exercise{ex.number}.py")
+    if rank != 0:
+        return target
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--copy {folder}: not a directory")
+    if os.path.exists(target):
+        raise UserError(f"{target} exists already: not overwriting it (delete it, or copy to another directory)")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        shutil.copyfile(ex.source(), target)
+    except OSError as e:
+        raise UserError(f"--copy {folder}: {e.strerror or e}") from None
+    return target
+
+
+def _list() -> str:
+    lines = []
+    for ex in EXERCISES:
+        at_least = f"{ex.min_ranks} or more ranks" if ex.min_ranks > 1 else "any number of ranks"
+        lines += [f"{ex.number}. {ex.title} ({at_least}): fix {' and '.join(ex.names)}",
+                  (f"   mpi-tp exercise {ex.number} --copy DIR, then "
+                   f"mpiexec -n {ex.ranks} mpi-tp exercise {ex.number} --file DIR/exercise{ex.number}.py"),
+                  f"   lesson: {ex.lesson}"]
+    return "\n".join(lines)
+
+
+def cmd_exercise(args, comm) -> int:
+    if args.list:
+        rank0_print(_list(), comm=comm)
+        return 0
+    ex = collective_setup(_exercise, args.number, comm=comm)
+    if args.copy is not None:
+        target = collective_setup(_copy, ex, args.copy, comm.Get_rank(), comm=comm)
+        rank0_print(f"wrote {target}: fix {' and '.join(ex.names)} there (the part marked EXERCISE {ex.number}), "
+                    f"then check it:\n  mpiexec -n {ex.ranks} mpi-tp exercise {ex.number} --file {target}", comm=comm)
+        return 0
+    collective_setup(needs_ranks, ex.number, comm.Get_size(), ex.min_ranks, comm=comm)
+    path = os.path.abspath(args.file) if args.file else ex.source(args.solution)
+    if not args.file:
+        which = "reference solution" if args.solution else "shipped broken version (expected to FAIL)"
+        rank0_print(f"checking the {which}: {path}", comm=comm)
+    student = load_everywhere(path, ex.names, f"exercise {ex.number}", comm)
+    return 0 if ex.check(student, comm, path) else 1
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("exercise", help="exercises with feedback: fix a broken layer, predict the bytes of a step",
+                       description=__doc__.split("\n\n")[0])
+    e.add_argument("number", nargs="?", metavar="N", help=f"the exercise, 1 to {len(EXERCISES)}")
+    e.add_argument("--list", action="store_true", help="list the exercises")
+    how = e.add_mutually_exclusive_group()
+    how.add_argument("--copy", nargs="?", const=".", metavar="DIR",
+                     help="write exerciseN.py, the broken version to fix, into DIR (default: the current "
+                          "directory; created if missing; an existing file is never overwritten)")
+    how.add_argument("--file", metavar="FILE", help="check your edited file (default: the shipped broken version)")
+    how.add_argument("--solution", action="store_true", help="check the reference solution")
+    e.set_defaults(run=cmd_exercise)

@@ -1,0 +1,41 @@
+"""The exercises: number, title, the file a student copies, what it must define, its check, its lesson."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+
+from mpi_tp.course import checks, step_bytes, vocab
+
+
+@dataclass(frozen=True)
+class Exercise:
+    number: int
+    title: str
+    module: str               # the file's name in exercises/ and solutions/ (without .py)
+    names: tuple              # what the student's file must define
+    check: object             # check(student_module, comm, path) -> bool, on every rank
+    min_ranks: int            # at fewer ranks the bug cannot show
+    ranks: int                # the world size the docs suggest
+    lesson: str               # where to read about it
+
+    def source(self, solution: bool = False) -> str:
+        folder = "solutions" if solution else "exercises"
+        return str(resources.files(f"mpi_tp.course.{folder}").joinpath(f"{self.module}.py"))
+
+
+EXERCISES = (
+    Exercise(1, "the row layer's bias", "ex1_row_bias", ("RowLinear",), checks.row_bias, 2, 2,
+             "mpiexec -n 2 mpi-tp explain --layer row; docs/learn.md, 'The row split'"),
+    Exercise(2, "the order of the MLP's splits", "ex2_mlp_order", ("MLP",), checks.mlp_order, 2, 2,
+             "mpiexec -n 2 mpi-tp explain --layer mlp; docs/learn.md, section 3"),
+    Exercise(3, "f's backward in the column layer", "ex3_f_backward", ("ColumnLinear",), checks.f_backward, 2, 2,
+             "mpiexec -n 2 mpi-tp explain --layer column; docs/learn.md, 'The two together'"),
+    Exercise(4, "uneven vocabulary shards and their offset", "ex4_vocab_offset", ("vocab_range", "Embedding"),
+             vocab.vocab_offset, 2, 3, "docs/learn.md, sections 4 and 5"),
+    Exercise(5, "the bytes of one step of a block", "ex5_step_bytes", ("buffer_bytes", "wire_bytes"),
+             step_bytes.step_bytes, 1, 2, "mpiexec -n 2 mpi-tp explain --layer block; docs/learn.md, section 7"),
+)
+
+
+def get(number) -> Exercise | None:
+    return next((e for e in EXERCISES if e.number == number), None)

@@ -1,0 +1,160 @@
+"""`mpi-tp exercise`: every shipped broken version FAILS with its specific message, every solution
+PASSES, and a different planted bug (a mutation of the solution) is caught by each checker.
+
+The in-process tests are MPI tests (1, 2, 3 and 4 ranks): exercises 1-4 need 2 or more ranks (at
+T = 1 they are bad input, exit 2), exercise 5 runs at any T. The command-line tests (--copy, --list,
+bad input) start their own jobs and run in the one-rank pass.
+"""
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from test_cli import MPIEXEC, mpirun
+
+from mpi_tp.commands.exercise import cmd_exercise
+from mpi_tp.core.errors import UserError
+from mpi_tp.course.registry import EXERCISES, get
+
+MPI_TEST = pytest.mark.mpi(min_size=1)
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "exercises.md"
+# exercise: what the shipped broken version's report must say (T >= 2)
+BROKEN = {
+    1: ["output Y: max relative difference", "the bias is added", "gets these right: input gradient dX"],
+    2: ["forward raised ValueError at line", "a row-split layer expects its input split by columns"],
+    3: ["input gradient dX: max relative difference", "backward collectives: none",
+        "gets these right: output Y, gradient of column/weight", "dX is only this rank's part"],
+    4: ["the split rule gives rank 0 [0,", "are held by no rank", "wrong vectors for token ids"],
+    5: ["buffer bytes at B = 2, S = 4, C = 8", "you predicted 1024", "you counted one pass"],
+}
+# exercise: (a different bug planted in the solution: old -> new, what the report must say)
+MUTATIONS = {
+    1: ("        y = reduce_from_tp(y, self.group)", "        pass",
+        "Y is this rank's own partial sum X_i A_i"),
+    2: (("topo.tp, dtype, seed=seed)\n        self.proj = RowParallelLinear(f\"{name}/proj\", 4 * C, C, topo.tp, "
+         "dtype, sizes=self.fc.sizes, seed=seed)"),
+        ("topo.tp, dtype, seed=seed, gather_output=True)\n        self.proj = RowParallelLinear(f\"{name}/proj\", "
+         "4 * C, C, topo.tp, dtype, seed=seed, input_is_parallel=False)"),
+        "forward collectives: tp/all_gather: 1 call"),
+    3: ("        self.bias.accumulate(db)\n", "", "gradient of column/bias: max relative difference"),
+    4: ("local = ids - self.start", "local = ids", "wrong vectors for token ids"),
+    5: ("return 4 * 2 * (T - 1) / T * B", "return 4 * (T - 1) / T * B", "2 (T-1)/T n wire bytes per rank"),
+}
+
+
+def run(capsys, world, number, **over):
+    given = {"number": None if number is None else str(number), "list": False, "copy": None, "file": None,
+             "solution": False}
+    args = argparse.Namespace(**(given | over))
+    status = cmd_exercise(args, world)
+    return status, capsys.readouterr().out
+
+
+@MPI_TEST
+@pytest.mark.parametrize("number", [e.number for e in EXERCISES])
+def test_shipped_version_fails_with_its_message_and_the_solution_passes(capsys, world, number):
+    T = world.Get_size()
+    if T < get(number).min_ranks:
+        for solution in (False, True):
+            with pytest.raises(UserError, match="needs 2 or more ranks") as e:
+                run(capsys, world, number, solution=solution)
+            assert e.value.status == 2
+        return
+    status, out = run(capsys, world, number)
+    assert status == 1
+    if world.Get_rank() == 0:
+        assert out.rstrip().endswith("FAIL") and "hint: " in out, out
+        for text in BROKEN[number] if T > 1 else ["at T = 1 nothing is communicated"]:
+            assert text in out, out
+    else:
+        assert out == ""                            # rank 0 speaks for everyone
+    status, out = run(capsys, world, number, solution=True)
+    assert status == 0
+    if world.Get_rank() == 0:
+        assert out.rstrip().endswith("PASS") and "FAIL" not in out and "hint" not in out, out
+
+
+@MPI_TEST
+@pytest.mark.parametrize("number", [e.number for e in EXERCISES])
+def test_a_planted_bug_is_caught(capsys, world, tmp_path, number):
+    ex = get(number)
+    if world.Get_size() < ex.min_ranks:
+        pytest.skip(f"exercise {number} needs {ex.min_ranks} or more ranks")
+    old, new, message = MUTATIONS[number]
+    source = Path(ex.source(solution=True)).read_text()
+    assert old in source, f"the mutation of exercise {number} no longer applies"
+    if number == 5 and world.Get_size() == 1:             # wire bytes are 0 at T = 1: plant another bug
+        old, new, message = "0 if T == 1 else 4 *", "4 *", "at T = 1 nothing is communicated"
+    planted = tmp_path / f"mutant{number}.py"             # each rank its own file (tmp_path differs)
+    planted.write_text(source.replace(old, new))
+    status, out = run(capsys, world, number, file=str(planted))
+    assert status == 1
+    if world.Get_rank() == 0:
+        assert message in out and out.rstrip().endswith("FAIL"), out
+
+
+@MPI_TEST
+def test_a_file_without_the_function_is_bad_input(capsys, world, tmp_path):
+    bad = tmp_path / "empty.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(UserError, match="does not define buffer_bytes, wire_bytes") as e:
+        run(capsys, world, 5, file=str(bad))
+    assert e.value.status == 2
+    bad.write_text("def buffer_bytes(:\n")
+    with pytest.raises(UserError, match="does not load: SyntaxError"):
+        run(capsys, world, 5, file=str(bad))
+    with pytest.raises(UserError, match="no such file"):
+        run(capsys, world, 5, file=str(tmp_path / "missing.py"))
+
+
+@pytest.mark.parametrize("number,message", [("9", "no exercise 9: choose 1 to 5"), ("x", "no exercise x"),
+                                            (None, "give an exercise number")])
+def test_bad_numbers_are_bad_input(capsys, world, number, message):
+    with pytest.raises(UserError, match=message) as e:
+        run(capsys, world, number)
+    assert e.value.status == 2
+
+
+def test_copy_writes_once_and_list_names_them(capsys, world, tmp_path):
+    status, out = run(capsys, world, 3, copy=str(tmp_path / "new"))
+    target = tmp_path / "new" / "exercise3.py"
+    assert status == 0 and str(target) in out and "--file" in out
+    assert target.read_text() == Path(get(3).source()).read_text()
+    target.write_text("# my work\n")
+    with pytest.raises(UserError, match="exists already: not overwriting") as e:
+        run(capsys, world, 3, copy=str(tmp_path / "new"))
+    assert e.value.status == 2 and target.read_text() == "# my work\n"
+    status, out = run(capsys, world, None, list=True)
+    assert status == 0 and all(f"{e.number}. {e.title}" in out for e in EXERCISES)
+
+
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+
+
+@needs_mpiexec
+def test_command_line_statuses(tmp_path):
+    (tmp_path / "mine.py").write_text("x = 1\n")
+    r = mpirun(2, "exercise", "1", timeout=60)
+    assert r.returncode == 1 and r.stdout.count("exercise 1:") == 1 and "FAIL" in r.stdout, r.stderr
+    for args, message in ((["6"], "no exercise 6"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
+                          (["5", "--file", str(tmp_path / "mine.py")], "does not define buffer_bytes, wire_bytes"),
+                          (["1"], "exercise 1 needs 2 or more ranks")):
+        r = mpirun(1, "exercise", *args, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+
+
+def doc_commands() -> list[tuple[str, bool]]:
+    """(command, expected to FAIL) for each line of the ```bash blocks of docs/exercises.md."""
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", DOC.read_text(), re.MULTILINE | re.DOTALL):
+        for line in block.splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                out.append((line.split("#", 1)[0].strip(), "# expected to FAIL" in line))
+    return out
+
+
+def test_the_doc_has_commands_for_every_exercise():
+    commands = " ".join(c for c, _ in doc_commands())
+    for e in EXERCISES:
+        assert f"exercise {e.number} --copy" in commands and f"exercise {e.number} --solution" in commands
