@@ -64,7 +64,7 @@ def fig_column(f, out, written):
         ax.text(0, -2.6 - 0.9 * r, line, fontsize=9.5, color=RANK_COLOR[r], va="center")
     ax.set_title(f"Column split: ColumnParallelLinear(in=6, out=7) on 3 ranks.  Counted: forward "
                  f"{said(f[0]['col_fwd'])}; backward {said(f[0]['col_bwd'])} (f)", fontsize=10)
-    save(fig, out, "column_split.png", written)
+    save(fig, out, "column_split.png", written, ax=ax)
 
 
 def fig_row(f, out, written):
@@ -86,12 +86,12 @@ def fig_row(f, out, written):
         top = 5.6 - 3.6 * r
         grid(ax, 20.5, top, 4, 6, lambda i, j, r=r: RANK_COLOR[r], cell=0.6)
         ax.text(20.2, top - 1.2, f"$X_{r} A_{r}$", ha="right", va="center", fontsize=10, color=RANK_COLOR[r])
-        arrow(ax, 24.3, top - 1.2, 25.7, 1.5 - 0.4 * (r - 1))
+        arrow(ax, 24.3, top - (2.0 if r == 0 else 1.2), 25.75, 1.5 - 0.4 * (r - 1))   # clear of g's caption
     ax.text(22.3, -4.4, f"partial sums, each {tuple(f[0]['row_z'])}: not yet the output",
             ha="center", va="top", fontsize=9)
     box(ax, 26.8, 1.5, 2.0, 1.6, "g", face=COMM, size=14, weight="bold", color="white")
-    ax.text(26.8, 0.3, "forward: all-reduce\n(sum over ranks)\nbackward: identity", ha="center", va="top",
-            fontsize=8)
+    ax.text(27.6, 2.55, "forward: all-reduce\n(sum over ranks)\nbackward: identity", ha="center",
+            va="bottom", fontsize=8)                        # above g: the arrows from below do not cross it
     arrow(ax, 27.9, 1.5, 30.0, 1.5)
     grid(ax, 30.2, 2.7, 4, 6, lambda i, j: WHOLE, cell=0.6)
     ax.text(32.0, 3.0, "+ b  (once)", ha="center", va="bottom", fontsize=10)
@@ -101,7 +101,7 @@ def fig_row(f, out, written):
     ax.text(0, -6.9, f"Counted: forward {said(f[0]['row_fwd'])} (g); backward {said(f[0]['row_bwd'])}.",
             fontsize=9.5)
     ax.set_title("Row split: RowParallelLinear(in=7, out=6, sizes = the column layer's) on 3 ranks", fontsize=10)
-    save(fig, out, "row_split.png", written)
+    save(fig, out, "row_split.png", written, ax=ax)
 
 
 def fig_block(f, out, written, sp: bool):
@@ -110,7 +110,7 @@ def fig_block(f, out, written, sp: bool):
     lanes = [1.25, 0.0, -1.25]                                # rank 0, 1, 2
     enter = ("all-gather\n(sequence)", "bwd: reduce-scatter") if sp else ("f", "fwd: identity\nbwd: all-reduce")
     leave = ("reduce-\nscatter\n(sequence)", "bwd: all-gather") if sp else ("g", "fwd: all-reduce\nbwd: identity")
-    D = f[0]["head_size"]
+    hs = f[0]["head_size"]
     rows = [("attention", 2.2, "ln_1",
              [lambda s: f"q,k,v\ncolumns\nheads {span(*s['heads'])}",
               lambda s: f"attention\nheads {span(*s['heads'])}",
@@ -161,22 +161,22 @@ def fig_block(f, out, written, sp: bool):
             ax.text(25.6, y + 0.9, "residual", ha="center", fontsize=8)
         ax.text(28.1 if sp else 26.7, y, "(B, $S_i$, C)" if sp else "(B, S, C)", va="center", fontsize=9)
     if sp:
-        note = ["Entering a region all-gathers the positions, leaving it reduce-scatters them: per block 2 + 2 "
-                "each way,", "the same bytes on the wire as 4 all-reduces; LayerNorms, dropout and residuals "
-                "work on 1/p of the positions.",
-                f"Counted on one Block, p = 3, S = 8: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
-                "GPT.backward adds one packed all-reduce per block of the replicated parameters' gradients "
-                "(sp_grad_all_reduce)."]
+        note = ["Entering a region all-gathers the positions, leaving it reduce-scatters them: per block 2 + 2 each way,",
+                ("the same bytes on the wire as 4 all-reduces; LayerNorms, dropout and residuals "
+                 "work on 1/T of the positions."),
+                f"Counted on one Block, T = 3, S = 8: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
+                ("GPT.backward adds one packed all-reduce per block of the replicated parameters' gradients "
+                 "(sp_grad_all_reduce).")]
         title = "Sequence parallelism: the same block, activations split by position outside the regions"
     else:
         note = ["Per block: 2 all-reduces forward (the two g) and 2 backward (the two f), B·S·C values each.",
-                f"Counted on one Block, p = 3: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
-                f"5 heads of size {D} over 3 ranks (uneven); q/k/v is one fused ColumnParallelLinear behind one f."]
+                f"Counted on one Block, T = 3: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
+                f"5 heads of size hs = {hs} over 3 ranks (uneven); q/k/v is one fused ColumnParallelLinear behind one f."]
     for i, line in enumerate(note):
         ax.text(-0.6, -9.4 - 0.75 * i, line, fontsize=9.5, va="center")
-    ax.set_title(title if sp else "A transformer block under tensor parallelism (p = 3, C = 20, 5 heads, "
+    ax.set_title(title if sp else "A transformer block under tensor parallelism (T = 3, C = 20, 5 heads, "
                  "MLP width 80)", fontsize=10.5)
-    save(fig, out, "block_sp.png" if sp else "block_tp.png", written)
+    save(fig, out, "block_sp.png" if sp else "block_tp.png", written, ax=ax)
 
 
 def fig_vocab(f, out, written):
@@ -227,16 +227,16 @@ def fig_vocab(f, out, written):
     ax.text(29.6, -6.2, "backward: (softmax − onehot)/N\non each rank's columns, no communication",
             ha="center", va="top", fontsize=8.5)
     n = len(ids)
-    lines = [f"Counted (p = 3, {n} tokens, float64): embedding forward {said(f[0]['emb_fwd'])} "
-             f"({f[0]['emb_fwd']['all_reduce'][1]} bytes); loss forward {calls[0]} all-reduces, "
-             f"{calls[1]} bytes together (= 3·{n} values);",
-             f"backward: loss {said(f[0]['loss_bwd'])}, tied head {said(f[0]['head_bwd'])} (f), "
-             f"embedding {said(f[0]['emb_bwd'])}."]
+    lines = [(f"Counted (T = 3, {n} tokens, float64): embedding forward {said(f[0]['emb_fwd'])} "
+              f"({f[0]['emb_fwd']['all_reduce'][1]} bytes); loss forward {calls[0]} all-reduces, "
+              f"{calls[1]} bytes together (= 3·{n} values);"),
+             (f"backward: loss {said(f[0]['loss_bwd'])}, tied head {said(f[0]['head_bwd'])} (f), "
+              f"embedding {said(f[0]['emb_bwd'])}.")]
     for i, line in enumerate(lines):
         ax.text(-0.4, -9.8 - 0.8 * i, line, fontsize=9.5, va="center")
     ax.set_title("Vocabulary split: VocabParallelEmbedding, the tied output layer and VocabParallelCrossEntropy",
                  fontsize=10.5)
-    save(fig, out, "vocab_parallel.png", written)
+    save(fig, out, "vocab_parallel.png", written, ax=ax)
 
 
 def fig_step(tp, sp, out, written):
@@ -261,7 +261,7 @@ def fig_step(tp, sp, out, written):
         ax.spines[["top", "right"]].set_visible(False)
     axes[0].legend(frameon=False, fontsize=9, ncol=2, loc="upper right")
     L, C, S = STEP["n_layer"], STEP["n_embd"], STEP["block_size"]
-    fig.suptitle(f"One forward and one backward pass at p = 2, counted by topo.stats: GPT(n_layer={L}, "
+    fig.suptitle(f"One forward and one backward pass at T = 2, counted by topo.stats: GPT(n_layer={L}, "
                  f"n_embd={C}, n_head={STEP['n_head']}), B={STEP_B}, S={S}, float32", fontsize=10.5)
     fig.tight_layout()
     save(fig, out, "step_counters.png", written)
@@ -300,7 +300,7 @@ def main():
     fig_step(*step, out, written)
     for layout, counts in zip(("TP", "TP+SP"), step):
         for d in ("fwd", "bwd"):
-            print(f"p = 2 {layout:5} {d}: " + ", ".join(f"{k} {c[0]} calls {c[1]:,} bytes ({c[2]:,} on the wire)"
+            print(f"T = 2 {layout:5} {d}: " + ", ".join(f"{k} {c[0]} calls {c[1]:,} bytes ({c[2]:,} on the wire)"
                                                        for k, c in counts[d].items()))
     for path in written:
         print(f"wrote {path} ({os.path.getsize(path) / 1000:.0f} kB)")

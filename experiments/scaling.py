@@ -2,6 +2,7 @@
 
     python experiments/scaling.py                  # T = 1 and 2 (this machine has 2 real cores)
     python experiments/scaling.py --ranks 1 2 4 8  # on a node with the cores for it
+    python experiments/scaling.py --replot         # the plots again from experiments/results/scaling.jsonl
 
 Each point is one `mpi-tp bench` job (mpiexec -n T, one BLAS thread per rank),
 written to experiments/results/scaling.jsonl and .csv; the plots go to
@@ -18,8 +19,8 @@ not a scaling measurement, so the default stops at 2.
   model FLOP/s per rank against T = 1.
 - Breakdown: forward, backward, optimizer, and each collective kind, per step;
   communication against the analytical volume of Narayanan et al. 2021: each
-  device sends 8 b s h (t-1)/t values per layer per micro-batch (4 ring
-  all-reduces of b s h values); in float32, 4 bytes each. The embedding, the
+  device sends 8 B S C (T-1)/T values per layer per micro-batch (4 ring
+  all-reduces of B S C values); in float32, 4 bytes each. The embedding, the
   tied head and the loss add two more all-reduces of b s h and two small ones
   (docs/tensor_parallelism.md).
 - Memory: peak resident memory and model state per rank for a model whose
@@ -43,8 +44,8 @@ MEMORY = (2048, 16, 2, 64, 2)
 def weak_shape(T):
     """Megatron's weak-scaling rule, scaled down: from C 512, 4 layers at T = 1."""
     k = {1: 0, 2: 1, 4: 2, 8: 3, 16: 4}[T]
-    C = int(round(512 * 1.25 ** k / 64)) * 64
-    return (C, C // 64, int(round(4 * 1.25 ** k)), 128, 8)
+    C = round(512 * 1.25 ** k / 64) * 64
+    return (C, C // 64, round(4 * 1.25 ** k), 128, 8)
 
 
 def bench(T, shape, steps):
@@ -62,11 +63,11 @@ def bench(T, shape, steps):
 
 def stamp(env, command):
     blas = env["blas"]
-    return (f"{env['cpu']}, {env['cores']} cores; {env['mpi']}; BLAS {blas.get('internal_api')} "
+    return (f"{env['cpu']}, {env['cores']} cores; {' '.join(env['mpi'].split())}; BLAS {blas.get('internal_api')} "
             f"{blas.get('version')} ({blas.get('architecture')}); 1 thread/rank; {env['date']}\n{command}")
 
 
-def plot(rows, command):
+def plot(rows, command, figs=None):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -74,7 +75,7 @@ def plot(rows, command):
     except ImportError:
         print("(no matplotlib: no plots; pip install matplotlib)")
         return []
-    figs = os.path.join(ROOT, "docs", "figures")
+    figs = figs or os.path.join(ROOT, "docs", "figures")
     os.makedirs(figs, exist_ok=True)
     note = stamp(rows[0]["environment"], command)
     written = []
@@ -109,7 +110,7 @@ def plot(rows, command):
         ax[0].legend() if kind == "strong" else None
         save(fig, f"scaling_{kind}.png")
     sel = [r for r in rows if r["experiment"] == "strong"]
-    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
     parts = ["forward compute", "backward compute", "optimizer", "communication"]
     bottoms = [0.0] * len(sel)
     for part in parts:
@@ -122,8 +123,12 @@ def plot(rows, command):
             vals.append(max(share, 0))
         ax.bar([str(r["tp"]) for r in sel], vals, bottom=bottoms, label=part)
         bottoms = [b + v for b, v in zip(bottoms, vals)]
-    ax.set(xlabel="ranks T", ylabel="ms per step", title="per-step breakdown, C 1024 (communication: time in collectives)")
-    ax.legend(fontsize=7)
+    for i, total in enumerate(bottoms):                   # the step's total above each bar
+        ax.text(i, total, f"{total:.0f} ms", ha="center", va="bottom", fontsize=8)
+    # room above the tallest bar for its total, and the legend beside the bars, not on them
+    ax.set_ylim(0, max(bottoms, default=1) * 1.12)
+    ax.set(xlabel="ranks T", ylabel="ms per step", title="per-step breakdown, C 1024\n(communication: time in collectives)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     save(fig, "scaling_breakdown.png")
     sel = [r for r in rows if r["experiment"] == "memory"]
     fig, ax = plt.subplots(figsize=(5, 3.4), dpi=110)
@@ -139,14 +144,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--replot", action="store_true",
+                    help="no runs: draw the plots again from experiments/results/scaling.jsonl")
+    ap.add_argument("--figures", default=os.path.join(ROOT, "docs", "figures"), help="folder for the PNGs")
     args = ap.parse_args()
+    if args.replot:
+        with open(os.path.join(HERE, "results", "scaling.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        command = rows[0]["command"].strip() + "  (plots redrawn by python experiments/scaling.py --replot)"
+        for path in plot(rows, command, args.figures):                      # the measuring command, and this one
+            print("wrote", path)
+        return
     command = "python experiments/scaling.py " + " ".join(sys.argv[1:])
     rows = []
     for T in args.ranks:
         for experiment, shape in (("strong", STRONG), ("weak", weak_shape(T)), ("memory", MEMORY)):
             r = bench(T, shape, args.steps if experiment != "memory" else 3)
             r["experiment"] = experiment
-            C, H, L, S, B = shape
+            C, _, L, S, B = shape
             per_layer = 8 * B * S * C * (T - 1) / T * 4           # Narayanan's volume, float32 values
             r["narayanan_bytes_per_step"] = per_layer * L
             rows.append(r)
@@ -169,7 +184,7 @@ def main():
                         f"{r['step_ms']['median']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['model_gflops_per_rank']:.2f}",
                         f"{r['fraction_of_gemm_peak']:.3f}", r["comm_bytes_per_step"], int(r["narayanan_bytes_per_step"]),
                         f"{r['peak_rss_mb_per_rank']:.0f}", f"{r['state_mb_per_rank']:.0f}"])
-    for path in plot(rows, command):
+    for path in plot(rows, command, args.figures):
         print("wrote", path)
     print(f"wrote {results}/scaling.jsonl and scaling.csv ({time.strftime('%Y-%m-%d %H:%M')})")
 

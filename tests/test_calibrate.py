@@ -10,7 +10,8 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpi_tp.planning.calibrate import CURVE_ROWS, gemm_curve, layer_overhead, overlap_fraction
+from mpi_tp.planning.calibrate import (ALLREDUCE_BYTES, CURVE_ROWS, fit_ring, gemm_curve, layer_overhead,
+                                       overlap_fraction, summary, time_allreduces)
 from mpi_tp.planning.machines import Machine
 
 
@@ -23,6 +24,21 @@ def test_gemm_curve_and_overlap_on_every_rank(world):
     assert 0.0 <= overlap <= 1.0 and world.allreduce(overlap, op=MPI.MAX) == overlap
     if world.Get_size() == 1:
         assert overlap == 0.0                                                # nothing to overlap with
+    points = time_allreduces(world, sizes=(1024, 2**20), repeats=2)
+    assert [n for n, _ in points] == [1024, 2**20] and all(t > 0 for _, t in points)
+
+
+def test_fit_ring_reads_alpha_from_the_intercept_and_beta_from_the_slope():
+    """Points on t = 2 (T-1) alpha + 2 (T-1)/T n beta give back alpha and 1 / beta; summary prints each."""
+    T, alpha, bw = 4, 5e-6, 2e9
+    points = [[n, 2 * (T - 1) * alpha + 2 * (T - 1) / T * n / bw] for n in ALLREDUCE_BYTES]
+    a, b = fit_ring(points, T)
+    assert a == pytest.approx(alpha) and b == pytest.approx(bw)
+    m = Machine("fit", 1, gemm_flops=1e10, elem_rate=1e9, mem_bw=1e10, mem_bytes=1e9, intra_alpha=a, intra_bw=b,
+                inter_alpha=a, inter_bw=b, gemm_curve=[[32, 1e9]], allreduce_points=points)
+    lines = summary(m, T).splitlines()
+    assert len(lines) == 1 + len(points) and "alpha 5.0 us, bw 2.00 GB/s" in lines[0]
+    assert all(f"{t * 1e6:8.1f} us measured, {t * 1e6:8.1f} us" in line for (_, t), line in zip(points, lines[1:]))
 
 
 def test_layer_overhead_is_a_time_per_layer():
@@ -38,6 +54,7 @@ def test_calibrate_writes_a_machine_the_planner_reads(tmp_path):
     m = Machine.load(str(out))
     assert m.name == "ci" and m.ranks_per_node >= 1 and m.gemm_flops > 1e6 and m.elem_rate > 0
     assert [rows for rows, _ in m.gemm_curve] == list(CURVE_ROWS) and m.layer_overhead >= 0 and m.dp_overlap == 0.0
+    assert m.allreduce_points == []                                          # one rank: no all-reduce to time
     plan = subprocess.run([sys.executable, "-m", "mpi_tp", "plan", "--machine", str(out), "--layers", "4",
                            "--hidden", "64", "--heads", "4", "--seq", "32", "--global-batch", "8", "--vocab", "256",
                            "--json"], capture_output=True, text=True, timeout=120)

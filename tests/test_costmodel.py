@@ -189,3 +189,42 @@ def test_data_parallel_overlap_hides_at_most_the_last_backward():
     assert over["dp_hidden"] == pytest.approx(backward)                      # the network outlasts it
     never = step_time(cpu(dp_overlap=0.0, inter_bw=1e8), w, Layout(dp=8, micro_batch=2))
     assert never["dp_hidden"] == 0 and never["total"] == pytest.approx(after["total"])
+
+
+def test_worked_example_matches_the_code(capsys):
+    """docs/costmodel.md works one layout by hand: its table of terms equals step_time, and the `mpi-tp plan`
+    output it quotes (the command is read from the page) is what the command prints now."""
+    import argparse
+    import re
+
+    from mpi4py import MPI
+
+    from mpi_tp.planning.machines import machine
+    from mpi_tp.planning.planner import add_parser
+    with open(os.path.join(os.path.dirname(HERE), "docs", "costmodel.md")) as f:
+        doc = f.read()
+    section = doc.split("## 2. A worked example", 1)[1].split("## 3.", 1)[0]
+    table = section.split("<!-- worked example", 1)[1].split("<!-- end of worked example -->", 1)[0]
+    by_hand = {}
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[2].endswith(" ms"):
+            by_hand[cells[0]] = float(cells[2][:-3])
+    quoted = re.search(r"```\n\$ (mpi-tp plan [^\n]+)\n(.*?)\n```", section, re.DOTALL)
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    args = ap.parse_args(quoted.group(1).split()[1:])
+    assert args.run(args, MPI.COMM_SELF) == 0
+    assert capsys.readouterr().out.rstrip("\n") == quoted.group(2)              # the quoted output, verbatim
+    m = machine(args.machine)
+    w = Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
+    dp = args.nodes * m.ranks_per_node // (args.tp * args.pp)
+    lay = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch)
+    t = step_time(m, w, lay)
+    keys = {"compute": "compute", "tp comm": "tp_comm", "pp comm": "pp_comm", "bubble": "bubble",
+            "dp comm": "dp_comm", "optim": "optimizer", "step": "total"}
+    assert set(by_hand) == set(keys)
+    for name, key in keys.items():
+        assert by_hand[name] == round(t[key] * 1e3, 2), (name, t[key])
+    line = next(x for x in quoted.group(2).splitlines() if x[4:32].strip() == lay.describe())    # its row
+    assert line.split()[1 + len(lay.describe().split())] == f"{t['total']:.3f}" == f"{by_hand['step'] / 1e3:.3f}"

@@ -5,7 +5,7 @@
 - GEMM rate: the matrix products of a transformer layer (q/k/v, projection, MLP;
   forward, dX and dW) at the calibration shapes, timed on every rank at once (ranks
   share the machine as they will in a run); and the same products with 32 to 4096
-  rows (the b s tokens of a micro-batch): the GEMM curve, so that the planner
+  rows (the B S tokens of a micro-batch): the GEMM curve, so that the planner
   prices small micro-batches at the rate they really get.
 - Per-layer overhead: training steps of a tiny model (hidden 32, 8 positions) with
   1 and 5 blocks: a quarter of the difference is what a layer costs regardless of
@@ -18,9 +18,11 @@
   tested between them (as the training loop does), against the two run apart:
   the fraction of the shorter one hidden (dp_overlap; 0 for a one-rank job).
 - Memory bandwidth of the optimizer: a timed AdamW update of 8M parameters.
-- Collectives: all-reduce of 1 KB..16 MB over the world, fitted to the ring
-  model 2(p-1) alpha + 2(p-1)/p n / bw (the same link is used for "intra" and
-  "inter" unless the job spans nodes, where the fit is over the whole world).
+- Collectives: all-reduce of n = 1 KB..4 MB over the world (T ranks), fitted to
+  the ring model t = 2(T-1) alpha + 2(T-1)/T n beta (beta = 1 / bandwidth; the
+  same link is used for "intra" and "inter" unless the job spans nodes, where
+  the fit is over the whole world); the timed points are kept in the file
+  (allreduce_points) so that the fit can be redone by hand (docs/costmodel.md).
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def gemm_rate(comm, repeats=7) -> float:
     for C, H, L, S, B in SHAPES:
         mats, f = _layer_gemms(rng, B * S, C)
         flops += f
-        seconds += _timed(comm, lambda: _run(mats), repeats)
+        seconds += _timed(comm, lambda mats=mats: _run(mats), repeats)
     return comm.allreduce(flops / seconds, op=MPI.MIN)
 
 
@@ -117,7 +119,7 @@ def gemm_curve(comm, C=256, repeats=5) -> list:
     curve = []
     for rows in CURVE_ROWS:
         mats, f = _layer_gemms(rng, rows, C)
-        curve.append([rows, comm.allreduce(f / _timed(comm, lambda: _run(mats), repeats), op=MPI.MIN)])
+        curve.append([rows, comm.allreduce(f / _timed(comm, lambda mats=mats: _run(mats), repeats), op=MPI.MIN)])
     return curve
 
 
@@ -156,25 +158,37 @@ def optimizer_bandwidth(n=8_000_000) -> float:
     return n * 28 / min(ts)
 
 
-def fit_allreduce(comm) -> tuple[float, float]:
-    """(alpha, bw) of the ring model from timed all-reduces over comm (None, None for one rank)."""
-    p = comm.Get_size()
-    if p == 1:
-        return None, None
+ALLREDUCE_BYTES = (2**10, 2**14, 2**17, 2**20, 2**21, 2**22)     # the sizes of activations here
+
+
+def time_allreduces(comm, sizes=ALLREDUCE_BYTES, repeats=10) -> list:
+    """[[n, seconds]]: the fastest of `repeats` all-reduces of n buffer bytes (float32) over comm,
+    each timed as its slowest rank saw it."""
     rows = []
-    for n in (2**10, 2**14, 2**17, 2**20, 2**21, 2**22):          # the sizes of activations here
+    for n in sizes:
         x = numpy.ones(n // 4, dtype=numpy.float32)
         ts = []
-        for _ in range(10):
+        for _ in range(repeats):
             comm.Barrier()
             t = MPI.Wtime()
             comm.Allreduce(MPI.IN_PLACE, x)
             ts.append(comm.allreduce(MPI.Wtime() - t, op=MPI.MAX))
-        rows.append((n, min(ts)))
-    A = numpy.array([[2 * (p - 1), 2 * (p - 1) / p * n] for n, _ in rows])
-    coef, *_ = numpy.linalg.lstsq(A, numpy.array([t for _, t in rows]), rcond=None)
-    alpha, inv_bw = max(coef[0], 1e-7), max(coef[1], 1e-12)
-    return float(alpha), float(1 / inv_bw)
+        rows.append([n, min(ts)])
+    return rows
+
+
+def fit_ring(points, T: int) -> tuple[float, float]:
+    """(alpha, bw) of t = 2 (T-1) alpha + 2 (T-1)/T n / bw, least squares over [[n, seconds]]:
+    steps 2 (T-1) multiply alpha, wire bytes 2 (T-1)/T n multiply beta = 1 / bw."""
+    A = numpy.array([[2 * (T - 1), 2 * (T - 1) / T * n] for n, _ in points])
+    coef, *_ = numpy.linalg.lstsq(A, numpy.array([t for _, t in points]), rcond=None)
+    alpha, beta = max(coef[0], 1e-7), max(coef[1], 1e-12)
+    return float(alpha), float(1 / beta)
+
+
+def fit_allreduce(comm) -> tuple[float, float]:
+    """(alpha, bw) of the ring model from timed all-reduces over comm (None, None for one rank)."""
+    return (None, None) if comm.Get_size() == 1 else fit_ring(time_allreduces(comm), comm.Get_size())
 
 
 def layer_overhead(steps=9) -> float:
@@ -206,11 +220,12 @@ def calibrate(comm, name="this-machine") -> Machine:
         rest.append(t - gemm_s - w.n_layer * overhead - step_time(probe, w, lay)["optimizer"])
     elements, rest = numpy.array(elements), numpy.array(rest)
     inv_e = float(elements @ rest / (elements @ elements))         # least squares through the origin
-    alpha, bw = fit_allreduce(comm)
+    points = time_allreduces(comm) if comm.Get_size() > 1 else []
+    alpha, bw = fit_ring(points, comm.Get_size()) if points else (None, None)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return Machine(
         name=name, ranks_per_node=per_node, gemm_flops=G, elem_rate=float(1 / max(inv_e, 1e-15)), mem_bw=mem_bw, mem_bytes=pages / per_node,
-        gemm_curve=curve, layer_overhead=overhead, dp_overlap=overlap,
+        gemm_curve=curve, layer_overhead=overhead, dp_overlap=overlap, allreduce_points=points,
         intra_alpha=alpha or 1e-6, intra_bw=bw or 1e10, inter_alpha=alpha or 1e-6, inter_bw=bw or 1e10,
         bytes_per_value=4, state_bytes_per_param=16, activations="mpi_tp",
         source=f"mpi-tp calibrate, {comm.Get_size()} rank(s), {time.strftime('%Y-%m-%d %H:%M')}, "
@@ -225,14 +240,24 @@ def add_parser(sub) -> None:
     c.set_defaults(run=cmd_calibrate)
 
 
+def summary(m: Machine, T: int) -> str:
+    """What `mpi-tp calibrate` prints: the constants, then each timed all-reduce against the fitted line."""
+    lines = [(f"GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s and elementwise {m.elem_rate / 1e9:.2f} G elements/s per rank "
+             f"(+{m.layer_overhead * 1e6:.0f} us per layer and micro-batch), GEMM at {m.gemm_curve[0][0]} rows "
+             f"{m.gemm_curve[0][1] / 1e9:.1f} GFLOP/s, overlap {m.dp_overlap:.2f}, "
+             f"optimizer {m.mem_bw / 1e9:.1f} GB/s, "
+             f"all-reduce alpha {m.intra_alpha * 1e6:.1f} us, bw {m.intra_bw / 1e9:.2f} GB/s, "
+             f"{m.ranks_per_node} rank(s) per node")]
+    for n, seconds in m.allreduce_points:                # the points of the fit: docs/costmodel.md redoes it
+        model = 2 * (T - 1) * m.intra_alpha + 2 * (T - 1) / T * n / m.intra_bw
+        lines.append(f"  all-reduce of n = {n:>9,} B over T = {T}: {seconds * 1e6:8.1f} us measured, "
+                     f"{model * 1e6:8.1f} us = 2 (T-1) alpha + 2 (T-1)/T n beta")
+    return "\n".join(lines)
+
+
 def cmd_calibrate(args, comm) -> int:
     m = calibrate(comm, args.name)
     if comm.Get_rank() == 0:
         m.save(args.out)
-    rank0_print(f"wrote {args.out}: GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s and elementwise "
-                f"{m.elem_rate / 1e9:.2f} G elements/s per rank (+{m.layer_overhead * 1e6:.0f} us per layer "
-                f"and micro-batch), GEMM at {m.gemm_curve[0][0]} rows {m.gemm_curve[0][1] / 1e9:.1f} GFLOP/s, "
-                f"overlap {m.dp_overlap:.2f}, optimizer {m.mem_bw / 1e9:.1f} GB/s, "
-                f"all-reduce alpha {m.intra_alpha * 1e6:.1f} us, bw {m.intra_bw / 1e9:.2f} GB/s, "
-                f"{m.ranks_per_node} rank(s) per node", comm=comm)
+    rank0_print(f"wrote {args.out}: " + summary(m, comm.Get_size()), comm=comm)
     return 0

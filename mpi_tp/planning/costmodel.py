@@ -1,20 +1,21 @@
 """A cost model of a training step: alpha-beta collectives, a GEMM roofline, the pipeline's bubble.
 
-Everything is per rank and per training step, for a GPT of L layers, hidden h,
-a heads, vocabulary V, sequence s, global batch B, on a layout of tp x pp x dp
-ranks with micro-batches of b sequences (m = B / (dp b) of them per step).
+Everything is per rank and per training step, for a GPT of L layers, C channels,
+H heads, vocabulary V, sequence S, on a layout of T x P x D ranks (tp x pp x dp)
+with micro-batches of B sequences, M = global batch / (D B) of them per step
+(docs/costmodel.md derives each term and works one layout by hand).
 
-    compute      GEMM FLOPs at the GEMM rate for b s rows (the machine's curve, or a constant)
-                 + elementwise work: (ew_rep sbh + ew_par sbh / tp + ew_att a s^2 b / tp) per layer
+    compute      GEMM FLOPs at the GEMM rate for B S rows (the machine's curve, or a constant)
+                 + elementwise work: (ew_rep S B C + ew_par S B C / T + ew_att H S^2 B / T) per layer
                    and micro-batch, in elements, over elem_rate (elements per second)
                  + layer_overhead per layer and micro-batch (launches, the interpreter)
-    tensor par.  4 all-reduces of b s h values per layer and micro-batch (2 forward, 2 backward;
-                 6 with recomputation), ring: 2 (p-1) alpha + 2 (p-1)/p n / bw
-    pipeline     bubble (pp - 1) / (v m) of the compute, plus the activation messages
-    data par.    one all-reduce of the rank's gradients (params / (tp pp) values) over dp; the
+    tensor par.  4 all-reduces of B S C values per layer and micro-batch (2 forward, 2 backward;
+                 6 with recomputation), ring: 2 (T-1) alpha + 2 (T-1)/T n beta, beta = 1 / bw
+    pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages
+    data par.    one all-reduce of the rank's gradients (params / (T P) values) over D; the
                  engine starts it during the last micro-batch's backward pass, which hides
                  dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides)
-    optimizer    opt_bytes_per_param x params per rank / mem_bw (ZeRO-1: / dp, plus an all-gather)
+    optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO-1: / D, plus an all-gather)
 
 A link is intra-node when the group fits in a node (tensor-parallel groups are
 consecutive ranks, data-parallel groups stride over them), else the network.
@@ -23,6 +24,7 @@ mpi_tp.planning.memory.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ class Workload:
 
     @property
     def params(self) -> float:
-        """Parameters: 12 L h^2 (+ biases, LayerNorms) + V h + s h (tied embedding, positions)."""
+        """Parameters: 12 L C^2 (+ biases, LayerNorms) + V C + S C (tied embedding, positions)."""
         L, h = self.n_layer, self.n_embd
         return L * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h
 
@@ -69,11 +71,12 @@ class Layout:
 
 
 def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:
+    """2 (T-1) alpha + 2 (T-1)/T n / bw (p: the group size T): a reduce-scatter, then an all-gather."""
     return 0.0 if p <= 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes / bw
 
 
 def ring_all_gather(n_bytes: float, p: int, alpha: float, bw: float) -> float:
-    """Also the time of a reduce-scatter of n bytes."""
+    """(T-1) alpha + (T-1)/T n / bw (p: the group size T); also the time of a reduce-scatter of n bytes."""
     return 0.0 if p <= 1 else (p - 1) * alpha + (p - 1) / p * n_bytes / bw
 
 
@@ -91,14 +94,14 @@ def _link(group_span: int, m: Machine):
 
 
 def gemm_rate(m: Machine, rows: float) -> float:
-    """FLOP/s of GEMMs with `rows` rows (the b s tokens of a micro-batch): the machine's measured
+    """FLOP/s of GEMMs with `rows` rows (the B S tokens of a micro-batch): the machine's measured
     curve, interpolated in log(rows) and flat beyond its ends, or gemm_flops without one."""
     if not m.gemm_curve:
         return m.gemm_flops
     points = sorted(m.gemm_curve)
     if rows <= points[0][0]:
         return points[0][1]
-    for (r0, f0), (r1, f1) in zip(points, points[1:]):
+    for (r0, f0), (r1, f1) in itertools.pairwise(points):
         if rows <= r1:
             x = math.log(rows / r0) / math.log(r1 / r0)
             return f0 + x * (f1 - f0)
@@ -129,9 +132,9 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
         pa, pbw = _link(t * p, m)
-        v = lay.virtual                                        # V chunks: more messages, 1/V the bubble
-        # each message is 1/t of b s h (scatter/gather: all-gathered on arrival unless under sp);
-        # per step a stage sends, on average, 2 (p v - 1) / p messages per micro-batch
+        v = lay.virtual                                        # v chunks: more messages, 1/v the bubble
+        # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp);
+        # per step a stage sends, on average, 2 (P v - 1) / P messages per micro-batch
         message = pa + n / t / pbw + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))
         pp_comm = micro * 2 * (p * v - 1) / p * message
         bubble = (p - 1) / (v * micro) * (compute + tp_comm)
@@ -161,18 +164,20 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
 
 def model_flops_per_step(w: Workload) -> float:
     """The model's FLOPs per training step, forward and backward, recomputation not counted (model
-    FLOPs): 72 B s l h^2 (1 + s / (6 h)) + 6 B s h V (Narayanan et al. 2021, eq. 3 without its
-    recomputed forward)."""
-    B, s, l, h, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab
-    return 72 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V
+    FLOPs): 72 (D M B) S L C^2 (1 + S / (6 C)) + 6 (D M B) S C V for the global batch of D M B
+    sequences (Narayanan et al. 2021, eq. 3 without its recomputed forward)."""
+    G, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # G: the global batch, D M B sequences
+    return 72 * G * S * L * C * C * (1 + S / (6 * C)) + 6 * G * S * C * V
 
 
 def hardware_flops_per_step(w: Workload, recompute: bool) -> float:
     """FLOPs executed per step, the recomputed forward included: Narayanan et al. 2021, eq. 3,
-    96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) with full recomputation (how their Table 1
+    96 (D M B) S L C^2 (1 + S / (6 C) + V / (16 L C)) with full recomputation (how their Table 1
     counts), the model FLOPs without it."""
-    B, s, l, h, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab
-    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) if recompute else model_flops_per_step(w)
+    if not recompute:
+        return model_flops_per_step(w)
+    G, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # G: the global batch, D M B sequences
+    return 96 * G * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C))
 
 
 def achieved(m: Machine, w: Workload, lay: Layout, seconds: float) -> dict:

@@ -27,22 +27,25 @@ class Machine:
     bytes_per_value: int = 4       # activations and communication (2: fp16/bf16)
     opt_traffic_per_param: int = 28  # bytes the optimizer reads+writes per parameter and step
     state_bytes_per_param: int = 16  # weights + grads + optimizer moments kept per parameter
-    ew_rep: float = 40.0           # elementwise elements per s b h per layer not split by TP
+    ew_rep: float = 40.0           # elementwise elements per S B C per layer not split by TP
     ew_par: float = 60.0           # ... split by TP
-    ew_att: float = 10.0           # ... per a s^2 b (softmax and friends), split by TP
+    ew_att: float = 10.0           # ... per H S^2 B (softmax and friends), split by TP
     activations: str = "mpi_tp"    # "mpi_tp" (our count, float32) or "korthikanti" (16-bit Megatron)
     peak_flops: float = 0.0        # the datasheet peak per rank that papers quote fractions of (0: gemm_flops)
-    # [[rows, FLOP/s], ...]: the GEMM rate measured with that many rows (the b s tokens of a
+    # [[rows, FLOP/s], ...]: the GEMM rate measured with that many rows (the B S tokens of a
     # micro-batch); when given it replaces gemm_flops, interpolated in log(rows) (empty: constant)
     gemm_curve: list = field(default_factory=list)
     layer_overhead: float = 0.0    # seconds per layer and micro-batch (forward + backward) not
     #                                proportional to the work: kernel launches, the interpreter
     dp_overlap: float = 0.0        # fraction of a concurrent data-parallel all-reduce that compute
     #                                hides (0: none, as measured on one CPU core per rank; 1: fully)
+    # [[buffer bytes n, seconds], ...]: the timed all-reduces that alpha and the bandwidth were fitted
+    # to (calibrate; empty for presets): t = 2 (T-1) alpha + 2 (T-1)/T n beta, beta = 1 / bandwidth
+    allreduce_points: list = field(default_factory=list)
     source: str = ""
 
     @classmethod
-    def load(cls, path: str) -> "Machine":
+    def load(cls, path: str) -> Machine:
         try:
             with open(path) as f:
                 data = json.load(f)

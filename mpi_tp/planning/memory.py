@@ -1,9 +1,9 @@
 """Memory per rank in the cost model: model state, activations held for the backward pass, logits.
 
 Weights, gradients and optimizer state of the rank's layers (ZeRO-1 divides the
-state by dp), plus activations: our own count per layer (docs/parallelism.md)
+state by D), plus activations: our own count per layer (docs/parallelism.md)
 for implementations like this one, Korthikanti et al.'s for Megatron-style
-16-bit training, times the micro-batches in flight (at most pp under 1F1B on the
+16-bit training, times the micro-batches in flight (at most P under 1F1B on the
 first stage, which holds the most); with recomputation only each layer's input
 and one layer's full activations.
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
@@ -136,6 +137,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-zero", action="store_true", help="leave out ZeRO-1")
     p.add_argument("--no-recompute", action="store_true", help="leave out activation recomputation")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--legend", action="store_true", help="explain every column of the table under it")
     p.add_argument("--emit-config", metavar="FILE", default=None,
                    help="write the best layout as a config that `mpi-tp train --config FILE` runs (on a job "
                         "of that many ranks; the model trained is byte-level, vocabulary 256)")
@@ -172,6 +174,69 @@ def emit_config(path: str, w: Workload, lay: Layout) -> dict:
     return values
 
 
+# Every column of the table, as `mpi-tp plan --legend` prints it (docs/costmodel.md shows the same text).
+LEGEND = (
+    ("#", "rank of the layout, fastest first (only layouts that fit in memory)"),
+    ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
+               "sequences; vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
+               "+zero1 ZeRO-1; +recompute full activation recomputation")),
+    ("step s", "predicted seconds per training step: the sum of the next six columns"),
+    ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
+                "overhead, on the largest stage and the rank with the most heads")),
+    ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
+                "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta")),
+    ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
+                "without +sp)")),
+    ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
+    ("dp comm", ("the gradient all-reduce over the D replicas (float32), minus what the last backward pass "
+                "hides")),
+    ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
+              "(+zero1: / D, plus an all-gather of the parameters)")),
+    ("GB/rank", "memory per rank: weights, gradients, optimizer state, activations, logits"),
+    ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
+               "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
+               "sequences (recomputation not counted), / step s / the W ranks")),
+    ("of peak", ("that FLOP/s as a fraction of the machine's datasheet peak (a calibrated machine: of its "
+                "measured GEMM rate)")),
+)
+
+
+def legend() -> str:
+    """The legend of the table, one column a line."""
+    width = max(len(name) for name, _ in LEGEND)
+    return "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:<{width}}  ",
+                                   subsequent_indent=" " * (width + 4), break_on_hyphens=False)
+                     for name, text in LEGEND)
+
+
+def flops_unit(values) -> tuple[float, str]:
+    """(divisor, name) that shows the largest of `values` (FLOP/s) with 1 to 3 digits before the point:
+    TFLOP/s on GPUs, GFLOP/s on a CPU, MFLOP/s below that."""
+    top = max(values, default=0.0)
+    for scale, name in ((1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+        if top >= scale:
+            return scale, name
+    return 1e6, "MFLOP/s"
+
+
+def table(m, w: Workload, nodes: int, result: dict) -> str:
+    """The header line and the ranked layouts, one row each (columns: LEGEND)."""
+    scale, unit = flops_unit([r["achieved"]["flops_per_rank"] for r in result["ranked"]])
+    header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
+              f"{w.params / 1e9:.2f}B parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
+              f"V={w.vocab}), global batch {w.global_batch} sequences")
+    columns = (f"{'#':>3} {'layout':<28} {'step s':>8} {'compute':>8} {'tp comm':>8} {'pp comm':>8} {'bubble':>8} "
+               f"{'dp comm':>8} {'optim':>7} {'GB/rank':>8} {unit:>8} {'of peak':>7}")
+    lines = [header, columns]
+    for i, r in enumerate(result["ranked"], 1):
+        t, mem, a = r["time"], r["memory"], r["achieved"]
+        lines.append(f"{i:>3} {r['layout'].describe():<28} {t['total']:>8.3f} {t['compute']:>8.3f} "
+                     f"{t['tp_comm']:>8.3f} {t['pp_comm']:>8.3f} {t['bubble']:>8.3f} {t['dp_comm']:>8.3f} "
+                     f"{t['optimizer']:>7.3f} {mem['total'] / 1e9:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
+                     f"{100 * a['fraction_of_peak']:>6.0f}%")
+    return "\n".join(lines)
+
+
 def cmd_plan(args, comm) -> int:
     from mpi_tp.core.runtime import collective_setup
     m, w = collective_setup(_check, args, comm=comm)
@@ -193,15 +258,7 @@ def cmd_plan(args, comm) -> int:
              "achieved": r["achieved"]}
             for r in result["ranked"]]}, default=float))
         return 0
-    print(f"{m.name}: {args.nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model {w.params / 1e9:.2f}B "
-          f"parameters (L={w.n_layer}, h={w.n_embd}, a={w.n_head}, s={w.seq}, V={w.vocab}), global batch "
-          f"{w.global_batch}")
-    print(f"{'#':>3} {'layout':<28} {'step s':>8} {'compute':>8} {'tp comm':>8} {'dp comm':>8} {'bubble':>8} "
-          f"{'optim':>7} {'GB/rank':>8} {'TFLOP/s':>8} {'of peak':>7}")
-    for i, r in enumerate(result["ranked"], 1):
-        t, mem, a = r["time"], r["memory"], r["achieved"]
-        print(f"{i:>3} {r['layout'].describe():<28} {t['total']:>8.3f} {t['compute']:>8.3f} {t['tp_comm']:>8.3f} "
-              f"{t['dp_comm']:>8.3f} {t['bubble']:>8.3f} {t['optimizer']:>7.3f} {mem['total'] / 1e9:>8.1f} "
-              f"{a['flops_per_rank'] / 1e12:>8.1f} {100 * a['fraction_of_peak']:>6.0f}%")
+    print(table(m, w, args.nodes, result))
+    print(legend() if args.legend else "(mpi-tp plan --legend explains every column)")
     print(result["why"])
     return 0
