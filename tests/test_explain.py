@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 from test_cli import MPIEXEC, mpirun
 
-from mpi_tp.commands.explain import cmd_explain
+from mpi_tp.commands.explain import add_parser, cmd_explain
 from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.topology import split_sizes
 
@@ -22,9 +22,18 @@ BSC_BYTES = B * S * C * 8                 # one (B, S, C) float64 activation
 REGIONS = {"column": (1, 0), "row": (0, 1), "mlp": (1, 1), "attention": (1, 1), "block": (2, 2)}
 
 
+def parse(*argv):
+    """The arguments of `mpi-tp explain ARGV`, every default as the command line gives it."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["explain", *argv])
+
+
 def explain(capsys, world, layer="all", sp=False, **over):
-    args = argparse.Namespace(**dict(dict(layer=layer, features=C, heads=None, batch=B, seq=S,
-                                          sequence_parallel=sp), **over))
+    args = parse("--layer", layer, "--features", str(C), "--batch", str(B), "--seq", str(S))
+    args.sequence_parallel = sp
+    for key, value in over.items():
+        setattr(args, key, value)
     status = cmd_explain(args, world)
     return status, capsys.readouterr().out
 
@@ -38,10 +47,15 @@ def sections(out):
     return found
 
 
-def counts(rank_text, phase):
-    """{kind: (calls, bytes)} of the collectives printed for one pass."""
-    return {k: (int(c), int(b)) for k, c, b in
-            re.findall(rf"^  {phase} +tp/(\w+): (\d+) calls?, (\d+) bytes", rank_text, re.M)}
+def counts(rank_text, phase, T=None):
+    """{kind: (calls, buffer bytes)} of the collectives printed for one pass; with T, their printed wire
+    bytes are checked against the closed forms (2(T-1)/T n for an all-reduce, (T-1)/T n otherwise)."""
+    found = re.findall(rf"^  {phase} +tp/(\w+): (\d+) calls?, (\d+) buffer bytes, (\d+) wire bytes", rank_text,
+                       re.MULTILINE)
+    for k, _, n, wire in found:
+        if T is not None:
+            assert int(wire) == round((2 if "all_reduce" in k else 1) * (T - 1) / T * int(n)), (k, n, wire)
+    return {k: (int(c), int(b)) for k, c, b, _ in found}
 
 
 @MPI_TEST
@@ -70,11 +84,35 @@ def test_every_layer_equals_serial_with_megatrons_collectives(capsys, world, lay
         expect_f = {"all_gather": enter, "reduce_scatter": leave}
         expect_b = {"reduce_scatter": enter, "all_gather": leave}
     for text in ranks:
-        fwd, bwd = counts(text, "forward"), counts(text, "backward")
+        fwd, bwd = counts(text, "forward", world.Get_size()), counts(text, "backward", world.Get_size())
         if sp and leave and world.Get_size() > 1:     # replicated grads summed over the positions
             assert bwd.pop("sp_grad_all_reduce")[0] == 1
         assert fwd == {k: (n, n * BSC_BYTES) for k, n in expect_f.items() if n}, text
         assert bwd == {k: (n, n * BSC_BYTES) for k, n in expect_b.items() if n}, text
+    T = world.Get_size()
+    if sp and T > 1:       # the same wire bytes as plain TP's all-reduces: 2(T-1)/T n per region and pass
+        wire = (enter + leave) * 2 * (T - 1) / T * BSC_BYTES
+        assert (f"all-gathers + reduce-scatters {wire:.1f} = plain tensor parallelism's all-reduces {wire:.1f}: "
+                "the same traffic") in out, out
+    else:
+        assert "wire bytes per rank" not in out
+
+
+@MPI_TEST
+@pytest.mark.parametrize("layer", ["mlp", "block"])
+def test_sequence_parallel_moves_the_wire_bytes_of_plain_tp(capsys, world, layer):
+    """Sum the wire bytes each rank prints: sp's all-gathers and reduce-scatters against plain TP's all-reduces
+    of the same layer, both passes (each printed number is rounded to a byte: allow one per line)."""
+    wire = {}
+    for sp in (False, True):
+        status, out = explain(capsys, world, layer, sp)
+        assert status == 0
+        found = re.findall(r"^  (?:forward|backward) +tp/(\w+): \d+ calls?, \d+ buffer bytes, (\d+) wire bytes",
+                           out, re.MULTILINE)
+        wire[sp] = [int(w) for k, w in found if k != "sp_grad_all_reduce"]
+    if world.Get_rank() == 0:
+        assert abs(sum(wire[False]) - sum(wire[True])) <= len(wire[True]), wire
+        assert (sum(wire[False]) > 0) == (world.Get_size() > 1)
 
 
 @MPI_TEST
@@ -84,7 +122,7 @@ def test_shards_follow_the_split_rule(capsys, world):
     if world.Get_rank() != 0:
         return
     assert "every layer: all ranks equal the serial layer: yes" in out
-    assert f"batch B = {B}, sequence S = {S}, features C = {C}, heads H = 4" in out
+    assert f"batch B = {B}, sequence S = {S}, channels C = {C}, heads H = 4" in out
     T, M, F = world.Get_size(), 2 * C + 1, 4 * C
     layers = sections(out)
     for r in range(T):
@@ -149,6 +187,6 @@ def test_pipeline_lesson_draws_each_schedule():
     assert r.stdout.count("PASS") == 3 and "FAIL" not in r.stdout
     measured = [line for line in r.stdout.splitlines() if line.startswith("  stage ") and len(line) > 60]
     assert len(measured) == 6 and all(set("0123abcd") & set(line) for line in measured)
-    assert "formula (P - 1) / M = 0.25" in r.stdout and "formula (P - 1) / (V M) = 0.12" in r.stdout
+    assert "formula (P - 1) / M = 0.25" in r.stdout and "formula (P - 1) / (v M) = 0.12" in r.stdout
     r = mpirun(2, "explain", "--layer", "pipeline", "--micro-batches", "0", timeout=60)
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip
 C, S = 8, 4
 TOKEN = re.compile(r"^  +(\d+) +(\d+) +(\d+)  (e\d+ .*)$", re.MULTILINE)
 CHOICE = re.compile(r"e(\d+) ([\d.]+) (kept|DROPPED)")
-COUNTED = re.compile(r"^  (forward|backward) +(\w+/\w+): (\d+) calls?, (\d+) bytes", re.MULTILINE)
+COUNTED = re.compile(r"^  (forward|backward) +(\w+/\w+): (\d+) calls?, (\d+) buffer bytes, (\d+) wire bytes",
+                     re.MULTILINE)
 
 
 def parse(out):
@@ -30,7 +31,9 @@ def parse(out):
         head = re.match(r"(\d+) of \d+: ep rank (\d+), tp rank (\d+)", part)
         tokens = [(int(n), int(b), int(t), [(int(e), float(g), f == "kept") for e, g, f in CHOICE.findall(rest)])
                   for n, b, t, rest in TOKEN.findall(part)]
-        counted = {(phase, key): (int(c), int(nb)) for phase, key, c, nb in COUNTED.findall(part)}
+        found = COUNTED.findall(part)
+        assert all(int(nb) == int(wire) for *_, nb, wire in found)   # all-to-all: what it sends; tp 2: 2(2-1)/2 n
+        counted = {(phase, key): (int(c), int(nb)) for phase, key, c, nb, _ in found}
         ranks.append({"world": int(head[1]), "ep": int(head[2]), "tp": int(head[3]), "tokens": tokens,
                       "counted": counted, "pass": "tolerance 1e-10: PASS" in part})
     return owner, ranks

@@ -1,19 +1,25 @@
 """`mpi-tp explain`: a live lesson in how one layer is split over the tensor-parallel ranks.
 
-    mpiexec -n 2 mpi-tp explain --layer mlp                  # tp = 2
+    mpiexec -n 2 mpi-tp explain --layer mlp                  # T = 2
     mpiexec -n 3 mpi-tp explain --layer all --sequence-parallel
+    mpiexec -n 3 mpi-tp explain --layer loss                 # the vocabulary split (explain_vocab)
+    mpiexec -n 4 mpi-tp explain --layer step --dp 2          # one training step (explain_step)
 
-Builds a tiny layer at tp = world size in float64, runs a forward and a backward
+Builds a tiny layer at T = world size in float64, runs a forward and a backward
 pass on a fixed random input and output gradient, and prints, rank by rank, the
 shard of every parameter, the shapes in and out, the collectives of each pass
-(from the counters in mpi_tp.parallel.collectives, named with Megatron's f and g), and how far
-the result is from the same layer on one rank (built from the same seed and
+(from the counters in mpi_tp.parallel.collectives, named with Megatron's f and g:
+calls, buffer bytes, wire bytes and their closed form, see explain_common), and
+how far the result is from the same layer on one rank (built from the same seed and
 names, so the weights agree slice for slice). Exit status 0 when every rank of
 every layer equals the serial layer.
 
-Legend: B = batch, S = sequence, C = features (channels), H = heads, M = 2C + 1
+Under --sequence-parallel a last line sets the wire bytes of the all-gathers and
+reduce-scatters beside those of the plain layer's all-reduces: the same traffic.
+
+Legend (docs/notation.md): B = batch, S = sequence, C = channels, H = heads, K = 2C + 1
 (the column layer's output, the row layer's input: odd on purpose, so shards
-can differ by one), F = 4C (the MLP's width); T_i, M_i, F_i, H_i = rank i's share.
+can differ by one), F = 4C (the MLP's width); S_i, K_i, F_i, H_i = rank i's share.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import textwrap
 
 import numpy
 
-from mpi_tp.commands import explain_moe
+from mpi_tp.commands import explain_moe, explain_step, explain_vocab
+from mpi_tp.commands.explain_common import phase_lines, wire_bytes
 from mpi_tp.commands.explain_pipeline import lesson as pipeline_lesson
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
@@ -41,11 +48,12 @@ F64 = numpy.float64
 SEED = 7
 
 LESSONS = {
-    "column": "ColumnParallelLinear, Y = X A + b: A (C, M) is cut by output columns, A = [A_1 | ... | A_p], "
+    "column": "ColumnParallelLinear, Y = X A + b: A (C, K) is cut by output columns, "
+              "A = [A_0 | ... | A_{T-1}], "
               "and rank i computes its columns Y_i = X A_i + b_i with no communication. X must be whole on "
               "every rank, so it enters through f: identity forward, all-reduce of dX backward (each rank's "
               "columns give part of dX). Y_i stays split here (gather_output=True would all-gather it).",
-    "row": "RowParallelLinear, Y = X A + b: A (M, C) is cut by input rows, A = [A_1; ...; A_p], and X by "
+    "row": "RowParallelLinear, Y = X A + b: A (K, C) is cut by input rows, A = [A_0; ...; A_{T-1}], and X by "
            "columns to match (a column layer's output already is). Rank i computes the partial sum X_i A_i, "
            "and g all-reduces the partials (identity backward). The bias is replicated and added once, "
            "after the reduce.",
@@ -64,11 +72,11 @@ LESSONS = {
 # Under sequence parallelism the same layers communicate differently: the texts say what the counters show.
 SP_LESSONS = {
     "column": "ColumnParallelLinear under sequence parallelism: X arrives split by positions (rank i holds "
-              "T_i of them), so f becomes an all-gather of the positions (backward: a reduce-scatter that "
+              "S_i of them), so f becomes an all-gather of the positions (backward: a reduce-scatter that "
               "sums the partial dX and keeps rank i's positions). Then rank i computes its columns "
               "Y_i = X A_i + b_i over the whole sequence; Y_i stays split by columns.",
     "row": "RowParallelLinear under sequence parallelism: rank i computes the partial sum X_i A_i over the "
-           "whole sequence, and g becomes a reduce-scatter: sum the partials, keep rank i's T_i positions "
+           "whole sequence, and g becomes a reduce-scatter: sum the partials, keep rank i's S_i positions "
            "(backward: an all-gather of dY). The replicated bias is added to those positions only, so its "
            "gradient is a part of the whole: one all-reduce sums it over the group.",
     "mlp": "ParallelMLP under sequence parallelism: an all-gather of the positions before fc (f's place) "
@@ -79,23 +87,11 @@ SP_LESSONS = {
                  "q/k/v GEMM (each rank needs every position to attend over), attention on rank i's H_i "
                  "heads, and a reduce-scatter after the output projection; backward, the reverse, plus one "
                  "small all-reduce of the projection's replicated bias gradient.",
-    "block": "Block under sequence parallelism: the LayerNorms, residuals and dropout work on rank i's T_i "
+    "block": "Block under sequence parallelism: the LayerNorms, residuals and dropout work on rank i's S_i "
              "positions only. Two all-gathers and two reduce-scatters forward, two of each backward, and "
              "one small all-reduce of the replicated parameters' gradients (LayerNorms, row biases), "
              "which each rank computed from its own positions.",
 }
-# (pass, kind) -> what the collective is, in Megatron's terms (the tables of tensor_parallel and sequence_parallel)
-ROLES = {
-    ("forward", "all_reduce"): "g: sum the partial outputs",
-    ("backward", "all_reduce"): "f's backward: sum the partial input gradients",
-    ("forward", "all_gather"): "sp's f: gather every rank's positions",
-    ("backward", "all_gather"): "sp's g backward: gather the output gradient's positions",
-    ("forward", "reduce_scatter"): "sp's g: sum the partials, keep this rank's positions",
-    ("backward", "reduce_scatter"): "sp's f backward: sum the partial dX, keep this rank's positions",
-    ("backward", "sp_grad_all_reduce"): "sum replicated parameters' gradients over the positions",
-}
-
-
 def plan(args, T: int) -> dict:
     """The sizes of the lesson, checked against the world size T (a UserError says what to change)."""
     C, B, S = args.features, args.batch, args.seq
@@ -115,15 +111,15 @@ def plan(args, T: int) -> dict:
     cfg.validate(T)
     if args.sequence_parallel and S < T:
         raise UserError(f"--sequence-parallel cuts --seq {S} over {T} ranks: use --seq {T} or more")
-    return {"cfg": cfg, "B": B, "S": S, "C": C, "M": 2 * C + 1}
+    return {"cfg": cfg, "B": B, "S": S, "C": C, "K": 2 * C + 1}
 
 
 def build(kind: str, p: dict, topo: Topology, sp=None):
-    cfg, C, M, tp = p["cfg"], p["C"], p["M"], topo.tp
+    cfg, C, K, tp = p["cfg"], p["C"], p["K"], topo.tp
     if kind == "column":
-        layer = ColumnParallelLinear("column", C, M, tp, F64, seed=SEED, sp=sp)
+        layer = ColumnParallelLinear("column", C, K, tp, F64, seed=SEED, sp=sp)
     elif kind == "row":
-        layer = RowParallelLinear("row", M, C, tp, F64, seed=SEED, sp=sp)
+        layer = RowParallelLinear("row", K, C, tp, F64, seed=SEED, sp=sp)
     elif kind == "mlp":
         layer = ParallelMLP("mlp", cfg, topo, F64, SEED, sp=sp)
     elif kind == "attention":
@@ -149,21 +145,15 @@ def _slice_text(param) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" if s.start is not None else ":" for s in param.index()) + "]"
 
 
-def _comm_lines(phase: str, snapshot: dict, T: int) -> list[str]:
-    if not snapshot:
-        return [f"  {phase:<9} none" + (" (one rank: nothing to communicate)" if T == 1 else "")]
-    return [f"  {phase:<9} {key}: {v['calls']} call{'s' * (v['calls'] != 1)}, {v['bytes']} bytes  "
-            f"({ROLES.get((phase, key.split('/', 1)[1]), '')})" for key, v in snapshot.items()]
-
-
-def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> tuple[bool, str]:
-    """Run one layer at tp = world size against its serial self; (every rank equal?, this rank's text)."""
-    B, S, C, M = p["B"], p["S"], p["C"], p["M"]
+def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> tuple[bool, str, list]:
+    """Run one layer at T = world size against its serial self; (every rank equal?, this rank's text,
+    the counters of the forward and the backward pass)."""
+    B, S, C, K = p["B"], p["S"], p["C"], p["K"]
     topo, serial = Topology.create(comm), Topology.serial()
     sp = SequenceSplit(topo.tp) if sequence_parallel else None
     par, ser = build(kind, p, topo, sp), build(kind, p, serial)
     rng = numpy.random.default_rng(SEED)
-    n_in, n_out = {"column": (C, M), "row": (M, C)}.get(kind, (C, C))
+    n_in, n_out = {"column": (C, K), "row": (K, C)}.get(kind, (C, C))
     x, dout = rng.standard_normal((B, S, n_in)), rng.standard_normal((B, S, n_out))   # the same on every rank
 
     y_ref = ser.forward(x)                                                # the serial layer, whole sequence
@@ -200,18 +190,40 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     attn = par if kind == "attention" else getattr(par, "attn", None)
     if attn is not None:
         lines.append(f"  heads {attn.heads.start}:{attn.heads.stop} of {p['cfg'].n_head} "
-                     f"(H_i = {attn.H_i}, head size D = {attn.D}: columns {attn.H_i * attn.D} of q, k and v)")
+                     f"(H_i = {attn.H_i}, head size hs = {attn.hs}: columns {attn.H_i * attn.hs} of q, k and v)")
     lines.append(f"  input {x_i.shape} -> output {y.shape}")
-    lines += _comm_lines("forward", fwd, topo.tp.size) + _comm_lines("backward", bwd, topo.tp.size)
+    lines += phase_lines("forward", fwd, topo.tp.size) + phase_lines("backward", bwd, topo.tp.size)
     lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} "
                  f"(worst {worst}); tolerance {RTOL:.0e}: {'PASS' if ok else 'FAIL'}")
     topo.free()
     serial.free()
-    return all_true(ok, comm), "\n".join(lines)
+    return all_true(ok, comm), "\n".join(lines), [fwd, bwd]
+
+
+def sp_versus_tp(kind: str, p: dict, comm, counted: list) -> tuple[bool, str]:
+    """The wire bytes of the sequence-parallel layer's all-gathers and reduce-scatters (`counted`) beside
+    the plain layer's all-reduces (run here again, quietly): (equal?, the one-line comparison). The sums
+    are the closed forms of the counted buffer bytes (the counters round each to whole bytes)."""
+    _, _, plain = explain_layer(kind, p, comm, False)
+    T = comm.Get_size()
+
+    def wire(snaps, keep):
+        return sum(wire_bytes(k.split("/")[1], v["bytes"], T) for snap in snaps for k, v in snap.items() if keep(k))
+    sp_wire = wire(counted, lambda k: k != "tp/sp_grad_all_reduce")
+    tp_wire, extra = wire(plain, lambda k: True), wire(counted, lambda k: k == "tp/sp_grad_all_reduce")
+    same = abs(sp_wire - tp_wire) <= 1e-9 * tp_wire
+    return all_true(same, comm), (
+        f"wire bytes per rank, forward + backward: sequence parallelism's all-gathers + reduce-scatters "
+        f"{sp_wire:.1f} {'=' if same else '!='} plain tensor parallelism's all-reduces {tp_wire:.1f}"
+        f"{': the same traffic' if same else ': DIFFERENT'} (plus {extra:.1f} for the replicated parameters' "
+        f"gradients)")
 
 
 def run(args, comm) -> bool:
     """Print the lesson of each requested layer from rank 0; True when every check passed."""
+    if args.layer == "step":
+        return explain_step.lesson(args, comm)
+    collective_setup(explain_step.refuse_step_options, args, comm=comm)
     if args.layer == "pipeline":
         if args.micro_batches is not None and args.micro_batches < 1:
             raise UserError(f"--micro-batches must be at least 1, got {args.micro_batches}")
@@ -220,16 +232,26 @@ def run(args, comm) -> bool:
         return explain_moe.lesson(args, comm)
     p = collective_setup(plan, args, comm.Get_size(), comm=comm)
     cfg, T = p["cfg"], comm.Get_size()
-    kinds = LAYERS if args.layer == "all" else (args.layer,)
-    rank0_print(f"tensor-parallel size {T} (= world size), float64; global sizes: batch B = {p['B']}, "
-                f"sequence S = {p['S']}, features C = {p['C']}, heads H = {cfg.n_head}, M = 2C + 1 = {p['M']}, "
+    kinds = LAYERS + explain_vocab.LAYERS if args.layer == "all" else (args.layer,)
+    if set(kinds) & set(explain_vocab.LAYERS):        # before anything is printed
+        collective_setup(explain_vocab.plan, args, T, comm=comm)
+    rank0_print(f"tensor-parallel size T = {T} (the world size), float64; global sizes: batch B = {p['B']}, "
+                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, K = 2C + 1 = {p['K']}, "
                 f"F = 4C = {4 * p['C']}" + (", sequence-parallel" if args.sequence_parallel else ""), comm=comm)
     every = True
     for kind in kinds:
-        ok, text = explain_layer(kind, p, comm, args.sequence_parallel)
+        if kind in explain_vocab.LAYERS:
+            every &= explain_vocab.lesson(kind, args, comm)
+            continue
+        ok, text, counted = explain_layer(kind, p, comm, args.sequence_parallel)
         texts = comm.gather(text, root=0)          # a lesson, not a hot path: pickled once
         lesson = (SP_LESSONS if args.sequence_parallel else LESSONS)[kind]
-        rank0_print(f"\n== {kind} ==\n{textwrap.fill(lesson, 100)}\n" + "\n".join(texts or []) +
+        same = ""
+        if args.sequence_parallel and T > 1:
+            equal, same = sp_versus_tp(kind, p, comm, counted)
+            ok &= equal
+            same = "\n" + same
+        rank0_print(f"\n== {kind} ==\n{textwrap.fill(lesson, 100)}\n" + "\n".join(texts or []) + same +
                     f"\n{kind}: all ranks equal the serial layer: {'yes' if ok else 'no'}", comm=comm)
         every &= ok
     if len(kinds) > 1:
@@ -240,18 +262,23 @@ def run(args, comm) -> bool:
 def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="a live lesson: one tiny layer split over the ranks, against its serial self",
                        description=__doc__.split("\n\n")[0])
-    e.add_argument("--layer", choices=LAYERS + ("all", "pipeline", "moe"), default="mlp",
-                   help="the layer to show (default mlp); pipeline: the schedules on P = world size stages, "
-                        "drawn from the run's own timestamps; moe: a mixture-of-experts layer at ep = world size")
-    e.add_argument("--features", type=int, default=8, help="features C (default 8)")
+    e.add_argument("--layer", choices=LAYERS + explain_vocab.LAYERS + ("all", "pipeline", "moe", "step"),
+                   default="mlp",
+                   help="the layer to show (default mlp); embedding, loss: the vocabulary split; pipeline: the "
+                        "schedules on P = world size stages, drawn from the run's own timestamps; moe: a "
+                        "mixture-of-experts layer at ep = world size; step: one training step of a tiny GPT")
+    e.add_argument("--features", type=int, default=8, help="channels C (default 8)")
     e.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
     e.add_argument("--batch", type=int, default=2, help="batch B (default 2)")
     e.add_argument("--seq", type=int, default=4, help="sequence length S (default 4)")
     e.add_argument("--sequence-parallel", action="store_true", help="split the activations along the sequence")
     e.add_argument("--micro-batches", type=int, default=None,
-                   help="with --layer pipeline: micro-batches per step (default 2 P)")
+                   help="with --layer pipeline: micro-batches per step (default 2 P); with --layer step: per "
+                        "replica (default P)")
+    explain_vocab.add_arguments(e)
     explain_moe.add_arguments(e)
+    explain_step.add_arguments(e)
     e.set_defaults(run=cmd_explain)
 
 

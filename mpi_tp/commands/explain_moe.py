@@ -25,6 +25,7 @@ import textwrap
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.commands.explain_common import comm_text, formula_text, wire_bytes
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
@@ -61,17 +62,21 @@ ROLES = {
 
 
 def add_arguments(e) -> None:
-    e.add_argument("--moe-experts", type=int, default=4, help="with --layer moe: experts E (default 4)")
-    e.add_argument("--moe-top-k", type=int, default=2, help="with --layer moe: experts per token k (default 2)")
+    e.add_argument("--moe-experts", type=int, default=None,
+                   help="with --layer moe: experts E (default 4); with --layer step: make block 1 an MoE block")
+    e.add_argument("--moe-top-k", type=int, default=2,
+                   help="with --layer moe (or step): experts per token k (default 2)")
     e.add_argument("--moe-capacity", type=float, default=1.0,
-                   help="with --layer moe: capacity factor per sequence and expert (default 1.0; 0: dropless)")
-    e.add_argument("--tp", type=int, default=1,
+                   help="with --layer moe (or step): capacity factor per sequence and expert (default 1.0; "
+                        "0: dropless)")
+    e.add_argument("--tp", type=int, default=None,
                    help="with --layer moe: tensor-parallel size inside each replica (default 1; ep = ranks / tp)")
 
 
 def plan(args, world: int) -> dict:
     """The lesson's sizes, checked against the world size (a UserError says what to change)."""
-    E, k, capacity, tp = args.moe_experts, args.moe_top_k, args.moe_capacity, args.tp
+    E = 4 if args.moe_experts is None else args.moe_experts
+    k, capacity, tp = args.moe_top_k, args.moe_capacity, 1 if args.tp is None else args.tp
     C, B, S = args.features, args.batch, args.seq
     for flag, v in (("--features", C), ("--batch", B), ("--seq", S), ("--moe-experts", E), ("--tp", tp)):
         if v < 1:
@@ -147,15 +152,17 @@ def _expected(p: dict, routes, me: int, rows_here: int) -> dict:
     return {"expect": expect, "why": why, "out": out, "back": back}
 
 
-def _comm_lines(phase, snapshot, formula, world) -> list[str]:
+def _comm_lines(phase, snapshot, formula, world, G) -> list[str]:
+    """One line per collective of one pass: counted, beside the formula of its buffer bytes. G: group -> size."""
     if not snapshot:
         return [f"  {phase:<9} none" + (" (one rank: every expert is here)" if world == 1 else "")]
     lines = []
     for key, v in snapshot.items():
         nbytes = formula["expect"].get((phase, key), (None, None))[1]
-        said = f" = {formula['why'][(phase, key)]} = {nbytes}" if (phase, key) in formula["why"] else " (unexpected)"
-        lines.append(f"  {phase:<9} {key}: {v['calls']} call{'s' * (v['calls'] != 1)}, {v['bytes']} bytes"
-                     f"{said}  ({ROLES.get((phase, key), '')})")
+        said = (f" (buffer = {formula['why'][(phase, key)]} = {nbytes})" if (phase, key) in formula["why"]
+                else " (unexpected)")
+        lines.append(f"  {phase:<9} {comm_text(key, v)}{said}; wire bytes = {formula_text(key.split('/')[1], G[key])}"
+                     f"  ({ROLES.get((phase, key), '')})")
     return lines
 
 
@@ -207,9 +214,13 @@ def lesson(args, comm) -> bool:
     me, local = topo.ep.rank, list(par.dispatcher.local)
     rows = {e: sum(int((a & (c == e)).sum()) for c, a in routes) for e in local}
     formula = _expected(p, routes, me, sum(rows.values()))
+    G = {f"{g.name}/{k}": g.size for g in (topo.ep, topo.tp) for k in ("all_to_all", "all_to_allv", "all_reduce")}
     counted = {(phase, key): (v["calls"], v["bytes"]) for phase, snap in (("forward", fwd), ("backward", bwd))
                for key, v in snap.items()}
-    bytes_ok = counted == formula["expect"]
+    sizes = {key: G[key] for snap in (fwd, bwd) for key in snap}
+    bytes_ok = counted == formula["expect"] and all(
+        v["wire_bytes"] == round(wire_bytes(key.split("/")[1], v["bytes"], sizes[key])) for snap in (fwd, bwd)
+        for key, v in snap.items())
     ok = max(err_out, err_in, grads[worst], err_aux) <= RTOL and bytes_ok
 
     ex = par.experts[0]
@@ -228,8 +239,8 @@ def lesson(args, comm) -> bool:
     lines.append(f"  assignments B S k = {B * S * k}: {kept} admitted, {B * S * k - kept} dropped; rows out to "
                  f"other ep ranks {formula['out']}, rows in from them {formula['back']}; rows per local expert: "
                  + ", ".join(f"e{e} {n}" for e, n in rows.items()))
-    lines += _comm_lines("forward", fwd, formula, world) + _comm_lines("backward", bwd, formula, world)
-    lines.append(f"  counted bytes = formula: {'yes' if bytes_ok else 'NO'}")
+    lines += _comm_lines("forward", fwd, formula, world, G) + _comm_lines("backward", bwd, formula, world, G)
+    lines.append(f"  counted buffer bytes = formula, wire bytes = closed form: {'yes' if bytes_ok else 'NO'}")
     lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} (worst "
                  f"{worst}), aux loss {aux:.6f} (mean over replicas) vs {ser.stats['aux_loss']:.6f}; tolerance "
                  f"{RTOL:.0e}: {'PASS' if ok else 'FAIL'}")

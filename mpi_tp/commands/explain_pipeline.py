@@ -9,14 +9,16 @@ stage), one training step runs twice: once to warm up, once traced. Rank 0
 then draws each stage's timeline from the traced timestamps (digits: the
 forward of that micro-batch, letters: its backward, dots: waiting), next to
 the schedule's ideal timeline (schedules.draw), and sets the measured bubble
-beside the formula, (P - 1) / M or (P - 1) / (V M). The loss is checked against
-the serial model on the same batch.
+beside the formula, (P - 1) / M or (P - 1) / (v M), and each stage's sends and
+receives of the step (calls, buffer bytes, wire bytes: a send's wire bytes are
+its buffer). The loss is checked against the serial model on the same batch.
 """
 from __future__ import annotations
 
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.commands.explain_common import comm_text
 from mpi_tp.core.runtime import rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -66,11 +68,15 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
         topo = Topology.create(comm, tp=1, pp=P, dp=1)
         stage = PipelineStage(cfg, topo, "float64", 0, False, name, M, V)
         stage.forward_backward(x, y, slice(0, M))                         # warm-up: caches, buffers
+        topo.stats.reset()
         topo.stats.trace = trace = Trace(comm)
         loss = stage.forward_backward(x, y, slice(0, M))
         topo.stats.trace = None
         mine = [e for e in trace.events if e["name"] in ("F", "B")]
         everyone = comm.gather(mine, root=0)                              # a lesson: pickled once
+        G = {"pp": P, "emb": 2}                                           # emb: the first and the last stage
+        counted = comm.gather("; ".join(comm_text(k, v, G.get(k.split("/")[0], P))
+                                        for k, v in topo.stats.snapshot().items()) or "none", root=0)
         reference = GPT(cfg, Topology.serial(), dtype="float64", seed=0)
         want = sum(reference.forward(x[m:m + 1], y[m:m + 1]) for m in range(M)) / M
         ok = bool(comm.allreduce(int(abs(loss - want) <= 1e-10 * abs(want)), op=MPI.MIN))
@@ -84,8 +90,10 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
             print("\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))
             print("ideal (forward 1, backward 2 time units, no communication):")
             print("\n".join(f"  {line}" for line in ideal))
+            print("collectives of the step (n: the buffer bytes):")
+            print("\n".join(f"  of stage {s}: {text}" for s, text in enumerate(counted)))
             print(f"bubble: measured {bubble:.2f} of the busiest stage's time, formula (P - 1) / "
-                  f"{'(V M)' if V > 1 else 'M'} = {formula:.2f}; loss {loss:.10f} vs serial {want:.10f}: "
+                  f"{'(v M)' if V > 1 else 'M'} = {formula:.2f}; loss {loss:.10f} vs serial {want:.10f}: "
                   f"{'PASS' if ok else 'FAIL'}")
         topo.free()
     return every
