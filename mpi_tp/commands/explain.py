@@ -17,9 +17,10 @@ every layer equals the serial layer.
 Under --sequence-parallel a last line sets the wire bytes of the all-gathers and
 reduce-scatters beside those of the plain layer's all-reduces: the same traffic.
 
-Legend (docs/notation.md): B = batch, S = sequence, C = channels, H = heads, K = 2C + 1
-(the column layer's output, the row layer's input: odd on purpose, so shards
-can differ by one), F = 4C (the MLP's width); S_i, K_i, F_i, H_i = rank i's share.
+Legend (docs/notation.md): B = batch, S = sequence, C = channels, H = heads, O = K = 2C + 1
+(the column layer's output features O, the row layer's input features K: odd on
+purpose, so shards can differ by one), F = 4C (the MLP's width); S_i, O_i, K_i,
+F_i, H_i = rank i's share.
 """
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ F64 = numpy.float64
 SEED = 7
 
 LESSONS = {
-    "column": "ColumnParallelLinear, Y = X A + b: A (C, K) is cut by output columns, "
+    "column": "ColumnParallelLinear, Y = X A + b: A (C, O) is cut by its O output columns, "
               "A = [A_0 | ... | A_{T-1}], "
               "and rank i computes its columns Y_i = X A_i + b_i with no communication. X must be whole on "
               "every rank, so it enters through f: identity forward, all-reduce of dX backward (each rank's "
               "columns give part of dX). Y_i stays split here (gather_output=True would all-gather it).",
-    "row": "RowParallelLinear, Y = X A + b: A (K, C) is cut by input rows, A = [A_0; ...; A_{T-1}], and X by "
+    "row": "RowParallelLinear, Y = X A + b: A (K, C) is cut by its K input rows, A = [A_0; ...; A_{T-1}], and X by "
            "columns to match (a column layer's output already is). Rank i computes the partial sum X_i A_i, "
            "and g all-reduces the partials (identity backward). The bias is replicated and added once, "
            "after the reduce.",
@@ -236,7 +237,7 @@ def run(args, comm) -> bool:
     if set(kinds) & set(explain_vocab.LAYERS):        # before anything is printed
         collective_setup(explain_vocab.plan, args, T, comm=comm)
     rank0_print(f"tensor-parallel size T = {T} (the world size), float64; global sizes: batch B = {p['B']}, "
-                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, K = 2C + 1 = {p['K']}, "
+                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, O = K = 2C + 1 = {p['K']}, "
                 f"F = 4C = {4 * p['C']}" + (", sequence-parallel" if args.sequence_parallel else ""), comm=comm)
     every = True
     for kind in kinds:

@@ -23,7 +23,7 @@ from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 RTOL = 1e-10              # float64: a correct parallel layer only reorders sums
 SEED = 7
 F64 = numpy.float64
-B, S, C = 2, 4, 8         # the tiny layer of every check (K = 2C + 1, F = 4C)
+B, S, C = 2, 4, 8         # the tiny layer of every check (O = K = 2C + 1, F = 4C)
 MAX_T = 8                 # C = 8 channels: every rank needs at least one of them
 _RANK = re.compile(r"\brank (\d+)\b")
 

@@ -1,0 +1,103 @@
+"""The course runs as written: every command of docs/course.md and docs/exercises.md, in order.
+
+    python -m pytest tests/test_course.py
+
+- docs/course.md keeps its shape: the ten lessons in the order of the map
+  (split, block, vocabulary, SP, DP, pipeline, experts, inference, cost model,
+  scaling), each with its time, a ```bash block, a figure that exists and a
+  question or exercise to check it.
+- Every line of a ```bash block of the two pages runs from the repository root
+  and exits 0, except a line marked `# expected to FAIL`: a broken exercise
+  must exit 1 and say FAIL (so the shipped broken forms really are broken).
+  Lines run in document order, so a command may use what an earlier one wrote.
+
+These tests start their own MPI jobs, so they run in the one-rank pass only.
+"""
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_docs import ROOT, bash_commands, clean_env
+
+COURSE, EXERCISES = ROOT / "docs" / "course.md", ROOT / "docs" / "exercises.md"
+TOPICS = ["split", "block", "vocabulary", "sequence parallelism", "step", "pipeline", "experts",
+          "inference", "cost model", "scaling"]
+TIMEOUT = 300
+EXPECT_FAIL = "# expected to FAIL"
+
+
+def lessons() -> list[str]:
+    """The text of each numbered lesson ("## n. ...") of the course, in order."""
+    return re.split(r"^## (?=\d+\. )", COURSE.read_text(), flags=re.M)[1:]
+
+
+def test_the_course_has_its_ten_lessons_in_order():
+    found = lessons()
+    assert len(found) == len(TOPICS), f"docs/course.md has {len(found)} lessons, the map has {len(TOPICS)}"
+    for n, (text, topic) in enumerate(zip(found, TOPICS), 1):
+        title = text.splitlines()[0]
+        assert title.startswith(f"{n}. ") and topic in title.lower(), f"lesson {n} is '{title}', expected {topic}"
+        assert re.search(r"^\*\d+ minutes\.\*", text, re.M), f"lesson {n} does not say how long it takes"
+        assert "```bash" in text, f"lesson {n} has no commands"
+        figures = re.findall(r"!\[[^\]]*\]\((figures/[^)]+)\)", text)
+        assert figures, f"lesson {n} shows no figure"
+        for fig in figures:
+            assert (COURSE.parent / fig).exists(), f"lesson {n}: {fig} does not exist"
+        assert "- Check:" in text, f"lesson {n} has nothing to check it with"
+
+
+def test_the_exercises_page_has_commands():
+    commands = bash_commands(EXERCISES)
+    assert any(EXPECT_FAIL in c for c in commands), "docs/exercises.md runs no broken exercise"
+    assert any("--solution" in c for c in commands), "docs/exercises.md checks no solution"
+
+
+def run(command: str):
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=TIMEOUT,
+                       env=clean_env(), cwd=ROOT)
+    out = f"\n--- stdout (end) ---\n{r.stdout[-3000:]}\n--- stderr (end) ---\n{r.stderr[-2000:]}"
+    if EXPECT_FAIL in command:
+        assert r.returncode == 1 and "FAIL" in r.stdout, f"`{command}` should fail with FAIL, exited {r.returncode}{out}"
+    else:
+        assert r.returncode == 0, f"`{command}` exited {r.returncode}{out}"
+
+
+NO_MPIEXEC = shutil.which("mpiexec", path=clean_env()["PATH"]) is None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_course_dirs(tmp_path_factory):
+    """The pages write under /tmp/mpi_tp_course and /tmp/mpi_tp_exercises: the tests start with neither,
+    and a student's own work found there is moved aside first and put back after."""
+    saved = tmp_path_factory.mktemp("students_work")
+    dirs = [Path("/tmp/mpi_tp_course"), Path("/tmp/mpi_tp_exercises")]
+    for d in dirs:
+        if d.exists():
+            shutil.move(str(d), str(saved / d.name))
+    yield
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+        if (saved / d.name).exists():
+            shutil.move(str(saved / d.name), str(d))
+
+
+@pytest.mark.skipif(NO_MPIEXEC, reason="no mpiexec on PATH (pip install mpich)")
+@pytest.mark.parametrize("command", [c for c in bash_commands(COURSE) if "pip install" not in c],
+                         ids=lambda c: c[:80])
+def test_course_command_runs(command):
+    run(command)
+
+
+@pytest.mark.skipif(NO_MPIEXEC, reason="no mpiexec on PATH (pip install mpich)")
+@pytest.mark.parametrize("command", bash_commands(EXERCISES), ids=lambda c: c[:80])
+def test_exercise_command_runs(command):
+    run(command)
+
+
+def test_the_only_command_left_out_is_the_install():
+    """The install line is what CI's own set-up does; every other course line runs above."""
+    left = [c for c in bash_commands(COURSE) if "pip install" in c]
+    assert left == ['python3 -m pip install -q -e ".[mpich]"'], left
+    assert Path(ROOT / ".ci" / "run").read_text().count('pip install -q -e ".[mpich,test]"') == 1
