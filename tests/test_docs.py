@@ -81,3 +81,18 @@ def test_lesson_command_runs(command):
                        env=clean_env(), cwd=ROOT)
     assert r.returncode == 0, (f"`{command}` exited {r.returncode}\n--- stdout (end) ---\n{r.stdout[-2000:]}"
                                f"\n--- stderr (end) ---\n{r.stderr[-2000:]}")
+
+
+def test_every_figure_names_the_command_that_draws_it():
+    """docs/experiments.md's table lists every figure of docs/figures with a script that exists."""
+    text = (ROOT / "docs" / "experiments.md").read_text().split("## Every figure and the command that draws it")[1]
+    rows = [r for r in text.split("\n## ")[0].splitlines() if r.startswith("| ") and "`" in r]
+    listed = {}
+    for row in rows:
+        names, command = row.split("|")[1:3]
+        script = re.search(r"experiments/\w+\.py", command)
+        assert script and (ROOT / script.group(0)).exists(), f"no existing script in: {row}"
+        listed.update({n.strip(): script.group(0) for n in names.split(",")})
+    figures = {p.stem for p in (ROOT / "docs" / "figures").glob("*.png")}
+    assert figures - set(listed) == set(), f"figures without a command in docs/experiments.md: {figures - set(listed)}"
+    assert set(listed) - figures == set(), f"listed but not in docs/figures: {set(listed) - figures}"
