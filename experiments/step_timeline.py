@@ -1,11 +1,12 @@
 """One training step, rank by rank, drawn from the run's own trace: its phases and every collective.
 
-    mpiexec -n 2 python -m mpi4py experiments/step_timeline.py        # docs/figures/step_timeline.png, _sp.png
+    mpiexec -n 2 python -m mpi4py experiments/step_timeline.py        # docs/figures/step_timeline*.png
 
 Runs `mpi-tp explain --layer step`'s step (mpi_tp.commands.explain_step.run_step:
 the training code's build and train_step, checked against the serial step) at
-T = 2, once to warm up and once traced (mpi_tp.parallel.trace), for plain tensor
-parallelism and for sequence parallelism. Rank 0 draws, for every rank, the
+two ranks, once to warm up and once traced (mpi_tp.parallel.trace), for plain
+tensor parallelism (T = 2), sequence parallelism, data parallelism (D = 2), a
+pipeline (P = 2) and an MoE block over two expert-parallel replicas. Rank 0 draws, for every rank, the
 phases (embedding, blocks, loss, backward, gradient norm, optimizer) as one
 lane and the collectives as another, coloured by kind and annotated with their
 buffer bytes and wire bytes, on a common time axis, stamped with the machine
@@ -37,7 +38,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GAP = 2.8                     # vertical room of one rank: its phases, its collectives, their labels
 COMMAND = "mpiexec -n {W} python -m mpi4py experiments/step_timeline.py"
 SIZES = ["--features", "64", "--heads", "4", "--seq", "32", "--batch", "4"]
-LAYOUTS = {"step_timeline": [], "step_timeline_sp": ["--sequence-parallel"]}
+LAYOUTS = {"step_timeline": [], "step_timeline_sp": ["--sequence-parallel"],     # at W = 2: T = 2
+           "step_timeline_dp": ["--dp", "2"], "step_timeline_pp": ["--pp", "2"],   # T = 1 x D = 2; P = 2 stages
+           "step_timeline_moe": ["--moe-experts", "4", "--dp", "2", "--ep", "2"]}  # experts over 2 replicas
 PHASE_COLORS = dict(zip(PHASES, plt.get_cmap("Pastel1").colors))
 KIND_COLORS = {"all_reduce": "#d62728", "all_gather": "#1f77b4", "reduce_scatter": "#2ca02c",
                "sp_grad_all_reduce": "#ff7f0e", "iall_reduce": "#9467bd", "send": "#8c564b", "recv": "#c49c94",
@@ -71,16 +74,18 @@ def short(n: float) -> str:
 def draw(events, results, cfg, path, command):
     W = len(events)
     t0 = min(e["ts"] for ev in events for e in ev if e["cat"] in ("phase", "comm"))
+    span = (max(e["ts"] + e["dur"] for ev in events for e in ev if e["cat"] in ("phase", "comm")) - t0) / 1e3
     fig, ax = plt.subplots(figsize=(15, 1.8 * W + 1.8))
     for r, ev in enumerate(events):
         y = (W - 1 - r) * GAP
         for e in ev:
-            if e["cat"] != "phase":
-                continue
+            if e["cat"] != "phase" or e["name"] == "stage to stage":   # it encloses a pipeline's whole schedule:
+                continue                                                # its sends and receives show below
             left, width = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
             ax.barh(y + 0.55, width, left=left, height=0.7, color=PHASE_COLORS[e["name"]], edgecolor="#555555",
                     linewidth=0.4)
-            ax.text(left + width / 2, y + 0.55, e["name"], ha="center", va="center", fontsize=6.5, clip_on=True)
+            if width >= 0.05 * span:                  # a name only where it fits; the colours say the rest
+                ax.text(left + width / 2, y + 0.55, e["name"], ha="center", va="center", fontsize=6.5, clip_on=True)
         comm_events = sorted((e for e in ev if e["cat"] == "comm"), key=lambda e: e["ts"])
         for k, e in enumerate(comm_events):
             group, kind = e["name"].split("/", 1)
@@ -95,14 +100,18 @@ def draw(events, results, cfg, path, command):
     ax.set_ylim(-1.7, GAP * (W - 1) + 1.4)
     ax.set_xlabel("milliseconds since the step began (each rank's clock, aligned by a barrier)")
     ok = all(x["ok"] for x in results)
-    ax.set_title(f"one training step at T = {cfg.tp}{', sequence-parallel' if cfg.sequence_parallel else ''}: "
-                 f"L = {cfg.n_layer}, C = {cfg.n_embd}, S = {cfg.block_size}, B = {cfg.batch_size}, float64; "
-                 f"labels: buffer bytes/wire bytes (K = KiB); vs the serial step: {'PASS' if ok else 'FAIL'}",
-                 fontsize=8.5)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
+    layout = f"T = {cfg.tp}, D = {cfg.dp}" + (f", P = {cfg.pp} (1F1B, M = {cfg.micro_batches})" if cfg.pp > 1 else "")
+    layout += ", sequence-parallel" if cfg.sequence_parallel else ""
+    layout += f", block 1 MoE: E = {cfg.moe_experts}, ep = {cfg.ep}" if cfg.moe_experts else ""
+    ax.set_title(f"one training step at {layout}: L = {cfg.n_layer}, C = {cfg.n_embd}, S = {cfg.block_size}, "
+                 f"B = {cfg.batch_size}, float64; labels: buffer bytes/wire bytes (K = KiB); vs the serial step: "
+                 f"{'PASS' if ok else 'FAIL'}", fontsize=8.5)
     seen = {e["name"].split("/", 1)[1] for ev in events for e in ev if e["cat"] == "comm"}
-    keep = [(h, k) for h, k in zip(handles, KIND_COLORS) if k in seen]
-    ax.legend([h for h, _ in keep], [k for _, k in keep], fontsize=6, loc="upper right", ncol=len(keep))
+    seen |= {e["name"] for ev in events for e in ev if e["cat"] == "phase" and e["name"] != "stage to stage"}
+    colours = {**{k: c for k, c in PHASE_COLORS.items() if k != "stage to stage"}, **KIND_COLORS}
+    keep = [(plt.Rectangle((0, 0), 1, 1, color=c), k) for k, c in colours.items() if k in seen]
+    ax.legend([h for h, _ in keep], [k for _, k in keep], fontsize=6, loc="upper left", bbox_to_anchor=(1.005, 1.0),
+              frameon=False)
     mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
     fig.text(0.01, 0.01, f"{cpu()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
              fontsize=6, color="#555555")
