@@ -15,7 +15,6 @@ format). Needs matplotlib (the `experiments` extra).
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -29,6 +28,7 @@ try:
 except ImportError:
     raise SystemExit("experiments/pipeline_timeline.py needs matplotlib: pip install matplotlib") from None
 
+from mpi_tp.core.runtime import cpu_name
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.parallel.topology import Topology
@@ -36,14 +36,6 @@ from mpi_tp.parallel.trace import Trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLORS = plt.get_cmap("tab10").colors
-
-
-def cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def traced_step(comm, name, M):
@@ -83,7 +75,7 @@ def draw(everyone, name, P, M, path, command):
     ax.set_title(f"{name}: P = {P} stages, M = {M} micro-batches; bubble measured {bubble:.2f}, "
                  f"formula (P - 1) / M = {(P - 1) / M:.2f}   (F: forward, B: backward, lighter)", fontsize=9)
     mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
-    fig.text(0.01, 0.01, f"{cpu()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
+    fig.text(0.01, 0.01, f"{cpu_name()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
              fontsize=6, color="#555555")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)

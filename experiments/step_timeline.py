@@ -16,7 +16,6 @@ experiments/results/step_timeline*.json. Needs matplotlib (the `experiments` ext
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -32,6 +31,7 @@ except ImportError:
 from mpi_tp.commands.explain import add_parser
 from mpi_tp.commands.explain_common import wire_bytes
 from mpi_tp.commands.explain_step import OUTSIDE, PHASES, plan, run_step
+from mpi_tp.core.runtime import cpu_name
 from mpi_tp.parallel.trace import Trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,14 +46,6 @@ KIND_COLORS = {"all_reduce": "#d62728", "all_gather": "#1f77b4", "reduce_scatter
                "sp_grad_all_reduce": "#ff7f0e", "iall_reduce": "#9467bd", "send": "#8c564b", "recv": "#c49c94",
                "broadcast": "#7f7f7f", "embedding_all_reduce": "#e377c2", "all_to_all": "#bcbd22",
                "all_to_allv": "#17becf"}
-
-
-def cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def traced(comm, options):
@@ -113,7 +105,7 @@ def draw(events, results, cfg, path, command):
     ax.legend([h for h, _ in keep], [k for _, k in keep], fontsize=6, loc="upper left", bbox_to_anchor=(1.005, 1.0),
               frameon=False)
     mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
-    fig.text(0.01, 0.01, f"{cpu()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
+    fig.text(0.01, 0.01, f"{cpu_name()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
              fontsize=6, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
@@ -131,7 +123,7 @@ def main():
         cfg, events, results = traced(comm, options)
         if comm.Get_rank() != 0:
             continue
-        record = {"command": command, "options": SIZES + options, "machine": {"cpu": cpu(), "cores": os.cpu_count(),
+        record = {"command": command, "options": SIZES + options, "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
                   "mpi": MPI.Get_library_version().splitlines()[0]}, "date": time.strftime("%Y-%m-%d"),
                   "phase_outside_the_marked_ones": OUTSIDE,
                   "ranks": [{"result": r, "events": ev} for r, ev in zip(results, events)]}

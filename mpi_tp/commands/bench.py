@@ -31,7 +31,7 @@ from mpi_tp.commands import bench_inference, bench_moe
 from mpi_tp.commands.bench_pipeline import print_pipeline, run_pipeline_shape
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.core.runtime import collective_setup, cpu_name, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
@@ -88,12 +88,6 @@ def allreduce_overhead(topo, shape, dtype, reps=30) -> dict:
 
 
 def environment(comm) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     blas = {}
     try:
         from threadpoolctl import threadpool_info
@@ -103,7 +97,7 @@ def environment(comm) -> dict:
     except ImportError:
         cfg = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
         blas = {"internal_api": cfg.get("name"), "version": cfg.get("version")}
-    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas,
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "blas": blas,
             "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
             "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),

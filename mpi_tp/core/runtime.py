@@ -17,6 +17,7 @@ Two kinds of failure, two treatments:
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import traceback
 
@@ -108,3 +109,12 @@ def limit_blas_threads(comm=MPI.COMM_WORLD) -> int | None:
     for v in BLAS_THREAD_VARS:
         os.environ[v] = str(threads)
     return threads
+
+
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo), for the stamp of a figure or a benchmark; else the arch."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
