@@ -26,7 +26,8 @@ BROKEN = {
     3: ["input gradient dX: max relative difference", "backward collectives: none",
         "gets these right: output Y, gradient of column/weight", "dX is only this rank's part"],
     4: ["the split rule gives rank 0 [0,", "are held by no rank", "wrong vectors for token ids"],
-    5: ["buffer bytes at B = 2, S = 4, C = 8", "you predicted 1024", "you counted one pass"],
+    5: ["buffer bytes at B = 2, S = 4, C = 8, V = 37, L = 2", "you predicted 2048", "you counted one pass",
+        "in 13 all-reduces"],
 }
 # exercise: (a different bug planted in the solution: old -> new, what the report must say)
 MUTATIONS = {
@@ -39,7 +40,8 @@ MUTATIONS = {
         "forward collectives: tp/all_gather: 1 call"),
     3: ("        self.bias.accumulate(db)\n", "", "gradient of column/bias: max relative difference"),
     4: ("local = ids - self.start", "local = ids", "wrong vectors for token ids"),
-    5: ("return 4 * 2 * (T - 1) / T * B", "return 4 * (T - 1) / T * B", "2 (T-1)/T n wire bytes per rank"),
+    5: ("return 2 * (T - 1) / T * buffer_bytes", "return (T - 1) / T * buffer_bytes",
+        "2 (T-1)/T n wire bytes per rank"),
 }
 
 
@@ -85,7 +87,7 @@ def test_a_planted_bug_is_caught(capsys, world, tmp_path, number):
     source = Path(ex.source(solution=True)).read_text()
     assert old in source, f"the mutation of exercise {number} no longer applies"
     if number == 5 and world.Get_size() == 1:             # wire bytes are 0 at T = 1: plant another bug
-        old, new, message = "0 if T == 1 else 4 *", "4 *", "at T = 1 nothing is communicated"
+        old, new, message = "        return 0\n", "        pass\n", "at T = 1 nothing is communicated"
     planted = tmp_path / f"mutant{number}.py"             # each rank its own file (tmp_path differs)
     planted.write_text(source.replace(old, new))
     status, out = run(capsys, world, number, file=str(planted))

@@ -32,8 +32,9 @@ EXERCISES = (
              "mpiexec -n 2 mpi-tp explain --layer column; docs/learn.md, 'The two together'"),
     Exercise(4, "uneven vocabulary shards and their offset", "ex4_vocab_offset", ("vocab_range", "Embedding"),
              vocab.vocab_offset, 2, 3, "docs/learn.md, sections 4 and 5"),
-    Exercise(5, "the bytes of one step of a block", "ex5_step_bytes", ("buffer_bytes", "wire_bytes"),
-             step_bytes.step_bytes, 1, 2, "mpiexec -n 2 mpi-tp explain --layer block; docs/learn.md, section 7"),
+    Exercise(5, "the bytes of one training step", "ex5_step_bytes", ("buffer_bytes", "wire_bytes"),
+             step_bytes.step_bytes, 1, 2,
+             "mpiexec -n 2 mpi-tp explain --layer step; docs/learn.md, section 7"),
 )
 
 
