@@ -9,16 +9,17 @@ caches keep alive for the backward pass; the largest over the ranks), and the
 growth of the process's peak resident memory over the forward pass. The
 formulas:
 
-  Korthikanti et al. (16-bit activations, 1-byte dropout masks), bytes per layer:
-      no parallelism  s b h (34 + 5 a s / h)
-      TP              s b h (10 + 24/t + 5 a s / (h t))
-      TP + SP         s b h (34 + 5 a s / h) / t
+  Korthikanti et al. (16-bit activations, 1-byte dropout masks), bytes per layer,
+  in docs/notation.md's letters (its 'Translating the papers'):
+      no parallelism  S B C (34 + 5 H S / C)
+      TP              S B C (10 + 24/T + 5 H S / (C T))
+      TP + SP         S B C (34 + 5 H S / C) / T
   mpi_tp (float32, no dropout), bytes per layer:
-      TP              4 (s b h (4 + 16/t) + a s^2 b / t)
-      TP + SP         4 (s b h (2 + 18/t) + a s^2 b / t)
-  (kept: LayerNorm outputs 2 sbh, the two column layers' inputs 2 sbh, q/k/v 3 sbh,
-  the attention output 1 sbh, GELU input and tanh 8 sbh, the MLP projection's input
-  4 sbh, softmax probabilities a s^2 b; under SP the LayerNorm outputs are split but
+      TP              4 (S B C (4 + 16/T) + H S^2 B / T)
+      TP + SP         4 (S B C (2 + 18/T) + H S^2 B / T)
+  (kept, in units of S B C values: LayerNorm outputs 2, the two column layers' inputs 2,
+  q/k/v 3, the attention output 1, GELU input and tanh 8, the MLP projection's input
+  4; softmax probabilities H S^2 B; under SP the LayerNorm outputs are split but
   the column layers keep their all-gathered input, see docs/parallelism.md.)
 """
 import argparse

@@ -29,7 +29,7 @@ def linear_facts(group):
     col = ColumnParallelLinear("demo/fc", 6, 7, group, "float64")
     row = RowParallelLinear("demo/proj", 7, 6, group, "float64", sizes=col.sizes)
     x = np.random.default_rng(0).standard_normal((1, 4, 6))           # (B, S, K): 4 tokens
-    y, col_fwd = counted(group.stats, lambda: col.forward(x))          # (1, 4, M_i)
+    y, col_fwd = counted(group.stats, lambda: col.forward(x))          # (1, 4, O_i)
     _, col_bwd = counted(group.stats, lambda: col.backward(np.ones_like(y)))
     z, row_fwd = counted(group.stats, lambda: row.forward(y))          # (1, 4, 6), all-reduced
     _, row_bwd = counted(group.stats, lambda: row.backward(np.ones_like(z)))

@@ -13,8 +13,8 @@ peak over the last step. The closed form per stage s of P holding L_s blocks:
     in_flight x L_s x per_layer,    in_flight = M (GPipe), min(P - s, M) (1F1B)
 
 with per_layer = activation_bytes_per_layer (mpi_tp.planning) (this implementation's
-form, 4 bytes x (s b h (4 + 16 / t) + a s^2 b / t)), less the a s^2 b / t term
-under selective recomputation, and the block's input alone (4 s b h / t)
+form, 4 bytes x (S B C (4 + 16 / T) + H S^2 B / T)), less the H S^2 B / T term
+under selective recomputation, and the block's input alone (4 S B C / T)
 under full recomputation. It counts the transformer blocks only. The second
 closed form ("with ends") adds, per micro-batch in flight, what this code's
 caches hold besides (read from mpi_tp/model: LayerNorm keeps its 1/std,

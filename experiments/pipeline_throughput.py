@@ -6,15 +6,15 @@ Figures 12-14, scaled down to P = 2 stages on one machine).
 Two sweeps on a float32 GPT (C 256, 4 heads, 4 blocks, S 128 by default):
 
 - vs M: M = 1, 2, 4, 8, 16 micro-batches of one sequence: more work per step,
-  the bubble (P - 1) / (V M) shrinks;
-- vs b: micro-batch size b = 1, 2, 4, 8 at a fixed 16 sequences per step
-  (M = 16 / b): bigger GEMMs and fewer messages, but a bigger bubble.
+  the bubble (P - 1) / (v M) shrinks;
+- vs B: micro-batch size B = 1, 2, 4, 8 at a fixed 16 sequences per step
+  (M = 16 / B): bigger GEMMs and fewer messages, but a bigger bubble.
 
-for GPipe, 1F1B and the interleaved schedule (V = 2 chunks per stage, M a
+for GPipe, 1F1B and the interleaved schedule (v = 2 chunks per stage, M a
 multiple of P). Each point is `mpi-tp bench --pp`'s measurement
 (commands.bench_pipeline.run_pipeline_shape: the median step of --steps timed
 steps after --warmup untimed ones, the bubble from each step's trace). The
-whole set of points is run --rounds times; each round visits the (M, b)
+whole set of points is run --rounds times; each round visits the (M, B)
 configurations in the opposite order to the previous one and rotates the order
 of the schedules inside a configuration, so slow drift of a shared machine falls
 on every schedule alike. One JSON line per point and round (with the machine,
@@ -41,7 +41,7 @@ COLORS = {"gpipe": "C0", "1f1b": "C1", "interleaved": "C2"}
 
 
 def points(P, Ms, bs, per_step):
-    """[(M, b, sweeps)]: each (M, b) once, with the sweeps it belongs to."""
+    """[(M, B, sweeps)]: each (M, B) once, with the sweeps it belongs to."""
     out = {}
     for M in Ms:
         out.setdefault((M, 1), []).append("M")
@@ -80,7 +80,7 @@ def measure(comm, args, shape):
                 if rank == 0:
                     with open(args.results, "a") as f:
                         f.write(json.dumps(r) + "\n")
-                    print(f"round {rnd} {name:11s} M={M:2d} b={b}: step {r['step_ms']['median']:7.1f} ms, "
+                    print(f"round {rnd} {name:11s} M={M:2d} B={b}: step {r['step_ms']['median']:7.1f} ms, "
                           f"{r['tokens_per_s_per_rank']:6.0f} tok/s/rank, bubble {r['bubble']['measured']:.3f} "
                           f"(formula {r['bubble']['formula']:.3f}), load {load0[0]:.2f} -> {load1[0]:.2f}",
                           flush=True)
@@ -88,7 +88,7 @@ def measure(comm, args, shape):
 
 
 def summary(rows):
-    """{(schedule, M, b): over the rounds, the median of the per-round median steps and the fastest step}."""
+    """{(schedule, M, B): over the rounds, the median of the per-round median steps and the fastest step}."""
     groups = {}
     for r in rows:
         groups.setdefault((r["schedule"], r["micro_batches"], r["micro_batch_size"]), []).append(r)
@@ -110,13 +110,13 @@ def ordered(summ, name, sweep):
 
 
 def table(summ):
-    lines = [("| sweep | schedule | M | b | step ms: median / fastest | sequences/s per rank: median / fastest | "
+    lines = [("| sweep | schedule | M | B | step ms: median / fastest | sequences/s per rank: median / fastest | "
               "tokens/s per rank: median / fastest | bubble | formula |"), "|---|---|---|---|---|---|---|---|---|"]
     for sweep in ("M", "b"):
         for name, _ in SCHEDULES:
             for k in ordered(summ, name, sweep):
                 v = summ[k]
-                lines.append(f"| {sweep} | {name} | {k[1]} | {k[2]} | {v['ms']:.0f} / {v['best_ms']:.0f} | "
+                lines.append(f"| {sweep.upper()} | {name} | {k[1]} | {k[2]} | {v['ms']:.0f} / {v['best_ms']:.0f} | "
                              f"{v['seq']:.2f} / {v['best_seq']:.2f} | {v['tok']:.0f} / {v['best_tok']:.0f} | "
                              f"{v['bubble']:.3f} | {v['formula']:.3f} |")
     return "\n".join(lines)
@@ -149,15 +149,15 @@ def plot(rows, summ, args, shape, command):
                 ax.plot(xs, [summ[k]["best_tok"] * (1 + summ[k]["formula"]) for k in keys], "^:",
                         color=COLORS[name], lw=1.2, ms=4)
     a0.set(xlabel="micro-batches per step, M (micro-batch size 1)", ylabel="tokens/s per rank")
-    a0.set_title("vs M at b = 1: the bubble (P - 1) / (V M) shrinks", fontsize=10)
-    a1.set(xlabel=f"micro-batch size b (M = {args.sequences} / b micro-batches)", ylabel="tokens/s per rank")
-    a1.set_title(f"vs b at {args.sequences} sequences per step: bigger b, bigger bubble", fontsize=10)
+    a0.set_title("vs M at B = 1: the bubble (P - 1) / (v M) shrinks", fontsize=10)
+    a1.set(xlabel=f"micro-batch size B (M = {args.sequences} / B micro-batches)", ylabel="tokens/s per rank")
+    a1.set_title(f"vs B at {args.sequences} sequences per step: bigger B, bigger bubble", fontsize=10)
     for ax, ticks in ((a0, args.micro_batches), (a1, args.batch_sizes)):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=COLORS[n], lw=2, label=n + (" (V = 2)" if V > 1 else "")) for n, V in SCHEDULES]
+    handles = [Line2D([], [], color=COLORS[n], lw=2, label=n + (" (v = 2)" if v > 1 else "")) for n, v in SCHEDULES]
     styles = [Line2D([], [], color="k", marker="o", label="fastest step over all rounds"),
               Line2D([], [], color="k", marker="s", ls="--", alpha=0.45, ms=3, label="median of the rounds' medians"),
               Line2D([], [], color="k", ls=":", label=f"1 / (1 + bubble formula), scaled to the fastest at "
@@ -181,8 +181,8 @@ def plot(rows, summ, args, shape, command):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="256,4,4,128", help="C,H,L,S (default 256,4,4,128)")
-    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="the M sweep (b = 1)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="the b sweep")
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="the M sweep (B = 1)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="the B sweep")
     ap.add_argument("--sequences", type=int, default=16, help="sequences per step in the b sweep (default 16)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per point (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")

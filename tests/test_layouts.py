@@ -183,7 +183,7 @@ def test_activation_memory(world):
         measured[name] = world.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
     rstd = 2 * b * s * 4                             # the two LayerNorms' (B, S, 1) rstd
     assert measured["serial"] == 4 * (20 * s * b * h + a * s * s * b) + rstd
-    # s b h (4 + 16/t) + a s^2 b / t, with the division last so that t = 3 stays exact in floating point
+    # S B C (4 + 16/T) + H S^2 B / T (the variables s, b, h, a, t here), divided last so that T = 3 stays exact
     assert measured["tp"] == 4 * (s * b * h * (4 * t + 16) + a * s * s * b) / t + rstd
     sp_rstd = rstd // t
     assert measured["tp+sp"] == 4 * (s * b * h * (2 * t + 18) + a * s * s * b) / t + sp_rstd

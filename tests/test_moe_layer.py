@@ -82,7 +82,7 @@ def ffn(m, e, x):
 def test_aux_and_z_loss_and_switch_gate_by_hand():
     """E = 2, k = 1. Router logits (0, ln 3) for tokens 0-2 and (ln 3, 0) for token 3: p = (1/4, 3/4)
     or (3/4, 1/4); choices 1, 1, 1, 0. f = (1/4, 3/4), P = (3/8, 5/8): aux = 2 (3/32 + 15/32) = 9/8;
-    lse = ln 4 everywhere: zl = (ln 4)^2; the top-1 gate is p = 3/4, not 1."""
+    lse = ln 4 everywhere: zl = (ln 4)^2; the top-1 gate is the probability 3/4, not 1."""
     m = layer(2, 1, 0.0, n_embd=4)
     randomize(m, seed=2, std=0.5)
     m.router.data[...] = [[0, math.log(3)], [math.log(3), 0], [0, 0], [0, 0]]

@@ -1,5 +1,8 @@
 """One notation: no doc, docstring, comment or lesson text uses an alias that docs/notation.md forbids.
 
+Scanned: README.md, docs/*.md, experiments/*.md, and the strings and comments of every Python file
+of mpi_tp/, experiments/ and tests/ (the lessons' printouts and the figures' labels are strings).
+
 The forbidden aliases are the table at the end of docs/notation.md (pattern, what to write instead,
 an example the pattern must catch), so the glossary and the check cannot drift apart.
 """
@@ -47,7 +50,9 @@ def prose(path: Path) -> list[tuple[int, str]]:
 
 def documents() -> list[Path]:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "experiments").glob("*.md"))]
-    return [p for p in docs if p != NOTATION] + sorted((ROOT / "mpi_tp").rglob("*.py"))
+    code = [*sorted((ROOT / "mpi_tp").rglob("*.py")), *sorted((ROOT / "experiments").glob("*.py")),
+            *sorted((ROOT / "tests").glob("*.py"))]
+    return [p for p in docs if p != NOTATION] + [p for p in code if p != Path(__file__).resolve()]
 
 
 def violations(paths, rules) -> list[str]:

@@ -38,7 +38,7 @@ def test_recomputed_gradients_are_bitwise_the_stored_ones(world, mode, sp):
 
 
 def test_what_full_recomputation_keeps():
-    """Full: a block keeps its input only (B, T, C) float64, plus the embedding's and head's caches."""
+    """Full: a block keeps its input only (B, S, C) float64, plus the embedding's and head's caches."""
     world = Topology.serial().world
     _, _, kept = step(world, "full", False)
     _, _, none = step(world, "none", False)

@@ -1,6 +1,6 @@
 """Pipeline schedules as data (mpi_tp.parallel.pipeline.schedules): every forward before its backward,
 the dependencies between stages hold (the simulation never deadlocks), the in-flight bounds of each
-schedule, and the simulated bubble equals the closed forms (P - 1) / M and (P - 1) / (V M)."""
+schedule, and the simulated bubble equals the closed forms (P - 1) / M and (P - 1) / (v M)."""
 import pytest
 
 from mpi_tp.core.errors import UserError
