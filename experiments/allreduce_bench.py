@@ -14,7 +14,8 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
-from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.comm_stats import CommStats
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 
 

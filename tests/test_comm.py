@@ -5,7 +5,8 @@ from mpi4py import MPI
 
 from mpi_tp.core.testing import assert_close
 from mpi_tp.parallel import tensor_parallel as C
-from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.comm_stats import CommStats
 from mpi_tp.parallel.topology import Topology, TopologyError, offsets, split_sizes
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -161,7 +162,8 @@ def test_three_dimensional_grid(world):
 def test_point_to_point_ring(world):
     """Each rank sends rank-valued arrays to the next and receives the previous one's, two tags in
     flight at once (as a pipeline stage does with activations and gradients); counters count the bytes."""
-    from mpi_tp.parallel.collectives import CommStats, Group
+    from mpi_tp.parallel.collectives import Group
+    from mpi_tp.parallel.comm_stats import CommStats
     group = Group(world.Dup(), "pp", CommStats())
     r, n = group.rank, group.size
     out = [np.full((3, 5), 10.0 * r + k) for k in range(2)]

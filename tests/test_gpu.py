@@ -61,7 +61,8 @@ def test_model_on_gpu_equals_numpy(world, gpu):
 def test_collectives_with_device_buffers(world, gpu):
     """Each collective the model uses, on CuPy arrays (uneven shares), equals its NumPy closed form
     element for element (rank r contributes (r + 1) times a known array; integers, so exactly)."""
-    from mpi_tp.parallel.collectives import CommStats, Group
+    from mpi_tp.parallel.collectives import Group
+    from mpi_tp.parallel.comm_stats import CommStats
     group = Group(world.Dup(), "tp", CommStats())
     p, r = group.size, group.rank
     total = p * (p + 1) // 2                                   # sum over ranks of (r + 1)

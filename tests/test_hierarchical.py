@@ -5,7 +5,8 @@ import pytest
 from mpi_tp.core.testing import assert_close
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.comm_stats import CommStats
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 from mpi_tp.parallel.topology import Topology

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.parallel.collectives import CommStats, Group
+from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.comm_stats import CommStats
 
 
 class TopologyError(UserError, ValueError):

@@ -6,7 +6,7 @@ batch of B sequences of S positions, C channels, itemsize bytes per number:
 the embedding, the blocks, the tied output layer and the loss forward, the
 backward pass, and the gradient norm (a float64 sum of squares). Predict what
 the counters of the tensor-parallel collectives (CommStats, in
-mpi_tp/parallel/collectives.py) add up to over the step:
+mpi_tp/parallel/comm_stats.py) add up to over the step:
 
 - buffer bytes: the size of the array handed to each collective, summed;
 - wire bytes: what one rank sends over its links if each collective is a ring.
