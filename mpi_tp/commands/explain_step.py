@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from contextlib import contextmanager
 
 import numpy
 
@@ -109,19 +108,6 @@ def plan(args, world: int) -> TrainConfig:
     return cfg
 
 
-@contextmanager
-def _phase_of_grad_norm(phases: Phases):
-    """train_step's call of grad_norm runs inside the phase "gradient norm" (restored afterwards)."""
-    def traced(*a, **kw):
-        with phases("gradient norm"):
-            return grad_norm(*a, **kw)
-    loop.grad_norm = traced
-    try:
-        yield
-    finally:
-        loop.grad_norm = grad_norm
-
-
 def instrument(run, phases: Phases) -> None:
     """Mark the phases around the model's own methods (attributes of these instances only)."""
     model = run.model
@@ -139,6 +125,7 @@ def instrument(run, phases: Phases) -> None:
         phases.wrap(model.engine, "run", "stage to stage")        # what the chunks leave: sends, receives
         phases.wrap(model, "_sum_tables", "backward")
     phases.wrap(run.reducer, "finish", "backward")
+    phases.wrap(run, "grad_norm", "gradient norm")
     phases.wrap(run.opt, "step", "optimizer")
 
 
@@ -187,8 +174,7 @@ def run_step(cfg: TrainConfig, comm, trace=None) -> dict:
     instrument(run, phases)
     lr = lr_at(0, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     run.topo.stats.trace = trace
-    with _phase_of_grad_norm(phases):
-        loss, norm, problem = loop.train_step(run, 1, lr)
+    loss, norm, problem = loop.train_step(run, 1, lr)
     run.topo.stats.trace = None
     ref_loss, ref_norm, before, after = serial_step(cfg, run, lr)
     scale = max(float(numpy.abs(after[n] - before[n]).max()) for n in after)       # the largest update

@@ -22,7 +22,7 @@ from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import BatchSampler, Corpus, eval_batches, load_corpus, split
-from mpi_tp.training.optim import SGD, AdamW
+from mpi_tp.training.optim import SGD, AdamW, grad_norm
 
 
 @dataclass
@@ -50,6 +50,10 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.micro_batches * self.topo.dp.size * self.cfg.block_size
+
+    def grad_norm(self) -> float:
+        """The whole model's gradient norm, the same on every rank (every stage's parameters, wte once)."""
+        return grad_norm(self.model.unique_parameters(), self.topo.tp, self.topo.pp)
 
 
 def _load_data(cfg: TrainConfig, comm):

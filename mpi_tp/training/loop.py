@@ -38,7 +38,7 @@ from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
 from mpi_tp.training.faults import Preemption
-from mpi_tp.training.optim import clip_coefficient, grad_norm, lr_at
+from mpi_tp.training.optim import clip_coefficient, lr_at
 from mpi_tp.training.progress import MoEMeter, Progress, environment, fmt_time
 
 
@@ -103,7 +103,7 @@ def train_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) ->
     params = run.opt.params
     if armed("nan-grad", step):
         params[0].grad[...] = float("nan")
-    norm = grad_norm(model.unique_parameters(), run.topo.tp, run.topo.pp)   # every stage's, wte once
+    norm = run.grad_norm()
     if not math.isfinite(norm):
         return loss, norm, f"the gradient norm became {norm}"
     with span(run.topo.stats.trace, "optimizer", "compute", step=step):
