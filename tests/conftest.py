@@ -8,6 +8,11 @@
   is reported failed on all, and if the ranks cannot agree within
   MPI_TP_TEST_SYNC_TIMEOUT seconds (one rank failed while the others wait in a
   collective) the job is aborted with a message instead of hanging.
+- Every Topology a test creates in its body (Topology.create, .serial, and a
+  serial GPT's default) is freed when the test ends, in creation order on every
+  rank: an MPI process has a few thousand communicators, and a suite that left
+  each test's layouts behind ran out of them ("Too many communicators").
+  Fixtures keep theirs (they are made before the body runs).
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import time
 import numpy
 import pytest
 from mpi4py import MPI
+
+from mpi_tp.parallel.topology import Topology
 
 WORLD = MPI.COMM_WORLD
 SYNC_TIMEOUT = float(os.environ.get("MPI_TP_TEST_SYNC_TIMEOUT", "120"))
@@ -64,6 +71,33 @@ def pytest_runtest_makereport(item, call):
     if _agree(report.failed, detail) and not report.failed:
         report.outcome = "failed"
         report.longrepr = f"failed on another rank (rank {WORLD.Get_rank()} passed)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Record the topologies the test body creates, and free them (all ranks, same order) when it ends."""
+    made, create = [], Topology.__dict__["create"]
+
+    def recording(cls, *args, **kw):
+        topo = create.__func__(cls, *args, **kw)
+        made.append(topo)
+        return topo
+
+    Topology.create = classmethod(recording)
+    try:
+        yield
+    finally:
+        Topology.create = create
+        for topo in made:
+            topo.free()
+        FREED[0] += len(made)
+
+
+FREED = [0]
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"topologies freed after their tests: {FREED[0]}")
 
 
 @pytest.fixture

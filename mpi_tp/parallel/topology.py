@@ -139,6 +139,7 @@ class Topology:
         return out
 
     def free(self) -> None:
+        """Release the layout's communicators (collective over its ranks); a second call does nothing."""
         for comm in {id(g.comm): g.comm for g in (self.tp, self.pp, self.dp, self.ep, self.edp)}.values():
-            if comm != MPI.COMM_SELF:
+            if comm not in (MPI.COMM_SELF, MPI.COMM_NULL):      # mpi4py sets a freed handle to COMM_NULL
                 comm.Free()
