@@ -174,6 +174,7 @@ def fig_block(f, out, written, sp: bool):
                 f"5 heads of size hs = {hs} over 3 ranks (uneven); q/k/v is one fused ColumnParallelLinear behind one f."]
     for i, line in enumerate(note):
         ax.text(-0.6, -9.4 - 0.75 * i, line, fontsize=9.5, va="center")
+    ax.set_ylim(-9.4 - 0.75 * len(note), 5.9)               # room for every note line above the stamp
     ax.set_title(title if sp else "A transformer block under tensor parallelism (T = 3, C = 20, 5 heads, "
                  "MLP width 80)", fontsize=10.5)
     save(fig, out, "block_sp.png" if sp else "block_tp.png", written, ax=ax)
@@ -248,9 +249,9 @@ def fig_step(tp, sp, out, written):
     rows = np.array(rows, dtype=float)                         # (kinds, fwd/bwd, calls/bytes/wire)
     fig, axes = plt.subplots(1, 3, figsize=(12, 4.2))
     x = np.arange(len(labels))
-    panels = ("calls", "kB (the 'bytes' counter)", "kB sent per rank by a ring ('wire_bytes')")
+    panels = ("calls", "buffer bytes (KiB)", "wire bytes: sent per rank by a ring (KiB)")
     for j, (ax, what) in enumerate(zip(axes, panels)):
-        scale = 1 if j == 0 else 1000
+        scale = 1 if j == 0 else 1024
         for d, (name, color) in enumerate((("forward", "#4C72B0"), ("backward", "#C44E52"))):
             vals = rows[:, d, j] / scale
             bars = ax.bar(x + (d - 0.5) * 0.4, vals, 0.4, label=name, color=color)
@@ -261,7 +262,7 @@ def fig_step(tp, sp, out, written):
         ax.spines[["top", "right"]].set_visible(False)
     axes[0].legend(frameon=False, fontsize=9, ncol=2, loc="upper right")
     L, C, S = STEP["n_layer"], STEP["n_embd"], STEP["block_size"]
-    fig.suptitle(f"One forward and one backward pass at T = 2, counted by topo.stats: GPT(n_layer={L}, "
+    fig.suptitle(f"One forward and one backward pass at T = 2 (ranks 0-1 of the 3), counted by CommStats: GPT(n_layer={L}, "
                  f"n_embd={C}, n_head={STEP['n_head']}), B={STEP_B}, S={S}, float32", fontsize=10.5)
     fig.tight_layout()
     save(fig, out, "step_counters.png", written)

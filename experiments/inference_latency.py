@@ -127,9 +127,9 @@ def plot_latency(rows, path):
                     label=label, ms=4)
         k = numpy.arange(n[0], n[-1] + 1)
         a1.plot(k, numpy.cumsum(numpy.interp(k, n, med)) / 1e3, style[mode][1:], color=color.get(tp), label=label)
-    a0.set(xlabel="context length n (bytes)", ylabel="ms per new byte (batch 1)",
+    a0.set(xlabel="context length (tokens: bytes)", ylabel="ms per new byte (batch 1)",
            title="per-token latency: linear in n without a cache")
-    a1.set(xlabel="context length n (bytes)", ylabel="seconds",
+    a1.set(xlabel="context length (tokens: bytes)", ylabel="seconds",
            title=f"generating bytes {summ[next(iter(summ))][0][0]}..n one at a time (sum of the left)")
     for ax in (a0, a1):
         ax.set_ylim(bottom=0)
