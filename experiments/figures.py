@@ -190,7 +190,7 @@ def fig_vocab(f, out, written):
     for r, (a, b) in enumerate(cuts):
         ax.text(3.4, 5 - 0.8 * (a + b) / 2, f"rank {r}:\nrows {span(a, b)}", va="center", fontsize=8.5,
                 color=RANK_COLOR[r], weight="bold")
-    ax.text(1.6, -3.3, "wte E (V=10 × C=4)\ncut by rows", ha="center", va="top", fontsize=9)
+    ax.text(1.6, -3.3, "wte (V=10 × C=4)\ncut by rows", ha="center", va="top", fontsize=9)
     ax.text(7.4, 5.4, "token ids", ha="left", fontsize=9)
     grid(ax, 7.4, 5.2, 1, 5, lambda r, c: RANK_COLOR[owner(ids[c])], cell=0.8, text=lambda r, c: str(ids[c]))
     for r in range(RANKS):
@@ -213,7 +213,7 @@ def fig_vocab(f, out, written):
         ax.text(19.6 + 0.45 * (b - a) + 0.2, top - 1.1, f"rank {r}: logits\ncolumns {span(a, b)}",
                 va="center", fontsize=8.5, color=RANK_COLOR[r])
         arrow(ax, 18.5, -1.4, 19.5, top - 1.1)
-    ax.text(21.2, -6.6, "tied head: logits_i = x $E_i^T$\n(B·S × $V_i$), never gathered", ha="center",
+    ax.text(21.2, -6.6, "tied head: logits_i = x $wte_i^T$\n(B·S × $V_i$), never gathered", ha="center",
             va="top", fontsize=9)
     # 3. the loss: two small all-reduces instead of gathering B·S·V logits
     calls = f[0]["loss_fwd"].get("all_reduce", (0, 0, 0))

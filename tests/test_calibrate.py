@@ -37,7 +37,8 @@ def test_fit_ring_reads_alpha_from_the_intercept_and_beta_from_the_slope():
     m = Machine("fit", 1, gemm_flops=1e10, elem_rate=1e9, mem_bw=1e10, mem_bytes=1e9, intra_alpha=a, intra_bw=b,
                 inter_alpha=a, inter_bw=b, gemm_curve=[[32, 1e9]], allreduce_points=points)
     lines = summary(m, T).splitlines()
-    assert len(lines) == 1 + len(points) and "alpha 5.0 us, bw 2.00 GB/s" in lines[0]
+    assert len(lines) == 1 + len(points)
+    assert "alpha 5.0 us, bw 2.00 GB/s (beta = 1 / bw = 0.500 ns per byte)" in lines[0]
     assert all(f"{t * 1e6:8.1f} us measured, {t * 1e6:8.1f} us" in line for (_, t), line in zip(points, lines[1:]))
 
 

@@ -25,10 +25,13 @@ BROKEN = {
     2: ["forward raised ValueError at line", "a row-split layer expects its input split by columns"],
     3: ["input gradient dX: max relative difference", "backward collectives: none",
         "gets these right: output Y, gradient of column/weight", "dX is only this rank's part"],
-    4: ["the split rule gives rank 0 [0,", "are held by no rank", "wrong vectors for token ids"],
+    4: ["\n  the rows [V_start, V_start + V_i) of the ranks are rank 0 [0,", "the split rule gives rank 0 [0,",
+        "are held by no rank", "wrong vectors for token ids"],
     5: ["buffer bytes at B = 2, S = 4, C = 8, V = 37, L = 2", "you predicted 2048", "you counted one pass",
         "in 13 all-reduces"],
 }
+# exercise: what the broken version's report says once, not repeated (T >= 2)
+ONCE = {4: ["come out as zeros", "the rows [V_start, V_start + V_i) of the ranks are"]}
 # exercise: (a different bug planted in the solution: old -> new, what the report must say)
 MUTATIONS = {
     1: ("        y = reduce_from_tp(y, self.group)", "        pass",
@@ -69,6 +72,8 @@ def test_shipped_version_fails_with_its_message_and_the_solution_passes(capsys, 
         assert out.rstrip().endswith("FAIL") and "hint: " in out, out
         for text in BROKEN[number] if T > 1 else ["at T = 1 nothing is communicated"]:
             assert text in out, out
+        for text in ONCE.get(number, []) if T > 1 else []:
+            assert out.count(text) == 1, out
     else:
         assert out == ""                            # rank 0 speaks for everyone
     status, out = run(capsys, world, number, solution=True)

@@ -83,7 +83,7 @@ def test_loss_lesson(capsys, world):
         assert f"call 1: tp/all_reduce, {2 * N * 8} buffer bytes" in text and "MAX of" in text
         assert "backward  none" in text
     assert "the max needs no backward: yes" in out and "Why the max all-reduce has no backward" in out
-    same = re.search(r"loss with m_n: ([\d.]+); with m_n \+ c_n .*: ([\d.]+); dlogits differ by ([\d.e+-]+)", out)
+    same = re.search(r"loss with m_j: ([\d.]+); with m_j \+ c_j .*: ([\d.]+); dlogits differ by ([\d.e+-]+)", out)
     assert same and same[1] == same[2] and float(same[3]) < 1e-12
 
 

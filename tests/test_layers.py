@@ -13,7 +13,7 @@ whole (local, then global).
 import numpy as np
 import pytest
 
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.testing import assert_close, gather_full, randomize
 from mpi_tp.model.attention import ParallelAttention
 from mpi_tp.model.config import GPTConfig
@@ -111,8 +111,8 @@ def test_vocab_parallel_cross_entropy(topos):
     V = 37
     logits = rand(4, 6, V) * 3
     targets = np.random.default_rng(1).integers(0, V, (4, 6))
-    loss_ref, cache = K.cross_entropy_forward(logits, targets)   # the serial kernel: an independent reference
-    dlogits_ref = K.cross_entropy_backward(0.7, cache)
+    loss_ref, cache = kern.cross_entropy_forward(logits, targets)   # the serial kernel: an independent reference
+    dlogits_ref = kern.cross_entropy_backward(0.7, cache)
     emb = VocabParallelEmbedding("wte", V, 4, tp.tp, F64)
     ce = VocabParallelCrossEntropy(tp.tp, emb.start, emb.stop)
     loss = ce.forward(np.ascontiguousarray(logits[..., emb.start:emb.stop]), targets)

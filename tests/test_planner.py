@@ -35,12 +35,14 @@ def test_cpu_plans_in_gflops_and_gpus_in_tflops():
 
 
 def test_every_column_has_a_legend_line():
-    """Each header of the table is named by one LEGEND entry, in order; --legend prints them all."""
+    """Each header of the table is named by one LEGEND entry, in order (FLOP/s with its prefix, GB/rank
+    as MB/rank under 1 GB); --legend prints them all."""
     w = Workload(4, 512, 8, 128, 16, vocab=256)
     text = table(CPU, w, 1, plan(CPU, w, 1, top=2))
     header = text.splitlines()[1]
     names = [name for name, _ in LEGEND]
-    at = [header.find(name if name != "FLOP/s" else "GFLOP/s") for name in names]
+    shown = {"FLOP/s": "GFLOP/s", "GB/rank": "GB/rank" if "GB/rank" in header else "MB/rank"}
+    at = [header.find(shown.get(name, name)) for name in names]
     assert all(i >= 0 for i in at) and at == sorted(at), (names, header)
     for name, _ in LEGEND:
         assert f"  {name} " in legend()
@@ -63,3 +65,45 @@ def test_plan_command_prints_the_legend_on_request(capsys):
         assert args.run(args, MPI.COMM_SELF) == 0
         out = capsys.readouterr().out
         assert expect in out and "L=4, C=512, H=8, S=128" in out
+
+
+def _plan_parser():
+    from mpi_tp.planning.planner import add_parser
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    return ap
+
+
+def test_legend_alone_needs_no_model(capsys):
+    """`mpi-tp plan --legend` with no model prints the legend alone and exits 0."""
+    args = _plan_parser().parse_args(["plan", "--legend"])
+    assert args.run(args, MPI.COMM_SELF) == 0
+    assert capsys.readouterr().out == legend() + "\n"
+
+
+def test_without_the_model_plan_says_which_arguments_are_required(capsys):
+    """Without --legend (or with only part of the model) the model's flags stay required: argparse's
+    one-line error, exit status 2."""
+    import pytest
+    for argv, missing in ((["plan"], "--layers, --hidden, --heads, --seq, --global-batch"),
+                          (["plan", "--legend", "--layers", "4", "--hidden", "512"], "--heads, --seq, --global-batch")):
+        args = _plan_parser().parse_args(argv)
+        with pytest.raises(SystemExit) as e:
+            args.run(args, MPI.COMM_SELF)
+        assert e.value.code == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].endswith(f" plan: error: the following arguments are required: "
+                                                       f"{missing}"), errors
+
+
+def test_small_models_print_in_millions_and_megabytes():
+    from mpi_tp.planning.planner import memory_unit, params_text, size_text
+    assert params_text(3.2e4) == "0.03M" and params_text(1.32e9) == "1.32B" and params_text(2.6e7) == "26.00M"
+    assert size_text(3.1e8) == "310.0 MB" and size_text(1.52e10) == "15.2 GB"
+    assert memory_unit([3e8, 9e8]) == (1e6, "MB/rank") and memory_unit([3e8, 2e9]) == (1e9, "GB/rank")
+    w = Workload(2, 64, 4, 32, 8, vocab=256)
+    result = plan(CPU, w, 1, top=2)
+    text = table(CPU, w, 1, result)
+    assert f"model {w.params / 1e6:.2f}M parameters" in text and "0.00B" not in text
+    assert "MB/rank" in text.splitlines()[1] and "GB/rank" not in text
+    assert " MB per rank" in result["why"]

@@ -26,7 +26,7 @@ the same collectives back to back with nothing between them (no waiting): what
 the transfers themselves cost.
 
 The limit: a step must read, on each rank, every one of its weight shards once
-(the tied table E_i for the head; of the position table only the B rows used)
+(the tied table wte_i for the head; of the position table only the B rows used)
 and the keys and values of its H_i heads filled so far (2 L B H_i n hs values at
 context n, averaged over the steps). limit_ms is those bytes over the rank's
 memory bandwidth, measured in the same run with every rank at once: the

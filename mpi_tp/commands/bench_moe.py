@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from mpi_tp.commands.explain_moe import moved_rows
 from mpi_tp.core import backend
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import rank0_print
 from mpi_tp.model.config import GPTConfig
@@ -79,9 +79,9 @@ class _Dense:
     def step(self, x, dout):
         for layer in (self.fc, self.proj):
             layer.zero_grad()
-        h, act = K.gelu_forward(self.fc.forward(x))
+        h, act = kern.gelu_forward(self.fc.forward(x))
         self.proj.forward(h)
-        return self.fc.backward(K.gelu_backward(self.proj.backward(dout), act))
+        return self.fc.backward(kern.gelu_backward(self.proj.backward(dout), act))
 
 
 def _timed(comm, stats, fn) -> tuple[float, dict]:

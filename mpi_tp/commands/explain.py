@@ -191,7 +191,7 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     attn = par if kind == "attention" else getattr(par, "attn", None)
     if attn is not None:
         lines.append(f"  heads {attn.heads.start}:{attn.heads.stop} of {p['cfg'].n_head} "
-                     f"(H_i = {attn.H_i}, head size hs = {attn.hs}: columns {attn.H_i * attn.hs} of q, k and v)")
+                     f"(H_i = {attn.H_i}, head size hs = {attn.hs}: {attn.H_i * attn.hs} columns of q, k and v)")
     lines.append(f"  input {x_i.shape} -> output {y.shape}")
     lines += phase_lines("forward", fwd, topo.tp.size) + phase_lines("backward", bwd, topo.tp.size)
     lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} "
@@ -236,8 +236,9 @@ def run(args, comm) -> bool:
     kinds = LAYERS + explain_vocab.LAYERS if args.layer == "all" else (args.layer,)
     if set(kinds) & set(explain_vocab.LAYERS):        # before anything is printed
         collective_setup(explain_vocab.plan, args, T, comm=comm)
+    odd = f"O = K = 2C + 1 = {p['K']}, " if {"column", "row"} & set(kinds) else ""   # only those layers use it
     rank0_print(f"tensor-parallel size T = {T} (the world size), float64; global sizes: batch B = {p['B']}, "
-                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, O = K = 2C + 1 = {p['K']}, "
+                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, {odd}"
                 f"F = 4C = {4 * p['C']}" + (", sequence-parallel" if args.sequence_parallel else ""), comm=comm)
     every = True
     for kind in kinds:

@@ -3,10 +3,10 @@ split over the ranks of the job.
 
     mpiexec -n 2 mpi-tp explain --layer moe                           # ep = 2: 4 experts, 2 per rank
     mpiexec -n 3 mpi-tp explain --layer moe --moe-top-k 1 --moe-capacity 0   # 4 experts: 2 + 1 + 1, dropless
-    mpiexec -n 4 mpi-tp explain --layer moe --tp 2                    # tp = 2 inside each of ep = 2 replicas
+    mpiexec -n 4 mpi-tp explain --layer moe --tp 2                    # T = 2 inside each of ep = 2 replicas
 
-Builds one MoEMLP (float64, random weights) at tp = --tp (default 1) and
-ep = dp = world size / tp: each replica holds B sequences of S tokens of its
+Builds one MoEMLP (float64, random weights) at T = --tp (default 1) and
+ep = D = world size / T: each replica holds B sequences of S tokens of its
 own, routes them (the top k of E experts, a capacity per sequence), sends each
 admitted (token, expert) row to the rank holding that expert and gets its
 result back (all-to-all), then runs the backward pass. Rank by rank it prints
@@ -70,7 +70,7 @@ def add_arguments(e) -> None:
                    help="with --layer moe (or step): capacity factor per sequence and expert (default 1.0; "
                         "0: dropless)")
     e.add_argument("--tp", type=int, default=None,
-                   help="with --layer moe: tensor-parallel size inside each replica (default 1; ep = ranks / tp)")
+                   help="with --layer moe: tensor-parallel size inside each replica (default 1; ep = ranks / T)")
 
 
 def plan(args, world: int) -> dict:
@@ -82,7 +82,7 @@ def plan(args, world: int) -> dict:
         if v < 1:
             raise UserError(f"{flag} must be a positive integer, got {v}")
     if world % tp:
-        raise UserError(f"--tp {tp} must divide the {world} ranks of this job (ep = ranks / tp)")
+        raise UserError(f"--tp {tp} must divide the {world} ranks of this job (ep = ranks / T)")
     ep = world // tp
     if E < ep:
         raise UserError(f"--moe-experts {E} cannot be divided among ep = {ep} ranks (some rank would hold none): "
@@ -139,7 +139,8 @@ def _expected(p: dict, routes, me: int, rows_here: int) -> dict:
     if ep > 1:
         counts = (ep - 1) * max(split_sizes(E, ep)) * 8
         expect[("forward", "ep/all_to_all")] = (1, counts)
-        why[("forward", "ep/all_to_all")] = f"(ep - 1) x E_max x 8 = {ep - 1} x {max(split_sizes(E, ep))} x 8"
+        why[("forward", "ep/all_to_all")] = (f"(ep - 1) x E_max x 8 (int64 counts) = {ep - 1} x "
+                                             f"{max(split_sizes(E, ep))} x 8")
         for phase in ("forward", "backward"):
             expect[(phase, "ep/all_to_allv")] = (2, a2av)
             why[(phase, "ep/all_to_allv")] = (f"({out} rows out + {back} rows back) x C {C} x 8 bytes"
@@ -174,7 +175,7 @@ def lesson(args, comm) -> bool:
     sizes = split_sizes(E, ep)
     cap = (f"cap = ceil({cfg.moe_capacity:g} x S x k / E) = {p['cap']} assignments per sequence and expert"
            if p["cap"] else "dropless (capacity 0)")
-    rank0_print(f"mixture of experts: E = {E} experts, top-k = {k}, {cap}; tp = {tp}, ep = dp = {ep} "
+    rank0_print(f"mixture of experts: E = {E} experts, top-k = {k}, {cap}; T = {tp}, D = ep = {ep} "
                 f"replica{'s' * (ep > 1)} of B = {B} sequence{'s' * (B > 1)} x S = {S} tokens; C = {C}, "
                 f"F = 4C = {4 * C} per expert; float64; aux weight {AUX_WEIGHT}, z weight {Z_WEIGHT}\n"
                 f"experts by ep rank: " + "; ".join(
@@ -260,7 +261,7 @@ def lesson(args, comm) -> bool:
         print(f"\ntokens per expert (admitted, all replicas): {counts}"
               f"; max/mean {per_expert.max() / per_expert.mean():.2f}; dropped {N * k - per_expert.sum()} of {N * k} "
               f"assignments (the same ones at every layout: capacity is per sequence)")
-        print(f"\n{textwrap.fill(DENSE, 100)}\nOn these N = {N} tokens: the dense MLP at tp = {world} all-reduces "
+        print(f"\n{textwrap.fill(DENSE, 100)}\nOn these N = {N} tokens: the dense MLP at T = {world} all-reduces "
               f"(N, C) = {dense} bytes forward and {dense} backward on every rank (ring: {2 * (world - 1) / world:.2f}"
               f" x that on the wire); here a rank sent {mean_sent:.0f} bytes forward on average (all-to-all "
               f"{'rows and counts' if ep > 1 else ': none, one rank'}).")

@@ -4,7 +4,7 @@
     mpiexec -n 2 mpi-tp explain --layer loss --vocab 9          # 5 + 4 vocabulary columns of the logits
     mpiexec -n 2 mpi-tp explain --layer embedding --sequence-parallel
 
-The token table E (V, C) is cut by rows: rank i holds V_i rows from offset
+The token table wte (V, C) is cut by rows: rank i holds V_i rows from offset
 V_start (split_sizes: the first V % T ranks hold one more; an odd V makes the
 shards differ). The embedding looks up the tokens in its rows, writes zeros for
 the others, and g all-reduces (under sequence parallelism: a reduce-scatter
@@ -37,24 +37,25 @@ F64 = numpy.float64
 SEED = 7
 
 LESSONS = {
-    "embedding": "VocabParallelEmbedding: the table E (V, C) is cut by rows, E = [E_0; ...; E_{T-1}], "
+    "embedding": "VocabParallelEmbedding: the table wte (V, C) is cut by rows, wte = [wte_0; ...; wte_{T-1}], "
                  "rank i holding the V_i rows of the tokens V_start ... V_start + V_i - 1. Each rank looks up "
                  "the tokens that fall in its rows and writes zeros for the rest (the mask), so exactly one "
                  "rank contributes each position's row; g all-reduces the (B, S, C) partial sums. Backward: no "
                  "communication, each rank adds dY of its own tokens into its rows (the mask again).",
     "loss": "VocabParallelCrossEntropy: rank i holds the logits of its V_i vocabulary columns (the tied output "
-            "layer x E_i^T) and never sees the others. loss_n = log sum_v exp(l_nv - m_n) - (l_n,t_n - m_n) "
-            "needs three things over the whole vocabulary: m_n, the max (an all-reduce MAX of each rank's "
-            "row maxima, N values), the sum of exp(l_nv - m_n) and the target's shifted logit (only its "
+            "layer x wte_i^T) and never sees the others. With l the logits, y the targets and j a position (row): "
+            "loss_j = log sum_v exp(l_jv - m_j) - (l_j,y_j - m_j) needs three things over the whole vocabulary: "
+            "m_j, the row maximum (an all-reduce MAX of each rank's row maxima, N values), the sum of "
+            "exp(l_jv - m_j) and the target's shifted logit (only its "
             "owner adds it, the others add 0), fused in one all-reduce SUM of 2N values. Backward: dlogits = "
             "(softmax - onehot) / N on rank i's own columns: no communication at all.",
 }
 SP_EMBEDDING = ("VocabParallelEmbedding under sequence parallelism: the lookup is the same, but g becomes a "
                 "reduce-scatter: sum the partial rows and keep rank i's S_i positions; backward, an all-gather "
                 "of dY's positions before each rank adds its own tokens' rows.")
-MAX_NOTE = ("Why the max all-reduce has no backward: m_n is subtracted only to keep exp() from overflowing. "
-            "Replacing m_n by m_n + c_n for any c_n leaves the loss unchanged, since the same c_n comes out of "
-            "the log and out of the target logit; so d loss / d m_n = 0, and the backward may treat m_n as a "
+MAX_NOTE = ("Why the max all-reduce has no backward: m_j is subtracted only to keep exp() from overflowing. "
+            "Replacing m_j by m_j + c_j for any c_j leaves the loss unchanged, since the same c_j comes out of "
+            "the log and out of the target logit; so d loss / d m_j = 0, and the backward may treat m_j as a "
             "constant. Numerically, on this batch:")
 
 
@@ -73,16 +74,16 @@ def plan(args, T: int) -> dict:
 
 
 def _shifted(logits, targets, shift):
-    """Serial cross entropy (mean loss, dlogits) with the max m_n replaced by m_n + shift_n, m held constant."""
+    """Serial cross entropy (mean loss, dlogits) with the max m_j replaced by m_j + shift_j, m held constant."""
     l = logits.reshape(-1, logits.shape[-1])
     m = l.max(axis=1) + shift
     e = numpy.exp(l - m[:, None])
-    t = targets.reshape(-1)
-    rows = numpy.arange(len(t))
-    loss = numpy.log(e.sum(axis=1)) - (l[rows, t] - m)
+    y = targets.reshape(-1)
+    rows = numpy.arange(len(y))
+    loss = numpy.log(e.sum(axis=1)) - (l[rows, y] - m)
     d = e / e.sum(axis=1, keepdims=True)
-    d[rows, t] -= 1
-    return float(loss.mean()), d / len(t)
+    d[rows, y] -= 1
+    return float(loss.mean()), d / len(y)
 
 
 def _calls(events: list, T: int, roles: list[str]) -> list[str]:
@@ -156,8 +157,8 @@ def _run(kind: str, p: dict, comm, sequence_parallel: bool) -> tuple[bool, str, 
                 "backward": [] if sp is None else [("tp/all_gather", N * C * 8)]}
     else:
         here = int(((targets >= start) & (targets < stop)).sum())
-        roles = {"forward": [f"MAX of the ranks' row maxima: m_n for the N = {N} positions",
-                             (f"SUM of [sum_v exp(l_nv - m_n); l_n,t_n - m_n], 2N = {2 * N} values (this rank "
+        roles = {"forward": [f"MAX of the ranks' row maxima: m_j for the N = {N} positions",
+                             (f"SUM of [sum_v exp(l_jv - m_j); l_j,y_j - m_j], 2N = {2 * N} values (this rank "
                               f"owns {here} of the N targets)")], "backward": []}
         lines = [(f"  logits: global ({B}, {S}, {V}) -> this rank's columns ({B}, {S}, {stop - start}) = "
                   f"[..., {start}:{stop}], V_i = {stop - start}")]
@@ -199,9 +200,9 @@ def _max_note(logits, targets) -> tuple[list[str], bool]:
     down, _ = _shifted(logits, targets, numpy.full(targets.size, -h))
     slope = (up - down) / (2 * h)
     same = abs(moved - base) <= RTOL * abs(base) and max_rel_diff(d1, d0) <= RTOL and abs(slope) <= RTOL
-    return [(f"  loss with m_n: {base:.15f}; with m_n + c_n (c_n random, up to {abs(c).max():.1f}): {moved:.15f}; "
+    return [(f"  loss with m_j: {base:.15f}; with m_j + c_j (c_j random, up to {abs(c).max():.1f}): {moved:.15f}; "
              f"dlogits differ by {numpy.abs(d1 - d0).max():.1e}"),
-            (f"  d loss / d m by central differences (m_n + {h} vs m_n - {h}): {slope:.1e}; the max needs no "
+            (f"  d loss / d m by central differences (m_j + {h} vs m_j - {h}): {slope:.1e}; the max needs no "
              f"backward: {'yes' if same else 'NO'}")], same
 
 

@@ -78,8 +78,9 @@ class Feedback:
         self.rank, self.path = rank, path
         self.problems, self.notes, self.hints, self.facts = [], [], [], []
 
-    def problem(self, text: str) -> None:
-        self.problems.append(f"rank {self.rank}: {text}")
+    def problem(self, text: str, *, every_rank: bool = False) -> None:
+        """A problem this rank found ('rank i: ...'); every_rank: a statement about all the ranks, unprefixed."""
+        self.problems.append(text if every_rank else f"rank {self.rank}: {text}")
 
     def note(self, text: str) -> None:
         self.notes.append(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core import backend
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.dropout import Dropout
@@ -45,7 +45,7 @@ class ParallelAttention(Module):
         q, k, v = backend.xp().ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))  # each (B, H_i, S, hs)
         mask = (self.dropout.head_masks(B, S, self.heads, x.dtype, self.layer)
                 if self.dropout.active else None)
-        y, cache = K.attention_forward(q, k, v, mask)                    # (B, H_i, S, hs)
+        y, cache = kern.attention_forward(q, k, v, mask)                    # (B, H_i, S, hs)
         if self.recompute:           # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
             cache = (q, k, v, mask is not None, self.dropout.key())
         self.save_cache(cache)
@@ -64,8 +64,8 @@ class ParallelAttention(Module):
             if masked:
                 with self.dropout.replay(key):
                     mask = self.dropout.head_masks(B, S, self.heads, q.dtype, self.layer)
-            _, cache = K.attention_forward(q, k, v, mask)
-        grads = K.attention_backward(dy.transpose(0, 2, 1, 3), cache)
+            _, cache = kern.attention_forward(q, k, v, mask)
+        grads = kern.attention_backward(dy.transpose(0, 2, 1, 3), cache)
         dqkv = backend.xp().empty((B, S, 3, self.H_i, self.hs), dtype=dout.dtype)
         for j, d in enumerate(grads):                                    # dq, dk, dv: (B, H_i, S, hs)
             dqkv[:, :, j] = d.transpose(0, 2, 1, 3)

@@ -3,14 +3,14 @@
 Legend (docs/notation.md): B = batch, S = sequence, C = channels (n_embd), H =
 heads, hs = C/H head size, V = vocabulary, T = tensor-parallel size; a subscript
 i is rank i's share (i = 0 ... T-1): H_i heads, F_i MLP columns, V_i vocabulary
-rows, E_i its rows of the embedding table (uneven shards allowed; see
+rows, wte_i its rows of the embedding table wte (uneven shards allowed; see
 mpi_tp.model.parallel_linear).
 
     x = wte[idx] + wpe[0:S]                       wte vocab-parallel (1 all-reduce)
     for each block:
         x = x + attn(ln_1(x))                     heads split: f, q/k/v column, proj row, g
         x = x + mlp(ln_2(x))                      fc column, gelu, proj row, g
-    logits_i = ln_f(x) @ E_i^T                    tied head, this rank's vocab columns (f)
+    logits_i = ln_f(x) @ wte_i^T                  tied head, this rank's vocab columns (f)
     loss = vocab-parallel cross-entropy           2 small all-reduces, no gather
 
 Per block the forward pass all-reduces twice (after attention, after the MLP)

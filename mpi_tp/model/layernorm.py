@@ -1,7 +1,7 @@
 """LayerNorm: replicated on every rank of the tensor-parallel group (each holds the whole weight)."""
 from __future__ import annotations
 
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 
@@ -15,12 +15,12 @@ class LayerNorm(Module):
         self.eps = eps
 
     def forward(self, x):
-        out, cache = K.layernorm_forward(x, self.weight.data, self.bias.data, self.eps)
+        out, cache = kern.layernorm_forward(x, self.weight.data, self.bias.data, self.eps)
         self.save_cache(cache)
         return out
 
     def backward(self, dout):
-        dx, dw, db = K.layernorm_backward(dout, *self.take_cache())
+        dx, dw, db = kern.layernorm_backward(dout, *self.take_cache())
         self.weight.accumulate(dw)
         self.bias.accumulate(db)
         return dx

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -21,11 +21,11 @@ class ParallelMLP(Module):
 
     def forward(self, x):
         h = self.fc.forward(x)                     # (B, S, C) -> (B, S, F_i)
-        h, cache = K.gelu_forward(h)
+        h, cache = kern.gelu_forward(h)
         self.save_cache(cache)
         return self.proj.forward(h)                # (B, S, F_i) -> (B, S, C), all-reduced
 
     def backward(self, dout):
         dh = self.proj.backward(dout)
-        dh = K.gelu_backward(dh, *self.take_cache())
+        dh = kern.gelu_backward(dh, *self.take_cache())
         return self.fc.backward(dh)

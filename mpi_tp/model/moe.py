@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core import backend
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
@@ -133,17 +133,17 @@ class Expert(Module):
         self.proj_bias = make_param(f"{name}/proj/bias", (C,), dtype, init="zeros")      # replicated
 
     def forward(self, x):
-        h, fc = K.linear_forward(x, self.fc_weight.data, self.fc_bias.data)   # (R_e, C) -> (R_e, F_i)
-        h, act = K.gelu_forward(h)
-        y, proj = K.linear_forward(h, self.proj_weight.data)                 # (R_e, F_i) -> (R_e, C) partial
+        h, fc = kern.linear_forward(x, self.fc_weight.data, self.fc_bias.data)   # (R_e, C) -> (R_e, F_i)
+        h, act = kern.gelu_forward(h)
+        y, proj = kern.linear_forward(h, self.proj_weight.data)                 # (R_e, F_i) -> (R_e, C) partial
         self.save_cache(fc, act, proj)
         return y
 
     def backward(self, dout):
         fc, act, proj = self.take_cache()
-        dh, dw, _ = K.linear_backward(dout, proj)
+        dh, dw, _ = kern.linear_backward(dout, proj)
         self.proj_weight.accumulate(dw)
-        dx, dw, db = K.linear_backward(K.gelu_backward(dh, act), fc)
+        dx, dw, db = kern.linear_backward(kern.gelu_backward(dh, act), fc)
         self.fc_weight.accumulate(dw)
         self.fc_bias.accumulate(db)
         return dx                                                            # (R_e, C), partial over tp
@@ -184,7 +184,7 @@ class MoEMLP(Module):
         B, S, C = x.shape
         N, E, k = B * S, self.E, self.k
         x2 = x.reshape(N, C)
-        z, router = K.linear_forward(x2, self.router.data)                  # (N, C) -> (N, E)
+        z, router = kern.linear_forward(x2, self.router.data)                  # (N, C) -> (N, E)
         p, lse, choice, gate = route(z, k)
         keep = admitted(choice.reshape(B, S, k), E, 0.0 if self.dropless else self.capacity)
         aux, daux = balance_loss(p.reshape(B, S, E), choice.reshape(B, S, k), E)
@@ -230,7 +230,7 @@ class MoEMLP(Module):
         dz = p * (dp - (dp * p).sum(axis=1, keepdims=True))
         if self.z_weight:
             dz += (self.loss_scale * self.z_weight) * dlse[:, None] * p      # d lse / dz = p
-        dx_r, dw, _ = K.linear_backward(dz, router)
+        dx_r, dw, _ = kern.linear_backward(dz, router)
         self.router.accumulate(dw)
         dx += dx_r
         return dx.reshape(dout.shape)

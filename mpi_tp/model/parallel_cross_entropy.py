@@ -1,16 +1,17 @@
 """Vocab-parallel softmax cross-entropy: the loss over logits split by vocabulary, never gathered.
 
-Rank i holds logits[:, v_i : v_i + V_i]. Per position n, with target t_n:
+Rank i holds the logits' columns l[:, V_start : V_start + V_i]. Per position (row) j, with
+target y_j and row maximum m_j (docs/notation.md, The loss):
 
-    loss_n = log sum_v exp(l_nv - m_n) - (l_n,t_n - m_n),     m_n = max_v l_nv
+    loss_j = log sum_v exp(l_jv - m_j) - (l_j,y_j - m_j),     m_j = max_v l_jv
 
 Three quantities need the whole vocabulary, and each is a sum (or max) of
 per-rank parts, so two small all-reduces of N = B*S values replace an
 all-gather of N*V logits (Megatron-LM's vocab_parallel_cross_entropy):
 
-    1. m_n                       all-reduce MAX over ranks of the local max
-    2. sum_v exp(l_nv - m_n)     all-reduce SUM, fused with
-       l_n,t_n - m_n             (only the owner of t_n contributes; others add 0)
+    1. m_j                       all-reduce MAX over ranks of the local max
+    2. sum_v exp(l_jv - m_j)     all-reduce SUM, fused with
+       l_j,y_j - m_j             (only the owner of y_j contributes; others add 0)
 
 The backward needs no communication: dlogits = (softmax - onehot) / N, and each
 rank owns its columns of both.
@@ -39,26 +40,26 @@ class VocabParallelCrossEntropy(Module):
         m = l.max(axis=1)                                              # (N,) local max
         self.group.all_reduce(m, op=MPI.MAX)                           # (N,) global max
         e = l - m[:, None]                                             # (N, V_i) shifted logits
-        t = targets.reshape(-1) - self.start                           # (N,) local column of the target
-        mine = (t >= 0) & (t < V_i)
-        t = xp.where(mine, t, 0)
+        col = targets.reshape(-1) - self.start                         # (N,) local column of the target
+        mine = (col >= 0) & (col < V_i)
+        col = xp.where(mine, col, 0)
         rows = xp.arange(N)
         parts = xp.empty((2, N), dtype=l.dtype)
-        parts[1] = xp.where(mine, e[rows, t], 0)                       # shifted target logit, owner only
+        parts[1] = xp.where(mine, e[rows, col], 0)                     # shifted target logit, owner only
         xp.exp(e, out=e)                                               # (N, V_i) exp(l - m)
         parts[0] = e.sum(axis=1)                                       # local sum-exp
         self.group.all_reduce(parts)                                   # global sum-exp, target logit
         loss = xp.log(parts[0]) - parts[1]                             # (N,)
         e /= parts[0][:, None]                                         # softmax columns of this rank
-        self.save_cache(e, t, mine, logits.shape)
+        self.save_cache(e, col, mine, logits.shape)
         return float(loss.mean())
 
     def backward(self, dloss: float = 1.0):
         """dlogits (B, S, V_i) = dloss * (softmax - onehot(target)) / N, on this rank's columns."""
-        probs, t, mine, shape = self.take_cache()
+        probs, col, mine, shape = self.take_cache()
         xp = backend.array_module(probs)
         N = probs.shape[0]
         rows = xp.arange(N)[mine]
-        probs[rows, t[mine]] -= 1.0
+        probs[rows, col[mine]] -= 1.0
         probs *= dloss / N
         return probs.reshape(shape)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mpi_tp.core import backend
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.parallel.collectives import Group
@@ -13,11 +13,11 @@ from mpi_tp.parallel.topology import shard_range
 class VocabParallelEmbedding(Module):
     """Token embedding with the table split by rows (vocabulary entries).
 
-        E = [E_0; ...; E_{T-1}]      rank i holds rows [V_start, V_start + V_i) of E (V, C)
+        wte = [wte_0; ...; wte_{T-1}]      rank i holds rows [V_start, V_start + V_i) of wte (V, C)
 
     Each rank looks up the tokens that fall in its rows (zeros for the rest);
-    g all-reduces, so every rank ends with E[ids]. The same table serves as the
-    tied output layer: `logits_forward` computes x @ E_i^T, this rank's vocabulary
+    g all-reduces, so every rank ends with wte[ids]. The same table serves as the
+    tied output layer: `logits_forward` computes x @ wte_i^T, this rank's vocabulary
     columns of the logits, which vocab-parallel cross-entropy consumes unsplit.
     """
 
@@ -25,16 +25,16 @@ class VocabParallelEmbedding(Module):
         self.group, self.sp = group, sp
         self.sizes, self.start, self.stop = shard_range(vocab_size, group, None, f"{name}: vocabulary")
         self.weight = make_param(name, (vocab_size, n_embd), dtype, std=std, seed=seed,
-                                 axis=0, start=self.start, stop=self.stop)          # E_i: (V_i, C)
+                                 axis=0, start=self.start, stop=self.stop)          # wte_i: (V_i, C)
 
     def forward(self, ids):
         xp = backend.xp()
-        local = ids - self.start                                      # (B, S) row index into E_i
+        local = ids - self.start                                      # (B, S) row index into wte_i
         outside = None
         if self.group.size > 1:
             outside = (local < 0) | (local >= self.stop - self.start)
             local = xp.where(outside, 0, local)
-        out, cache = K.embedding_forward(local, self.weight.data)     # (B, S) -> (B, S, C)
+        out, cache = kern.embedding_forward(local, self.weight.data)     # (B, S) -> (B, S, C)
         if outside is not None:
             out[outside] = 0
         out, seq = leave_tp(out, self.group, self.sp)                   # sp: -> (B, S_i, C)
@@ -46,12 +46,12 @@ class VocabParallelEmbedding(Module):
         dout = leave_tp_backward(dout, self.group, seq)
         if outside is not None:
             dout = dout * ~outside[..., None]                         # rows other ranks own get nothing
-        self.weight.accumulate(K.embedding_backward(dout, cache))
+        self.weight.accumulate(kern.embedding_backward(dout, cache))
 
     def logits_forward(self, x):
-        """Tied output layer: (B, S, C) -> (B, S, V_i) = x @ E_i^T, behind f (sp: an all-gather)."""
+        """Tied output layer: (B, S, C) -> (B, S, V_i) = x @ wte_i^T, behind f (sp: an all-gather)."""
         x, seq = enter_tp(x, self.group, self.sp)
-        y, cache = K.linear_forward(x, self.weight.data.T)
+        y, cache = kern.linear_forward(x, self.weight.data.T)
         self._logits_cache = cache, seq
         return y
 
@@ -60,6 +60,6 @@ class VocabParallelEmbedding(Module):
         if saved is None:
             raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
         cache, seq = saved
-        dx, dwt, _ = K.linear_backward(dlogits, cache)                # dwt: (C, V_i)
+        dx, dwt, _ = kern.linear_backward(dlogits, cache)                # dwt: (C, V_i)
         self.weight.accumulate(dwt.T)
         return enter_tp_backward(dx, self.group, seq)

@@ -13,7 +13,7 @@ MPI directly.
 """
 from __future__ import annotations
 
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.parallel.collectives import Group
@@ -28,7 +28,7 @@ def _linear_backward(dout, cache, weights):
     holds zeros, the GEMM writes straight into it (no new array, no extra pass)."""
     grad = weights[0].grad_base
     fresh = all(p.fresh for p in weights)
-    dx, dw, db = K.linear_backward(dout, cache, dw_out=grad if fresh else None)
+    dx, dw, db = kern.linear_backward(dout, cache, dw_out=grad if fresh else None)
     if not fresh:
         accumulate_base(weights, dw)
     for p in weights:
@@ -87,7 +87,7 @@ class ColumnParallelLinear(Module):
     def forward(self, x):
         x, seq = enter_tp(x, self.group, self.sp)                       # sp: (B, S_i, K) -> (B, S, K)
         b = self.biases[0].base if self.biases else None
-        y, cache = K.linear_forward(x, self.weights[0].base, b)       # (B, S, K) -> (B, S, parts * O_i)
+        y, cache = kern.linear_forward(x, self.weights[0].base, b)       # (B, S, K) -> (B, S, parts * O_i)
         self.save_cache(cache, seq)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.sizes)             # (B, S, O_i) -> (B, S, O)
@@ -132,7 +132,7 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.sizes)              # (B, S, K) -> (B, S, K_i)
-        y, cache = K.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial
+        y, cache = kern.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial
         y, seq = leave_tp(y, self.group, self.sp)                       # sp: -> (B, S_i, O), this rank's positions
         self.save_cache(cache, seq)
         if self.bias is not None:

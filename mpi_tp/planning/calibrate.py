@@ -246,7 +246,8 @@ def summary(m: Machine, T: int) -> str:
              f"(+{m.layer_overhead * 1e6:.0f} us per layer and micro-batch), GEMM at {m.gemm_curve[0][0]} rows "
              f"{m.gemm_curve[0][1] / 1e9:.1f} GFLOP/s, overlap {m.dp_overlap:.2f}, "
              f"optimizer {m.mem_bw / 1e9:.1f} GB/s, "
-             f"all-reduce alpha {m.intra_alpha * 1e6:.1f} us, bw {m.intra_bw / 1e9:.2f} GB/s, "
+             f"all-reduce alpha {m.intra_alpha * 1e6:.1f} us, bw {m.intra_bw / 1e9:.2f} GB/s (beta = 1 / bw = "
+             f"{1e9 / m.intra_bw:.3f} ns per byte), "
              f"{m.ranks_per_node} rank(s) per node")]
     for n, seconds in m.allreduce_points:                # the points of the fit: docs/costmodel.md redoes it
         model = 2 * (T - 1) * m.intra_alpha + 2 * (T - 1) / T * n / m.intra_bw

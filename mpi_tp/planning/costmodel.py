@@ -166,8 +166,8 @@ def model_flops_per_step(w: Workload) -> float:
     """The model's FLOPs per training step, forward and backward, recomputation not counted (model
     FLOPs): 72 (D M B) S L C^2 (1 + S / (6 C)) + 6 (D M B) S C V for the global batch of D M B
     sequences (Narayanan et al. 2021, eq. 3 without its recomputed forward)."""
-    G, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # G: the global batch, D M B sequences
-    return 72 * G * S * L * C * C * (1 + S / (6 * C)) + 6 * G * S * C * V
+    DMB, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # the global batch, D M B sequences
+    return 72 * DMB * S * L * C * C * (1 + S / (6 * C)) + 6 * DMB * S * C * V
 
 
 def hardware_flops_per_step(w: Workload, recompute: bool) -> float:
@@ -176,8 +176,8 @@ def hardware_flops_per_step(w: Workload, recompute: bool) -> float:
     counts), the model FLOPs without it."""
     if not recompute:
         return model_flops_per_step(w)
-    G, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # G: the global batch, D M B sequences
-    return 96 * G * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C))
+    DMB, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # the global batch, D M B sequences
+    return 96 * DMB * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C))
 
 
 def achieved(m: Machine, w: Workload, lay: Layout, seconds: float) -> dict:

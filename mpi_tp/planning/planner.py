@@ -31,6 +31,8 @@ from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
 from mpi_tp.planning.machines import machine
 from mpi_tp.planning.memory import memory_per_rank
 
+MODEL_FLAGS = ("--layers", "--hidden", "--heads", "--seq", "--global-batch")     # the model: required
+
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
@@ -82,13 +84,13 @@ def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, t
 def explain(fitting, rows, m) -> str:
     if not fitting:
         smallest = min(rows, key=lambda r: r["memory"]["total"]) if rows else None
-        need = f"{smallest['memory']['total'] / 1e9:.1f} GB" if smallest else "?"
+        need = size_text(smallest['memory']['total']) if smallest else "?"
         return (f"no layout fits in {m.mem_bytes / 1e9:.0f} GB per rank (the smallest needs {need}): "
                 "use more nodes, or a machine with more memory")
     best = fitting[0]
     lay, t = best["layout"], best["time"]
     parts = sorted(((k, v) for k, v in t.items() if k not in ("total", "micro_batches", "dp_hidden")), key=lambda kv: -kv[1])
-    lines = [f"best: {lay.describe()}, {t['total']:.3f} s per step, {best['memory']['total'] / 1e9:.1f} GB per rank; "
+    lines = [f"best: {lay.describe()}, {t['total']:.3f} s per step, {size_text(best['memory']['total'])} per rank; "
              "time goes to " + ", ".join(f"{k} {v:.3f} s" for k, v in parts if v > 0)]
     where = "inside a node" if lay.tp <= m.ranks_per_node else "across nodes"
     lines.append(f"its tensor-parallel groups ({lay.tp} ranks) stay {where}.")
@@ -122,11 +124,8 @@ def add_parser(sub) -> None:
     p.add_argument("--machine", default="dgx-a100",
                    help="a preset (dgx-2h, dgx-a100, dgx-h100) or a JSON file from `mpi-tp calibrate`")
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--hidden", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True)
+    for flag in MODEL_FLAGS:                      # required, unless --legend is all that is asked
+        p.add_argument(flag, type=int, default=None, help="the model: required (unless --legend alone)")
     p.add_argument("--vocab", type=int, default=51200)
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
@@ -137,11 +136,17 @@ def add_parser(sub) -> None:
     p.add_argument("--no-zero", action="store_true", help="leave out ZeRO-1")
     p.add_argument("--no-recompute", action="store_true", help="leave out activation recomputation")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    p.add_argument("--legend", action="store_true", help="explain every column of the table under it")
+    p.add_argument("--legend", action="store_true",
+                   help="explain every column of the table under it (alone, without the model: just the legend)")
     p.add_argument("--emit-config", metavar="FILE", default=None,
                    help="write the best layout as a config that `mpi-tp train --config FILE` runs (on a job "
                         "of that many ranks; the model trained is byte-level, vocabulary 256)")
-    p.set_defaults(run=cmd_plan)
+    p.set_defaults(run=cmd_plan, usage_error=p.error)
+
+
+def _missing(args) -> list[str]:
+    """The model's flags not given (argparse's names: --layers ...)."""
+    return [flag for flag in MODEL_FLAGS if getattr(args, flag[2:].replace("-", "_")) is None]
 
 
 def _check(args):
@@ -192,7 +197,8 @@ LEGEND = (
                 "hides")),
     ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
               "(+zero1: / D, plus an all-gather of the parameters)")),
-    ("GB/rank", "memory per rank: weights, gradients, optimizer state, activations, logits"),
+    ("GB/rank", "memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
+                "activations, logits"),
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
                "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
                "sequences (recomputation not counted), / step s / the W ranks")),
@@ -209,6 +215,21 @@ def legend() -> str:
                      for name, text in LEGEND)
 
 
+def params_text(n: float) -> str:
+    """A parameter count: '1.32B' from 1e9 on, '0.03M' below."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def size_text(n: float) -> str:
+    """Bytes of memory: '15.2 GB' from 1 GB on, '312.5 MB' below."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def memory_unit(values) -> tuple[float, str]:
+    """(divisor, column name) of the memory column: GB/rank, or MB/rank when every row is under 1 GB."""
+    return (1e9, "GB/rank") if max(values, default=0.0) >= 1e9 else (1e6, "MB/rank")
+
+
 def flops_unit(values) -> tuple[float, str]:
     """(divisor, name) that shows the largest of `values` (FLOP/s) with 1 to 3 digits before the point:
     TFLOP/s on GPUs, GFLOP/s on a CPU, MFLOP/s below that."""
@@ -222,23 +243,34 @@ def flops_unit(values) -> tuple[float, str]:
 def table(m, w: Workload, nodes: int, result: dict) -> str:
     """The header line and the ranked layouts, one row each (columns: LEGEND)."""
     scale, unit = flops_unit([r["achieved"]["flops_per_rank"] for r in result["ranked"]])
+    mem_scale, mem_unit = memory_unit([r["memory"]["total"] for r in result["ranked"]])
     header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
-              f"{w.params / 1e9:.2f}B parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
+              f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
               f"V={w.vocab}), global batch {w.global_batch} sequences")
     columns = (f"{'#':>3} {'layout':<28} {'step s':>8} {'compute':>8} {'tp comm':>8} {'pp comm':>8} {'bubble':>8} "
-               f"{'dp comm':>8} {'optim':>7} {'GB/rank':>8} {unit:>8} {'of peak':>7}")
+               f"{'dp comm':>8} {'optim':>7} {mem_unit:>8} {unit:>8} {'of peak':>7}")
     lines = [header, columns]
     for i, r in enumerate(result["ranked"], 1):
         t, mem, a = r["time"], r["memory"], r["achieved"]
         lines.append(f"{i:>3} {r['layout'].describe():<28} {t['total']:>8.3f} {t['compute']:>8.3f} "
                      f"{t['tp_comm']:>8.3f} {t['pp_comm']:>8.3f} {t['bubble']:>8.3f} {t['dp_comm']:>8.3f} "
-                     f"{t['optimizer']:>7.3f} {mem['total'] / 1e9:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
+                     f"{t['optimizer']:>7.3f} {mem['total'] / mem_scale:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
                      f"{100 * a['fraction_of_peak']:>6.0f}%")
     return "\n".join(lines)
 
 
 def cmd_plan(args, comm) -> int:
     from mpi_tp.core.runtime import collective_setup
+    missing = _missing(args)
+    if missing and args.legend and len(missing) == len(MODEL_FLAGS):
+        if comm.Get_rank() == 0:
+            print(legend())
+        return 0
+    if missing:
+        message = f"the following arguments are required: {', '.join(missing)}"
+        if getattr(args, "usage_error", None) is None:
+            raise UserError(message)
+        args.usage_error(message)                   # argparse's usage and one-line error, exit status 2
     m, w = collective_setup(_check, args, comm=comm)
     if comm.Get_rank():
         return 0

@@ -14,7 +14,7 @@ your fix changes what it needs), then check it:
 Only the regions of mpi_tp.parallel.tensor_parallel communicate: never call
 MPI yourself. The lesson: mpiexec -n 2 mpi-tp explain --layer row
 """
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.model.parallel_linear import RowParallelLinear
 from mpi_tp.parallel.tensor_parallel import reduce_from_tp, reduce_from_tp_backward
 
@@ -26,7 +26,7 @@ class RowLinear(RowParallelLinear):
 
     def forward(self, x):
         """x: X_i (B, S, K_i), this rank's columns of X -> Y (B, S, C), the same on every rank."""
-        y, cache = K.linear_forward(x, self.weight.data, self.bias.data)   # (B, S, K_i) -> (B, S, C)
+        y, cache = kern.linear_forward(x, self.weight.data, self.bias.data)   # (B, S, K_i) -> (B, S, C)
         y = reduce_from_tp(y, self.group)                                  # g: sum over the T ranks
         self.save_cache(cache)
         return y
@@ -35,7 +35,7 @@ class RowLinear(RowParallelLinear):
         """dout: dY (B, S, C), the same on every rank -> dX_i (B, S, K_i)."""
         (cache,) = self.take_cache()
         dout = reduce_from_tp_backward(dout, self.group)                   # g's backward: identity
-        dx, dw, db = K.linear_backward(dout, cache)
+        dx, dw, db = kern.linear_backward(dout, cache)
         self.weight.accumulate(dw)
         self.bias.accumulate(db)
         return dx

@@ -14,7 +14,7 @@ Keep the names "{name}/fc" and "{name}/proj": they key the parameters' initial
 values, so that the serial MLP gets the same weights. The lesson:
 mpiexec -n 2 mpi-tp explain --layer mlp
 """
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -31,13 +31,13 @@ class MLP(Module):
 
     def forward(self, x):
         h = self.fc.forward(x)
-        h, cache = K.gelu_forward(h)
+        h, cache = kern.gelu_forward(h)
         self.save_cache(cache)
         return self.proj.forward(h)
 
     def backward(self, dout):
         dh = self.proj.backward(dout)
-        dh = K.gelu_backward(dh, *self.take_cache())
+        dh = kern.gelu_backward(dh, *self.take_cache())
         return self.fc.backward(dh)
 
     # ======== end of EXERCISE 2 ========

@@ -5,7 +5,7 @@ each rank's columns with no communication, and the MLP needs one all-reduce
 forward (g after proj) and one backward (f's, before fc). Rows first would need
 the input split (a scatter) and the column layer's output gathered: more traffic.
 """
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -20,11 +20,11 @@ class MLP(Module):
 
     def forward(self, x):
         h = self.fc.forward(x)                     # (B, S, C) -> (B, S, F_i), behind f
-        h, cache = K.gelu_forward(h)
+        h, cache = kern.gelu_forward(h)
         self.save_cache(cache)
         return self.proj.forward(h)                # (B, S, F_i) -> (B, S, C), g
 
     def backward(self, dout):
         dh = self.proj.backward(dout)
-        dh = K.gelu_backward(dh, *self.take_cache())
+        dh = kern.gelu_backward(dh, *self.take_cache())
         return self.fc.backward(dh)                # f's backward: all-reduce of dX

@@ -6,7 +6,7 @@ and summed by g) and leaves the last V % T rows to no rank (zeros).
 """
 import numpy
 
-from mpi_tp.core import kernels as K
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.parallel.tensor_parallel import reduce_from_tp, reduce_from_tp_backward
@@ -20,18 +20,18 @@ def vocab_range(V, T, i):
 
 
 class Embedding(Module):
-    """ids (B, S) -> E[ids] (B, S, C) on every rank, E split by rows over `group`."""
+    """ids (B, S) -> wte[ids] (B, S, C) on every rank, wte split by rows over `group`."""
 
     def __init__(self, name, V, C, group, dtype, seed):
         self.group = group
         self.start, self.stop = vocab_range(V, group.size, group.rank)
         self.weight = make_param(name, (V, C), dtype, seed=seed, axis=0,
-                                 start=self.start, stop=self.stop)            # E_i: (V_i, C)
+                                 start=self.start, stop=self.stop)          # wte_i: (V_i, C)
 
     def forward(self, ids):
-        local = ids - self.start                                          # row of E_i, if it is here
+        local = ids - self.start                                          # row of wte_i, if it is here
         outside = (local < 0) | (local >= self.stop - self.start)
-        out, cache = K.embedding_forward(numpy.where(outside, 0, local), self.weight.data)
+        out, cache = kern.embedding_forward(numpy.where(outside, 0, local), self.weight.data)
         out[outside] = 0                                                  # other ranks' tokens
         self.save_cache(cache, outside)
         return reduce_from_tp(out, self.group)                            # g: each token from its owner
@@ -39,4 +39,4 @@ class Embedding(Module):
     def backward(self, dout):
         cache, outside = self.take_cache()
         dout = reduce_from_tp_backward(dout, self.group) * ~outside[..., None]
-        self.weight.accumulate(K.embedding_backward(dout, cache))
+        self.weight.accumulate(kern.embedding_backward(dout, cache))
