@@ -5,7 +5,7 @@ and how the capacity factor trades dropped tokens for balance.
     mpiexec -n 4 python -m mpi4py experiments/moe_dispatch.py       # T = 4 (oversubscribed on 2 cores)
     python experiments/moe_dispatch.py --plot                       # only redraw, from the raw file
 
-Every point is `mpi-tp bench --moe`'s measurement (commands.bench_moe.run_moe_shape,
+Every point is `mpi-tp bench --moe`'s measurement (commands.bench.moe.run_moe_shape,
 float32, C 256, S 128, B 4 sequences per replica, 5 timed steps after 2): the MoE
 MLP at ep = dp = T beside the dense MLP of width k 4C at tp = T on the same
 T B S tokens. Inputs: the default training data's bytes (the built-in pydoc
@@ -59,7 +59,7 @@ def inputs(T, seed=0):
 
 def measure(comm):
     from mpi_tp.commands.bench import environment
-    from mpi_tp.commands.bench_moe import run_moe_shape
+    from mpi_tp.commands.bench.moe import run_moe_shape
     T = comm.Get_size()
     x, env, rows = inputs(T), environment(comm), []
     crowded = f"{T} ranks on {os.cpu_count()} cores (oversubscribed)" if T > os.cpu_count() else ""

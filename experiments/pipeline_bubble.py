@@ -7,7 +7,7 @@
 For M = 1, 2, 4, 8, 16 micro-batches of one sequence (C 256, 4 heads, 4 blocks,
 S 128, float32) and the schedules GPipe, 1F1B and interleaved (2 chunks per
 stage, M a multiple of P), runs `mpi-tp bench --pp`'s measurement
-(commands.bench_pipeline.run_pipeline_shape: 3 timed steps after 1 warm-up,
+(commands.bench.pipeline.run_pipeline_shape: 3 timed steps after 1 warm-up,
 the median bubble) and draws measured against (P - 1) / (v M), stamped with the
 machine and the command. With more ranks than cores the title and the stamp
 say so ("4 ranks on 2 cores (oversubscribed)"): the stages then share cores,
@@ -24,7 +24,7 @@ import textwrap
 from mpi4py import MPI
 
 from mpi_tp.commands.bench import environment
-from mpi_tp.commands.bench_pipeline import run_pipeline_shape
+from mpi_tp.commands.bench.pipeline import run_pipeline_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "pipeline_bubble.jsonl")

@@ -5,7 +5,7 @@
 
 At one shape (default C 512, 8 heads, 8 blocks, S 256, micro-batches of one
 sequence, M = 8, float32) each mode runs `mpi-tp bench --pp`'s measurement
-(commands.bench_pipeline.run_pipeline_shape with --steps timed steps after
+(commands.bench.pipeline.run_pipeline_shape with --steps timed steps after
 --warmup): each stage counts the bytes of the forward caches it keeps for
 backward passes still to come (PipelineStage.count_activations) and reports the
 peak over the last step. The closed form per stage s of P holding L_s blocks:
@@ -35,7 +35,7 @@ from types import SimpleNamespace
 from mpi4py import MPI
 
 from mpi_tp.commands.bench import environment
-from mpi_tp.commands.bench_pipeline import run_pipeline_shape
+from mpi_tp.commands.bench.pipeline import run_pipeline_shape
 from mpi_tp.parallel.pipeline.stages import layer_ranges
 from mpi_tp.planning.costmodel import Layout, Workload
 

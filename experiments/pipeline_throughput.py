@@ -12,7 +12,7 @@ Two sweeps on a float32 GPT (C 256, 4 heads, 4 blocks, S 128 by default):
 
 for GPipe, 1F1B and the interleaved schedule (v = 2 chunks per stage, M a
 multiple of P). Each point is `mpi-tp bench --pp`'s measurement
-(commands.bench_pipeline.run_pipeline_shape: the median step of --steps timed
+(commands.bench.pipeline.run_pipeline_shape: the median step of --steps timed
 steps after --warmup untimed ones, the bubble from each step's trace). The
 whole set of points is run --rounds times; each round visits the (M, B)
 configurations in the opposite order to the previous one and rotates the order
@@ -33,7 +33,7 @@ import sys
 from mpi4py import MPI
 
 from mpi_tp.commands.bench import environment
-from mpi_tp.commands.bench_pipeline import run_pipeline_shape
+from mpi_tp.commands.bench.pipeline import run_pipeline_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))

@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python -m mpi4py experiments/step_timeline.py        # docs/figures/step_timeline*.png
 
-Runs `mpi-tp explain --layer step`'s step (mpi_tp.commands.explain_step.run_step:
+Runs `mpi-tp explain --layer step`'s step (mpi_tp.commands.explain.step.run_step:
 the training code's build and train_step, checked against the serial step) at
 two ranks, once to warm up and once traced (mpi_tp.parallel.trace), for plain
 tensor parallelism (T = 2), sequence parallelism, data parallelism (D = 2), a
@@ -29,8 +29,8 @@ except ImportError:
     raise SystemExit("experiments/step_timeline.py needs matplotlib: pip install matplotlib") from None
 
 from mpi_tp.commands.explain import add_parser
-from mpi_tp.commands.explain_common import wire_bytes
-from mpi_tp.commands.explain_step import OUTSIDE, PHASES, plan, run_step
+from mpi_tp.commands.explain.common import wire_bytes
+from mpi_tp.commands.explain.step import OUTSIDE, PHASES, plan, run_step
 from mpi_tp.core.runtime import cpu_name
 from mpi_tp.parallel.trace import Trace
 

@@ -125,7 +125,7 @@ def test_bad_vocabularies_are_usage_errors(capsys, world):
 
 def test_the_shift_demonstration_alone():
     """What the note computes: moving the max by any c_n changes neither the loss nor dlogits."""
-    from mpi_tp.commands.explain_vocab import _max_note, _shifted
+    from mpi_tp.commands.explain.vocab import _max_note, _shifted
     rng = numpy.random.default_rng(0)
     logits, targets = 3 * rng.standard_normal((2, 3, 7)), rng.integers(0, 7, (2, 3))
     lines, same = _max_note(logits, targets)

@@ -12,7 +12,7 @@ sampler (Python's docs as bytes, V = 256), and `training.loop.train_step` runs
 step 1: the forward (and backward) of every micro-batch, the data-parallel
 gradient all-reduce, the gradient norm and the update. Nothing is computed
 twice: the lesson only marks phases around the model's own methods
-(explain_common.Phases) and reads the collective counters in each. Rank by rank
+(explain.common.Phases) and reads the collective counters in each. Rank by rank
 it prints every phase's collectives (group/kind, calls, buffer bytes, wire
 bytes), checks the wire bytes against their closed forms, and checks the
 step's loss, gradient norm and updated weights against the serial model run on
@@ -29,7 +29,7 @@ import tempfile
 
 import numpy
 
-from mpi_tp.commands.explain_common import Phases, comm_text, wire_bytes
+from mpi_tp.commands.explain.common import Phases, comm_text, wire_bytes
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff

@@ -41,7 +41,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones).
     overlap_dp: start the data-parallel all-reduces during each chunk's last backward (default:
     after the schedule)."""
-    from mpi_tp.commands.bench import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
+    from mpi_tp.commands.bench.step import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     stage = PipelineStage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)

@@ -25,7 +25,7 @@ import textwrap
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.commands.explain_common import comm_text, formula_text, wire_bytes
+from mpi_tp.commands.explain.common import comm_text, formula_text, wire_bytes
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize

@@ -27,8 +27,9 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.commands import bench_inference, bench_moe
-from mpi_tp.commands.bench_pipeline import print_pipeline, run_pipeline_shape
+from mpi_tp.commands.bench import inference as bench_inference
+from mpi_tp.commands.bench import moe as bench_moe
+from mpi_tp.commands.bench.pipeline import print_pipeline, run_pipeline_shape
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, cpu_name, rank0_print

@@ -2,14 +2,14 @@
 
     mpiexec -n 2 mpi-tp explain --layer mlp                  # T = 2
     mpiexec -n 3 mpi-tp explain --layer all --sequence-parallel
-    mpiexec -n 3 mpi-tp explain --layer loss                 # the vocabulary split (explain_vocab)
-    mpiexec -n 4 mpi-tp explain --layer step --dp 2          # one training step (explain_step)
+    mpiexec -n 3 mpi-tp explain --layer loss                 # the vocabulary split (explain/vocab.py)
+    mpiexec -n 4 mpi-tp explain --layer step --dp 2          # one training step (explain/step.py)
 
 Builds a tiny layer at T = world size in float64, runs a forward and a backward
 pass on a fixed random input and output gradient, and prints, rank by rank, the
 shard of every parameter, the shapes in and out, the collectives of each pass
 (from the counters in mpi_tp.parallel.collectives, named with Megatron's f and g:
-calls, buffer bytes, wire bytes and their closed form, see explain_common), and
+calls, buffer bytes, wire bytes and their closed form, see explain/common.py), and
 how far the result is from the same layer on one rank (built from the same seed and
 names, so the weights agree slice for slice). Exit status 0 when every rank of
 every layer equals the serial layer.
@@ -28,9 +28,11 @@ import textwrap
 
 import numpy
 
-from mpi_tp.commands import explain_moe, explain_step, explain_vocab
-from mpi_tp.commands.explain_common import phase_lines, wire_bytes
-from mpi_tp.commands.explain_pipeline import lesson as pipeline_lesson
+from mpi_tp.commands.explain import moe as explain_moe
+from mpi_tp.commands.explain import step as explain_step
+from mpi_tp.commands.explain import vocab as explain_vocab
+from mpi_tp.commands.explain.common import phase_lines, wire_bytes
+from mpi_tp.commands.explain.pipeline import lesson as pipeline_lesson
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize

@@ -14,7 +14,7 @@ alternate step by step, so both see the same machine:
   ep = dp = T: rank r holds E_r experts and B S tokens of its own. Its
   all-to-all bytes per step are counted (ep/all_to_allv: rows, ep/all_to_all:
   counts) and set beside the routing's exact formula, 2 passes x (rows out +
-  rows back) x C x itemsize (explain_moe.moved_rows), and beside the
+  rows back) x C x itemsize (explain/moe.py, moved_rows), and beside the
   uniform-routing, dropless one: 4 k B S (T - 1) / T x C x itemsize.
 - dense: fc C -> k F, GELU, proj k F -> C, split column/row over tp = T, on the
   global batch of T B sequences: per rank the same GEMM work as the experts
@@ -34,7 +34,7 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.commands.explain_moe import moved_rows
+from mpi_tp.commands.explain.moe import moved_rows
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.errors import UserError
@@ -48,7 +48,7 @@ from mpi_tp.parallel.topology import Topology, split_sizes
 def add_arguments(b) -> None:
     b.add_argument("--moe", action="store_true",
                    help="time a mixture-of-experts MLP at ep = dp = ranks beside a dense MLP of the same active "
-                        "FLOPs at tp = ranks (mpi_tp.commands.bench_moe); default shape a")
+                        "FLOPs at tp = ranks (mpi_tp.commands.bench.moe); default shape a")
     b.add_argument("--moe-experts", type=int, default=8, help="with --moe: experts E (default 8)")
     b.add_argument("--moe-top-k", type=int, default=2, help="with --moe: experts per token k (default 2)")
     b.add_argument("--moe-capacity", type=float, default=0.0,

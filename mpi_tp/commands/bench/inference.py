@@ -60,7 +60,7 @@ BANDWIDTH_MIB = 128           # per rank: 4 x this machine's 32 MiB L3, so the p
 
 def add_arguments(b) -> None:
     b.add_argument("--inference", action="store_true",
-                   help="time cached decoding instead (mpi_tp.commands.bench_inference): prefill, decode "
+                   help="time cached decoding instead (mpi_tp.commands.bench.inference): prefill, decode "
                         "steps, collectives, against the memory bandwidth limit; default shape c")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16], help="with --inference: batch sizes")
     b.add_argument("--prompt-len", type=int, default=64, help="with --inference: prompt bytes (default 64)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.commands.explain_common import comm_text
+from mpi_tp.commands.explain.common import comm_text
 from mpi_tp.core.runtime import rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
