@@ -27,10 +27,10 @@ the transfers themselves cost.
 
 The limit: a step must read, on each rank, every one of its weight shards once
 (the tied table wte_i for the head; of the position table only the B rows used)
-and the keys and values of its H_i heads filled so far (2 L B H_i n hs values at
-context n, averaged over the steps). limit_ms is those bytes over the rank's
+and the keys and values of its H_i heads filled so far (2 L B H_i S_ctx hs values at
+a context of S_ctx positions, averaged over the steps). limit_ms is those bytes over the rank's
 memory bandwidth, measured in the same run with every rank at once: the
-fastest of 7 x @ W with x (1, K) and W a float32 (K, M) matrix of
+fastest of 7 x @ W with x (1, K) and W a float32 (K, O) matrix of
 BANDWIDTH_MIB, bigger than the caches, before each batch (the best is used).
 That vector-matrix product is the kernel a batch-1 step is made of (a matrix
 read once, no reuse), with this BLAS and every rank competing for the memory
@@ -82,11 +82,11 @@ def check(args, shapes) -> None:
 
 
 def memory_bandwidth(comm, dtype="float32", mib=BANDWIDTH_MIB, reps=7) -> float:
-    """GB/s at which x (1, K) @ W (K, M) reads W (mib MiB) on this rank while every rank does the same:
+    """GB/s at which x (1, K) @ W (K, O) reads W (mib MiB) on this rank while every rank does the same:
     the fastest of reps (noise on a shared machine only slows a read down)."""
     xp, K = backend.xp(), 2048
-    M = mib * 2 ** 20 // (numpy.dtype(dtype).itemsize * K)
-    W = xp.full((K, M), 0.5, dtype=dtype)
+    O = mib * 2 ** 20 // (numpy.dtype(dtype).itemsize * K)
+    W = xp.full((K, O), 0.5, dtype=dtype)
     x = xp.ones((1, K), dtype=dtype)
     x @ W
     best = float("inf")
@@ -127,7 +127,8 @@ def formula(L, C, V, B, tp, itemsize) -> dict:
 
 
 def step_bytes(model, B, n) -> dict:
-    """What this rank must read for one decode step at context n: its weight shards and its cache."""
+    """What this rank must read for one decode step at a context of n positions (S_ctx): its weight
+    shards and its cache."""
     wpe = model.wpe.data
     weights = sum(p.data.nbytes for p in model.parameters()) - wpe.nbytes + B * wpe[0].nbytes
     attn = model.h[0].attn
@@ -205,7 +206,7 @@ def run_inference_shape(comm, C, H, L, S, batches, prompt_len, new_tokens, repea
         read = r["read_bytes_per_step_rank0"]                # each rank's own, in its own copy
         limit = comm.allreduce((read["weights"] + read["kv_cache"]) / (bw * 1e9), op=MPI.MAX)
         r.update({"bandwidth_gbs_per_rank": best,
-                  "bandwidth_kernel": f"x (1, 2048) @ W (2048, M), {BANDWIDTH_MIB} MiB {dtype} per rank, all "
+                  "bandwidth_kernel": f"x (1, 2048) @ W (2048, O), {BANDWIDTH_MIB} MiB {dtype} per rank, all "
                                       f"ranks at once, best of 7 before each batch",
                   "limit_ms": 1e3 * limit, "limit_ratio": r["decode_ms_per_step"]["median"] / (1e3 * limit)})
     topo.free()
