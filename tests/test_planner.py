@@ -41,7 +41,8 @@ def test_every_column_has_a_legend_line():
     text = table(CPU, w, 1, plan(CPU, w, 1, top=2))
     header = text.splitlines()[1]
     names = [name for name, _ in LEGEND]
-    shown = {"FLOP/s": "GFLOP/s", "GB/rank": "GB/rank" if "GB/rank" in header else "MB/rank"}
+    shown = {"FLOP/s": "GFLOP/s", "GB/rank": "GB/rank" if "GB/rank" in header else "MB/rank",
+             "step s": "step s" if "step s" in header else "step ms"}
     at = [header.find(shown.get(name, name)) for name in names]
     assert all(i >= 0 for i in at) and at == sorted(at), (names, header)
     for name, _ in LEGEND:
@@ -107,3 +108,15 @@ def test_small_models_print_in_millions_and_megabytes():
     assert f"model {w.params / 1e6:.2f}M parameters" in text and "0.00B" not in text
     assert "MB/rank" in text.splitlines()[1] and "GB/rank" not in text
     assert " MB per rank" in result["why"]
+
+
+def test_small_models_are_timed_in_milliseconds():
+    """A laptop-sized model's steps take milliseconds: the table says so instead of printing 0.000."""
+    from mpi_tp.planning.planner import time_unit
+    assert time_unit([0.05, 0.002]) == (1e-3, "step ms") and time_unit([0.05, 0.2]) == (1.0, "step s")
+    w = Workload(2, 64, 4, 64, 4, vocab=256)
+    result = plan(CPU, w, 1, top=2)
+    header, first = table(CPU, w, 1, result).splitlines()[1:3]
+    t = result["ranked"][0]["time"]
+    assert t["total"] < 0.1 and "step ms" in header and "step s " not in header
+    assert f"{1e3 * t['total']:>8.3f} {1e3 * t['compute']:>8.3f}" in first, first

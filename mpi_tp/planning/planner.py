@@ -185,7 +185,8 @@ LEGEND = (
     ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
                "sequences; vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
                "+zero1 ZeRO-1; +recompute full activation recomputation")),
-    ("step s", "predicted seconds per training step: the sum of the next six columns"),
+    ("step s", "predicted seconds per training step (step ms: milliseconds, when every row is under 0.1 s; "
+               "the next six columns in the same unit): the sum of the next six columns"),
     ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
                 "overhead, on the largest stage and the rank with the most heads")),
     ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
@@ -230,6 +231,12 @@ def memory_unit(values) -> tuple[float, str]:
     return (1e9, "GB/rank") if max(values, default=0.0) >= 1e9 else (1e6, "MB/rank")
 
 
+def time_unit(values) -> tuple[float, str]:
+    """(seconds per unit, name) of the time columns: "step s", or "step ms" when every step is under 0.1 s
+    (a laptop-sized model would otherwise print rows of 0.000)."""
+    return (1.0, "step s") if max(values, default=0.0) >= 0.1 else (1e-3, "step ms")
+
+
 def flops_unit(values) -> tuple[float, str]:
     """(divisor, name) that shows the largest of `values` (FLOP/s) with 1 to 3 digits before the point:
     TFLOP/s on GPUs, GFLOP/s on a CPU, MFLOP/s below that."""
@@ -244,17 +251,19 @@ def table(m, w: Workload, nodes: int, result: dict) -> str:
     """The header line and the ranked layouts, one row each (columns: LEGEND)."""
     scale, unit = flops_unit([r["achieved"]["flops_per_rank"] for r in result["ranked"]])
     mem_scale, mem_unit = memory_unit([r["memory"]["total"] for r in result["ranked"]])
+    sec, step = time_unit([r["time"]["total"] for r in result["ranked"]])
     header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
               f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
               f"V={w.vocab}), global batch {w.global_batch} sequences")
-    columns = (f"{'#':>3} {'layout':<28} {'step s':>8} {'compute':>8} {'tp comm':>8} {'pp comm':>8} {'bubble':>8} "
+    columns = (f"{'#':>3} {'layout':<28} {step:>8} {'compute':>8} {'tp comm':>8} {'pp comm':>8} {'bubble':>8} "
                f"{'dp comm':>8} {'optim':>7} {mem_unit:>8} {unit:>8} {'of peak':>7}")
     lines = [header, columns]
     for i, r in enumerate(result["ranked"], 1):
         t, mem, a = r["time"], r["memory"], r["achieved"]
-        lines.append(f"{i:>3} {r['layout'].describe():<28} {t['total']:>8.3f} {t['compute']:>8.3f} "
-                     f"{t['tp_comm']:>8.3f} {t['pp_comm']:>8.3f} {t['bubble']:>8.3f} {t['dp_comm']:>8.3f} "
-                     f"{t['optimizer']:>7.3f} {mem['total'] / mem_scale:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
+        u = {k: v / sec for k, v in t.items() if isinstance(v, (int, float))}
+        lines.append(f"{i:>3} {r['layout'].describe():<28} {u['total']:>8.3f} {u['compute']:>8.3f} "
+                     f"{u['tp_comm']:>8.3f} {u['pp_comm']:>8.3f} {u['bubble']:>8.3f} {u['dp_comm']:>8.3f} "
+                     f"{u['optimizer']:>7.3f} {mem['total'] / mem_scale:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
                      f"{100 * a['fraction_of_peak']:>6.0f}%")
     return "\n".join(lines)
 
