@@ -6,7 +6,8 @@ from mpi4py import MPI
 
 from mpi_tp.planning.costmodel import Workload
 from mpi_tp.planning.machines import PRESETS, Machine
-from mpi_tp.planning.planner import LEGEND, flops_unit, legend, plan, table
+from mpi_tp.planning.plan_table import LEGEND, flops_unit, legend, table
+from mpi_tp.planning.planner import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = Machine(name="cpu", ranks_per_node=2, gemm_flops=8e10, elem_rate=3e8, mem_bw=8e9, mem_bytes=1e10,
@@ -98,7 +99,7 @@ def test_without_the_model_plan_says_which_arguments_are_required(capsys):
 
 
 def test_small_models_print_in_millions_and_megabytes():
-    from mpi_tp.planning.planner import memory_unit, params_text, size_text
+    from mpi_tp.planning.plan_table import memory_unit, params_text, size_text
     assert params_text(3.2e4) == "0.03M" and params_text(1.32e9) == "1.32B" and params_text(2.6e7) == "26.00M"
     assert size_text(3.1e8) == "310.0 MB" and size_text(1.52e10) == "15.2 GB"
     assert memory_unit([3e8, 9e8]) == (1e6, "MB/rank") and memory_unit([3e8, 2e9]) == (1e9, "GB/rank")
@@ -112,7 +113,7 @@ def test_small_models_print_in_millions_and_megabytes():
 
 def test_small_models_are_timed_in_milliseconds():
     """A laptop-sized model's steps take milliseconds: the table says so instead of printing 0.000."""
-    from mpi_tp.planning.planner import time_unit
+    from mpi_tp.planning.plan_table import time_unit
     assert time_unit([0.05, 0.002]) == (1e-3, "step ms") and time_unit([0.05, 0.2]) == (1.0, "step s")
     w = Workload(2, 64, 4, 64, 4, vocab=256)
     result = plan(CPU, w, 1, top=2)

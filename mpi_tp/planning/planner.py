@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
 from mpi_tp.planning.machines import machine
 from mpi_tp.planning.memory import memory_per_rank
+from mpi_tp.planning.plan_table import legend, size_text, table
 
 MODEL_FLAGS = ("--layers", "--hidden", "--heads", "--seq", "--global-batch")     # the model: required
 
@@ -177,95 +177,6 @@ def emit_config(path: str, w: Workload, lay: Layout) -> dict:
         json.dump(values, f, indent=2)
     os.replace(tmp, path)
     return values
-
-
-# Every column of the table, as `mpi-tp plan --legend` prints it (docs/costmodel.md shows the same text).
-LEGEND = (
-    ("#", "rank of the layout, fastest first (only layouts that fit in memory)"),
-    ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
-               "sequences; vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
-               "+zero1 ZeRO-1; +recompute full activation recomputation")),
-    ("step s", "predicted seconds per training step (step ms: milliseconds, when every row is under 0.1 s; "
-               "the next six columns in the same unit): the sum of the next six columns"),
-    ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
-                "overhead, on the largest stage and the rank with the most heads")),
-    ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
-                "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta")),
-    ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
-                "without +sp)")),
-    ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
-    ("dp comm", ("the gradient all-reduce over the D replicas (float32), minus what the last backward pass "
-                "hides")),
-    ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
-              "(+zero1: / D, plus an all-gather of the parameters)")),
-    ("GB/rank", "memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
-                "activations, logits"),
-    ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
-               "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
-               "sequences (recomputation not counted), / step s / the W ranks")),
-    ("of peak", ("that FLOP/s as a fraction of the machine's datasheet peak (a calibrated machine: of its "
-                "measured GEMM rate)")),
-)
-
-
-def legend() -> str:
-    """The legend of the table, one column a line."""
-    width = max(len(name) for name, _ in LEGEND)
-    return "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:<{width}}  ",
-                                   subsequent_indent=" " * (width + 4), break_on_hyphens=False)
-                     for name, text in LEGEND)
-
-
-def params_text(n: float) -> str:
-    """A parameter count: '1.32B' from 1e9 on, '0.03M' below."""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def size_text(n: float) -> str:
-    """Bytes of memory: '15.2 GB' from 1 GB on, '312.5 MB' below."""
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def memory_unit(values) -> tuple[float, str]:
-    """(divisor, column name) of the memory column: GB/rank, or MB/rank when every row is under 1 GB."""
-    return (1e9, "GB/rank") if max(values, default=0.0) >= 1e9 else (1e6, "MB/rank")
-
-
-def time_unit(values) -> tuple[float, str]:
-    """(seconds per unit, name) of the time columns: "step s", or "step ms" when every step is under 0.1 s
-    (a laptop-sized model would otherwise print rows of 0.000)."""
-    return (1.0, "step s") if max(values, default=0.0) >= 0.1 else (1e-3, "step ms")
-
-
-def flops_unit(values) -> tuple[float, str]:
-    """(divisor, name) that shows the largest of `values` (FLOP/s) with 1 to 3 digits before the point:
-    TFLOP/s on GPUs, GFLOP/s on a CPU, MFLOP/s below that."""
-    top = max(values, default=0.0)
-    for scale, name in ((1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
-        if top >= scale:
-            return scale, name
-    return 1e6, "MFLOP/s"
-
-
-def table(m, w: Workload, nodes: int, result: dict) -> str:
-    """The header line and the ranked layouts, one row each (columns: LEGEND)."""
-    scale, unit = flops_unit([r["achieved"]["flops_per_rank"] for r in result["ranked"]])
-    mem_scale, mem_unit = memory_unit([r["memory"]["total"] for r in result["ranked"]])
-    sec, step = time_unit([r["time"]["total"] for r in result["ranked"]])
-    header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
-              f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
-              f"V={w.vocab}), global batch {w.global_batch} sequences")
-    columns = (f"{'#':>3} {'layout':<28} {step:>8} {'compute':>8} {'tp comm':>8} {'pp comm':>8} {'bubble':>8} "
-               f"{'dp comm':>8} {'optim':>7} {mem_unit:>8} {unit:>8} {'of peak':>7}")
-    lines = [header, columns]
-    for i, r in enumerate(result["ranked"], 1):
-        t, mem, a = r["time"], r["memory"], r["achieved"]
-        u = {k: v / sec for k, v in t.items() if isinstance(v, (int, float))}
-        lines.append(f"{i:>3} {r['layout'].describe():<28} {u['total']:>8.3f} {u['compute']:>8.3f} "
-                     f"{u['tp_comm']:>8.3f} {u['pp_comm']:>8.3f} {u['bubble']:>8.3f} {u['dp_comm']:>8.3f} "
-                     f"{u['optimizer']:>7.3f} {mem['total'] / mem_scale:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
-                     f"{100 * a['fraction_of_peak']:>6.0f}%")
-    return "\n".join(lines)
 
 
 def cmd_plan(args, comm) -> int:
