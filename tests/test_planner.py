@@ -121,3 +121,4 @@ def test_small_models_are_timed_in_milliseconds():
     t = result["ranked"][0]["time"]
     assert t["total"] < 0.1 and "step ms" in header and "step s " not in header
     assert f"{1e3 * t['total']:>8.3f} {1e3 * t['compute']:>8.3f}" in first, first
+    assert f"{1e3 * t['total']:.3f} ms per step" in result["why"], result["why"]

@@ -90,10 +90,14 @@ def explain(fitting, rows, m) -> str:
     best = fitting[0]
     lay, t = best["layout"], best["time"]
     parts = sorted(((k, v) for k, v in t.items() if k not in ("total", "micro_batches", "dp_hidden")), key=lambda kv: -kv[1])
-    lines = [f"best: {lay.describe()}, {t['total']:.3f} s per step, {size_text(best['memory']['total'])} per rank; "
-             "time goes to " + ", ".join(f"{k} {v:.3f} s" for k, v in parts if v > 0)]
-    where = "inside a node" if lay.tp <= m.ranks_per_node else "across nodes"
-    lines.append(f"its tensor-parallel groups ({lay.tp} ranks) stay {where}.")
+
+    def sec(x: float) -> str:       # seconds, or ms for a laptop-sized step, as the table's time columns
+        return f"{x:.3f} s" if t["total"] >= 0.1 else f"{1e3 * x:.3f} ms"
+
+    lines = [f"best: {lay.describe()}, {sec(t['total'])} per step, {size_text(best['memory']['total'])} per rank; "
+             "time goes to " + ", ".join(f"{k} {sec(v)}" for k, v in parts if v > 0)]
+    lines.append(f"its tensor-parallel groups ({lay.tp} ranks) " + ("stay inside a node." if lay.tp <= m.ranks_per_node
+                 else "span nodes: their all-reduces cross the network."))
     others = [r for r in fitting if r["layout"].tp != lay.tp]
     if others:
         o = others[0]
@@ -102,15 +106,15 @@ def explain(fitting, rows, m) -> str:
         reason = []
         if ot["tp_comm"] > t["tp_comm"]:
             crossing = " (its groups cross the network)" if ol.tp > m.ranks_per_node else ""
-            reason.append(f"tensor-parallel all-reduces take {ot['tp_comm']:.3f} s instead of {t['tp_comm']:.3f} s"
+            reason.append(f"tensor-parallel all-reduces take {sec(ot['tp_comm'])} instead of {sec(t['tp_comm'])}"
                           + crossing)
         if ot["bubble"] > t["bubble"]:
-            reason.append(f"the pipeline bubble costs {ot['bubble']:.3f} s")
+            reason.append(f"the pipeline bubble costs {sec(ot['bubble'])}")
         if ot["dp_comm"] > t["dp_comm"]:
-            reason.append(f"the gradient all-reduce takes {ot['dp_comm']:.3f} s")
+            reason.append(f"the gradient all-reduce takes {sec(ot['dp_comm'])}")
         if ot["compute"] > t["compute"]:
-            reason.append(f"compute is {ot['compute']:.3f} s (less work split per rank)")
-        lines.append(f"the best with tp={ol.tp} ({ol.describe()}) is {diff:.3f} s slower: " +
+            reason.append(f"compute is {sec(ot['compute'])} (less work split per rank)")
+        lines.append(f"the best with tp={ol.tp} ({ol.describe()}) is {sec(diff)} slower: " +
                      ("; ".join(reason) or "a mix of smaller differences"))
     unfit = sum(1 for r in rows if not r["fits"])
     if unfit:
