@@ -7,10 +7,13 @@ bad input) start their own jobs and run in the one-rank pass.
 """
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from test_cli import MPIEXEC, mpirun
+from test_docs import clean_env
 
 from mpi_tp.commands.exercise import cmd_exercise
 from mpi_tp.core.errors import UserError
@@ -165,3 +168,17 @@ def test_the_doc_has_commands_for_every_exercise():
     commands = " ".join(c for c, _ in doc_commands())
     for e in EXERCISES:
         assert f"exercise {e.number} --copy" in commands and f"exercise {e.number} --solution" in commands
+
+
+@needs_mpiexec
+def test_a_rank_that_raises_alone_aborts_instead_of_hanging(tmp_path):
+    """A student's forward that raises on rank 0 only leaves rank 1 waiting in g's all-reduce: the watchdog
+    aborts the job with a message after MPI_TP_EXERCISE_TIMEOUT seconds (without it, the job hangs)."""
+    student = tmp_path / "rank0_raises.py"
+    student.write_text("from mpi_tp.course.solutions.ex1_row_bias import RowLinear as _Right\n\n\n"
+                       "class RowLinear(_Right):\n    def forward(self, x):\n        if self.group.rank == 0:\n"
+                       "            raise RuntimeError('only rank 0 fails')\n        return super().forward(x)\n")
+    env = clean_env() | {"MPI_TP_EXERCISE_TIMEOUT": "5"}
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "exercise", "1", "--file", str(student)],
+                       capture_output=True, text=True, timeout=90, env=env)
+    assert r.returncode != 0 and "the ranks are out of step" in r.stderr, (r.returncode, r.stderr[-2000:])

@@ -8,17 +8,36 @@
 
 Each check runs the layer at T = world size against the serial layer built from
 the same seed (float64), or a prediction against the counters, and prints PASS
-or what is still wrong. Exit status 0 on PASS, 1 on FAIL, 2 on bad input.
+or what is still wrong. Exit status 0 on PASS, 1 on FAIL, 2 on bad input. A
+check that is still running after MPI_TP_EXERCISE_TIMEOUT seconds (default 120)
+aborts the job with a message: a student's layer that raised, or skipped a
+collective, on some ranks leaves the others waiting in one, which would hang.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+import threading
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.course.common import load_everywhere, needs_ranks
 from mpi_tp.course.registry import EXERCISES, get
+
+
+def _watchdog(comm, seconds: float) -> threading.Timer:
+    """A timer that aborts the whole job if the check has not ended by then (cancel it when it has)."""
+    def fire():
+        sys.stderr.write(f"[rank {comm.Get_rank()}] the check is still running after {seconds:.0f} s: the ranks "
+                         "are out of step (did your code raise, or skip a collective, on some ranks only?); "
+                         "aborting the job\n")
+        sys.stderr.flush()
+        comm.Abort(3)
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _exercise(number):
@@ -77,7 +96,11 @@ def cmd_exercise(args, comm) -> int:
         which = "reference solution" if args.solution else "shipped broken version (expected to FAIL)"
         rank0_print(f"checking the {which}: {path}", comm=comm)
     student = load_everywhere(path, ex.names, f"exercise {ex.number}", comm)
-    return 0 if ex.check(student, comm, path) else 1
+    timer = _watchdog(comm, float(os.environ.get("MPI_TP_EXERCISE_TIMEOUT", "120")))
+    try:
+        return 0 if ex.check(student, comm, path) else 1
+    finally:
+        timer.cancel()
 
 
 def add_parser(sub) -> None:
