@@ -6,12 +6,13 @@ k = experts per token, F = 4C an expert's width, F_i rank i's columns of it (ten
 as in the dense MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.expert_parallel).
 
     z = x W_r                       (N, C) @ (C, E) -> (N, E)     router logits; W_r replicated
-    p = softmax(z)                  (N, E)
-    c = top-k(p)                    (N, k)   best first; ties to the lower expert index
-    g = p_c          (k = 1)        (N, k)   Switch: the gate is the probability, so the router
-        p_c / sum p_c  (k > 1)               learns from the loss (a renormalised top-1 is always 1)
-    a = admitted(c)                 (N, k)   0/1: the capacity (below); all 1 when dropless
-    y_n = sum_j a_nj g_nj FFN_{c_nj}(x_n)    FFN_e: fc C -> F, GELU, proj F -> C, as the dense MLP
+    prob = softmax(z)               (N, E)
+    top = top-k(prob)               (N, k)   best first; ties to the lower expert index
+    g = prob_top     (k = 1)        (N, k)   Switch: the gate is the probability, so the router
+        prob_top / sum prob_top (k > 1)      learns from the loss (a renormalised top-1 is always 1)
+    a = admitted(top)               (N, k)   0/1: the capacity (below); all 1 when dropless
+    y_j = sum_q a_jq g_jq FFN_{top_jq}(x_j)  token j, its q-th choice; FFN_e: fc C -> F, GELU,
+                                             proj F -> C, as the dense MLP
 
 Capacity (moe_capacity > 0): each sequence may send at most cap = ceil(moe_capacity * S * k / E)
 assignments to an expert; they are admitted in order of choice rank, then position (every first
@@ -21,10 +22,11 @@ per sequence and a replica holds whole sequences, so the same assignments are dr
 layout (tp, dp, ep).
 
 Losses added to the model's (summed over MoE blocks, times their weights):
-    aux = mean_b  E sum_e f_be P_be    f_be: the fraction of sequence b's k S assignments (before
-                                       dropping) that chose e; P_be = mean_t p_bte. Its gradient
-                                       flows through P only (f is piecewise constant).
-    zl  = mean_n (logsumexp_e z_ne)^2  router z-loss (ST-MoE, Zoph et al. 2022)
+    aux = mean_b  E sum_e frac_be prob_be   frac_be: the fraction of sequence b's k S assignments
+                                       (before dropping) that chose e; prob_be: prob_e averaged over
+                                       b's positions. Its gradient flows through prob_be only
+                                       (frac is piecewise constant).
+    zl  = mean_j (logsumexp_e z_je)^2  router z-loss (ST-MoE, Zoph et al. 2022)
 The mean over sequences averages over data-parallel replicas like the cross-entropy does.
 
 Communication: dispatch (all-to-all over ep), f on the rows received, each local expert's
@@ -67,13 +69,13 @@ def route(z, k: int):
         choice.append(c)
         rest[rows, c] = -1.0
     choice = xp.stack(choice, axis=1)
-    chosen = xp.take_along_axis(p, choice, axis=1)                    # p_c (N, k)
+    chosen = xp.take_along_axis(p, choice, axis=1)                    # prob_top (N, k)
     gate = chosen if k == 1 else chosen / chosen.sum(axis=1, keepdims=True)
     return p, lse, choice, gate
 
 
 def gate_backward(dgate, p, choice, gate):
-    """d/dp (N, E) of the gates, given dgate (N, k): through p_c (k = 1) or the renormalisation."""
+    """d/d prob (N, E) of the gates, given dgate (N, k): through prob_top (k = 1) or the renormalisation."""
     xp = backend.array_module(p)
     if choice.shape[1] == 1:
         dchosen = dgate
