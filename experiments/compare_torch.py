@@ -24,8 +24,8 @@ import sys
 import tempfile
 
 
-def run(cmd, env):
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+def run(cmd, env, cwd=None):
+    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 

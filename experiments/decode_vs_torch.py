@@ -20,19 +20,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from compare_torch import run  # a command whose failure ends the comparison with its output
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCHES = (1, 4, 16)
-
-
-def run(cmd, env, cwd=None):
-    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 
 
 def lines(path):

@@ -28,7 +28,7 @@ try:
 except ImportError:
     raise SystemExit("experiments/pipeline_timeline.py needs matplotlib: pip install matplotlib") from None
 
-from mpi_tp.core.runtime import cpu_name
+from mpi_tp.core.runtime import machine_text
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.parallel.topology import Topology
@@ -74,8 +74,7 @@ def draw(everyone, name, P, M, path, command):
     ax.set_xlabel("milliseconds since the step began (each stage's own clock, aligned by a barrier)")
     ax.set_title(f"{name}: P = {P} stages, M = {M} micro-batches; bubble measured {bubble:.2f}, "
                  f"formula (P - 1) / M = {(P - 1) / M:.2f}   (F: forward, B: backward, lighter)", fontsize=9)
-    mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
-    fig.text(0.01, 0.01, f"{cpu_name()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
+    fig.text(0.01, 0.01, f"{machine_text()}, {time.strftime('%Y-%m-%d')}; {command}",
              fontsize=6, color="#555555")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)

@@ -31,7 +31,7 @@ except ImportError:
 from mpi_tp.commands.explain import add_parser
 from mpi_tp.commands.explain.common import wire_bytes
 from mpi_tp.commands.explain.step import OUTSIDE, PHASES, plan, run_step
-from mpi_tp.core.runtime import cpu_name
+from mpi_tp.core.runtime import cpu_name, machine_text
 from mpi_tp.parallel.trace import Trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,8 +104,7 @@ def draw(events, results, cfg, path, command):
     keep = [(plt.Rectangle((0, 0), 1, 1, color=c), k) for k, c in colours.items() if k in seen]
     ax.legend([h for h, _ in keep], [k for _, k in keep], fontsize=6, loc="upper left", bbox_to_anchor=(1.005, 1.0),
               frameon=False)
-    mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
-    fig.text(0.01, 0.01, f"{cpu_name()}, {os.cpu_count()} cores, {mpi}, {time.strftime('%Y-%m-%d')}; {command}",
+    fig.text(0.01, 0.01, f"{machine_text()}, {time.strftime('%Y-%m-%d')}; {command}",
              fontsize=6, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)

@@ -6,9 +6,8 @@ by the closed forms. A broken collective makes the lesson fail; bad options are 
 import re
 
 import pytest
-from mpi4py import MPI
-from test_cli import MPIEXEC, mpirun
-from test_explain import explain
+from test_cli import mpirun
+from test_explain import explain, needs_mpiexec, one_rank_pass
 from test_explain_vocab import off_by_a_millionth
 
 from mpi_tp.core.errors import UserError
@@ -173,8 +172,6 @@ def test_bad_step_options_are_usage_errors(capsys, world):
     assert capsys.readouterr().out == ""
 
 
-needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
-one_rank_pass = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job: one-rank pass only")
 
 
 @needs_mpiexec

@@ -118,3 +118,9 @@ def cpu_name() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
+
+
+def machine_text() -> str:
+    """'AMD EPYC, 2 cores, MPICH 5.0.2': the machine and MPI library a figure's stamp names."""
+    mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
+    return f"{cpu_name()}, {os.cpu_count()} cores, {mpi}"

@@ -13,7 +13,7 @@ import numbers
 import numpy
 
 from mpi_tp.course.common import SEED, Feedback, finish, needs_ranks
-from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.config import GPTConfig, fewest_heads
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import grad_norm
@@ -24,7 +24,7 @@ SHAPES = ((2, 4, 8, 37, 2, numpy.float64), (3, 5, 12, 50, 1, numpy.float32))    
 def measure(topo: Topology, B: int, S: int, C: int, V: int, L: int, dtype) -> tuple[int, float, int]:
     """(buffer bytes, wire bytes, calls) of the tp collectives of one training step."""
     T = topo.tp.size
-    H = min(h for h in range(max(2, T), C + 1) if C % h == 0)      # every rank needs a head
+    H = fewest_heads(C, T)                                         # every rank needs a head
     model = GPT(GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=H, n_embd=C), topo, dtype=dtype, seed=SEED)
     rng = numpy.random.default_rng(SEED)
     x, y = (rng.integers(0, V, (B, S)) for _ in range(2))

@@ -74,3 +74,9 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def fewest_heads(C: int, T: int) -> int:
+    """The fewest attention heads, at least 2 where C allows, that divide C and give each of T ranks one
+    (C >= T): the default of the lessons and the exercises, whose tiny models choose no head count."""
+    return min([h for h in range(max(T, 2), C + 1) if C % h == 0] or [C])

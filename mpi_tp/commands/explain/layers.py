@@ -37,7 +37,7 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.attention import ParallelAttention
-from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.config import GPTConfig, fewest_heads
 from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.gpt import Block
 from mpi_tp.model.mlp import ParallelMLP
@@ -103,10 +103,7 @@ def plan(args, T: int) -> dict:
             raise UserError(f"{flag} must be a positive integer, got {v}")
     if C < T:
         raise UserError(f"--features {C} cannot be split over {T} ranks: use --features {T} or more")
-    H = args.heads
-    if H is None:       # the fewest heads (at least 2) that divide C and give every rank one
-        fits = [h for h in range(T, C + 1) if C % h == 0]
-        H = min([h for h in fits if h >= 2] or fits)
+    H = fewest_heads(C, T) if args.heads is None else args.heads
     if H < T or C % H:
         raise UserError(f"--heads {H} does not fit: every one of the {T} ranks needs a head, and the heads "
                          f"must divide --features {C}; use --heads between {T} and {C} that divides {C}")

@@ -33,6 +33,7 @@ from mpi_tp.commands.explain.common import Phases, comm_text, wire_bytes
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff
+from mpi_tp.model.config import fewest_heads
 from mpi_tp.model.gpt import GPT
 from mpi_tp.model.pipeline import PipelineStage
 from mpi_tp.parallel.topology import Topology
@@ -97,7 +98,7 @@ def plan(args, world: int) -> TrainConfig:
         raise UserError(f"--tp {args.tp}: T is the world size / (D P) = {T} here; drop --tp or change -n")
     if C < T:
         raise UserError(f"--features {C} cannot be split over T = {T} ranks: use --features {T} or more")
-    H = args.heads or min([h for h in range(max(T, 2), C + 1) if C % h == 0] or [C])
+    H = args.heads or fewest_heads(C, T)
     moe = ({"moe_experts": E, "moe_top_k": args.moe_top_k, "moe_capacity": args.moe_capacity, "moe_every": 2}
            if E else {})                                  # block 1 of 2 is the MoE block
     cfg = TrainConfig(n_layer=max(2, P), n_head=H, n_embd=C, block_size=S, tp=T, pp=P, dp=D, ep=ep,
