@@ -28,7 +28,7 @@ from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
 from mpi_tp.parallel.sequence_parallel import SequenceSplit
-from mpi_tp.parallel.topology import Topology, split_sizes
+from mpi_tp.parallel.topology import Topology, shard_range
 from mpi_tp.parallel.trace import Trace
 
 LAYERS = ("embedding", "loss")
@@ -100,7 +100,7 @@ def _run(kind: str, p: dict, comm, sequence_parallel: bool) -> tuple[bool, str, 
     """This rank's lesson of `kind`: (equal to the serial layer?, its text, the max note's lines)."""
     V, B, S, C = p["V"], p["B"], p["S"], p["C"]
     topo, serial = Topology.create(comm), Topology.serial()
-    T, rank = topo.tp.size, topo.tp.rank
+    T = topo.tp.size
     rng = numpy.random.default_rng(SEED)
     targets = rng.integers(0, V, (B, S))
     sp = SequenceSplit(topo.tp) if sequence_parallel and kind == "embedding" else None
@@ -119,10 +119,8 @@ def _run(kind: str, p: dict, comm, sequence_parallel: bool) -> tuple[bool, str, 
         ser.backward(dout)
     else:
         logits = 3 * rng.standard_normal((B, S, V))
-        par, ser = VocabParallelCrossEntropy(topo.tp, 0, 0), VocabParallelCrossEntropy(serial.tp, 0, V)
-        sizes = split_sizes(V, T)
-        par.start = start = sum(sizes[:rank])
-        par.stop = stop = start + sizes[rank]
+        _, start, stop = shard_range(V, topo.tp, None, "the vocabulary")      # as the GPT ties them
+        par, ser = VocabParallelCrossEntropy(topo.tp, start, stop), VocabParallelCrossEntropy(serial.tp, 0, V)
         loss_ref = ser.forward(logits, targets)
         dl_ref = ser.backward(1.0)
     topo.stats.reset()
