@@ -168,7 +168,8 @@ def test_checkpoint_from_any_layout_loads_serially(world, serial_reference):
 
 def test_activation_memory(world):
     """Per-block activation bytes follow docs/parallelism.md's count; with sequence parallelism at t ranks
-    every term shrinks but the column layers' gathered inputs (0.54x at t = 2)."""
+    every term is divided by t (the column layers keep their input shard and gather it again in the
+    backward pass, as Korthikanti et al. 2022 do), so 0.5x at t = 2."""
     s, b, h, a = 12, 2, 24, 12                      # S, heads and 4h divide by 1, 2, 3 and 4: equal shares
     t = world.Get_size()
     if s % t or a % t or 4 * h % t:
@@ -185,10 +186,7 @@ def test_activation_memory(world):
     assert measured["serial"] == 4 * (20 * s * b * h + a * s * s * b) + rstd
     # S B C (4 + 16/T) + H S^2 B / T (the variables s, b, h, a, t here), divided last so that T = 3 stays exact
     assert measured["tp"] == 4 * (s * b * h * (4 * t + 16) + a * s * s * b) / t + rstd
-    sp_rstd = rstd // t
-    assert measured["tp+sp"] == 4 * (s * b * h * (2 * t + 18) + a * s * s * b) / t + sp_rstd
-    if t == 2:
-        assert measured["tp+sp"] / measured["serial"] < 0.56
+    assert measured["tp+sp"] * t == measured["serial"]
 
 
 def test_data_parallel_moves_the_gradient_once(world):

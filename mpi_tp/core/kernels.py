@@ -47,15 +47,27 @@ def linear_backward(dout, cache, dw_out=None):
     zeroed gradient: one pass over it instead of a new array plus an addition).
     """
     x, w, has_bias = cache
+    dx = linear_backward_input(dout, w)
+    dw, db = linear_backward_weight(dout, x, has_bias, dw_out)
+    return dx, dw, db
+
+
+def linear_backward_input(dout, w):
+    """dx (..., K) alone: the half of linear_backward that needs no input (out = x @ w => dx = dout @ w^T).
+    Sequence parallelism runs it while the input is being all-gathered again."""
     K, O = w.shape
+    lead = dout.shape[:-1]
+    return (dout.reshape(-1, O) @ w.T).reshape(*lead, K)   # (N, O) @ (O, K) -> (..., K)
+
+
+def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
+    """dw (K, O) = x^T dout and db (O,) or None: the half of linear_backward that needs the input."""
     xp = array_module(dout)
-    x2 = x.reshape(-1, K)                              # (..., K) -> (N, K)
-    dout2 = dout.reshape(-1, O)                        # (..., O) -> (N, O)
-    # out = x @ w  =>  dx = dout @ w^T, dw = x^T @ dout
-    dx = (dout2 @ w.T).reshape(x.shape)                # (N, O) @ (O, K) -> (..., K)
+    K, O = x.shape[-1], dout.shape[-1]
+    x2, dout2 = x.reshape(-1, K), dout.reshape(-1, O)      # (..., K) -> (N, K), (..., O) -> (N, O)
     dw = xp.matmul(x2.T, dout2, out=dw_out)            # (K, N) @ (N, O) -> (K, O)
     db = dout2.sum(axis=0) if has_bias else None       # (N, O) -> (O,)
-    return dx, dw, db
+    return dw, db
 
 
 # ---------------------------------------------------------------- layernorm

@@ -28,6 +28,8 @@ class SequenceSplit:
     read by every layer of the model; shards differ by at most one position.
     """
 
+    overlap = True      # column layers' backward: start the all-gather again before dX's GEMM, wait before dW's
+
     def __init__(self, group: Group):
         self.group, self.sizes = group, None
 
@@ -63,6 +65,18 @@ def reduce_scatter_to_sp(x, group: Group, sizes: list[int]):
 def reduce_scatter_to_sp_backward(dout, group: Group, sizes: list[int]):
     """The output was split by position: every rank needs the whole gradient (all-gather)."""
     return group.all_gather(dout, sizes, axis=1)
+
+
+def regather_from_sp(x, group: Group, sizes: list[int]):
+    """Start gathering a column layer's kept input shard again, for its weight gradient:
+    (B, S_i, K) -> (B, S, K) when waited. The second all-gather of Korthikanti et al. 2022, sec. 4.2.2:
+    the layer keeps 1/T of its input between the passes instead of all of it."""
+    return group.iall_gather(x, sizes, axis=1, kind="regather")
+
+
+def start_gather_from_sp_backward(dout, group: Group, sizes: list[int]):
+    """gather_from_sp_backward, started (the weight gradient's GEMM runs meanwhile): wait() gives it."""
+    return group.ireduce_scatter(dout, sizes, axis=1)
 
 
 # -- entering and leaving a tensor-parallel region, with or without sequence parallelism ----
