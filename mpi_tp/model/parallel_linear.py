@@ -163,7 +163,8 @@ class RowParallelLinear(Module):
         self.input_is_parallel = input_is_parallel
         self.weight = make_param(f"{name}/weight", (in_features, out_features), dtype, std=std, seed=seed,
                                  axis=0, start=start, stop=stop, decay=True)        # A_i: (K_i, O)
-        self.bias = make_param(f"{name}/bias", (out_features,), dtype, init="zeros") if bias else None
+        self.bias = make_param(f"{name}/bias", (out_features,), dtype, init="zeros",     # b: (O,), whole
+                               sp_partial=sp is not None and group.size > 1) if bias else None
 
     def forward(self, x):
         if not self.input_is_parallel:

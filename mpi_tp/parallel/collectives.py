@@ -210,16 +210,34 @@ class Group:
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
         return flat
 
-    def _scatter_plan(self, x, sizes: list[int], axis: int, what: str):
-        """(x with axis first, this rank's block to fill, counts) for a Reduce_scatter."""
+    def _scatter_plan(self, x, sizes: list[int], axis: int, what: str, out=None):
+        """(x with axis first, this rank's block to fill (out, if given), counts) for a Reduce_scatter."""
         xp = backend.array_module(x)
         if len(sizes) != self.size or x.shape[axis] != sum(sizes):
             raise ValueError(f"{self.name}.{what}: array of shape {x.shape} does not match sizes {sizes}")
         front = _axis_first(x, axis, xp)
         _check_buffer(front, f"{self.name}.{what}")
         per = int(numpy.prod(front.shape[1:]))
-        out = xp.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
+        shape = (sizes[self.rank],) + front.shape[1:]
+        if out is None:
+            out = xp.empty(shape, dtype=x.dtype)
+        elif out.shape != shape or out.dtype != x.dtype:
+            raise ValueError(f"{self.name}.{what}: out {out.shape} {out.dtype} is not {shape} {x.dtype}")
+        _check_buffer(out, f"{self.name}.{what}")
         return front, out, [s * per for s in sizes]
+
+    def iall_gather_inplace(self, flat, sizes: list[int], kind: str = "all_gather") -> "Pending":
+        """Start all_gather_inplace(flat, sizes): wait() leaves everyone's entries in flat."""
+        if self.size == 1:
+            return Pending(None, flat, flat, None)
+        _check_buffer(flat, f"{self.name}.iall_gather_inplace")
+        counts = list(sizes)
+        buf = backend.stager().lend(flat)
+        t0 = time.perf_counter()
+        req = self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, _displacements(counts))])
+        key = f"{self.name}/{kind}"
+        self.stats.record(key, flat.nbytes, 0.0, self._ring(flat.nbytes), timed=False)
+        return Pending(req, flat, buf, (self.stats, key, t0))
 
     def reduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter"):
         """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
@@ -231,11 +249,15 @@ class Group:
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return _axis_back(out, axis, x.ndim, backend.array_module(x))
 
-    def ireduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter") -> "Pending":
-        """Start reduce_scatter(x, sizes, axis); wait() returns this rank's block of the sum."""
+    def ireduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter",
+                        out=None) -> "Pending":
+        """Start reduce_scatter(x, sizes, axis); wait() returns this rank's block of the sum (written into
+        `out` when given, for axis 0: e.g. the distributed optimizer's gradient share)."""
         if self.size == 1:
             return Pending(None, x, x, None)
-        front, out, counts = self._scatter_plan(x, sizes, axis, "ireduce_scatter")
+        if out is not None and axis % x.ndim != 0:
+            raise ValueError(f"{self.name}.ireduce_scatter: out= needs axis 0")
+        front, out, counts = self._scatter_plan(x, sizes, axis, "ireduce_scatter", out)
         stager = backend.stager()
         send = stager.lend(front)
         recv = stager.lend(out, copy=False)
