@@ -71,7 +71,7 @@ class Block(Module):
         if not self.dropout.active:
             return y, None
         m = region_mask(self.dropout, y, self.sp, self.i, site)
-        return y * m, m
+        return self.dropout.apply(y, m), m
 
     def forward(self, x):
         if not self.recompute:
@@ -94,9 +94,9 @@ class Block(Module):
             with self.dropout.replay(key):           # the same masks as the first time
                 self._forward(x)                     # the caches again (the output is not needed)
         m_a, m_h = self.take_cache()
-        dh = dout if m_h is None else dout * m_h
+        dh = dout if m_h is None else self.dropout.apply(dout, m_h)
         dx = dout + self.ln_2.backward(self.mlp.backward(dh))
-        da = dx if m_a is None else dx * m_a
+        da = dx if m_a is None else self.dropout.apply(dx, m_a)
         return dx + self.ln_1.backward(self.attn.backward(da))
 
 
@@ -168,7 +168,7 @@ class GPT(Module):
         m = None
         if self.dropout.active:
             m = region_mask(self.dropout, x, self.sp, -1, 0)
-            x *= m
+            x = self.dropout.apply(x, m)
         return x, (positions, m)
 
     def hidden(self, inp):
@@ -224,7 +224,7 @@ class GPT(Module):
             if self.first:
                 positions, m = embedded
                 if m is not None:
-                    dx = dx * m
+                    dx = self.dropout.apply(dx, m)
                 self.wpe.grad[positions] += dx.sum(axis=0)
                 self.wpe.fresh = False
         if self.first:
