@@ -52,13 +52,15 @@ def philox4x64(c0, c1, c2, c3, key: tuple[int, int], xp=numpy):
     returns the four uint64 output arrays. Any array module with uint64 arithmetic (NumPy, CuPy)."""
     k0, k1 = key
     c0, c1, c2, c3 = xp.broadcast_arrays(*(xp.asarray(c, dtype=xp.uint64) for c in (c0, c1, c2, c3)))
+    shape = c0.shape                                  # flat while computing: 0-d would give numpy scalars,
+    c0, c1, c2, c3 = (c.reshape(-1) for c in (c0, c1, c2, c3))   # whose products warn when they wrap
     for r in range(ROUNDS):
         if r:                                                         # the key is bumped between rounds
             k0, k1 = (k0 + W0) & MASK64, (k1 + W1) & MASK64
         hi0, lo0 = _mulhilo(c0, M0, xp)
         hi1, lo1 = _mulhilo(c2, M1, xp)
         c0, c1, c2, c3 = hi1 ^ c1 ^ xp.uint64(k0), lo1, hi0 ^ c3 ^ xp.uint64(k1), lo0
-    return c0, c1, c2, c3
+    return tuple(c.reshape(shape) for c in (c0, c1, c2, c3))
 
 
 def _blocks(start: int, stop: int) -> tuple[int, int]:
@@ -82,10 +84,11 @@ def stream_words(key: tuple[int, int], c1, c2, c3, start: int, stop: int, xp=num
     shape = numpy.broadcast_shapes(*(numpy.shape(c) for c in (c1, c2, c3)))
     streams = zip(*(numpy.broadcast_to(numpy.asarray(c, dtype=numpy.uint64), shape).reshape(-1).tolist()
                     for c in (c1, c2, c3)))
-    out = numpy.empty((int(numpy.prod(shape)), stop - start), dtype=numpy.uint16 if at_least is None else bool)
+    out = numpy.empty((int(numpy.prod(shape)), stop - start), bool if at_least is not None else numpy.uint16)
     for j, (w1, w2, w3) in enumerate(streams):
         counter = ((w3 << 192 | w2 << 128 | w1 << 64 | b0) - 1) % (1 << 256)   # numpy adds 1 first
-        raw = numpy.random.Philox(counter=counter, key=list(key)).random_raw(4 * (b1 - b0))  # 4 per block
+        bits = numpy.random.Philox(counter=counter, key=key[0] | key[1] << 64)
+        raw = bits.random_raw(4 * (b1 - b0))                                   # 4 outputs per block
         words = raw.astype("<u8", copy=False).view("<u2")[skip:skip + stop - start]
         if at_least is None:
             out[j] = words
