@@ -54,7 +54,7 @@ def test_generic_philox_equals_numpy_bits():
     start = (1 << 64) - 3 | 5 << 64 | 6 << 128 | 7 << 192
     raw = numpy_raw(start, (1, 2), 4 * 6).reshape(6, 4)
     blocks = np.arange(6, dtype=np.uint64) + np.uint64((1 << 64) - 3)          # wraps past 2^64 - 1 ...
-    carry = (np.arange(6) >= 3).astype(np.uint64)                              # ... and carries into c1
+    carry = (np.arange(6) >= 3).astype(np.uint64)                              # ... and carries into ctr1
     got = philox.philox4x64(blocks, 5 + carry, 6, 7, (1, 2))
     np.testing.assert_array_equal(np.stack(got, axis=-1), raw)
 

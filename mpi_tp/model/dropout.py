@@ -1,37 +1,39 @@
 """Dropout whose masks are the same at every parallel layout, each rank drawing only its own part.
 
 Every element of a mask has a global name, (seed, step, layer, site, [global head,] global row,
-position e in its sequence's stream), and its bit is a function of that name alone: a Philox
+its index elem in its sequence's stream), and its bit is a function of that name alone: a Philox
 counter (mpi_tp.core.philox) built from it. A rank therefore draws exactly its slice (its heads,
 its replica's rows, under sequence parallelism its S_i positions) and still gets the bits that
 the serial model draws for the same elements, at any T, D, P, micro-batch count, with or
 without sequence parallelism, and again when activation recomputation replays a forward.
 
-    key = seed                                   (128 bits)
-    c0  = e // 16                                the block of 16 words that holds element e
-    c1  = the sequence's row in the step's global batch (row0 + b)
-    c2  = (layer + 1) << 32 | site << 24 | head  site 0 the embedding (layer -1), 1 the attention
+    key   seed                                   (128 bits)
+    ctr0  elem // 16                             the block of 16 words that holds element elem
+    ctr1  the sequence's row in the step's global batch (row0 + its index in this batch)
+    ctr2  (layer + 1) << 32 | site << 24 | head  site 0 the embedding (layer -1), 1 the attention
                                                  probabilities (head: the global head), 2 the
                                                  attention output, 3 the MLP output; head 0 else
-    c3  = step
-    e   = t S + s for the probabilities (query t, key s), t C + c for a (B, S, C) activation
+    ctr3  step
+    elem  query S + key for the attention probabilities, position C + channel for a (B, S, C)
+          activation: row-major in its sequence's (S, S) or (S, C) array
 
-One element takes one 16-bit word u of the stream and is kept when u >= round(p 2^16): the drop
-probability is p rounded to a multiple of 2^-16 (at most 7.6e-6 off; FlashAttention rounds it to
-8 bits), and the scale is 1/(1 - that p), so a mask times its scale has expectation 1 exactly.
-16 bits rather than 32 halve the Philox blocks drawn, the bulk of the cost (numpy's Philox took
-3.0 ms for 2^19 64-bit outputs and 6.1 ms for 2^20 on the machine below).
+Element elem takes word elem of its stream, u (16 bits), and is kept when u >= round(p 2^16):
+the drop probability is p rounded to a multiple of 2^-16 (at most 7.6e-6 off; FlashAttention
+rounds it to 8 bits), and the scale is 1/(1 - that p), so a mask times its scale has expectation
+1 exactly. 16 bits rather than 32 halve the Philox blocks drawn, the bulk of the cost (numpy's
+Philox took 3.2 ms for the 2^19 64-bit outputs of the masks below, 6.2 ms for 2^20).
 
 Masks are bool, 1 byte per element (as Korthikanti et al. 2022 count them); the scale is applied
 where a mask is applied (`Dropout.apply`, and inside kernels.attention_forward), never stored.
 
-Timing, one layer's attention-probability masks at B 8, H 4, S 256, p 0.1 (median of 30 repeats,
-OMP_NUM_THREADS=1, on a 2-core Intel Xeon @ 2.60 GHz (Ice Lake, KVM) shared with other jobs):
+Timing, one layer's attention-probability masks at B 8, H 4, S 256, p 0.1 (T = 1), median of 30
+calls taken in turns, one BLAS thread, on the 2-core build machine (`lscpu`: Intel Xeon @ 2.60 GHz,
+Ice Lake, KVM guest), shared with other jobs (under their load every figure doubled, the ratios held):
 
     OMP_NUM_THREADS=1 python experiments/dropout_masks.py
-    before (a numpy Generator per head and sequence, float32 0 or 1/(1-p)):  15.5 ms, 8 MiB
-    now (Philox by counter, bool):                                           4.0 ms, 2 MiB
-    the two attention GEMMs (q k^T and probs v, hs 64), for scale:           16.6 ms
+    before: a numpy Generator per head and sequence, float32 0 or 1/(1-p)   12.8 ms   8 MiB
+    now: Philox by counter, bool                                             4.3 ms   2 MiB
+    for scale, the two attention GEMMs (q k^T and probs v, hs 64)            7.5 ms
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ ATTENTION = 1                    # the site of the attention probabilities (see 
 
 
 def site_word(layer: int, site: int, head=0):
-    """Counter word c2 of (layer, site, head); head may be an integer array of global heads."""
+    """Counter word ctr2 of (layer, site, head); head may be an integer array of global heads."""
     if not (0 <= layer + 1 < 1 << 32 and 0 <= site < 1 << 8):
         raise ValueError(f"dropout site (layer {layer}, site {site}) does not fit the Philox counter")
     if numpy.any(numpy.asarray(head) >= 1 << 24):
@@ -104,10 +106,10 @@ class Dropout:
         (B, stop - start), or with heads (global head indices, H_i of them) (B, H_i, stop - start)."""
         rows = numpy.arange(self.row0, self.row0 + B, dtype=numpy.uint64)
         if heads is None:
-            c2 = site_word(layer, site)
+            ctr2 = site_word(layer, site)
         else:
-            rows, c2 = rows[:, None], site_word(layer, site, numpy.asarray(list(heads)))[None, :]
-        return stream_words(split_key(self.seed), rows, c2, self.step, start, stop, xp=backend.xp(),
+            rows, ctr2 = rows[:, None], site_word(layer, site, numpy.asarray(list(heads)))[None, :]
+        return stream_words(split_key(self.seed), rows, ctr2, self.step, start, stop, xp=backend.xp(),
                             at_least=self.threshold)
 
     def head_masks(self, B, S, heads, layer):
