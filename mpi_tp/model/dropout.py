@@ -28,7 +28,8 @@ where a mask is applied (`Dropout.apply`, and inside kernels.attention_forward),
 
 Timing, one layer's attention-probability masks at B 8, H 4, S 256, p 0.1 (T = 1), median of 30
 calls taken in turns, one BLAS thread, on the 2-core build machine (`lscpu`: Intel Xeon @ 2.60 GHz,
-Ice Lake, KVM guest), shared with other jobs (under their load every figure doubled, the ratios held):
+Ice Lake, KVM guest), shared with other jobs (under their load every figure grew, up to 6x, while
+"before" stayed about 3x "now"):
 
     OMP_NUM_THREADS=1 python experiments/dropout_masks.py
     before: a numpy Generator per head and sequence, float32 0 or 1/(1-p)   12.8 ms   8 MiB
