@@ -45,7 +45,7 @@ class Block(Module):
         if not self.dropout.active:
             return y, None
         m = region_mask(self.dropout, y, self.sp, self.i, site)
-        return y * m, m
+        return self.dropout.apply(y, m), m
 
     def forward(self, x):
         if not self.recompute:
@@ -68,7 +68,7 @@ class Block(Module):
             with self.dropout.replay(key):           # the same masks as the first time
                 self._forward(x)                     # the caches again (the output is not needed)
         m_a, m_h = self.take_cache()
-        dh = dout if m_h is None else dout * m_h
+        dh = dout if m_h is None else self.dropout.apply(dout, m_h)
         dx = dout + self.ln_2.backward(self.mlp.backward(dh))
-        da = dx if m_a is None else dx * m_a
+        da = dx if m_a is None else self.dropout.apply(dx, m_a)
         return dx + self.ln_1.backward(self.attn.backward(da))

@@ -43,7 +43,7 @@ class GPTEmbedding(Module):
         m = None
         if self.dropout.active:
             m = region_mask(self.dropout, x, self.sp, -1, 0)
-            x *= m
+            x = self.dropout.apply(x, m)
         self.save_cache(positions, m)
         return x
 
@@ -51,7 +51,7 @@ class GPTEmbedding(Module):
         """Accumulate wte's and wpe's gradients; nothing to return (token ids have no gradient)."""
         positions, m = self.take_cache()
         if m is not None:
-            dx = dx * m
+            dx = self.dropout.apply(dx, m)
         self.wpe.grad[positions] += dx.sum(axis=0)
         self.wpe.fresh = False
         self.wte.backward(dx)
