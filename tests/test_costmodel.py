@@ -38,15 +38,20 @@ def test_memory_by_hand():
     from mpi_tp.model.gpt import GPT
     assert GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)).num_params() == params
     mem = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8))
-    assert mem["weights_grads"] == params / 2 * 8                               # float32 weights + grads
-    assert mem["optimizer"] == params / 2 * 8                                   # AdamW m and v
-    sbh, as2b = 32 * 8 * 64, 4 * 32 * 32 * 8
-    assert mem["activations"] == 2 * 4 * (sbh * (4 + 16 / 2) + as2b / 2)       # two layers
+    # a rank's parameters: half the split ones (2 (12 C^2 + 7 C) + V C), all the replicated ones
+    # (LayerNorms and row biases 2 x 6 C, wpe S C, ln_f 2 C)
+    mine = (2 * (12 * 64 * 64 + 7 * 64) + 256 * 64) / 2 + 2 * 6 * 64 + 32 * 64 + 2 * 64        # = 60,736
+    assert mem["weights_grads"] == mine * 8                                     # float32 weights + grads
+    assert mem["optimizer"] == mine * 8                                         # AdamW m and v
+    sbh, as2b, sb = 32 * 8 * 64, 4 * 32 * 32 * 8, 32 * 8          # S B C, H S^2 B, S B
+    # two layers of 4-byte values: S B C (4 + 16/T), the LayerNorms' 1/std 2 S B, H S^2 B / T
+    assert mem["activations"] == 2 * 4 * (sbh * (4 + 16 / 2) + 2 * sb + as2b / 2)
     assert mem["logits"] == 8 * 32 * 256 / 2 * 4 * 2
     sp = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8, sp=True))
-    assert sp["activations"] == 2 * 4 * (sbh * (2 + 18 / 2) + as2b / 2)
+    assert sp["activations"] == 2 * 4 * (sbh * 20 + 2 * sb + as2b) / 2           # sequence parallel: all / T
     zero = memory_per_rank(cpu(), w, Layout(tp=2, dp=4, micro_batch=2, zero=1))
-    assert zero["optimizer"] == params / 2 * 8 / 4                              # ZeRO-1: split over dp
+    assert zero["optimizer"] == mine * 8 / 4                                    # ZeRO-1: split over dp
+    assert zero["weights_grads"] == mine * (8 + 4 / 4)                          # ... + its gradient share
     recompute = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8, recompute=True))
     assert recompute["activations"] < mem["activations"]
 

@@ -10,12 +10,17 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                    and micro-batch, in elements, over elem_rate (elements per second)
                  + layer_overhead per layer and micro-batch (launches, the interpreter)
     tensor par.  4 all-reduces of B S C values per layer and micro-batch (2 forward, 2 backward;
-                 6 with recomputation), ring: 2 (T-1) alpha + 2 (T-1)/T n beta, beta = 1 / bw
+                 6 with recomputation), ring: 2 (T-1) alpha + 2 (T-1)/T n beta, beta = 1 / bw;
+                 sequence parallelism: each all-reduce an all-gather + a reduce-scatter (the same
+                 bytes), plus the column layers' inputs gathered again in the backward pass (2
+                 all-gathers of B S C per layer: what keeps their activations at 1/T)
     pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages
     data par.    one all-reduce of the rank's gradients (params / (T P) values) over D; the
                  engine starts it during the last micro-batch's backward pass, which hides
-                 dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides)
-    optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO-1: / D, plus an all-gather)
+                 dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides).
+                 ZeRO-1 (the distributed optimizer): a reduce-scatter of the gradients (hidden
+                 alike) and, after the update, an all-gather of the parameters: the same bytes
+    optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO-1: / D, its share)
 
 A link is intra-node when the group fits in a node (tensor-parallel groups are
 consecutive ranks, data-parallel groups stride over them), else the network.
@@ -39,6 +44,7 @@ class Workload:
     seq: int
     global_batch: int
     vocab: int = 256
+    dropout: bool = False        # 1-byte masks among the activations (mpi_tp.planning.activations)
 
     @property
     def params(self) -> float:
@@ -128,6 +134,8 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     alpha, bw = _link(t, m)
     n = b * s * h * m.bytes_per_value
     per_layer = (6 if lay.recompute else 4) * ring_all_reduce(n, t, alpha, bw)   # SP: same bytes (RS + AG)
+    if lay.sp:
+        per_layer += 2 * ring_all_gather(n, t, alpha, bw)         # the column layers' inputs, again
     tp_comm = micro * layers * per_layer
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
@@ -141,10 +149,14 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     params_rank = w.params / (t * p)
     grad_bytes = params_rank * 4
     overlaps = lay.overlap_dp and not hierarchical_dp
+    da, dbw = _link(t * p * d, m)
+    # ZeRO-1: the parameters' all-gather after the update (not hidden)
+    gather = ring_all_gather(grad_bytes, d, da, dbw) if lay.zero and d > 1 else 0.0
     if d > 1 and hierarchical_dp:
         dp_comm = hierarchical_all_reduce(grad_bytes, d, max(1, m.ranks_per_node // (t * p)), m)
+    elif lay.zero and d > 1:
+        dp_comm = ring_all_gather(grad_bytes, d, da, dbw)       # the reduce-scatter of the gradients
     else:
-        da, dbw = _link(t * p * d, m)
         dp_comm = ring_all_reduce(grad_bytes, d, da, dbw)
     dp_hidden = 0.0
     if overlaps and dp_comm > 0:
@@ -154,9 +166,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         last_bucket = min(1.0, (V * h / t + s * h + 2 * h) / params_rank)
         dp_hidden = min(dp_comm * (1 - last_bucket), m.dp_overlap * backward)
     opt = params_rank * m.opt_traffic_per_param / m.mem_bw / (d if lay.zero else 1)
-    if lay.zero and d > 1:
-        da, dbw = _link(t * p * d, m)
-        opt += ring_all_gather(grad_bytes, d, da, dbw)
+    dp_comm += gather
     total = compute + tp_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
     return {"total": total, "compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "bubble": bubble,
             "dp_comm": dp_comm - dp_hidden, "dp_hidden": dp_hidden, "optimizer": opt, "micro_batches": micro}

@@ -1,37 +1,50 @@
 """Memory per rank in the cost model: model state, activations held for the backward pass, logits.
 
-Weights, gradients and optimizer state of the rank's layers (ZeRO-1 divides the
-state by D), plus activations: our own count per layer (docs/parallelism.md)
-for implementations like this one, Korthikanti et al.'s for Megatron-style
-16-bit training, times the micro-batches in flight (at most P under 1F1B on the
-first stage, which holds the most); with recomputation only each layer's input
-and one layer's full activations.
+Weights, gradients and optimizer state of the rank's layers (the distributed
+optimizer, ZeRO-1, divides the state by D and keeps a 1/D share of the
+gradients besides them), plus activations: per layer, term by term, this
+code's count (float32, 1-byte dropout masks) or Korthikanti et al.'s for
+Megatron-style 16-bit training (mpi_tp.planning.activations), times the
+micro-batches in flight (at most P under 1F1B on the first stage, which holds
+the most); with recomputation only each layer's input and one layer's full
+activations.
 """
 from __future__ import annotations
 
 import math
 
+from mpi_tp.planning import activations
 from mpi_tp.planning.costmodel import Layout, Workload
 from mpi_tp.planning.machines import Machine
 
 
 def activation_bytes_per_layer(m: Machine, w: Workload, lay: Layout) -> float:
-    s, b, h, a, t = w.seq, lay.micro_batch, w.n_embd, w.n_head, lay.tp
+    """One layer's activations on the rank that keeps the most (mpi_tp.planning.activations: this code's
+    count, or Korthikanti et al.'s for 16-bit Megatron-style training)."""
+    S, B, C, H, T = w.seq, lay.micro_batch, w.n_embd, w.n_head, lay.tp
     if m.activations == "korthikanti":
-        if lay.sp or t == 1:
-            return s * b * h * (34 + 5 * a * s / h) / t
-        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    rep, par = (2, 18) if lay.sp and t > 1 else (4, 16)
-    return 4 * (s * b * h * (rep + par / t) + a * s * s * b / t)
+        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, paper=True)
+    return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, value_bytes=m.bytes_per_value)
+
+
+def params_per_rank(w: Workload, lay: Layout) -> float:
+    """Parameters a rank of the first pipeline stage holds: its shards of the split matrices (q/k/v, the
+    projections, fc, the vocabulary rows of wte: 12 C^2 + 7 C per layer / T) and, whole, what every
+    tensor-parallel rank replicates (LayerNorms and row biases: 6 C per layer, wpe S C, ln_f 2 C)."""
+    T, C, layers = lay.tp, w.n_embd, math.ceil(w.n_layer / lay.pp)
+    sharded = layers * (12 * C * C + 7 * C) / T + math.ceil(w.vocab / T) * C
+    replicated = layers * 6 * C + w.seq * C + (2 * C if lay.pp == 1 else 0)
+    return sharded + replicated
 
 
 def memory_per_rank(m: Machine, w: Workload, lay: Layout) -> dict:
     """Bytes per rank: model state and activations (the first pipeline stage, which holds the most)."""
-    params_rank = w.params / (lay.tp * lay.pp)
+    params_rank = params_per_rank(w, lay)
     weights_grads = params_rank * 8 if m.state_bytes_per_param >= 16 else params_rank * 4
     optimizer = params_rank * (m.state_bytes_per_param - (8 if m.state_bytes_per_param >= 16 else 4))
-    if lay.zero:
+    if lay.zero and lay.dp > 1:      # the distributed optimizer: its share of the state, and of the gradients
         optimizer /= lay.dp
+        weights_grads += params_rank * 4 / lay.dp
     layers = math.ceil(w.n_layer / lay.pp)
     in_flight = min(lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch)))
     per_layer = activation_bytes_per_layer(m, w, lay)

@@ -20,8 +20,8 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.chunks import build_stage
+from mpi_tp.model.config import GPTConfig
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology, split_sizes
 from mpi_tp.parallel.trace import Trace
@@ -41,7 +41,10 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones).
     overlap_dp: start the data-parallel all-reduces during each chunk's last backward (default:
     after the schedule)."""
-    from mpi_tp.commands.bench.step import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
+    from mpi_tp.commands.bench.yardsticks import (  # the same yardsticks as `mpi-tp bench`
+        gemm_peak,
+        model_flops,
+    )
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     stage = build_stage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)

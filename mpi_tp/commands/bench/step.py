@@ -19,8 +19,6 @@ single-thread GEMMs on 2 cores reach less than twice one).
 from __future__ import annotations
 
 import json
-import os
-import platform
 import resource
 import time
 
@@ -30,15 +28,23 @@ from mpi4py import MPI
 from mpi_tp.commands.bench import inference as bench_inference
 from mpi_tp.commands.bench import moe as bench_moe
 from mpi_tp.commands.bench.pipeline import print_pipeline, run_pipeline_shape
+from mpi_tp.commands.bench.yardsticks import (
+    allreduce_overhead,
+    environment,
+    gemm_peak,
+    model_flops,
+)
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.runtime import collective_setup, cpu_name, rank0_print
+from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.pipeline.schedules import schedule
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
+from mpi_tp.planning.activations import activation_bytes_per_layer
+from mpi_tp.training.optim import AdamW, clip_coefficient
 
 SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
     "a": (256, 4, 4, 128, 8),
@@ -47,76 +53,20 @@ SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
 }
 
 
-def model_flops(C, L, S, B, V=256) -> float:
-    n_mm = 12 * L * C * C + V * C
-    return B * S * (6 * n_mm + 12 * L * C * S)
-
-
-def gemm_peak(comm, n=2048, dtype="float32", reps=5) -> float:
-    """GFLOP/s of one rank's n^3 GEMM while every rank runs the same GEMM (the fastest of reps: noise on
-    a shared machine only slows a GEMM down, and a peak is what the machine can do)."""
-    xp = backend.xp()
-    a = xp.asarray(numpy.random.default_rng(0).random((n, n), dtype=numpy.float32).astype(dtype))
-    b = a.T.copy()
-    a @ b
-    times = []
-    for _ in range(reps):
-        comm.Barrier()
-        t = time.perf_counter()
-        a @ b
-        backend.synchronize()
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / min(times) / 1e9
-
-
-def allreduce_overhead(topo, shape, dtype, reps=30) -> dict:
-    """Median seconds of our counted all-reduce and of a bare mpi4py Allreduce on the same buffer."""
-    if topo.tp.size == 1:
-        return {}
-    buf = backend.xp().ones(shape, dtype=dtype)
-    out = {}
-    for name, fn in (("bare", lambda: topo.tp.comm.Allreduce(MPI.IN_PLACE, buf)),
-                     ("mpi_tp", lambda: topo.tp.all_reduce(buf))):
-        fn()
-        ts = []
-        for _ in range(reps):
-            topo.tp.comm.Barrier()
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        out[name] = float(numpy.median(ts))
-    return out
-
-
-def environment(comm) -> dict:
-    blas = {}
-    try:
-        from threadpoolctl import threadpool_info
-        info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-        if info:
-            blas = {k: info[0].get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
-    except ImportError:
-        cfg = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        blas = {"internal_api": cfg.get("name"), "version": cfg.get("version")}
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "blas": blas,
-            "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
-            "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-            "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
-            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
-            "date": time.strftime("%Y-%m-%d %H:%M")}
-
-
 def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, dp=1, dp_mode="overlap",
-              sequence_parallel=False) -> dict:
+              sequence_parallel=False, zero=False) -> dict:
     """Time training steps at one shape. dp > 1: data parallelism with B sequences per replica;
     dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
-    (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart)."""
+    (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
+    zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather)."""
     topo = Topology.create(comm, dp=dp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
                 sequence_parallel=sequence_parallel)
     params = model.parameters()
-    reducer = GradReducer(model, topo.dp, overlap=dp_mode == "overlap") if dp_mode != "none" else None
-    opt = AdamW(params, lr=1e-4)
+    reducer = (GradReducer(model, topo.dp, overlap=dp_mode == "overlap", distributed=zero)
+               if dp_mode != "none" else None)
+    opt = AdamW(params, lr=1e-4, reducer=reducer)
+    acts = 0
     rng = numpy.random.default_rng(seed)
     x, y = rng.integers(0, 256, (B, S)), rng.integers(0, 256, (B, S))
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
@@ -128,9 +78,12 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         model.zero_grad()
         model.forward(x, y)
         t1 = time.perf_counter()
+        if i == 0:                                   # a warm-up step: the walk over the caches is not timed
+            acts = comm.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
         model.backward(reducer=reducer)
+        finalize_grads(model, reducer)
         t2 = time.perf_counter()
-        opt.step(grad_scale=clip_coefficient(grad_norm(params, topo.tp), 1.0))
+        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
         backend.synchronize()
         t3 = time.perf_counter()
         if i >= warmup:
@@ -160,7 +113,15 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "wire_bytes_per_step": int(numpy.median(comm_wire)) if comm_wire else 0,      # sent per rank (ring)
         "allreduce_BSC_ms": {k: 1e3 * v for k, v in ar.items()},
         "peak_rss_mb_per_rank": comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX) / 1024,
-        "state_mb_per_rank": sum(p.data.nbytes for p in params) * 4 / 2**20,    # weights, grads, m, v
+        "state_mb_per_rank": (2 * sum(p.data.nbytes for p in params)                 # weights, grads
+                              + sum(a.nbytes for arrays in opt.state.values() for a in arrays)) / 2**20,
+        "optimizer_state_mb_per_rank": sum(a.nbytes for arrays in opt.state.values() for a in arrays) / 2**20,
+        "zero": zero and topo.dp.size > 1,
+        "activation_bytes_per_layer": acts,                 # block 0's caches after a forward, largest rank
+        "activation_bytes_per_layer_formula": activation_bytes_per_layer(S, B, C, H, topo.tp.size, sequence_parallel,
+                                                                         value_bytes=numpy.dtype(dtype).itemsize),
+        "comm_per_step": {k: {"calls": v["calls"], "bytes": v["bytes"], "wire_bytes": v["wire_bytes"]}
+                          for k, v in topo.stats.snapshot().items()},       # the last step's, by group/kind
     }
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
     result["phases_ms"]["compute"] = (result["phases_ms"]["forward"] + result["phases_ms"]["backward"]
@@ -176,7 +137,7 @@ def print_table(r: dict, comm) -> None:
     ar_txt = (f"; one (B,S,C) all-reduce {ar['mpi_tp']:.2f} ms vs bare Allreduce {ar['bare']:.2f} ms"
               if ar else "")
     layout = f"tp={r['tp']}" + (f" dp={r['dp']} ({r['dp_mode']})" if r["dp"] > 1 else "") + \
-        (" +sp" if r["sequence_parallel"] else "")
+        (" +sp" if r["sequence_parallel"] else "") + (" +zero1" if r["zero"] else "")
     rank0_print(
         f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} {layout} "
         f"{r['dtype']}: step {r['step_ms']['median']:.1f} ms (min {r['step_ms']['min']:.1f}, max "
@@ -187,7 +148,10 @@ def print_table(r: dict, comm) -> None:
         f"{ph['optimizer']:.1f} ms; compute {ph['compute']:.1f} ms; communication (ms): {comm_txt}{ar_txt}\n"
         f"  {r['comm_bytes_per_step'] / 1e6:.2f} MB in collectives per step ({r['wire_bytes_per_step'] / 1e6:.2f} MB "
         f"sent per rank by ring algorithms); peak RSS "
-        f"{r['peak_rss_mb_per_rank']:.0f} MB per rank (model state {r['state_mb_per_rank']:.0f} MB)", comm=comm)
+        f"{r['peak_rss_mb_per_rank']:.0f} MB per rank (model state {r['state_mb_per_rank']:.0f} MB, of which "
+        f"optimizer {r['optimizer_state_mb_per_rank']:.0f} MB)\n"
+        f"  activations {r['activation_bytes_per_layer'] / 2**20:.2f} MiB per layer (formula "
+        f"{r['activation_bytes_per_layer_formula'] / 2**20:.2f}, docs/parallelism.md#activation-memory)", comm=comm)
 
 
 def add_parser(sub) -> None:
@@ -207,6 +171,8 @@ def add_parser(sub) -> None:
                    help="with --dp > 1: run each shape three times, gradient all-reduce during the backward "
                         "(overlap), after it, and not at all (baseline), to show what it adds to a step")
     b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
+    b.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: with --dp > 1, the distributed optimizer (ZeRO-1)")
     b.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = ranks / (pp * dp)); with "
                    "--micro-batches, --schedule, --virtual-stages; batch is per micro-batch")
     b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
@@ -286,7 +252,7 @@ def cmd_bench(args, comm) -> int:
             continue
         for mode in modes:
             r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype, dp=args.dp, dp_mode=mode,
-                          sequence_parallel=args.sequence_parallel)
+                          sequence_parallel=args.sequence_parallel, zero=bool(args.zero))
             r["environment"] = env
             print_table(r, comm)
             if args.json and comm.Get_rank() == 0:

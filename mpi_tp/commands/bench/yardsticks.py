@@ -1,0 +1,72 @@
+"""The machine's yardsticks that `mpi-tp bench` sets a step against, measured in the same run: the GEMM
+peak, a bare all-reduce, the model's FLOPs per step, and the environment a figure names."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import numpy
+from mpi4py import MPI
+
+from mpi_tp.core import backend
+from mpi_tp.core.runtime import cpu_name
+
+
+def model_flops(C, L, S, B, V=256) -> float:
+    n_mm = 12 * L * C * C + V * C
+    return B * S * (6 * n_mm + 12 * L * C * S)
+
+
+def gemm_peak(comm, n=2048, dtype="float32", reps=5) -> float:
+    """GFLOP/s of one rank's n^3 GEMM while every rank runs the same GEMM (the fastest of reps: noise on
+    a shared machine only slows a GEMM down, and a peak is what the machine can do)."""
+    xp = backend.xp()
+    a = xp.asarray(numpy.random.default_rng(0).random((n, n), dtype=numpy.float32).astype(dtype))
+    b = a.T.copy()
+    a @ b
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t = time.perf_counter()
+        a @ b
+        backend.synchronize()
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / min(times) / 1e9
+
+
+def allreduce_overhead(topo, shape, dtype, reps=30) -> dict:
+    """Median seconds of our counted all-reduce and of a bare mpi4py Allreduce on the same buffer."""
+    if topo.tp.size == 1:
+        return {}
+    buf = backend.xp().ones(shape, dtype=dtype)
+    out = {}
+    for name, fn in (("bare", lambda: topo.tp.comm.Allreduce(MPI.IN_PLACE, buf)),
+                     ("mpi_tp", lambda: topo.tp.all_reduce(buf))):
+        fn()
+        ts = []
+        for _ in range(reps):
+            topo.tp.comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        out[name] = float(numpy.median(ts))
+    return out
+
+
+def environment(comm) -> dict:
+    blas = {}
+    try:
+        from threadpoolctl import threadpool_info
+        info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+        if info:
+            blas = {k: info[0].get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+    except ImportError:
+        cfg = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = {"internal_api": cfg.get("name"), "version": cfg.get("version")}
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "blas": blas,
+            "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
+            "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
+            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
+            "date": time.strftime("%Y-%m-%d %H:%M")}

@@ -1,0 +1,138 @@
+"""Activation memory per transformer layer, term by term: Korthikanti et al. 2022 (Table 2) and this code.
+
+Legend (docs/notation.md): S = sequence, B = batch (a micro-batch), C = channels, H = heads,
+T = tensor-parallel size. Korthikanti et al. write s, b, h, a, t for S, B, C, H, T.
+
+What one block keeps for its backward pass, in the paper's terms (its section 4.1), each a
+number of S B C, H S^2 B or S B elements, values or 1-byte dropout masks:
+
+    term                          elements    TP      paper (16-bit)   here (float32)
+    LayerNorm inputs              2 S B C     whole   4 sbh            8 S B C   (the normalised input)
+    LayerNorm 1/std               2 S B       whole   -                8 S B     (ours: (B, S, 1) each)
+    q/k/v input                   S B C       whole   2 sbh            4 S B C
+    q, k                          2 S B C     1/T     4 sbh            8 S B C
+    softmax output                H S^2 B     1/T     2 as^2b          4 H S^2 B
+    softmax dropout mask          H S^2 B     1/T     as^2b            H S^2 B   (with dropout)
+    softmax dropout output        H S^2 B     1/T     2 as^2b          -         (redone in the backward)
+    v                             S B C       1/T     2 sbh            4 S B C
+    attention projection input    S B C       1/T     2 sbh            4 S B C
+    attention dropout mask        S B C       whole   sbh              S B C     (with dropout)
+    fc input                      S B C       whole   2 sbh            4 S B C
+    GELU input                    4 S B C     1/T     8 sbh            16 S B C
+    GELU tanh                     4 S B C     1/T     -                16 S B C  (ours: saves a tanh)
+    MLP projection input          4 S B C     1/T     8 sbh            16 S B C
+    MLP dropout mask              S B C       whole   sbh              S B C     (with dropout)
+
+"whole": every tensor-parallel rank keeps all of it under plain tensor parallelism; sequence
+parallelism divides every term by T (the column layers keep their input's shard and gather it
+again in the backward pass). The paper's sum: S B C (34 + 5 H S / C) bytes at T = 1,
+S B C (10 + 24/T + 5 H S / (C T)) with TP, S B C (34 + 5 H S / C) / T with TP + SP.
+Selective recomputation keeps neither the softmax output nor its dropout (the attention core
+is run again); full recomputation keeps only the block's input, S B C values (1/T under SP).
+
+`activation_terms` gives either count term by term; `measured_terms` reads the same terms off a
+block's caches after a forward (mpi_tp.model.block.Block), for the experiment and the bench.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    unit: str              # "SBC", "HSSB" (H S^2 B) or "SB"
+    count: float           # how many units
+    mask: bool             # a 1-byte dropout mask (else a value)
+    split: bool            # divided by T under plain tensor parallelism (else kept whole)
+    paper: bool            # in Korthikanti et al.'s count
+    ours: bool             # kept by this implementation
+    core: bool = False     # the attention core: not kept under selective recomputation
+
+
+TERMS = (
+    Term("LayerNorm inputs", "SBC", 2, False, False, True, True),
+    Term("LayerNorm 1/std", "SB", 2, False, False, False, True),
+    Term("q/k/v input", "SBC", 1, False, False, True, True),
+    Term("q, k", "SBC", 2, False, True, True, True),
+    Term("softmax output", "HSSB", 1, False, True, True, True, core=True),
+    Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True),
+    Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True),
+    Term("v", "SBC", 1, False, True, True, True),
+    Term("attention projection input", "SBC", 1, False, True, True, True),
+    Term("attention dropout mask", "SBC", 1, True, False, True, True),
+    Term("fc input", "SBC", 1, False, False, True, True),
+    Term("GELU input", "SBC", 4, False, True, True, True),
+    Term("GELU tanh", "SBC", 4, False, True, False, True),
+    Term("MLP projection input", "SBC", 4, False, True, True, True),
+    Term("MLP dropout mask", "SBC", 1, True, False, True, True),
+)
+
+
+def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = False, dropout: bool = False,
+                     recompute: str = "none", value_bytes: int = 4, paper: bool = False) -> dict:
+    """{term: bytes per layer} on the rank that keeps the most (sizes that divide by T: exact).
+
+    paper: Korthikanti et al.'s count (2-byte values, dropout always on); else this code's with
+    value_bytes per value (4: float32) and masks only when dropout is on."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r}: one of {RECOMPUTE}")
+    if paper:
+        value_bytes, dropout = 2, True
+    units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B}
+    if recompute == "full":                           # the block's input alone
+        return {"block input": S * B * C * value_bytes / (T if sp else 1)}
+    out = {}
+    for t in TERMS:
+        if not (t.paper if paper else t.ours) or (t.mask and not dropout) or (t.core and recompute == "selective"):
+            continue
+        n = t.count * units[t.unit] / (T if (t.split or sp) else 1)
+        out[t.name] = n * (1 if t.mask else value_bytes)
+    return out
+
+
+def activation_bytes_per_layer(S, B, C, H, T=1, sp=False, dropout=False, recompute="none", value_bytes=4,
+                               paper=False) -> float:
+    """The sum of activation_terms."""
+    return sum(activation_terms(S, B, C, H, T, sp, dropout, recompute, value_bytes, paper).values())
+
+
+def measured_terms(block) -> dict:
+    """{term: bytes} that a dense Block's caches keep after its forward, named as in TERMS; their sum
+    equals block.activation_bytes() (every array accounted for once)."""
+    if block.moe:
+        raise ValueError("measured_terms reads a dense block (an MoE block keeps routing state too)")
+    out = {}
+
+    def add(name, *arrays):
+        for a in arrays:
+            if a is not None and hasattr(a, "nbytes"):
+                out[name] = out.get(name, 0) + a.nbytes
+
+    if block.recompute:
+        x, _ = block._cache
+        add("block input", x)
+        return out
+    for ln in (block.ln_1, block.ln_2):
+        xhat, _, rstd = ln._cache[0]
+        add("LayerNorm inputs", xhat)
+        add("LayerNorm 1/std", rstd)
+    add("q/k/v input", block.attn.qkv._cache[0][0])
+    attn = block.attn._cache[0]
+    add("q, k", attn[0], attn[1])
+    add("v", attn[2])
+    if not block.attn.recompute:
+        add("softmax output", attn[3])
+        add("softmax dropout mask", attn[4])
+    add("attention projection input", block.attn.proj._cache[0][0])
+    add("fc input", block.mlp.fc._cache[0][0])
+    gelu_in, tanh = block.mlp._cache[0]
+    add("GELU input", gelu_in)
+    add("GELU tanh", tanh)
+    add("MLP projection input", block.mlp.proj._cache[0][0])
+    m_a, m_h = block._cache
+    add("attention dropout mask", m_a)
+    add("MLP dropout mask", m_h)
+    return out
