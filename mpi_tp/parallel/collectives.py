@@ -6,7 +6,7 @@ the regions built on them (f, g, scatter, gather in `tensor_parallel`, their
 sequence-parallel forms in `sequence_parallel`) are what layers call.
 
 All transfers use mpi4py's buffer (uppercase) methods on contiguous arrays,
-so nothing is pickled. Device (CuPy) arrays go to MPI directly or through
+so nothing is pickled (the buffers and the started operations: `buffers`). Device (CuPy) arrays go to MPI directly or through
 pooled pinned host buffers (mpi_tp.core.gpu.Stager). Each call is recorded in `CommStats` (calls, bytes,
 wire bytes, seconds per group and kind); one-rank groups return before any MPI call and
 record nothing, since nothing is communicated.
@@ -21,83 +21,9 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import backend
+from mpi_tp.parallel.buffers import (Pending, axis_back, axis_first, check_buffer, displacements, in_place,
+                                     out_of_place)
 from mpi_tp.parallel.comm_stats import CommStats
-
-
-def _check_buffer(x, what: str) -> None:
-    """MPI reads raw memory: refuse views it would misread, before any rank enters the call."""
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{what}: buffer must be C-contiguous (got strides {x.strides})")
-    if x.dtype.kind not in "fiu":
-        raise ValueError(f"{what}: unsupported dtype {x.dtype}")
-
-
-def _in_place(call, x, result: bool = True) -> None:
-    """call(buf) with the buffer MPI should see for x (x itself, or a lent pinned copy of a device array);
-    afterwards x holds what MPI left in buf (when `result`), and buf goes back to the pool."""
-    stager = backend.stager()
-    buf = stager.lend(x)
-    call(buf)
-    stager.give_back(x, buf, copy=result)
-
-
-def _out_of_place(call, send, out) -> None:
-    """call(send_buf, recv_buf) for MPI reading `send` and writing `out` (both staged as in _in_place)."""
-    stager = backend.stager()
-    send_buf, recv_buf = stager.lend(send), stager.lend(out, copy=False)
-    call(send_buf, recv_buf)
-    stager.give_back(send, send_buf, copy=False)
-    stager.give_back(out, recv_buf)
-
-
-class Pending:
-    """A started non-blocking operation: wait() completes it and returns its result (x itself for an
-    all-reduce or a receive, the new array for a gather; a staged GPU buffer is copied back into x
-    when MPI wrote it: result=True for an all-reduce or a receive, False for a send).
-
-    then: what turns the completed buffer into the result (e.g. moving the gathered axis back);
-    send: (array, buffer) that MPI reads until completion (a gather's or reduce-scatter's input), given
-    back to the stager then.
-    """
-
-    def __init__(self, request, x, buf, record, result: bool = True, then=None, send=None):
-        self.request, self.x, self.buf, self._record = request, x, buf, record   # buf: lent by the stager
-        self.result, self._then, self.value, self._send = result, then, x, send
-
-    def test(self) -> bool:
-        """Let MPI make progress; True once the operation is complete (and then finished as wait() does)."""
-        if self.request is not None and self.request.Test():
-            self._done()
-        return self.request is None
-
-    def wait(self):
-        if self.request is not None:
-            self.request.Wait()
-            self._done()
-        return self.value
-
-    def _done(self) -> None:
-        backend.stager().give_back(self.x, self.buf, copy=self.result)
-        if self._send is not None:
-            backend.stager().give_back(*self._send, copy=False)
-        if self._then is not None:
-            self.value = self._then(self.x)
-        stats, key, t0 = self._record
-        now = time.perf_counter()
-        stats.seconds[key] += now - t0                           # from start to completion
-        if stats.trace is not None:
-            stats.trace.complete(key, "comm", t0, now, bytes=int(self.x.nbytes))
-        self.request = None
-
-
-def _axis_first(x, axis: int, xp):
-    """x with `axis` moved to the front, contiguous: MPI's blocks are rank-major along axis 0."""
-    return x if axis % x.ndim == 0 else xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
-
-
-def _axis_back(out, axis: int, ndim: int, xp):
-    """Undo _axis_first on a result of the same number of dimensions."""
-    return out if axis % ndim == 0 else xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
 
 
 class Group:
@@ -119,9 +45,9 @@ class Group:
         """x = op over the group of every rank's x, in place; returns x. `kind` names it in the counters."""
         if self.size == 1:
             return x
-        _check_buffer(x, f"{self.name}.all_reduce")
+        check_buffer(x, f"{self.name}.all_reduce")
         t0 = time.perf_counter()
-        _in_place(lambda buf: self.comm.Allreduce(MPI.IN_PLACE, buf, op=op), x)
+        in_place(lambda buf: self.comm.Allreduce(MPI.IN_PLACE, buf, op=op), x)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
         return x
 
@@ -132,7 +58,7 @@ class Group:
         """Start x = op over the group of every rank's x (in place); returns a handle to wait on."""
         if self.size == 1:
             return Pending(None, x, x, None)
-        _check_buffer(x, f"{self.name}.iall_reduce")
+        check_buffer(x, f"{self.name}.iall_reduce")
         buf = backend.stager().lend(x)           # its own buffer until wait(): buckets run concurrently
         t0 = time.perf_counter()
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
@@ -143,7 +69,7 @@ class Group:
 
     def isend(self, x, dest: int, tag: int) -> "Pending":
         """Start sending x to rank `dest` of the group; x must stay unchanged until wait()."""
-        _check_buffer(x, f"{self.name}.isend")
+        check_buffer(x, f"{self.name}.isend")
         buf = backend.stager().lend(x)
         t0 = time.perf_counter()
         req = self.comm.Isend(buf, dest=dest, tag=tag)
@@ -153,7 +79,7 @@ class Group:
     def irecv(self, x, source: int, tag: int) -> "Pending":
         """Start receiving into x (preallocated: its shape and dtype are agreed in advance, nothing else
         is exchanged) from rank `source` of the group; x holds the message after wait()."""
-        _check_buffer(x, f"{self.name}.irecv")
+        check_buffer(x, f"{self.name}.irecv")
         buf = backend.stager().lend(x, copy=False)
         t0 = time.perf_counter()
         req = self.comm.Irecv(buf, source=source, tag=tag)
@@ -165,12 +91,12 @@ class Group:
         xp = backend.array_module(x)
         if len(sizes) != self.size or x.shape[axis] != sizes[self.rank]:
             raise ValueError(f"{self.name}.{what}: shard of shape {x.shape} does not match sizes {sizes}")
-        front = _axis_first(x, axis, xp)
-        _check_buffer(front, f"{self.name}.{what}")
+        front = axis_first(x, axis, xp)
+        check_buffer(front, f"{self.name}.{what}")
         per = int(numpy.prod(front.shape[1:]))
         counts = [s * per for s in sizes]
         out = xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # in the array module in use
-        return front, out, counts, _displacements(counts)
+        return front, out, counts, displacements(counts)
 
     def all_gather(self, x, sizes: list[int], axis: int, kind: str = "all_gather"):
         """Concatenate every rank's x along `axis`; rank r contributes sizes[r] entries (Allgatherv)."""
@@ -178,9 +104,9 @@ class Group:
             return x
         front, out, counts, displs = self._gather_plan(x, sizes, axis, "all_gather")
         t0 = time.perf_counter()
-        _out_of_place(lambda send, recv: self.comm.Allgatherv(send, [recv, (counts, displs)]), front, out)
+        out_of_place(lambda send, recv: self.comm.Allgatherv(send, [recv, (counts, displs)]), front, out)
         self.stats.record(f"{self.name}/{kind}", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
-        return _axis_back(out, axis, x.ndim, backend.array_module(x))
+        return axis_back(out, axis, x.ndim, backend.array_module(x))
 
     def iall_gather(self, x, sizes: list[int], axis: int, kind: str = "all_gather") -> "Pending":
         """Start all_gather(x, sizes, axis); wait() returns the gathered array. x must stay unchanged."""
@@ -195,18 +121,18 @@ class Group:
         key = f"{self.name}/{kind}"
         self.stats.record(key, out.nbytes, 0.0, self._ring(out.nbytes), timed=False)
         xp = backend.array_module(x)
-        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: _axis_back(o, axis, x.ndim, xp),
+        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
                        send=(front, send))
 
     def all_gather_inplace(self, flat, sizes: list[int]):
         """flat (1-D) holds this rank's sizes[rank] entries at its offset; fill in everyone else's."""
         if self.size == 1:
             return flat
-        _check_buffer(flat, f"{self.name}.all_gather_inplace")
+        check_buffer(flat, f"{self.name}.all_gather_inplace")
         counts = list(sizes)
         displs = [sum(counts[:r]) for r in range(self.size)]
         t0 = time.perf_counter()
-        _in_place(lambda buf: self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)]), flat)
+        in_place(lambda buf: self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)]), flat)
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
         return flat
 
@@ -215,26 +141,26 @@ class Group:
         xp = backend.array_module(x)
         if len(sizes) != self.size or x.shape[axis] != sum(sizes):
             raise ValueError(f"{self.name}.{what}: array of shape {x.shape} does not match sizes {sizes}")
-        front = _axis_first(x, axis, xp)
-        _check_buffer(front, f"{self.name}.{what}")
+        front = axis_first(x, axis, xp)
+        check_buffer(front, f"{self.name}.{what}")
         per = int(numpy.prod(front.shape[1:]))
         shape = (sizes[self.rank],) + front.shape[1:]
         if out is None:
             out = xp.empty(shape, dtype=x.dtype)
         elif out.shape != shape or out.dtype != x.dtype:
             raise ValueError(f"{self.name}.{what}: out {out.shape} {out.dtype} is not {shape} {x.dtype}")
-        _check_buffer(out, f"{self.name}.{what}")
+        check_buffer(out, f"{self.name}.{what}")
         return front, out, [s * per for s in sizes]
 
     def iall_gather_inplace(self, flat, sizes: list[int], kind: str = "all_gather") -> "Pending":
         """Start all_gather_inplace(flat, sizes): wait() leaves everyone's entries in flat."""
         if self.size == 1:
             return Pending(None, flat, flat, None)
-        _check_buffer(flat, f"{self.name}.iall_gather_inplace")
+        check_buffer(flat, f"{self.name}.iall_gather_inplace")
         counts = list(sizes)
         buf = backend.stager().lend(flat)
         t0 = time.perf_counter()
-        req = self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, _displacements(counts))])
+        req = self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, displacements(counts))])
         key = f"{self.name}/{kind}"
         self.stats.record(key, flat.nbytes, 0.0, self._ring(flat.nbytes), timed=False)
         return Pending(req, flat, buf, (self.stats, key, t0))
@@ -245,9 +171,9 @@ class Group:
             return x
         front, out, counts = self._scatter_plan(x, sizes, axis, "reduce_scatter")
         t0 = time.perf_counter()
-        _out_of_place(lambda send, recv: self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM), front, out)
+        out_of_place(lambda send, recv: self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM), front, out)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
-        return _axis_back(out, axis, x.ndim, backend.array_module(x))
+        return axis_back(out, axis, x.ndim, backend.array_module(x))
 
     def ireduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter",
                         out=None) -> "Pending":
@@ -266,7 +192,7 @@ class Group:
         key = f"{self.name}/{kind}"
         self.stats.record(key, x.nbytes, 0.0, self._ring(x.nbytes), timed=False)
         xp = backend.array_module(x)
-        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: _axis_back(o, axis, x.ndim, xp),
+        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
                        send=(front, send))
 
     def all_gather_last(self, x, sizes: list[int]):
@@ -277,9 +203,9 @@ class Group:
         """Every rank's x becomes root's x, in place; returns x."""
         if self.size == 1:
             return x
-        _check_buffer(x, f"{self.name}.broadcast")
+        check_buffer(x, f"{self.name}.broadcast")
         t0 = time.perf_counter()
-        _in_place(lambda buf: self.comm.Bcast(buf, root=root), x)
+        in_place(lambda buf: self.comm.Bcast(buf, root=root), x)
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
         return x
 
@@ -287,12 +213,12 @@ class Group:
         """Sum every rank's x into root's x (in place there); the others' x is left as it was."""
         if self.size == 1:
             return x
-        _check_buffer(x, f"{self.name}.reduce")
+        check_buffer(x, f"{self.name}.reduce")
         t0 = time.perf_counter()
         if self.rank == root:
-            _in_place(lambda buf: self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root), x)
+            in_place(lambda buf: self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root), x)
         else:
-            _in_place(lambda buf: self.comm.Reduce(buf, None, op=MPI.SUM, root=root), x, result=False)
+            in_place(lambda buf: self.comm.Reduce(buf, None, op=MPI.SUM, root=root), x, result=False)
         self.stats.record(f"{self.name}/reduce", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return x
 
@@ -305,10 +231,10 @@ class Group:
             return x
         if x.shape[0] != self.size:
             raise ValueError(f"{self.name}.all_to_all: leading axis {x.shape[0]} is not the group size {self.size}")
-        _check_buffer(x, f"{self.name}.all_to_all")
+        check_buffer(x, f"{self.name}.all_to_all")
         t0 = time.perf_counter()
         out = backend.array_module(x).empty_like(x)
-        _out_of_place(lambda send, recv: self.comm.Alltoall(send, recv), x, out)
+        out_of_place(lambda send, recv: self.comm.Alltoall(send, recv), x, out)
         sent = x.nbytes * (self.size - 1) // self.size
         self.stats.record(f"{self.name}/all_to_all", sent, time.perf_counter() - t0, float(sent))
         return out
@@ -323,19 +249,14 @@ class Group:
         if len(send_rows) != self.size or len(recv_rows) != self.size or x.shape[0] != sum(send_rows):
             raise ValueError(f"{self.name}.all_to_allv: {x.shape[0]} rows do not match send_rows {send_rows} "
                              f"(recv_rows {recv_rows}, group of {self.size})")
-        _check_buffer(x, f"{self.name}.all_to_allv")
+        check_buffer(x, f"{self.name}.all_to_allv")
         per = int(numpy.prod(x.shape[1:]))
         send = [n * per for n in send_rows]
         recv = [n * per for n in recv_rows]
         t0 = time.perf_counter()
         out = backend.array_module(x).empty((sum(recv_rows),) + x.shape[1:], dtype=x.dtype)
-        _out_of_place(lambda s, r: self.comm.Alltoallv([s, (send, _displacements(send))],
-                                                       [r, (recv, _displacements(recv))]), x, out)
+        out_of_place(lambda s, r: self.comm.Alltoallv([s, (send, displacements(send))],
+                                                       [r, (recv, displacements(recv))]), x, out)
         sent = (sum(send_rows) - send_rows[self.rank]) * per * x.itemsize
         self.stats.record(f"{self.name}/all_to_allv", sent, time.perf_counter() - t0, float(sent))
         return out
-
-
-def _displacements(counts: list[int]) -> list[int]:
-    """Where each rank's block starts: _displacements([2, 0, 3]) == [0, 2, 2]."""
-    return [sum(counts[:r]) for r in range(len(counts))]
