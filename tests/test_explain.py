@@ -87,13 +87,16 @@ def test_every_layer_equals_serial_with_megatrons_collectives(capsys, world, lay
         fwd, bwd = counts(text, "forward", world.Get_size()), counts(text, "backward", world.Get_size())
         if sp and leave and world.Get_size() > 1:     # replicated grads summed over the positions
             assert bwd.pop("sp_grad_all_reduce")[0] == 1
+        if sp and enter and world.Get_size() > 1:     # each column layer gathers its kept input shard again
+            assert bwd.pop("regather") == (enter, enter * BSC_BYTES), text
         assert fwd == {k: (n, n * BSC_BYTES) for k, n in expect_f.items() if n}, text
         assert bwd == {k: (n, n * BSC_BYTES) for k, n in expect_b.items() if n}, text
     T = world.Get_size()
     if sp and T > 1:       # the same wire bytes as plain TP's all-reduces: 2(T-1)/T n per region and pass
         wire = (enter + leave) * 2 * (T - 1) / T * BSC_BYTES
-        assert (f"all-gathers + reduce-scatters {wire:.1f} = plain tensor parallelism's all-reduces {wire:.1f}: "
-                "the same traffic") in out, out
+        assert (f"all-gathers + reduce-scatters in f's and g's places {wire:.1f} = plain tensor parallelism's "
+                f"all-reduces {wire:.1f}: the same traffic; plus {enter * (T - 1) / T * BSC_BYTES:.1f} to gather the "
+                "column layer's kept input again") in out, out
     else:
         assert "wire bytes per rank" not in out
 
@@ -109,7 +112,7 @@ def test_sequence_parallel_moves_the_wire_bytes_of_plain_tp(capsys, world, layer
         assert status == 0
         found = re.findall(r"^  (?:forward|backward) +tp/(\w+): \d+ calls?, \d+ buffer bytes, (\d+) wire bytes",
                            out, re.MULTILINE)
-        wire[sp] = [int(w) for k, w in found if k != "sp_grad_all_reduce"]
+        wire[sp] = [int(w) for k, w in found if k not in ("sp_grad_all_reduce", "regather")]
     if world.Get_rank() == 0:
         assert abs(sum(wire[False]) - sum(wire[True])) <= len(wire[True]), wire
         assert (sum(wire[False]) > 0) == (world.Get_size() > 1)

@@ -6,22 +6,22 @@ T = tensor-parallel size. Korthikanti et al. write s, b, h, a, t for S, B, C, H,
 What one block keeps for its backward pass, in the paper's terms (its section 4.1), each a
 number of S B C, H S^2 B or S B elements, values or 1-byte dropout masks:
 
-    term                          elements    TP      paper (16-bit)   here (float32)
-    LayerNorm inputs              2 S B C     whole   4 sbh            8 S B C   (the normalised input)
+    term                          elements    TP      paper (16-bit)   here (float32)     bytes
+    LayerNorm inputs              2 S B C     whole   4 S B C          8 S B C   (the normalised input)
     LayerNorm 1/std               2 S B       whole   -                8 S B     (ours: (B, S, 1) each)
-    q/k/v input                   S B C       whole   2 sbh            4 S B C
-    q, k                          2 S B C     1/T     4 sbh            8 S B C
-    softmax output                H S^2 B     1/T     2 as^2b          4 H S^2 B
-    softmax dropout mask          H S^2 B     1/T     as^2b            H S^2 B   (with dropout)
-    softmax dropout output        H S^2 B     1/T     2 as^2b          -         (redone in the backward)
-    v                             S B C       1/T     2 sbh            4 S B C
-    attention projection input    S B C       1/T     2 sbh            4 S B C
-    attention dropout mask        S B C       whole   sbh              S B C     (with dropout)
-    fc input                      S B C       whole   2 sbh            4 S B C
-    GELU input                    4 S B C     1/T     8 sbh            16 S B C
+    q/k/v input                   S B C       whole   2 S B C          4 S B C
+    q, k                          2 S B C     1/T     4 S B C          8 S B C
+    softmax output                H S^2 B     1/T     2 H S^2 B        4 H S^2 B
+    softmax dropout mask          H S^2 B     1/T     H S^2 B          H S^2 B   (with dropout)
+    softmax dropout output        H S^2 B     1/T     2 H S^2 B        -         (redone in the backward)
+    v                             S B C       1/T     2 S B C          4 S B C
+    attention projection input    S B C       1/T     2 S B C          4 S B C
+    attention dropout mask        S B C       whole   S B C            S B C     (with dropout)
+    fc input                      S B C       whole   2 S B C          4 S B C
+    GELU input                    4 S B C     1/T     8 S B C          16 S B C
     GELU tanh                     4 S B C     1/T     -                16 S B C  (ours: saves a tanh)
-    MLP projection input          4 S B C     1/T     8 sbh            16 S B C
-    MLP dropout mask              S B C       whole   sbh              S B C     (with dropout)
+    MLP projection input          4 S B C     1/T     8 S B C          16 S B C
+    MLP dropout mask              S B C       whole   S B C            S B C     (with dropout)
 
 "whole": every tensor-parallel rank keeps all of it under plain tensor parallelism; sequence
 parallelism divides every term by T (the column layers keep their input's shard and gather it

@@ -22,14 +22,16 @@ LEGEND = (
     ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
                 "overhead, on the largest stage and the rank with the most heads")),
     ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
-                "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta")),
+                "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta (+sp: as all-gathers and reduce-scatters, and "
+                "2 more all-gathers of the column layers' inputs)")),
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
                 "without +sp)")),
     ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
     ("dp comm", ("the gradient all-reduce over the D replicas (float32), minus what the last backward pass "
-                "hides")),
+                "hides (+zero1: a reduce-scatter of the gradients, hidden alike, and an all-gather of the "
+                "parameters after the update)")),
     ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
-              "(+zero1: / D, plus an all-gather of the parameters)")),
+              "(+zero1: / D, its share)")),
     ("GB/rank", "memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
                 "activations, logits"),
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "

@@ -78,7 +78,9 @@ SP_LESSONS = {
     "column": "ColumnParallelLinear under sequence parallelism: X arrives split by positions (rank i holds "
               "S_i of them), so f becomes an all-gather of the positions (backward: a reduce-scatter that "
               "sums the partial dX and keeps rank i's positions). Then rank i computes its columns "
-              "Y_i = X A_i + b_i over the whole sequence; Y_i stays split by columns.",
+              "Y_i = X A_i + b_i over the whole sequence; Y_i stays split by columns. The layer keeps only "
+              "its S_i positions of X for the backward pass and all-gathers them again there for dA_i = "
+              "X^T dY_i (the regather: 1/T of X's memory for one more all-gather).",
     "row": "RowParallelLinear under sequence parallelism: rank i computes the partial sum X_i A_i over the "
            "whole sequence, and g becomes a reduce-scatter: sum the partials, keep rank i's S_i positions "
            "(backward: an all-gather of dY). The replicated bias is added to those positions only, so its "
@@ -86,15 +88,17 @@ SP_LESSONS = {
     "mlp": "ParallelMLP under sequence parallelism: an all-gather of the positions before fc (f's place) "
            "and a reduce-scatter after proj (g's place); backward, the reverse. proj's replicated bias "
            "gradient is summed by one small all-reduce. No all-reduce of activations at all, and the same "
-           "bytes on the wire as plain TP's two all-reduces.",
+           "bytes on the wire as plain TP's two all-reduces, plus fc's regather of its kept input shard.",
     "attention": "ParallelAttention under sequence parallelism: an all-gather of the positions before the "
                  "q/k/v GEMM (each rank needs every position to attend over), attention on rank i's H_i "
-                 "heads, and a reduce-scatter after the output projection; backward, the reverse, plus one "
-                 "small all-reduce of the projection's replicated bias gradient.",
+                 "heads, and a reduce-scatter after the output projection; backward, the reverse, plus the "
+                 "q/k/v layer's regather of its kept input shard and one small all-reduce of the "
+                 "projection's replicated bias gradient.",
     "block": "Block under sequence parallelism: the LayerNorms, residuals and dropout work on rank i's S_i "
-             "positions only. Two all-gathers and two reduce-scatters forward, two of each backward, and "
-             "one small all-reduce of the replicated parameters' gradients (LayerNorms, row biases), "
-             "which each rank computed from its own positions.",
+             "positions only. Two all-gathers and two reduce-scatters forward, two of each backward, the "
+             "two column layers' regathers of their kept input shards, and one small all-reduce of the "
+             "replicated parameters' gradients (LayerNorms, row biases), which each rank computed from "
+             "its own positions. Every activation the block keeps is 1/T of the serial block's.",
 }
 def plan(args, T: int) -> dict:
     """The sizes of the lesson, checked against the world size T (a UserError says what to change)."""
@@ -210,14 +214,17 @@ def sp_versus_tp(kind: str, p: dict, comm, counted: list) -> tuple[bool, str]:
 
     def wire(snaps, keep):
         return sum(wire_bytes(k.split("/")[1], v["bytes"], T) for snap in snaps for k, v in snap.items() if keep(k))
-    sp_wire = wire(counted, lambda k: k != "tp/sp_grad_all_reduce")
-    tp_wire, extra = wire(plain, lambda k: True), wire(counted, lambda k: k == "tp/sp_grad_all_reduce")
+    extras = ("tp/sp_grad_all_reduce", "tp/regather")
+    sp_wire = wire(counted, lambda k: k not in extras)
+    tp_wire, grads = wire(plain, lambda k: True), wire(counted, lambda k: k == "tp/sp_grad_all_reduce")
+    again = wire(counted, lambda k: k == "tp/regather")
     same = abs(sp_wire - tp_wire) <= 1e-9 * tp_wire
     return all_true(same, comm), (
-        f"wire bytes per rank, forward + backward: sequence parallelism's all-gathers + reduce-scatters "
-        f"{sp_wire:.1f} {'=' if same else '!='} plain tensor parallelism's all-reduces {tp_wire:.1f}"
-        f"{': the same traffic' if same else ': DIFFERENT'} (plus {extra:.1f} for the replicated parameters' "
-        f"gradients)")
+        f"wire bytes per rank, forward + backward: sequence parallelism's all-gathers + reduce-scatters in f's "
+        f"and g's places {sp_wire:.1f} {'=' if same else '!='} plain tensor parallelism's all-reduces "
+        f"{tp_wire:.1f}{': the same traffic' if same else ': DIFFERENT'}; plus {again:.1f} to gather the column "
+        f"layer's kept input again (what keeps 1/T of it) and {grads:.1f} for the replicated parameters' "
+        f"gradients")
 
 
 def run(args, comm) -> bool:
