@@ -8,6 +8,7 @@ from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.comm_stats import CommStats
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 from mpi_tp.parallel.topology import Topology
 
@@ -53,6 +54,7 @@ def test_training_with_hierarchical_dp(world, fake_nodes):
         reducer = GradReducer(model, topo.dp, bucket_mb=0.001, hierarchical=hier)
         model.forward(x, y)
         model.backward(reducer=reducer)
+        finalize_grads(model, reducer)
         grads.append([p.grad.copy() for p in model.parameters()])
     for a, b in zip(*grads):
         assert_close(b, a, 1e-13, "gradient")

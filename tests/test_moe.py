@@ -11,6 +11,7 @@ from mpi_tp.core.testing import all_true, assert_close, gather_full, max_rel_dif
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, expert_of
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
@@ -53,6 +54,7 @@ def run(model, topo, rows):
         losses.append(loss[0] / topo.dp.size)
         routing.append([(c.copy(), a.copy()) for c, a in (m.routing for m in model.moe_layers())])
         model.backward(reducer=reducer)
+        finalize_grads(model, reducer)
         norms.append(grad_norm(params, topo.tp))
         opt.step(grad_scale=clip_coefficient(norms[-1], 1.0))
     return np.array(losses), np.array(norms), routing
@@ -142,6 +144,7 @@ def test_all_to_all_calls_and_bytes(world):
         topo.stats.reset()
         model.forward(x[mine], y[mine])
         model.backward(reducer=reducer)
+        finalize_grads(model, reducer)
         snap = topo.stats.snapshot()
         L, C = len(model.moe_layers()), cfg.n_embd
         what = f"tp={tp} dp={dp} ep={ep}"
@@ -212,7 +215,9 @@ def test_hierarchical_reduction_matches_flat(world):
         for hierarchical in (False, True):
             model = GPT(cfg, topo, dtype="float64", seed=3)
             model.forward(x[mine], y[mine])
-            model.backward(reducer=GradReducer(model, topo.dp, bucket_mb=0.001, hierarchical=hierarchical))
+            reducer = GradReducer(model, topo.dp, bucket_mb=0.001, hierarchical=hierarchical)
+            model.backward(reducer=reducer)
+            finalize_grads(model, reducer)
             grads.append([p.grad.copy() for p in model.parameters()])
         scale = max(np.abs(g).max() for g in grads[0])
         worst = max(np.abs(a - b).max() for a, b in zip(*grads)) / scale
