@@ -10,6 +10,10 @@
   and exits 0, except a line marked `# expected to FAIL`: a broken exercise
   must exit 1 and say FAIL (so the shipped broken forms really are broken).
   Lines run in document order, so a command may use what an earlier one wrote.
+- A prediction (an exercise with an `answer` in mpi_tp.course.registry) comes
+  before what shows its answer: the course names the exercise before any
+  command or link that shows it, and docs/learn.md keeps the count inside a
+  <details> block that says so.
 - Each line runs as a student's shell would run it: a fresh bash whose PATH
   does not hold the tests' own environment, which runs the `source` line of
   the course's set-up first (test_docs.student_shell). The set-up's install
@@ -25,6 +29,9 @@ from pathlib import Path
 
 import pytest
 from test_docs import (
+    FENCE,
+    LESSON,
+    LINK,
     ROOT,
     VENV,
     bash_commands,
@@ -33,6 +40,8 @@ from test_docs import (
     student_shell,
     why_no_student_shell,
 )
+
+from mpi_tp.course import registry
 
 COURSE, EXERCISES = ROOT / "docs" / "course.md", ROOT / "docs" / "exercises.md"
 TOPICS = ["split", "block", "vocabulary", "sequence parallelism", "step", "pipeline", "experts",
@@ -65,6 +74,30 @@ def test_the_exercises_page_has_commands():
     commands = bash_commands(EXERCISES)
     assert any(EXPECT_FAIL in c for c in commands), "docs/exercises.md runs no broken exercise"
     assert any("--solution" in c for c in commands), "docs/exercises.md checks no solution"
+
+
+def first_shown(text: str, marker: str) -> int | None:
+    """Where `text` first shows `marker`: in a ```bash block or a link's or an image's target (the map's
+    table and the prose only name things); None if nowhere."""
+    spots = [m.start() for m in FENCE.finditer(text) if m.group(2).strip() == "bash" and marker in m.group(3)]
+    spots += [m.start() for m in LINK.finditer(text) if marker in m.group(1)]
+    return min(spots, default=None)
+
+
+@pytest.mark.parametrize("exercise", [e for e in registry.EXERCISES if e.answer], ids=lambda e: f"exercise {e.number}")
+def test_a_prediction_comes_before_its_answer(exercise):
+    text = COURSE.read_text()
+    asked = re.search(rf"\bexercise {exercise.number}\b", text)
+    assert asked, f"docs/course.md never asks for exercise {exercise.number}"
+    for marker in exercise.answer:
+        shown = first_shown(text, marker)
+        assert shown is None or asked.start() < shown, (
+            f"docs/course.md shows {marker} (exercise {exercise.number}'s answer) at line "
+            f"{text.count(chr(10), 0, shown) + 1}, before it asks for the exercise (line "
+            f"{text.count(chr(10), 0, asked.start()) + 1})")
+    outside = re.sub(r"<details>.*?</details>", "", LESSON.read_text(), flags=re.S)
+    for answer in ("4L + 2", "step_counters.png"):           # exercise 5's formula and the chart of its count
+        assert answer not in outside, f"docs/learn.md shows {answer} outside a <details> block"
 
 
 def run(command: str):
