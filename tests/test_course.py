@@ -22,6 +22,7 @@
 
 These tests start their own MPI jobs, so they run in the one-rank pass only.
 """
+import json
 import re
 import shutil
 import subprocess
@@ -98,6 +99,19 @@ def test_a_prediction_comes_before_its_answer(exercise):
     outside = re.sub(r"<details>.*?</details>", "", LESSON.read_text(), flags=re.S)
     for answer in ("4L + 2", "step_counters.png"):           # exercise 5's formula and the chart of its count
         assert answer not in outside, f"docs/learn.md shows {answer} outside a <details> block"
+
+
+def test_the_dp_caption_counts_what_its_figure_shows():
+    """Lesson 5's caption of step_timeline_dp.png names the gradient buckets' all-reduces and the loss's, as
+    many and as large as the run that drew the figure counted (experiments/results/step_timeline_dp.json)."""
+    run = json.loads((ROOT / "experiments" / "results" / "step_timeline_dp.json").read_text())
+    phases = run["ranks"][0]["result"]["phases"]
+    buckets = phases["backward"]["dp/iall_reduce"]["calls"]
+    loss = phases["loss to every rank"]["dp/all_reduce"]
+    caption = re.search(r"!\[([^\]]*)\]\(figures/step_timeline_dp\.png\)", COURSE.read_text()).group(1)
+    number = {1: "one bucket", 2: "two buckets", 3: "three buckets"}.get(buckets, f"{buckets} buckets")
+    assert number in caption and loss["calls"] == 1 and f"loss's {loss['bytes']}-byte all-reduce" in caption, (
+        caption, buckets, loss)
 
 
 def run(command: str):
