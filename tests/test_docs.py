@@ -4,6 +4,9 @@
 
 - Every relative link and image in README.md and docs/*.md names a file that
   exists (web addresses and in-page anchors are not checked).
+- The README says what the two tok/s of a training run measure, and a short
+  run measures them so: a progress line's is its window's, the closing line's
+  the whole run's.
 - Every line of a ```bash block in docs/learn.md runs as written, from the
   repository root, and exits 0, in a student's shell: one whose PATH does not
   hold this interpreter's environment, after the `source` line of the course's
@@ -14,6 +17,7 @@
 These tests start their own MPI jobs, so they run in the one-rank pass only
 (no mpi marker).
 """
+import json
 import os
 import re
 import subprocess
@@ -21,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import MPIEXEC, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -118,6 +123,32 @@ def test_lesson_command_runs(command):
                        env=student_env(), cwd=ROOT)
     assert r.returncode == 0, (f"`{command}` exited {r.returncode}\n--- stdout (end) ---\n{r.stdout[-2000:]}"
                                f"\n--- stderr (end) ---\n{r.stderr[-2000:]}")
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_the_readme_says_what_each_tok_s_measures(tmp_path):
+    """A progress line's tok/s: the tokens of its --log-every steps over its window's seconds (metrics.jsonl's
+    tokens_per_s x step_s is one step's tokens); the closing line's: every step's tokens over the whole run,
+    which lasts longer than the windows together (the last checkpoint is saved after the last line)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "The two kinds of `tok/s` measure different spans" in readme and "`train_seconds`" in readme
+    steps, every, B, S = 6, 2, 2, 16
+    out = tmp_path / "run"
+    r = mpirun(1, "train", "--steps", str(steps), "--log-every", str(every), "--eval-every", "3", "--eval-batches",
+               "2", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", str(S), "--batch-size",
+               str(B), "--sample-len", "0", "--out", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in l]
+    assert len(lines) == steps // every
+    printed = [int(n.replace(",", "")) for n in re.findall(r"\| ([\d,]+) tok/s \|", r.stdout)]
+    assert printed == [round(l["tokens_per_s"]) for l in lines], (printed, lines)
+    for line in lines:
+        assert line["tokens_per_s"] * line["step_s"] == pytest.approx(B * S), line
+    run = json.loads((out / "run.json").read_text())
+    assert run["tokens_per_s"] * run["train_seconds"] == pytest.approx(steps * B * S)
+    assert run["train_seconds"] > sum(every * line["step_s"] for line in lines)
+    done = re.search(r"^done in .*, ([\d,]+) tok/s$", r.stdout, re.M)
+    assert done and int(done.group(1).replace(",", "")) == round(run["tokens_per_s"]), r.stdout
 
 
 def test_every_figure_names_the_command_that_draws_it():
