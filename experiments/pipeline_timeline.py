@@ -30,7 +30,7 @@ except ImportError:
 
 from mpi_tp.core.runtime import machine_text
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
 
@@ -42,7 +42,7 @@ def traced_step(comm, name, M):
     P = comm.Get_size()
     cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=2 * P, n_head=4, n_embd=256)
     topo = Topology.create(comm, tp=1, pp=P, dp=1)
-    stage = PipelineStage(cfg, topo, "float32", 0, False, name, M, 1)
+    stage = build_stage(cfg, topo, "float32", 0, False, name, M, 1)
     x = np.random.default_rng(0).integers(0, 256, (M, 128))
     y = np.roll(x, -1, axis=1)
     stage.forward_backward(x, y, slice(0, M))                  # warm-up

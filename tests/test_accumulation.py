@@ -1,11 +1,12 @@
 """Gradient accumulation: several backward passes before one zero_grad give the gradients of their sum.
 
 This is what micro-batches (and the pipeline schedules) rely on. Under
-sequence parallelism a replicated parameter's gradient is summed over the
-tensor-parallel group after each block (`sum_replicated_grads`); only that
-backward's increment may be summed, or earlier micro-batches are counted
-tp times (the defect this file guards against). float64, against the serial
-model on the same weights, at every tensor-parallel size the pass runs.
+sequence parallelism a replicated parameter's gradient (Param.sp_partial) is
+this rank's positions' part, accumulated over the micro-batches and summed
+over the tensor-parallel group once, after the last one (finalize_grads): one
+all-reduce per step whatever the number of micro-batches, and no micro-batch
+counted twice. float64, against the serial model on the same weights, at
+every tensor-parallel size the pass runs.
 """
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from mpi_tp.core.testing import assert_close, gather_full, randomize
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -29,6 +31,7 @@ def accumulated_grads(model, batches, scale):
     for x, y in batches:
         model.forward(x, y)
         model.backward(dout=scale)
+    finalize_grads(model)
     return model
 
 
@@ -45,6 +48,8 @@ def test_accumulated_gradients_equal_serial(world, sequence_parallel, n_micro):
     model = GPT(CFG, topo, dtype="float64", seed=5, sequence_parallel=sequence_parallel)
     randomize(model, seed=9)
     accumulated_grads(model, batches, 1.0 / n_micro)
+    sums = topo.stats.calls.get("tp/sp_grad_all_reduce", 0)
+    assert sums == (1 if sequence_parallel and topo.tp.size > 1 else 0), f"{sums} sums of the replicated gradients"
     scale = max(float(np.abs(g).max()) for g in ref.values())      # attn/k/bias: exact gradient 0
     for p in model.parameters():
         assert_close(gather_full(p, topo.tp.comm, "grad"), ref[p.name], 1e-10,
@@ -60,6 +65,7 @@ def test_accumulation_equals_one_big_batch(world):
     big.zero_grad()
     big.forward(np.concatenate([x1, x2]), np.concatenate([y1, y2]))
     big.backward()
+    finalize_grads(big)
     small = accumulated_grads(GPT(CFG, topo, dtype="float64", seed=5, sequence_parallel=True),
                               [(x1, y1), (x2, y2)], 0.5)
     scale = max(float(np.abs(p.grad).max()) for p in big.parameters())

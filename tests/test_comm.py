@@ -125,6 +125,29 @@ def test_all_gather_and_reduce_scatter_any_axis_uneven(group, axis):
     assert_close(again, group.all_reduce(full * (group.rank + 1)), 0, "RS + AG = AR")
 
 
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_nonblocking_gather_and_reduce_scatter_equal_blocking(group, axis):
+    """iall_gather / ireduce_scatter give what the blocking calls give (uneven shards, any axis), leave
+    their input untouched, and are counted under their kind with the same bytes."""
+    n = 2 * group.size + 1
+    sizes = split_sizes(n, group.size)
+    shape = [3, 4, 5]
+    shape[axis] = sizes[group.rank]
+    mine = np.random.default_rng(group.rank).standard_normal(shape)
+    before = mine.copy()
+    pending = group.iall_gather(mine, sizes, axis, kind="regather")
+    gathered = pending.wait()
+    assert_close(gathered, group.all_gather(mine, sizes, axis), 0, "iall_gather")
+    assert_close(mine, before, 0, "iall_gather's input")
+    whole = np.ascontiguousarray(gathered * (group.rank + 1))
+    assert_close(group.ireduce_scatter(whole, sizes, axis).wait(), group.reduce_scatter(whole, sizes, axis), 0,
+                 "ireduce_scatter")
+    if group.size > 1:
+        snap = group.stats.snapshot()
+        assert snap["tp/regather"]["calls"] == 1 and snap["tp/regather"]["bytes"] == gathered.nbytes
+        assert snap["tp/reduce_scatter"]["calls"] == 2 and snap["tp/reduce_scatter"]["bytes"] == 2 * whole.nbytes
+
+
 def test_nonblocking_all_reduce(group):
     x = np.full(1000, float(group.rank))
     pending = group.iall_reduce(x)

@@ -89,8 +89,13 @@ def gelu_case(rng, dtype, shape=(2, 3, 4)):
                 lambda d, c: dict(x=kern.gelu_backward(d, c)), ("x",))
 
 
-def make_drop_mask(rng, shape, p=0.3):
-    return np.where(rng.random(shape) < p, 0.0, 1.0 / (1.0 - p))
+P_DROP = 0.3                     # the attention cases' dropout probability
+DROP_SCALE = 1.0 / (1.0 - P_DROP)
+
+
+def make_drop_mask(rng, shape, p=P_DROP):
+    """Attention dropout's keep mask: bool, True (kept) with probability 1 - p."""
+    return rng.random(shape) >= p
 
 
 def attention_case(rng, dtype, shape=(2, 2, 5, 3), mask=None):
@@ -99,8 +104,8 @@ def attention_case(rng, dtype, shape=(2, 2, 5, 3), mask=None):
     inputs = dict(q=rng.standard_normal(shape).astype(dtype),
                   k=rng.standard_normal(shape).astype(dtype),
                   v=rng.standard_normal(shape).astype(dtype),
-                  drop_mask=None if mask is None else make_drop_mask(rng, mask_shape).astype(dtype))
-    return Case(inputs, lambda i: kern.attention_forward(i["q"], i["k"], i["v"], i["drop_mask"]),
+                  drop_mask=None if mask is None else make_drop_mask(rng, mask_shape))
+    return Case(inputs, lambda i: kern.attention_forward(i["q"], i["k"], i["v"], i["drop_mask"], DROP_SCALE),
                 lambda d_, c: dict(zip(("q", "k", "v"), kern.attention_backward(d_, c))),
                 ("q", "k", "v"))
 
@@ -207,10 +212,10 @@ def test_gelu_forward_matches_formula():
     np.testing.assert_allclose(kern.gelu_forward(np.array([1.0]))[0], [0.8411919906082768], rtol=1e-12)
 
 
-def attention_reference(q, k, v, drop_mask=None):
+def attention_reference(q, k, v, drop_mask=None, drop_scale=DROP_SCALE):
     """One query at a time: scores against keys 0..t only, softmax, dropout, weighted sum."""
     B, H, T, D = q.shape
-    mask = np.ones((B, H, T, T)) if drop_mask is None else np.broadcast_to(drop_mask, (B, H, T, T))
+    mask = np.ones((B, H, T, T)) if drop_mask is None else np.broadcast_to(drop_mask * drop_scale, (B, H, T, T))
     out = np.zeros_like(q)
     for b, h, t in np.ndindex(B, H, T):
         scores = np.array([np.dot(q[b, h, t], k[b, h, s]) / math.sqrt(D) for s in range(t + 1)])

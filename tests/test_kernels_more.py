@@ -4,7 +4,7 @@
 
 On the cases of tests/test_kernels.py: float32 in gives float32 out and float32
 gradients; no input or cache is modified and every gradient is a fresh array;
-PyTorch autograd (float64, when torch is installed) and CuPy (when a GPU is)
+attention dropout's bool mask and scale in closed form; PyTorch autograd (float64, when torch is installed) and CuPy (when a GPU is)
 give the same outputs and gradients. No MPI.
 """
 from __future__ import annotations
@@ -13,7 +13,9 @@ import math
 
 import numpy as np
 import pytest
-from test_kernels import CASES, GRAD_CASES, check
+from test_kernels import CASES, DROP_SCALE, GRAD_CASES, check
+
+from mpi_tp.core import kernels as kern
 
 # ------------------------------------------------------------ dtype and purity, every kernel
 
@@ -33,8 +35,9 @@ def run_case(case, rng):
 def test_float32_stays_float32(name, kw):
     rng = np.random.default_rng(200)
     case32 = CASES[name](rng, np.float32, **kw)
-    if name == "attention" and case32.inputs["drop_mask"] is not None:
-        case32.inputs["drop_mask"] = case32.inputs["drop_mask"].astype(np.float64)  # must not upcast
+    if name == "attention" and case32.inputs["drop_mask"] is not None:     # a float64 scale must not upcast
+        case32 = case32._replace(forward=lambda i: kern.attention_forward(i["q"], i["k"], i["v"], i["drop_mask"],
+                                                                          np.float64(DROP_SCALE)))
     out, cache, G = run_case(case32, rng)
     if np.ndim(out) == 0:
         assert isinstance(out, float)
@@ -75,6 +78,33 @@ def test_kernels_are_pure_and_grads_fresh(name, kw):
         assert not any(np.shares_memory(first[inp], o) for o in others if isinstance(o, np.ndarray))
 
 
+# ------------------------------------------------------------ attention dropout: mask and scale
+
+def test_attention_dropout_keeps_and_scales():
+    """A mask that keeps everything scales out and gradients by drop_scale; one that drops every
+    key but the first leaves drop_scale * probs[query, 0] * v[0] at every query."""
+    rng = np.random.default_rng(104)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
+    G = rng.standard_normal((2, 3, 5, 4))
+    out, cache = kern.attention_forward(q, k, v)
+    out_s, cache_s = kern.attention_forward(q, k, v, np.ones((5, 5), dtype=bool), 2.5)
+    np.testing.assert_allclose(out_s, 2.5 * out, rtol=1e-14)
+    for g, g_s in zip(kern.attention_backward(G, cache), kern.attention_backward(G, cache_s)):
+        np.testing.assert_allclose(g_s, 2.5 * g, rtol=1e-12, atol=1e-15)
+    first = np.zeros((5, 5), dtype=bool)
+    first[:, 0] = True
+    out_f, _ = kern.attention_forward(q, k, v, first, 1.25)
+    probs0 = np.exp(attention_logits(q, k))[..., 0] / np.exp(attention_logits(q, k)).sum(-1)
+    np.testing.assert_allclose(out_f, 1.25 * probs0[..., None] * v[:, :, :1], rtol=1e-12)
+
+
+def attention_logits(q, k):
+    """Causal scores q k^T / sqrt(hs), -inf above the diagonal."""
+    S, hs = q.shape[-2:]
+    return np.where(np.tri(S, dtype=bool), q @ k.swapaxes(-1, -2) / math.sqrt(hs), -np.inf)
+
+
+
 # ------------------------------------------------------------ other implementations, when installed
 
 def test_against_torch_autograd():
@@ -87,7 +117,7 @@ def test_against_torch_autograd():
         att = q @ k.transpose(-1, -2) / math.sqrt(D)
         att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
         p = torch.softmax(att, dim=-1)
-        return (p if drop_mask is None else p * drop_mask) @ v
+        return p @ v if drop_mask is None else (p * drop_mask) @ v * DROP_SCALE
 
     refs = {
         "linear": lambda i: F.linear(i["x"], i["w"].T, i["b"]),

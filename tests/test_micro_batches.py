@@ -11,7 +11,7 @@ from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.loop import forward_backward
-from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
+from mpi_tp.training.optim import AdamW, clip_coefficient
 
 pytestmark = pytest.mark.mpi(min_size=1)
 CFG = dict(vocab_size=37, block_size=7, n_layer=2, n_head=5, n_embd=20, dropout=0.1)   # uneven at 2, 3, 4
@@ -26,15 +26,15 @@ def global_batch(step, rows):
 def train(topo, micro, b=B, sp=False, zero=False):
     """Losses and the model after STEPS steps on global batches of dp * micro * b sequences."""
     model = GPT(GPTConfig(**CFG), topo, dtype="float64", seed=3, sequence_parallel=sp)
-    reducer = GradReducer(model, topo.dp, bucket_mb=0.001)
-    opt = AdamW(model.parameters(), lr=1e-2, zero_group=topo.dp if zero else None)
+    reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
+    opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
     per_replica = micro * b
     rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, per_replica * topo.dp.size)
         losses.append(forward_backward(model, x, y, rows, micro, reducer, topo.dp))
-        opt.step(grad_scale=clip_coefficient(grad_norm(model.parameters(), topo.tp), 1.0))
+        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
     return np.array(losses), model
 
 
@@ -57,7 +57,7 @@ def test_micro_batches_equal_one_big_batch(world, micro, sp, zero):
                 continue        # exact gradient 0: its value is rounding noise (docs/tensor_parallelism.md)
             assert_close(gather_full(p, topo.tp.comm), weights[p.name], 1e-8, f"{p.name} at tp={tp} dp={dp}")
         if dp > 1:      # the gradients cross the data-parallel group once per step, not once per micro-batch
-            sent = topo.stats.snapshot()["dp/iall_reduce"]["bytes"]
+            sent = topo.stats.snapshot()["dp/reduce_scatter" if zero else "dp/iall_reduce"]["bytes"]
             assert sent == STEPS * sum(base.nbytes for base, _, _ in storages(model.parameters())), sent
         topo.free()
 

@@ -7,7 +7,7 @@ import pytest
 from mpi_tp.core.testing import assert_close, gather_full
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.loop import forward_backward
@@ -38,7 +38,7 @@ def serial(n_layer, rows):
 
 
 def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none"):
-    stage = PipelineStage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual, recompute)
+    stage = build_stage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual, recompute)
     stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=False)
     return train_stage(stage, topo, reducer, micro), stage
@@ -93,7 +93,7 @@ def test_the_tied_table_copies_stay_equal(world):
         pytest.skip("one stage holds both ends: there is no copy")
     topo = Topology.create(world, tp=1, pp=n, dp=1)
     _, stage = pipelined(topo, n, "1f1b", 2)
-    mine = [c.wte.weight.data for c in stage.chunks if c.first or c.last]
+    mine = [t.weight.data for t in stage.tied_embedding.tables]
     tables = topo.pp.comm.allgather(mine[0] if mine else None)
     assert np.array_equal(tables[0], tables[-1])
     topo.free()
@@ -108,7 +108,7 @@ def test_evaluation_and_sampling_equal_serial(world):
     want_loss, want_text = ref.forward(x, y), sample(ref, b"\x05\x06", 5, temperature=1.0, seed=1)
     for tp, pp, dp in layouts(n):
         topo = Topology.create(world, tp=tp, pp=pp, dp=dp)
-        stage = PipelineStage(cfg(n + 1), topo, "float64", 3, tp > 1, "1f1b", 1).eval()
+        stage = build_stage(cfg(n + 1), topo, "float64", 3, tp > 1, "1f1b", 1).eval()
         assert_close(np.array([stage.forward(x, y)]), np.array([want_loss]), 1e-12, f"eval tp={tp} pp={pp}")
         assert sample(stage, b"\x05\x06", 5, temperature=1.0, seed=1) == want_text
         assert stage.num_params() == ref.num_params()

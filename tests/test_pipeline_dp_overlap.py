@@ -12,7 +12,7 @@ import pytest
 
 from mpi_tp.core.testing import all_true, assert_close, gather_full
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
@@ -32,7 +32,7 @@ def pipelined(topo, n_layer, name, micro, virtual, bucket_mb, **reducer_args):
     """STEPS AdamW steps; returns (losses, stage, reducer, started): started[k] is how many dp
     Iallreduces step k had started when the engine returned (the counter counts at the start).
     The last step is traced (topo.stats.trace holds its events afterwards)."""
-    stage = PipelineStage(cfg(n_layer), topo, "float64", 3, False, name, micro, virtual)
+    stage = build_stage(cfg(n_layer), topo, "float64", 3, False, name, micro, virtual)
     reducer = GradReducer(stage, topo.dp, bucket_mb=bucket_mb, **reducer_args)
     started, run = [], stage.engine.run
 
@@ -74,7 +74,7 @@ def test_overlapped_dp_equals_after_and_serial(world, name, micro, virtual, buck
             assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-10, f"{p.name}, {what}", comm=topo.tp.comm)
 
         # (2) every bucket of blocks started before the engine returned, the rest after it
-        of_blocks = sum(1 for _, ready_after in reducer.buckets if ready_after is not None)
+        of_blocks = sum(1 for b in reducer.buckets if b.ready_after is not None)
         assert all_true(dp == 1 or of_blocks >= 1, world), f"no bucket of blocks, {what}"
         assert all_true(started == [of_blocks] * STEPS, world), \
             f"started {started} bucket all-reduces during the schedule, want {of_blocks} per step, {what}"
@@ -114,7 +114,7 @@ def test_a_bucket_starts_once_all_its_blocks_are_done(world):
     topo = Topology.create(world, tp=1, dp=world.Get_size())
     model = GPT(cfg(4), topo, dtype="float64", seed=3)
     reducer = GradReducer(model, topo.dp, bucket_mb=0.05)       # ~40 KB a block: buckets {3, 2}, {1, 0}, the rest
-    assert [r for _, r in reducer.buckets] == [2, 0, None]
+    assert [b.ready_after for b in reducer.buckets] == [2, 0, None]
     view = reducer.chunk(2)                                     # a chunk holding blocks 2 and 3
     calls = []
     for report in (lambda: view.block_done(0), lambda: view.block_done(1), lambda: reducer.block_done(0),

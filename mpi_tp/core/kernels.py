@@ -47,15 +47,27 @@ def linear_backward(dout, cache, dw_out=None):
     zeroed gradient: one pass over it instead of a new array plus an addition).
     """
     x, w, has_bias = cache
+    dx = linear_backward_input(dout, w)
+    dw, db = linear_backward_weight(dout, x, has_bias, dw_out)
+    return dx, dw, db
+
+
+def linear_backward_input(dout, w):
+    """dx (..., K) alone: the half of linear_backward that needs no input (out = x @ w => dx = dout @ w^T).
+    Sequence parallelism runs it while the input is being all-gathered again."""
     K, O = w.shape
+    lead = dout.shape[:-1]
+    return (dout.reshape(-1, O) @ w.T).reshape(*lead, K)   # (N, O) @ (O, K) -> (..., K)
+
+
+def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
+    """dw (K, O) = x^T dout and db (O,) or None: the half of linear_backward that needs the input."""
     xp = array_module(dout)
-    x2 = x.reshape(-1, K)                              # (..., K) -> (N, K)
-    dout2 = dout.reshape(-1, O)                        # (..., O) -> (N, O)
-    # out = x @ w  =>  dx = dout @ w^T, dw = x^T @ dout
-    dx = (dout2 @ w.T).reshape(x.shape)                # (N, O) @ (O, K) -> (..., K)
+    K, O = x.shape[-1], dout.shape[-1]
+    x2, dout2 = x.reshape(-1, K), dout.reshape(-1, O)      # (..., K) -> (N, K), (..., O) -> (N, O)
     dw = xp.matmul(x2.T, dout2, out=dw_out)            # (K, N) @ (N, O) -> (K, O)
     db = dout2.sum(axis=0) if has_bias else None       # (N, O) -> (O,)
-    return dx, dw, db
+    return dw, db
 
 
 # ---------------------------------------------------------------- layernorm
@@ -162,11 +174,13 @@ def _causal_bias(S, dtype, xp):
     return _BIAS[key]
 
 
-def attention_forward(q, k, v, drop_mask=None):
+def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0):
     """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
 
-    drop_mask, if given, is broadcastable to (B, H, S, S) and holds 0 or 1/(1-p);
-    it multiplies the probabilities after the softmax (attention dropout).
+    Attention dropout: drop_mask, if given, is bool and broadcastable to (B, H, S, S), True
+    where a probability is kept; the kept probabilities are scaled by drop_scale, 1/(1-p):
+    out = ((probs * drop_mask) @ v) * drop_scale (the scale on the (S, hs) product, not the
+    (S, S) probabilities; nothing scaled is kept).
     """
     xp = array_module(q)
     S, hs = q.shape[-2:]
@@ -179,25 +193,27 @@ def attention_forward(q, k, v, drop_mask=None):
     xp.exp(att, out=att)
     att *= 1.0 / (att @ xp.ones(S, dtype=att.dtype))[..., None]   # row sums by BLAS
     probs = att                                        # (B, H, S, S)
+    drop_scale = float(drop_scale)                     # a Python float: a float64 scalar must not upcast
+    probs_kept = probs if drop_mask is None else probs * drop_mask    # (B, H, S, S), bool -> probs' dtype
+    out = probs_kept @ v                               # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
     if drop_mask is not None:
-        drop_mask = drop_mask.astype(probs.dtype, copy=False)  # a float64 mask must not upcast
-        probs_used = probs * drop_mask                 # (B, H, S, S)
-    else:
-        probs_used = probs
-    out = probs_used @ v                               # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
-    return out, (q, k, v, probs, drop_mask, scale)
+        out *= drop_scale
+    return out, (q, k, v, probs, drop_mask, drop_scale, scale)
 
 
 def attention_backward(dout, cache):
     """dq, dk, dv, each (B, H, S, hs)."""
-    q, k, v, probs, drop_mask, scale = cache
+    q, k, v, probs, drop_mask, drop_scale, scale = cache
     xp = array_module(dout)
-    probs_used = probs if drop_mask is None else probs * drop_mask  # recomputed, not cached
-    # out = probs_used @ v
-    dv = probs_used.swapaxes(-1, -2) @ dout            # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
+    probs_kept = probs
+    if drop_mask is not None:
+        probs_kept = probs * drop_mask                 # recomputed, not cached
+        dout = dout * drop_scale                       # out = (probs_kept @ v) * drop_scale, on (S, hs)
+    # out = probs_kept @ v
+    dv = probs_kept.swapaxes(-1, -2) @ dout            # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
     datt = dout @ v.swapaxes(-1, -2)                   # (B, H, S, hs) @ (B, H, hs, S) -> (B, H, S, S)
     if drop_mask is not None:
-        datt *= drop_mask                              # probs_used = probs * drop_mask
+        datt *= drop_mask                              # probs_kept = probs * drop_mask
     # softmax: datt = probs * (dprobs - sum_s dprobs * probs); masked entries have probs = 0
     rowdot = xp.einsum("...ts,...ts->...t", datt, probs)[..., None]   # (B, H, S, 1), no (S, S) temporary
     datt -= rowdot

@@ -31,13 +31,18 @@ class Module:
         for p in self.parameters():
             p.zero_grad()
 
-    def modules(self):
-        """This module and every module below it, depth first."""
+    def modules(self, _seen=None):
+        """This module and every module below it, depth first, each once (the tied table wte is both the
+        embedding's and the head's)."""
+        seen = set() if _seen is None else _seen
+        if id(self) in seen:
+            return
+        seen.add(id(self))
         yield self
         for value in vars(self).values():
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(item, Module):
-                    yield from item.modules()
+                    yield from item.modules(seen)
 
     def stash_caches(self) -> list:
         """Take every forward cache out of this module and its children (a pipeline stage keeps one
@@ -66,21 +71,21 @@ class Module:
                     yield from walk(i)
             elif hasattr(item, "nbytes") and hasattr(item, "shape"):
                 yield item
-        for key, value in vars(self).items():
-            if key in ("_cache", "_logits_cache"):
-                yield from walk(value)
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for item in items:
-                if isinstance(item, Module):
-                    yield from item.cached_arrays()
+        for m in self.modules():
+            for key in ("_cache", "_logits_cache"):
+                yield from walk(vars(m).get(key))
 
     def activation_bytes(self) -> int:
         """Bytes of activation memory the caches keep alive for the backward pass (a view keeps its
-        whole base alive; references to the parameters themselves are not activations)."""
-        seen, total = {id(p.base) for p in self.parameters()} | {id(p.data) for p in self.parameters()}, 0
-        for a in self.cached_arrays():
+        whole base alive; the parameters themselves, and the buffers they are views into, are not
+        activations)."""
+        def root(a):
             while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
                 a = a.base
+            return a
+        seen, total = {id(root(x)) for p in self.parameters() for x in (p.base, p.data)}, 0
+        for a in self.cached_arrays():
+            a = root(a)
             if id(a) not in seen:
                 seen.add(id(a))
                 total += a.nbytes

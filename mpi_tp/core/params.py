@@ -26,6 +26,10 @@ class Param:
     axis: the dimension that is split across the tensor-parallel group, or None
     when the tensor is replicated; this rank holds indices [start, stop) of it.
     decay: whether AdamW applies weight decay (matrices of linear layers).
+    sp_partial: under sequence parallelism, a replicated parameter that acts on each position
+    (LayerNorm, row-parallel bias, position embedding) gets from each rank only the gradient of that
+    rank's positions: mpi_tp.parallel.finalize sums it over the tensor-parallel group once per step
+    (Megatron marks these `sequence_parallel`).
 
     Storage: `data` is usually its own array. Several parameters can instead be
     views into one contiguous array (`base`, with `data = base[view]`), e.g.
@@ -46,6 +50,7 @@ class Param:
     grad_base: object = None     # the same for grad
     view: tuple = ()             # data = base[view]
     fresh: bool = True           # grad still holds the zeros of zero_grad (nothing accumulated yet)
+    sp_partial: bool = False     # grad is this rank's positions' part: summed over tp after the backward
 
     def __post_init__(self):
         if self.grad is None:
@@ -109,8 +114,8 @@ def storages(params: list[Param]) -> list[tuple]:
             out.append((p.base, p.grad_base, []))
         out[seen[key]][2].append(p)
     for base, _, members in out:
-        if len({(m.decay, m.sharded) for m in members}) > 1:
-            raise ValueError(f"params {[m.name for m in members]} share storage but differ in decay or sharding")
+        if len({(m.decay, m.sharded, m.sp_partial) for m in members}) > 1:
+            raise ValueError(f"params {[m.name for m in members]} share storage but differ in decay, sharding or sp_partial")
     return out
 
 
@@ -147,10 +152,11 @@ def normal_shard(name, global_shape, std, seed, dtype, axis=None, start=0, stop=
 
 
 def make_param(name, global_shape, dtype, *, init="normal", std=0.02, seed=0,
-               axis=None, start=0, stop=None, decay=False) -> Param:
+               axis=None, start=0, stop=None, decay=False, sp_partial=False) -> Param:
     """Create the shard [start, stop) along `axis` (None: whole) of parameter `name`.
 
     init: "normal" (N(0, std^2), keyed by seed and name), "zeros" or "ones".
+    sp_partial: see Param (only for a replicated parameter under sequence parallelism).
     """
     global_shape = tuple(int(s) for s in global_shape)
     if axis is not None and stop is None:
@@ -167,4 +173,7 @@ def make_param(name, global_shape, dtype, *, init="normal", std=0.02, seed=0,
         data = xp.ones(tuple(local), dtype=dtype)
     else:
         raise ValueError(f"unknown init {init!r}")
-    return Param(name, data, global_shape, axis, start, stop if axis is not None else 0, decay)
+    if sp_partial and axis is not None:
+        raise ValueError(f"{name}: a sharded parameter's gradient is never a partial sum over positions")
+    return Param(name, data, global_shape, axis, start, stop if axis is not None else 0, decay,
+                 sp_partial=sp_partial)

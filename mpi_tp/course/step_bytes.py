@@ -15,6 +15,7 @@ import numpy
 from mpi_tp.course.common import SEED, Feedback, finish, needs_ranks
 from mpi_tp.model.config import GPTConfig, fewest_heads
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import grad_norm
 
@@ -31,6 +32,7 @@ def measure(topo: Topology, B: int, S: int, C: int, V: int, L: int, dtype) -> tu
     topo.stats.reset()
     model.forward(x, y)
     model.backward()
+    finalize_grads(model)                                          # (plain TP: nothing to complete)
     grad_norm(model.parameters(), topo.tp)
     keys = [k for k in topo.stats.calls if k.startswith("tp/")]
     return (sum(topo.stats.bytes[k] for k in keys), sum(topo.stats.wire[k] for k in keys),

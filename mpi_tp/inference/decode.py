@@ -91,12 +91,13 @@ class Decoder:
         columns = numpy.arange(cache.length, cache.length + t)
         positions = numpy.maximum(columns[None, :] - cache.first[:, None], 0)   # padding: position 0
         xp = backend.xp()
-        x = model.wte.forward(backend.asarray(ids)) + model.wpe.data[xp.asarray(positions)]
+        emb = model.embedding
+        x = emb.wte.forward(backend.asarray(ids)) + emb.wpe.data[xp.asarray(positions)]
         with model.moe_dropless():      # experts: exact one position at a time only without capacity
             for j, block in enumerate(model.h):
                 x = x + attend(block.attn, block.ln_1.forward(x), cache, j)
                 x = x + block.mlp.forward(block.ln_2.forward(x))
         cache.length += t
-        last = model.ln_f.forward(xp.ascontiguousarray(x[:, -1:]))              # (B, 1, C)
-        logits_i = xp.ascontiguousarray(model.wte.logits_forward(last)[:, 0])    # (B, V_i)
-        return backend.asnumpy(gather_from_tp(logits_i, model.topo.tp, model.wte.sizes)).astype(numpy.float64)
+        logits_i = model.head.logits(xp.ascontiguousarray(x[:, -1:]))              # (B, 1, V_i)
+        logits_i = xp.ascontiguousarray(logits_i[:, 0])                             # (B, V_i)
+        return backend.asnumpy(gather_from_tp(logits_i, model.topo.tp, emb.wte.sizes)).astype(numpy.float64)

@@ -19,7 +19,7 @@ def sample(model, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: in
            seed: int = 0) -> bytes:
     """prompt + n_new sampled bytes. The context is cropped to the model's block_size.
 
-    model: a GPT, or a pipeline stage (mpi_tp.model.pipeline), anything with last_logits(ctx)."""
+    model: a GPT, or a pipeline stage (mpi_tp.parallel.pipeline.stage), anything with last_logits(ctx)."""
     was_training = model.dropout.training
     model.eval()
     group = model.topo.tp

@@ -43,9 +43,9 @@ class ParallelAttention(Module):
         qkv = qkv.reshape(B, S, 3, self.H_i, self.hs)
         # one copy into head-major order, so that the batched attention products see contiguous heads
         q, k, v = backend.xp().ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))  # each (B, H_i, S, hs)
-        mask = (self.dropout.head_masks(B, S, self.heads, x.dtype, self.layer)
-                if self.dropout.active else None)
-        y, cache = kern.attention_forward(q, k, v, mask)                    # (B, H_i, S, hs)
+        mask = (self.dropout.head_masks(B, S, self.heads, self.layer)     # bool (B, H_i, S, S): this
+                if self.dropout.active else None)                        # rank's heads only
+        y, cache = kern.attention_forward(q, k, v, mask, self.dropout.scale)   # (B, H_i, S, hs)
         if self.recompute:           # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
             cache = (q, k, v, mask is not None, self.dropout.key())
         self.save_cache(cache)
@@ -63,8 +63,8 @@ class ParallelAttention(Module):
             mask = None
             if masked:
                 with self.dropout.replay(key):
-                    mask = self.dropout.head_masks(B, S, self.heads, q.dtype, self.layer)
-            _, cache = kern.attention_forward(q, k, v, mask)
+                    mask = self.dropout.head_masks(B, S, self.heads, self.layer)
+            _, cache = kern.attention_forward(q, k, v, mask, self.dropout.scale)
         grads = kern.attention_backward(dy.transpose(0, 2, 1, 3), cache)
         dqkv = backend.xp().empty((B, S, 3, self.H_i, self.hs), dtype=dout.dtype)
         for j, d in enumerate(grads):                                    # dq, dk, dv: (B, H_i, S, hs)

@@ -6,15 +6,20 @@ i is rank i's share (i = 0 ... T-1): H_i heads, F_i MLP columns, V_i vocabulary
 rows, wte_i its rows of the embedding table wte (uneven shards allowed; see
 mpi_tp.model.parallel_linear).
 
-    x = wte[idx] + wpe[0:S]                       wte vocab-parallel (1 all-reduce)
-    for each block:
-        x = x + attn(ln_1(x))                     heads split: f, q/k/v column, proj row, g
-        x = x + mlp(ln_2(x))                      fc column, gelu, proj row, g
-    logits_i = ln_f(x) @ wte_i^T                  tied head, this rank's vocab columns (f)
+The model is three kinds of pieces, as in Megatron-LM's GPT (pre-process, blocks, post-process):
+
+    x = drop(wte[idx] + wpe[0:S])                 embedding (GPTEmbedding): wte vocab-parallel, 1 all-reduce
+    for each block:                               blocks (Block)
+        x = x + drop(attn(ln_1(x)))               heads split: f, q/k/v column, proj row, g
+        x = x + drop(mlp(ln_2(x)))                fc column, gelu, proj row, g
+    logits_i = ln_f(x) @ wte_i^T                  head (GPTHead): tied, this rank's vocab columns (f)
     loss = vocab-parallel cross-entropy           2 small all-reduces, no gather
 
-Per block the forward pass all-reduces twice (after attention, after the MLP)
-and so does the backward (the two f's), B S C values each (Megatron-LM, sec. 3).
+A pipeline stage (mpi_tp.parallel.pipeline.stage) builds the pieces it owns: a GPT over a run of
+blocks, with the embedding when it is the model's first chunk and the head when it is the last;
+nothing here knows whether it is pipelined. The backward pass leaves each rank's own gradients;
+what the layout needs after the last micro-batch (sums over the sequence-parallel positions, the
+tied table's copies, the data-parallel buckets) is mpi_tp.parallel.finalize.finalize_grads.
 
 Mixture of experts (cfg.moe_experts > 0): the MLP of every moe_every-th block is an
 MoEMLP (mpi_tp.model.moe), its experts divided over topo.ep; the loss then adds the
@@ -28,16 +33,13 @@ import numpy
 
 from mpi_tp.core import backend
 from mpi_tp.core.module import Module
-from mpi_tp.core.params import make_param
-from mpi_tp.model.attention import ParallelAttention
+from mpi_tp.model.block import Block
 from mpi_tp.model.config import ConfigError, GPTConfig
-from mpi_tp.model.dropout import Dropout, region_mask
-from mpi_tp.model.layernorm import LayerNorm
-from mpi_tp.model.mlp import ParallelMLP
-from mpi_tp.model.moe import MoEMLP
-from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
+from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.embedding import GPTEmbedding
+from mpi_tp.model.head import GPTHead
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
-from mpi_tp.parallel.sequence_parallel import SequenceSplit, sum_replicated_grads
+from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.tensor_parallel import gather_from_tp
 from mpi_tp.parallel.topology import Topology
 
@@ -45,72 +47,15 @@ from mpi_tp.parallel.topology import Topology
 RECOMPUTE = ("none", "selective", "full")
 
 
-class Block(Module):
-    """x = x + drop(attn(ln_1(x))); x = x + drop(mlp(ln_2(x))).
-
-    recompute (set by the model for --recompute full): keep only the block's input for
-    the backward pass and run the forward again there, collectives and dropout masks
-    included (the masks are keyed, so they come out the same).
-    """
-
-    recompute = False
-
-    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None):
-        name = f"h/{i}"
-        self.i, self.dropout, self.sp = i, dropout, sp
-        self.ln_1 = LayerNorm(f"{name}/ln_1", cfg.n_embd, dtype)
-        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp)
-        self.ln_2 = LayerNorm(f"{name}/ln_2", cfg.n_embd, dtype)
-        self.moe = cfg.is_moe_block(i)
-        self.mlp = MoEMLP(f"{name}/moe", cfg, topo, dtype, seed) if self.moe else \
-            ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed, sp)
-
-    def _residual_drop(self, y, site):
-        # Outside the parallel regions: one mask for the whole group (keyed by layer and site only;
-        # under sequence parallelism each rank keeps its positions of the whole sequence's mask).
-        if not self.dropout.active:
-            return y, None
-        m = region_mask(self.dropout, y, self.sp, self.i, site)
-        return y * m, m
-
-    def forward(self, x):
-        if not self.recompute:
-            return self._forward(x)
-        out = self._forward(x)
-        self.stash_caches()                          # dropped: the backward computes them again
-        self.save_cache(x, self.dropout.key())
-        return out
-
-    def _forward(self, x):
-        a, m_a = self._residual_drop(self.attn.forward(self.ln_1.forward(x)), 2)
-        x = x + a
-        h, m_h = self._residual_drop(self.mlp.forward(self.ln_2.forward(x)), 3)
-        self.save_cache(m_a, m_h)
-        return x + h
-
-    def backward(self, dout):
-        if self.recompute:
-            x, key = self.take_cache()
-            with self.dropout.replay(key):           # the same masks as the first time
-                self._forward(x)                     # the caches again (the output is not needed)
-        m_a, m_h = self.take_cache()
-        dh = dout if m_h is None else dout * m_h
-        dx = dout + self.ln_2.backward(self.mlp.backward(dh))
-        da = dx if m_a is None else dx * m_a
-        return dx + self.ln_1.backward(self.attn.backward(da))
-
-
 class GPT(Module):
-    """The model on one rank of the tensor-parallel group (tp = 1 is the serial model), or, for a
-    pipeline, one chunk of it: the blocks `blocks` (default: all), with the embeddings when `first`
-    and the final LayerNorm, tied output layer and loss when `last`.
+    """The model on one rank of the tensor-parallel group (tp = 1 is the serial model), or one chunk of
+    it: the blocks `blocks` (default: all), with the embedding when `first` and the head when `last`.
 
     A chunk that is not first takes the previous chunk's activations (B, S, C)
     (under sequence parallelism (B, S_i, C), after `sp.set(S)` by the caller);
     one that is not last returns its activations, and its backward takes their
-    gradient and returns the input's. The last chunk of a pipeline with several
-    stages holds its own copy of the tied table `wte` (same name, same initial
-    values); the pipeline adds the two copies' gradients (mpi_tp.model.pipeline).
+    gradient and returns the input's. A last chunk that is not also the first
+    holds its own copy of the tied table `wte` (same name, same initial values).
     """
 
     def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0,
@@ -118,34 +63,24 @@ class GPT(Module):
                  last: bool = True, recompute: str = "none"):
         topo = Topology.serial() if topo is None else topo
         cfg.validate(topo.tp.size, topo.ep.size)
-        if cfg.moe_experts and sequence_parallel:
-            raise ConfigError("mixture of experts with sequence parallelism is not supported: the router "
-                              "and the dispatch need every position on every tensor-parallel rank; "
-                              "drop --sequence-parallel (or set moe_experts = 0)")
-        if cfg.moe_experts and not (first and last):
-            raise ConfigError("mixture of experts with pipeline parallelism is not supported yet: the "
-                              "load-balancing losses of every stage would have to reach the loss; use pp = 1 "
-                              "(or set moe_experts = 0)")
+        if recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
         self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
         self.first, self.last = first, last
         self.dropout = Dropout(cfg.dropout, seed)
         # Sequence parallelism: between the parallel regions each rank holds its positions only.
         self.sp = SequenceSplit(topo.tp) if sequence_parallel else None
-        if first or last:
-            self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed,
-                                              sp=self.sp)
-        if first:
-            self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), self.dtype, seed=seed)
+        self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, self.dropout, self.sp) if first else None
         blocks = range(cfg.n_layer) if blocks is None else blocks
         self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp) for i in blocks]
-        if recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
         for block in self.h:         # activation recomputation (Korthikanti et al. 2022)
             block.recompute = recompute == "full"
             block.attn.recompute = recompute == "selective"
+        self.head = None
         if last:
-            self.ln_f = LayerNorm("ln_f", cfg.n_embd, self.dtype)
-            self.loss = VocabParallelCrossEntropy(topo.tp, self.wte.start, self.wte.stop)
+            table = self.embedding.wte if first else VocabParallelEmbedding(
+                "wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed, sp=self.sp)
+            self.head = GPTHead(cfg, topo, self.dtype, table, self.sp)
 
     def train(self, mode: bool = True) -> "GPT":
         self.dropout.training = mode
@@ -154,84 +89,57 @@ class GPT(Module):
     def eval(self) -> "GPT":
         return self.train(False)
 
-    def _embed(self, idx):
-        """(B, S) token ids -> wte[idx] + wpe[0:S], dropped out: (B, S, C), or (B, S_i, C) under sp."""
-        B, S = idx.shape
-        if S > self.cfg.block_size:
-            raise ConfigError(f"sequence length {S} exceeds block_size {self.cfg.block_size}")
-        idx = backend.asarray(idx)
-        positions = slice(0, S)
-        if self.sp is not None:
-            self.sp.set(S)
-            positions = self.sp.positions
-        x = self.wte.forward(idx) + self.wpe.data[positions]            # (B, S, C) or (B, S_i, C)
-        m = None
-        if self.dropout.active:
-            m = region_mask(self.dropout, x, self.sp, -1, 0)
-            x *= m
-        return x, (positions, m)
-
     def hidden(self, inp):
-        """Token ids (first chunk) or activations -> this chunk's output activations; for the last
-        chunk the final hidden states after ln_f (B, S, C), whole on every rank (under sequence
-        parallelism: this rank's positions, (B, S_i, C))."""
-        x, embedded = self._embed(inp) if self.first else (inp, None)
+        """Token ids (first chunk) or activations -> the activations after this chunk's blocks:
+        (B, S, C), or this rank's positions (B, S_i, C) under sequence parallelism."""
+        x = self.embedding.forward(inp) if self.first else inp
         for block in self.h:
             x = block.forward(x)
-        self.save_cache(embedded)
-        return self.ln_f.forward(x) if self.last else x
+        return x
 
     def forward(self, inp, targets=None):
         """Loss (a float, the same on every rank) when targets are given, else this rank's logits
-        (B, S, V_i); a chunk that is not last returns its activations."""
+        (B, S, V_i); a chunk that is not last returns its activations. The loss includes this chunk's
+        MoE blocks' aux and z-losses (a pipeline adds the other stages': moe_loss())."""
+        x = self.hidden(inp)
         if not self.last:
-            return self.hidden(inp)
-        logits = self.wte.logits_forward(self.hidden(inp))              # (B, S, V_i)
+            return x
         if targets is None:
-            return logits
-        loss = self.loss.forward(logits, backend.asarray(targets))
+            return self.head.forward(x)
+        loss = self.head.forward(x, targets)
         self._cross_entropy = loss
-        if self.moe_layers():
-            loss = loss + sum(m.loss_term for m in self.moe_layers())          # + aux and z-losses
+        loss = loss + self.moe_loss()
         if self.dropout.training:
             self.dropout.step += 1                                      # next call draws fresh masks
         return loss
 
-    def backward(self, dout=1.0, reducer=None):
-        """Accumulate d(dout * loss)/d(param) into every Param.grad (a chunk that is not last: dout is
-        the gradient of its output activations). Returns the input activations' gradient, or None
-        for the first chunk.
+    def moe_loss(self) -> float:
+        """What this chunk's MoE blocks add to the loss after a forward (weighted aux + z-losses); 0 dense."""
+        return sum(m.loss_term for m in self.moe_layers())
 
-        reducer: a data_parallel.GradReducer, told when each block's gradients are
-        final (so it can start their all-reduce) and finished at the end; a pipeline
-        chunk gets the view GradReducer.chunk(offset) instead, which numbers the
-        blocks within the stage and leaves finishing to the stage.
+    def backward(self, dout=1.0, reducer=None, loss_scale=None):
+        """Accumulate this rank's d(loss_scale * loss)/d(param) into every Param.grad; a chunk that is not
+        last takes the gradient of its output activations as dout. Returns the input activations'
+        gradient, or None for the first chunk.
+
+        The gradients are this rank's own: finalize_grads (mpi_tp.parallel.finalize) completes them
+        after the last micro-batch. reducer: a data_parallel.GradReducer (or a pipeline chunk's view
+        of one, GradReducer.chunk(offset)), told when each block's gradients are final so that it can
+        start their bucket's collectives during the rest of the backward pass.
+        loss_scale: the factor on the loss, for the MoE blocks' own loss terms (default: dout when
+        last, else 1; a pipeline passes 1 / micro-batches).
         """
-        replicated = ([*self.ln_f.parameters()] if self.last else []) + ([self.wpe] if self.first else [])
+        scale = (float(dout) if self.last else 1.0) if loss_scale is None else loss_scale
         for m in self.moe_layers():
-            m.loss_scale = float(dout)            # their aux and z-losses are part of the loss dout scales
-        with sum_replicated_grads(replicated, self.sp):
-            if self.last:
-                dx = self.ln_f.backward(self.wte.logits_backward(self.loss.backward(dout)))
-            else:
-                dx = backend.asarray(dout)
-            (embedded,) = self.take_cache()
-            for i in reversed(range(len(self.h))):
-                with sum_replicated_grads(self.h[i].parameters(), self.sp):
-                    dx = self.h[i].backward(dx)
-                if reducer is not None:
-                    reducer.block_done(i)
-            if self.first:
-                positions, m = embedded
-                if m is not None:
-                    dx = dx * m
-                self.wpe.grad[positions] += dx.sum(axis=0)
-                self.wpe.fresh = False
+            m.loss_scale = scale            # their aux and z-losses are part of the loss it scales
+        dx = self.head.backward(dout) if self.last else backend.asarray(dout)
+        for i in reversed(range(len(self.h))):
+            dx = self.h[i].backward(dx)
+            if reducer is not None:
+                reducer.block_done(i)
         if self.first:
-            self.wte.backward(dx)
-            dx = None
-        if reducer is not None:
-            reducer.finish()
+            self.embedding.backward(dx)
+            return None
         return dx
 
     def last_logits(self, idx):
@@ -239,7 +147,7 @@ class GPT(Module):
         the same on every rank (what sampling needs: V numbers gathered, not S V)."""
         logits_i = self.forward(idx)                                                  # (1, S, V_i)
         last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
-        return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.wte.sizes))[0].astype(numpy.float64)
+        return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.head.table.sizes))[0].astype(numpy.float64)
 
     def moe_layers(self) -> list:
         """The MoEMLP of every MoE block of this model, in order."""
@@ -270,12 +178,15 @@ class GPT(Module):
                 "aux_weight": self.cfg.moe_aux_weight, "z_weight": self.cfg.moe_z_weight, "layers": layers}
 
     def unique_parameters(self) -> list:
-        """Every parameter once (a pipeline stage leaves out its copy of the tied table)."""
+        """Every parameter once over the whole model: a last chunk that is not first leaves out its copy of
+        the tied table (its gradient equals the first stage's after finalize_grads)."""
+        if self.last and not self.first:
+            return [p for p in self.parameters() if p is not self.head.table.weight]
         return self.parameters()
 
     def full_logits(self, idx):
         """Logits over the whole vocabulary (B, S, V) on every rank: for sampling and tests, not training."""
-        return gather_from_tp(self.forward(idx), self.topo.tp, self.wte.sizes)
+        return gather_from_tp(self.forward(idx), self.topo.tp, self.head.table.sizes)
 
     def num_params(self) -> int:
         """Parameters of the full model (not of this rank's shard; every expert, wherever it lives)."""

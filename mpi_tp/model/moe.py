@@ -48,6 +48,8 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
+from mpi_tp.parallel.sequence_parallel import (gather_positions, gather_positions_backward, keep_positions,
+                                               keep_positions_backward)
 from mpi_tp.parallel.tensor_parallel import copy_to_tp_backward, reduce_from_tp
 from mpi_tp.parallel.topology import shard_range
 
@@ -170,7 +172,8 @@ class MoEMLP(Module):
     loss_scale = 1.0
     dropless = False
 
-    def __init__(self, name, cfg, topo, dtype, seed):
+    def __init__(self, name, cfg, topo, dtype, seed, sp=None):
+        self.sp = sp                 # sequence parallelism: gather the positions in, keep this rank's out
         self.E, self.k, self.capacity = cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity
         self.aux_weight, self.z_weight, self.tp = cfg.moe_aux_weight, cfg.moe_z_weight, topo.tp
         self.router = make_param(f"{name}/router/weight", (cfg.n_embd, self.E), dtype, seed=seed,
@@ -182,6 +185,22 @@ class MoEMLP(Module):
         self.stats, self.routing, self.loss_term = {}, None, 0.0
 
     def forward(self, x):
+        """(B, S, C) -> (B, S, C); under sequence parallelism (B, S_i, C) -> (B, S_i, C): the positions are
+        gathered first (the router and the per-sequence capacity need whole sequences) and the output,
+        the same on every tp rank, is cut back to this rank's positions."""
+        if self.sp is None or self.tp.size == 1:
+            self._sizes = None
+            return self._forward(x)
+        self._sizes = list(self.sp.sizes)
+        return keep_positions(self._forward(gather_positions(x, self.tp, self._sizes)), self.tp, self._sizes)
+
+    def backward(self, dout):
+        if self._sizes is None:
+            return self._backward(dout)
+        dout = keep_positions_backward(dout, self.tp, self._sizes)
+        return gather_positions_backward(self._backward(dout), self.tp, self._sizes)
+
+    def _forward(self, x):
         xp = backend.array_module(x)
         B, S, C = x.shape
         N, E, k = B * S, self.E, self.k
@@ -212,7 +231,7 @@ class MoEMLP(Module):
         self.routing = (choice.reshape(B, S, k), keep.reshape(B, S, k))
         return y.reshape(B, S, C)
 
-    def backward(self, dout):
+    def _backward(self, dout):
         xp = backend.array_module(dout)
         router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse = self.take_cache()
         N, _, C = out.shape

@@ -6,7 +6,8 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.sequence_parallel import enter_tp, enter_tp_backward, leave_tp, leave_tp_backward
+from mpi_tp.model.parallel_linear import column_backward, column_forward
+from mpi_tp.parallel.sequence_parallel import leave_tp, leave_tp_backward
 from mpi_tp.parallel.topology import shard_range
 
 
@@ -49,17 +50,15 @@ class VocabParallelEmbedding(Module):
         self.weight.accumulate(kern.embedding_backward(dout, cache))
 
     def logits_forward(self, x):
-        """Tied output layer: (B, S, C) -> (B, S, V_i) = x @ wte_i^T, behind f (sp: an all-gather)."""
-        x, seq = enter_tp(x, self.group, self.sp)
-        y, cache = kern.linear_forward(x, self.weight.data.T)
-        self._logits_cache = cache, seq
+        """Tied output layer: (B, S, C) -> (B, S, V_i) = x @ wte_i^T, a column-parallel layer behind f
+        (sp: an all-gather; the input is kept as this rank's positions and gathered again for dwte)."""
+        y, self._logits_cache = column_forward(x, self.weight.data.T, None, self.group, self.sp)
         return y
 
     def logits_backward(self, dlogits):
         saved, self._logits_cache = getattr(self, "_logits_cache", None), None
         if saved is None:
             raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
-        cache, seq = saved
-        dx, dwt, _ = kern.linear_backward(dlogits, cache)                # dwt: (C, V_i)
+        dx, dwt, _ = column_backward(dlogits, saved, self.group)      # dwt: (C, V_i)
         self.weight.accumulate(dwt.T)
-        return enter_tp_backward(dx, self.group, seq)
+        return dx

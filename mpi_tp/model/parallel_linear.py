@@ -17,18 +17,55 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.sequence_parallel import enter_tp, enter_tp_backward, leave_tp, leave_tp_backward
+from mpi_tp.parallel.sequence_parallel import (enter_tp, enter_tp_backward, leave_tp, leave_tp_backward,
+                                               regather_from_sp, start_gather_from_sp_backward)
 from mpi_tp.parallel.tensor_parallel import (gather_from_tp, gather_from_tp_backward, scatter_to_tp,
                                              scatter_to_tp_backward)
 from mpi_tp.parallel.topology import shard_range
 
 
-def _linear_backward(dout, cache, weights):
-    """linear_backward, accumulating dW into the weights' (shared) gradient: while that still
-    holds zeros, the GEMM writes straight into it (no new array, no extra pass)."""
+def column_forward(x, w, b, group: Group, sp):
+    """Y_i = X A_i + b_i behind f (or, under sequence parallelism, an all-gather of the positions):
+    x (B, S, K), or (B, S_i, K) under sp -> (B, S, O_i), and what the backward needs.
+
+    Under sp the cache keeps this rank's input shard (B, S_i, K), not the gathered (B, S, K): the
+    backward gathers it again (Korthikanti et al. 2022, sec. 4.2.2), so the layer holds 1/T of it.
+    """
+    x_in, seq = enter_tp(x, group, sp)                               # sp: (B, S_i, K) -> (B, S, K)
+    y, (_, w, has_bias) = kern.linear_forward(x_in, w, b)              # (B, S, K) -> (B, S, O_i)
+    kept = x_in if seq is None else x                                # sp: the shard, not the gathered copy
+    return y, (kept, w, has_bias, seq, sp is not None and sp.overlap)
+
+
+def column_backward(dout, cache, group: Group, dw_out=None):
+    """dX (f's all-reduce, or sp's reduce-scatter: this rank's positions), dA_i and db_i (or None).
+
+    Under sp, with overlap (SequenceSplit.overlap), as Megatron does: start the input's all-gather,
+    compute dX = dY A_i^T meanwhile, wait; start dX's reduce-scatter, compute dA_i = X^T dY meanwhile,
+    wait. Without overlap the same collectives run one after the other.
+    """
+    x, w, has_bias, seq, overlap = cache
+    if seq is None:
+        dx, dw, db = kern.linear_backward(dout, (x, w, has_bias), dw_out)
+        return enter_tp_backward(dx, group, None), dw, db                     # f: all-reduce dX
+    if not overlap:
+        x_whole = regather_from_sp(x, group, seq).wait()
+        dx, dw, db = kern.linear_backward(dout, (x_whole, w, has_bias), dw_out)
+        return enter_tp_backward(dx, group, seq), dw, db
+    gathering = regather_from_sp(x, group, seq)                       # (B, S_i, K) -> (B, S, K), started
+    dx = kern.linear_backward_input(dout, w)                         # (B, S, O_i) -> (B, S, K) partial
+    x_whole = gathering.wait()
+    reducing = start_gather_from_sp_backward(dx, group, seq)          # -> (B, S_i, K), started
+    dw, db = kern.linear_backward_weight(dout, x_whole, has_bias, dw_out)
+    return reducing.wait(), dw, db
+
+
+def _accumulate_weight(weights, backward):
+    """Run backward(dw_out) and accumulate its dW into the weights' (shared) gradient: while that still
+    holds zeros, the GEMM writes straight into it (no new array, no extra pass). Returns the rest."""
     grad = weights[0].grad_base
     fresh = all(p.fresh for p in weights)
-    dx, dw, db = kern.linear_backward(dout, cache, dw_out=grad if fresh else None)
+    dx, dw, db = backward(grad if fresh else None)
     if not fresh:
         accumulate_base(weights, dw)
     for p in weights:
@@ -85,10 +122,9 @@ class ColumnParallelLinear(Module):
         return self.biases[0] if self.biases else None
 
     def forward(self, x):
-        x, seq = enter_tp(x, self.group, self.sp)                       # sp: (B, S_i, K) -> (B, S, K)
         b = self.biases[0].base if self.biases else None
-        y, cache = kern.linear_forward(x, self.weights[0].base, b)       # (B, S, K) -> (B, S, parts * O_i)
-        self.save_cache(cache, seq)
+        y, cache = column_forward(x, self.weights[0].base, b, self.group, self.sp)   # -> (B, S, parts * O_i)
+        self.save_cache(cache)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.sizes)             # (B, S, O_i) -> (B, S, O)
         return y
@@ -96,11 +132,11 @@ class ColumnParallelLinear(Module):
     def backward(self, dout):
         if self.gather_output:
             dout = gather_from_tp_backward(dout, self.group, self.sizes)
-        cache, seq = self.take_cache()
-        dx, db = _linear_backward(dout, cache, self.weights)
+        (cache,) = self.take_cache()
+        dx, db = _accumulate_weight(self.weights, lambda dw_out: column_backward(dout, cache, self.group, dw_out))
         if self.biases:
             accumulate_base(self.biases, db)
-        return enter_tp_backward(dx, self.group, seq)
+        return dx
 
 
 class RowParallelLinear(Module):
@@ -127,7 +163,8 @@ class RowParallelLinear(Module):
         self.input_is_parallel = input_is_parallel
         self.weight = make_param(f"{name}/weight", (in_features, out_features), dtype, std=std, seed=seed,
                                  axis=0, start=start, stop=stop, decay=True)        # A_i: (K_i, O)
-        self.bias = make_param(f"{name}/bias", (out_features,), dtype, init="zeros") if bias else None
+        self.bias = make_param(f"{name}/bias", (out_features,), dtype, init="zeros",     # b: (O,), whole
+                               sp_partial=sp is not None and group.size > 1) if bias else None
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -144,7 +181,7 @@ class RowParallelLinear(Module):
             self.bias.accumulate(dout.reshape(-1, dout.shape[-1]).sum(axis=0))
         cache, seq = self.take_cache()
         dout = leave_tp_backward(dout, self.group, seq)
-        dx, _ = _linear_backward(dout, cache, [self.weight])
+        dx, _ = _accumulate_weight([self.weight], lambda dw_out: kern.linear_backward(dout, cache, dw_out))
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)
         return dx

@@ -51,12 +51,18 @@ def _out_of_place(call, send, out) -> None:
 
 
 class Pending:
-    """A started non-blocking operation: wait() completes it (and copies a staged GPU buffer back into x
-    when MPI wrote it: result=True for an all-reduce or a receive, False for a send)."""
+    """A started non-blocking operation: wait() completes it and returns its result (x itself for an
+    all-reduce or a receive, the new array for a gather; a staged GPU buffer is copied back into x
+    when MPI wrote it: result=True for an all-reduce or a receive, False for a send).
 
-    def __init__(self, request, x, buf, record, result: bool = True):
+    then: what turns the completed buffer into the result (e.g. moving the gathered axis back);
+    send: (array, buffer) that MPI reads until completion (a gather's or reduce-scatter's input), given
+    back to the stager then.
+    """
+
+    def __init__(self, request, x, buf, record, result: bool = True, then=None, send=None):
         self.request, self.x, self.buf, self._record = request, x, buf, record   # buf: lent by the stager
-        self.result = result
+        self.result, self._then, self.value, self._send = result, then, x, send
 
     def test(self) -> bool:
         """Let MPI make progress; True once the operation is complete (and then finished as wait() does)."""
@@ -68,16 +74,30 @@ class Pending:
         if self.request is not None:
             self.request.Wait()
             self._done()
-        return self.x
+        return self.value
 
     def _done(self) -> None:
         backend.stager().give_back(self.x, self.buf, copy=self.result)
+        if self._send is not None:
+            backend.stager().give_back(*self._send, copy=False)
+        if self._then is not None:
+            self.value = self._then(self.x)
         stats, key, t0 = self._record
         now = time.perf_counter()
         stats.seconds[key] += now - t0                           # from start to completion
         if stats.trace is not None:
             stats.trace.complete(key, "comm", t0, now, bytes=int(self.x.nbytes))
         self.request = None
+
+
+def _axis_first(x, axis: int, xp):
+    """x with `axis` moved to the front, contiguous: MPI's blocks are rank-major along axis 0."""
+    return x if axis % x.ndim == 0 else xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
+
+
+def _axis_back(out, axis: int, ndim: int, xp):
+    """Undo _axis_first on a result of the same number of dimensions."""
+    return out if axis % ndim == 0 else xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
 
 
 class Group:
@@ -140,25 +160,43 @@ class Group:
         self.stats.record(f"{self.name}/recv", x.nbytes, 0.0, timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/recv", t0))
 
-    def all_gather(self, x, sizes: list[int], axis: int):
+    def _gather_plan(self, x, sizes: list[int], axis: int, what: str):
+        """(x with axis first, the gathered array to fill, counts, displacements) for an Allgatherv."""
+        xp = backend.array_module(x)
+        if len(sizes) != self.size or x.shape[axis] != sizes[self.rank]:
+            raise ValueError(f"{self.name}.{what}: shard of shape {x.shape} does not match sizes {sizes}")
+        front = _axis_first(x, axis, xp)
+        _check_buffer(front, f"{self.name}.{what}")
+        per = int(numpy.prod(front.shape[1:]))
+        counts = [s * per for s in sizes]
+        out = xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # in the array module in use
+        return front, out, counts, _displacements(counts)
+
+    def all_gather(self, x, sizes: list[int], axis: int, kind: str = "all_gather"):
         """Concatenate every rank's x along `axis`; rank r contributes sizes[r] entries (Allgatherv)."""
         if self.size == 1:
             return x
-        xp = backend.array_module(x)
-        if len(sizes) != self.size or x.shape[axis] != sizes[self.rank]:
-            raise ValueError(f"{self.name}.all_gather: shard of shape {x.shape} does not match sizes {sizes}")
-        front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))            # rank-major blocks need axis first
-        _check_buffer(front, f"{self.name}.all_gather")
-        per = int(numpy.prod(front.shape[1:]))
-        counts = [s * per for s in sizes]
-        displs = [sum(counts[:r]) for r in range(self.size)]
+        front, out, counts, displs = self._gather_plan(x, sizes, axis, "all_gather")
         t0 = time.perf_counter()
-        out = xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # in the array module in use
         _out_of_place(lambda send, recv: self.comm.Allgatherv(send, [recv, (counts, displs)]), front, out)
-        if axis % x.ndim != 0:
-            out = xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
-        self.stats.record(f"{self.name}/all_gather", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
-        return out
+        self.stats.record(f"{self.name}/{kind}", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
+        return _axis_back(out, axis, x.ndim, backend.array_module(x))
+
+    def iall_gather(self, x, sizes: list[int], axis: int, kind: str = "all_gather") -> "Pending":
+        """Start all_gather(x, sizes, axis); wait() returns the gathered array. x must stay unchanged."""
+        if self.size == 1:
+            return Pending(None, x, x, None)
+        front, out, counts, displs = self._gather_plan(x, sizes, axis, "iall_gather")
+        stager = backend.stager()
+        send = stager.lend(front)
+        recv = stager.lend(out, copy=False)
+        t0 = time.perf_counter()
+        req = self.comm.Iallgatherv(send, [recv, (counts, displs)])
+        key = f"{self.name}/{kind}"
+        self.stats.record(key, out.nbytes, 0.0, self._ring(out.nbytes), timed=False)
+        xp = backend.array_module(x)
+        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: _axis_back(o, axis, x.ndim, xp),
+                       send=(front, send))
 
     def all_gather_inplace(self, flat, sizes: list[int]):
         """flat (1-D) holds this rank's sizes[rank] entries at its offset; fill in everyone else's."""
@@ -172,24 +210,64 @@ class Group:
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
         return flat
 
-    def reduce_scatter(self, x, sizes: list[int], axis: int):
+    def _scatter_plan(self, x, sizes: list[int], axis: int, what: str, out=None):
+        """(x with axis first, this rank's block to fill (out, if given), counts) for a Reduce_scatter."""
+        xp = backend.array_module(x)
+        if len(sizes) != self.size or x.shape[axis] != sum(sizes):
+            raise ValueError(f"{self.name}.{what}: array of shape {x.shape} does not match sizes {sizes}")
+        front = _axis_first(x, axis, xp)
+        _check_buffer(front, f"{self.name}.{what}")
+        per = int(numpy.prod(front.shape[1:]))
+        shape = (sizes[self.rank],) + front.shape[1:]
+        if out is None:
+            out = xp.empty(shape, dtype=x.dtype)
+        elif out.shape != shape or out.dtype != x.dtype:
+            raise ValueError(f"{self.name}.{what}: out {out.shape} {out.dtype} is not {shape} {x.dtype}")
+        _check_buffer(out, f"{self.name}.{what}")
+        return front, out, [s * per for s in sizes]
+
+    def iall_gather_inplace(self, flat, sizes: list[int], kind: str = "all_gather") -> "Pending":
+        """Start all_gather_inplace(flat, sizes): wait() leaves everyone's entries in flat."""
+        if self.size == 1:
+            return Pending(None, flat, flat, None)
+        _check_buffer(flat, f"{self.name}.iall_gather_inplace")
+        counts = list(sizes)
+        buf = backend.stager().lend(flat)
+        t0 = time.perf_counter()
+        req = self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, _displacements(counts))])
+        key = f"{self.name}/{kind}"
+        self.stats.record(key, flat.nbytes, 0.0, self._ring(flat.nbytes), timed=False)
+        return Pending(req, flat, buf, (self.stats, key, t0))
+
+    def reduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter"):
         """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
         if self.size == 1:
             return x
-        xp = backend.array_module(x)
-        if len(sizes) != self.size or x.shape[axis] != sum(sizes):
-            raise ValueError(f"{self.name}.reduce_scatter: array of shape {x.shape} does not match sizes {sizes}")
-        front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
-        _check_buffer(front, f"{self.name}.reduce_scatter")
-        per = int(numpy.prod(front.shape[1:]))
+        front, out, counts = self._scatter_plan(x, sizes, axis, "reduce_scatter")
         t0 = time.perf_counter()
-        out = xp.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
-        counts = [s * per for s in sizes]
         _out_of_place(lambda send, recv: self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM), front, out)
-        if axis % x.ndim != 0:
-            out = xp.ascontiguousarray(xp.moveaxis(out, 0, axis))
-        self.stats.record(f"{self.name}/reduce_scatter", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
-        return out
+        self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
+        return _axis_back(out, axis, x.ndim, backend.array_module(x))
+
+    def ireduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter",
+                        out=None) -> "Pending":
+        """Start reduce_scatter(x, sizes, axis); wait() returns this rank's block of the sum (written into
+        `out` when given, for axis 0: e.g. the distributed optimizer's gradient share)."""
+        if self.size == 1:
+            return Pending(None, x, x, None)
+        if out is not None and axis % x.ndim != 0:
+            raise ValueError(f"{self.name}.ireduce_scatter: out= needs axis 0")
+        front, out, counts = self._scatter_plan(x, sizes, axis, "ireduce_scatter", out)
+        stager = backend.stager()
+        send = stager.lend(front)
+        recv = stager.lend(out, copy=False)
+        t0 = time.perf_counter()
+        req = self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
+        key = f"{self.name}/{kind}"
+        self.stats.record(key, x.nbytes, 0.0, self._ring(x.nbytes), timed=False)
+        xp = backend.array_module(x)
+        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: _axis_back(o, axis, x.ndim, xp),
+                       send=(front, send))
 
     def all_gather_last(self, x, sizes: list[int]):
         """Concatenate every rank's x along the last axis: (..., sizes[rank]) -> (..., sum(sizes))."""

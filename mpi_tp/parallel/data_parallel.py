@@ -1,107 +1,173 @@
-"""Data parallelism: average the gradients over the replicas, in buckets, during the backward pass.
+"""Data parallelism: gradient buckets, completed and averaged over the replicas during the backward pass.
 
 Each of the D replicas (one per position in the data-parallel group, see
 Topology) holds the same shards and computes gradients on its own part of the
 global batch; the mean of their gradients is the gradient of the global batch.
 
 The gradients live in a few contiguous buckets (every parameter's gradient is a
-view into one), so that a bucket is one `Iallreduce` with no packing. Buckets
-are cut at block boundaries, last block first: as soon as the backward pass has
-finished every block of a bucket (`block_done`), its all-reduce starts, and it
-proceeds while the earlier blocks compute (Megatron's and PyTorch DDP's
-overlap). The embedding tables and the final LayerNorm, whose gradients are
-final only when the backward pass ends, form the last bucket, started by
-`finish`. With gradient accumulation only the last micro-batch's backward
-reports its blocks. A pipeline stage (mpi_tp.model.pipeline) reports each of
-its chunks' blocks during that chunk's last backward, through `chunk(offset)`,
-and finishes after the schedule: a bucket's all-reduce proceeds while the rest
-of the schedule runs (the chunk's earlier blocks, the stage's other chunks).
+view into one), so that a bucket is one collective with no packing. Buckets
+are cut at block boundaries, last block first: as soon as the backward pass of
+the step's last micro-batch has finished every block of a bucket
+(`block_done`), the bucket is made final and its collective starts, while the
+earlier blocks compute (Megatron's and PyTorch DDP's overlap). The embedding
+tables and the final LayerNorm, final only when the backward pass ends, form
+the last bucket, started by `finish`. Per bucket and step:
+
+  1. sequence parallelism: the gradients of the replicated parameters that act
+     on each position (Param.sp_partial, kept together at the bucket's end) are
+     this rank's positions' part: one all-reduce over tp sums them
+     (`tp/sp_grad_all_reduce`), whatever the number of micro-batches;
+  2. over the replicas, either an all-reduce (`dp/iall_reduce`), or, for the
+     distributed optimizer (`distributed=True`, --zero 1), a reduce-scatter into
+     this rank's share of the bucket (`dp/reduce_scatter`): rank r of D keeps
+     the averaged gradient of elements [r n / D, (r+1) n / D) only, which its
+     optimizer updates (mpi_tp.training.optimizer_state); the parameters, also
+     kept in one flat buffer per bucket, are then all-gathered (`gather_params`,
+     `dp/all_gather`). A reduce-scatter and an all-gather move what one
+     all-reduce moves (docs/costmodel.md), so ZeRO-1 costs no extra traffic.
 
 Without a spare core, MPI progresses a non-blocking collective only when the
 process calls into MPI; `block_done` therefore also tests the outstanding
-requests. `overlap=False` does every all-reduce after the backward pass, for
-comparison. `hierarchical=True` reduces each bucket node by node
-(mpi_tp.parallel.hierarchical), after the backward pass.
+requests. `overlap=False` starts every bucket after the backward pass, for
+comparison. `hierarchical=True` all-reduces each bucket node by node
+(mpi_tp.parallel.hierarchical), after the backward pass (with the distributed
+optimizer each rank then keeps its share: correct, but 1.5x the traffic).
 
 Mixture of experts: an expert's parameters (marked by MoEMLP, see
 mpi_tp.parallel.expert_parallel) exist only on the replicas holding that
-expert, `edp` (dp / ep of them), so they go into buckets of their own, summed
+expert, `edp` (D / ep of them), so they go into buckets of their own, summed
 over edp instead of dp. Each copy of an expert has already received the tokens
 of its ep replicas (the all-to-all), so its gradient is the sum of ep replicas'
-shares: summed over edp it covers all dp of them, and is divided by dp like
-every other bucket (with ep = dp there is nothing to sum, only the division).
-Dense and expert buckets are cut independently (each from its own sizes), so
-every member of a group cuts its buckets alike even when the experts are
-divided unevenly. Without experts everything is as before.
+shares: summed over edp it covers all D of them, and is divided by D like
+every other bucket. Dense and expert buckets are cut independently, so every
+member of a group cuts its buckets alike even when the experts are divided
+unevenly.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from mpi_tp.core import backend
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.expert_parallel import expert_of
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
+from mpi_tp.parallel.topology import offsets, split_sizes
+
+
+@dataclass(eq=False)
+class Bucket:
+    """n gradients (and, for the distributed optimizer, the n parameter values) in one flat buffer."""
+
+    grads: object                    # (n,) every member's grad_base is a view into it
+    stores: list                     # [(offset, base, members)]: the storages it holds, in buffer order
+    blocks: frozenset                # the blocks whose gradients it holds (empty: embeddings, ln_f)
+    ready_after: int | None          # the block whose backward completes it (None: the end of the pass)
+    group: Group                     # dp, or edp for experts
+    sp: slice                        # the sp_partial gradients, summed over tp (empty: none)
+    params: object                   # (n,) the distributed optimizer's parameter buffer (data are views), or None
+    shares: list                     # every group member's share of the n elements ([n] without it)
+    share: slice                     # this rank's share
+    grad_share: object               # (share,) distributed optimizer: this rank's averaged gradients, or None
+
+
+def _make_bucket(stores, ready_after, blocks, group: Group, distributed: bool) -> Bucket:
+    """One flat gradient buffer (and parameter buffer) for these storages; their Params become views."""
+    xp = backend.xp()
+    stores = sorted(stores, key=lambda s: s[2][0].sp_partial)          # sp_partial ones last, together
+    n = sum(base.size for base, _, _ in stores)
+    grads = xp.zeros(n, dtype=stores[0][0].dtype)
+    params = xp.empty(n, dtype=stores[0][0].dtype) if distributed else None
+    at, sp_at, placed = 0, n, []
+    for base, grad, members in stores:
+        view = grads[at:at + base.size].reshape(base.shape)
+        view[...] = grad
+        for p in members:
+            p.grad_base, p.grad = view, view[p.view]
+        if params is not None:
+            pview = params[at:at + base.size].reshape(base.shape)
+            pview[...] = base
+            for p in members:
+                p.base, p.data = pview, pview[p.view]
+            base = pview
+        if members[0].sp_partial:
+            sp_at = min(sp_at, at)
+        placed.append((at, base, members))
+        at += base.size
+    shares = split_sizes(n, group.size) if distributed else [n]
+    lo = offsets(shares)[group.rank] if distributed else 0
+    share = slice(lo, lo + shares[group.rank if distributed else 0])
+    grad_share = xp.empty(share.stop - share.start, grads.dtype) if distributed else None
+    return Bucket(grads, placed, frozenset(blocks), ready_after, group, slice(sp_at, n), params, shares,
+                  share, grad_share)
+
+
+def make_buckets(model, group: Group, bucket_mb: float, distributed: bool) -> list[Bucket]:
+    """model's parameters in buckets of about bucket_mb MiB, cut at block boundaries, last block first."""
+    owner = {}                       # which block each storage belongs to (None: embeddings, ln_f)
+    for i, block in enumerate(model.h):
+        for p in block.parameters():
+            owner[id(p.base)] = i
+    stores = storages(model.parameters())
+    experts = {id(p.base): expert_of(p) for p in model.parameters() if expert_of(p) is not None}
+    kinds = [([s for s in stores if id(s[0]) not in experts], group)]        # (storages, their group)
+    if experts:
+        kinds.append(([s for s in stores if id(s[0]) in experts], next(iter(experts.values())).edp))
+    buckets, limit = [], bucket_mb * 2**20
+    current, size = [[] for _ in kinds], [0] * len(kinds)
+    for i in reversed(range(len(model.h))):            # backward order
+        for k, (mine, g) in enumerate(kinds):          # dense, then experts: each cut on its own sizes
+            for store in mine:
+                if owner.get(id(store[0])) == i:
+                    current[k].append(store)
+                    size[k] += store[0].nbytes
+            if (size[k] >= limit or i == 0) and current[k]:
+                blocks = {owner[id(store[0])] for store in current[k]}
+                buckets.append(_make_bucket(current[k], i, blocks, g, distributed))
+                current[k], size[k] = [], 0
+    rest = [s for s in kinds[0][0] if id(s[0]) not in owner]
+    if rest:
+        buckets.append(_make_bucket(rest, None, set(), group, distributed))
+    return buckets
 
 
 class GradReducer:
-    """Averages gradients over `group` (the data-parallel group; expert parameters are summed over
-    their expert-data-parallel group, then divided the same); hook it into GPT.backward."""
+    """Completes and averages the gradients over `group` (the data-parallel group; experts over edp),
+    bucket by bucket; hook it into GPT.backward and call finish() after the last backward
+    (mpi_tp.parallel.finalize.finalize_grads does).
+
+    distributed: the distributed optimizer's reduce-scatter instead of the all-reduce (ZeRO-1).
+    """
 
     def __init__(self, model, group: Group, bucket_mb: float = 8.0, overlap: bool = True,
-                 hierarchical: bool = False):
+                 hierarchical: bool = False, distributed: bool = False):
         self.group, self.overlap = group, overlap and not hierarchical
-        self.hierarchical = HierarchicalAllReduce(group) if hierarchical and group.size > 1 else None
-        self.buckets = []          # [(flat grad buffer, index of the block that completes it or None)]
-        self._blocks = []          # per bucket: the indices of the blocks it holds (empty: not blocks')
-        self._groups = []          # per bucket: the group that sums it (dp, or edp for experts)
-        self._done, self._started = set(), set()            # this step's finished blocks, started buckets
-        self._pending = []
-        if group.size == 1:
-            return
-        # Which block each parameter storage belongs to (None: embeddings and ln_f, ready at the end).
-        owner = {}
-        for i, block in enumerate(model.h):
-            for p in block.parameters():
-                owner[id(p.base)] = i
-        stores = storages(model.parameters())
-        experts = {id(p.base): expert_of(p) for p in model.parameters() if expert_of(p) is not None}
-        kinds = [([s for s in stores if id(s[0]) not in experts], group)]        # (storages, their group)
-        edp = next(iter(experts.values())).edp if experts else None
-        if edp is not None:
-            kinds.append(([s for s in stores if id(s[0]) in experts], edp))
-            if hierarchical:               # (ep = 1: edp is dp itself, and so is this)
-                self.hierarchical_experts = self.hierarchical if edp is group else HierarchicalAllReduce(edp)
-        limit = bucket_mb * 2**20
-        current, size = [[] for _ in kinds], [0] * len(kinds)
-        for i in reversed(range(len(model.h))):            # backward order
-            for k, (mine, g) in enumerate(kinds):          # dense, then experts: each cut on its own sizes
-                for store in mine:
-                    if owner.get(id(store[0])) == i:
-                        current[k].append(store)
-                        size[k] += store[0].nbytes
-                if size[k] >= limit or i == 0:
-                    if current[k]:
-                        self._make_bucket(current[k], i, {owner[id(store[0])] for store in current[k]}, g)
-                    current[k], size[k] = [], 0
-        rest = [s for s in kinds[0][0] if id(s[0]) not in owner]
-        if rest:
-            self._make_bucket(rest, None, set(), group)
+        self.distributed = distributed and group.size > 1
+        self.tp = model.topo.tp
+        self._done, self._started, self._pending, self._gathers = set(), set(), [], []
+        sp = self.tp.size > 1 and any(p.sp_partial for p in model.parameters())
+        self.buckets = make_buckets(model, group, bucket_mb, self.distributed) if group.size > 1 or sp else []
+        self.hierarchical = {}       # group name -> HierarchicalAllReduce
+        if hierarchical and group.size > 1:
+            for g in {b.group.name: b.group for b in self.buckets if b.group.size > 1}.values():
+                self.hierarchical[g.name] = HierarchicalAllReduce(g)
 
-    def _make_bucket(self, stores, ready_after, blocks: set, group: Group) -> None:
-        """One flat gradient buffer for these storages; their Params' grads become views into it."""
-        xp = backend.xp()
-        n = sum(base.size for base, _, _ in stores)
-        flat = xp.zeros(n, dtype=stores[0][0].dtype)
-        at = 0
-        for base, grad, members in stores:
-            view = flat[at:at + base.size].reshape(base.shape)
-            view[...] = grad
-            for p in members:
-                p.grad_base, p.grad = view, view[p.view]
-            at += base.size
-        self.buckets.append((flat, ready_after))
-        self._blocks.append(frozenset(blocks))
-        self._groups.append(group)
+    def _start(self, k: int) -> None:
+        """Bucket k is final on this rank: sum its sp_partial part over tp, start its collective over the group."""
+        b = self.buckets[k]
+        self._started.add(k)
+        if b.sp.start < b.sp.stop:
+            self.tp.all_reduce(b.grads[b.sp], kind="sp_grad_all_reduce")
+        if self.group.size == 1 or self.hierarchical:     # hierarchical: node by node, blocking, in finish()
+            return
+        if self.distributed and b.group.size == 1:        # experts held by one replica (ep = D): nothing to sum
+            b.grad_share[...] = b.grads
+            pending = None
+        elif self.distributed:
+            pending = b.group.ireduce_scatter(b.grads, b.shares, axis=0, out=b.grad_share)
+        else:
+            pending = b.group.iall_reduce(b.grads)
+        self._pending.append((k, pending))
 
     def block_done(self, i: int) -> None:
         """Called by the backward pass once block i's gradients are final: start the buckets whose
@@ -109,12 +175,12 @@ class GradReducer:
         if not self.overlap:
             return
         self._done.add(i)
-        for k, (flat, _) in enumerate(self.buckets):
-            if k not in self._started and self._blocks[k] and self._blocks[k] <= self._done:
-                self._started.add(k)
-                self._pending.append((self._groups[k].iall_reduce(flat), flat))
-        for pending, _ in self._pending:
-            pending.test()                                  # drive MPI's progress engine
+        for k, b in enumerate(self.buckets):
+            if k not in self._started and b.blocks and b.blocks <= self._done:
+                self._start(k)
+        for _, pending in self._pending:
+            if pending is not None:
+                pending.test()                              # drive MPI's progress engine
 
     def chunk(self, offset: int) -> "ChunkReducer":
         """What one pipeline chunk's GPT.backward takes as its reducer: its block i is block
@@ -122,21 +188,36 @@ class GradReducer:
         return ChunkReducer(self, offset)
 
     def finish(self) -> None:
-        """After the backward pass: reduce what is left, wait for everything, divide by D."""
-        if self.group.size == 1:
-            return
-        if self.hierarchical is not None:
-            for (flat, _), g in zip(self.buckets, self._groups):
-                (self.hierarchical_experts if g is not self.group else self.hierarchical).all_reduce(flat)
-                flat *= 1.0 / self.group.size
-            return
-        for k, (flat, _) in enumerate(self.buckets):
+        """After the backward pass: start what is left, wait for everything, divide by D."""
+        for k in range(len(self.buckets)):
             if k not in self._started:
-                self._pending.append((self._groups[k].iall_reduce(flat), flat))
-        for pending, flat in self._pending:
-            pending.wait()
-            flat *= 1.0 / self.group.size              # experts too: summed over edp, they hold all dp shares
+                self._start(k)
+        scale = 1.0 / self.group.size
+        if self.hierarchical and self.group.size > 1:
+            for b in self.buckets:
+                if b.group.size > 1:
+                    self.hierarchical[b.group.name].all_reduce(b.grads)
+                b.grads *= scale
+                if self.distributed:
+                    b.grad_share[...] = b.grads[b.share]
+        for k, pending in self._pending:
+            if pending is not None:
+                pending.wait()
+            b = self.buckets[k]
+            (b.grad_share if self.distributed else b.grads)[...] *= scale   # experts too: edp sums hold all D
         self._pending, self._done, self._started = [], set(), set()
+
+    def gather_params(self, k: int) -> None:
+        """Distributed optimizer: bucket k's share is updated; start all-gathering its parameters."""
+        b = self.buckets[k]
+        if b.group.size > 1:
+            self._gathers.append(b.group.iall_gather_inplace(b.params, b.shares))
+
+    def wait_params(self) -> None:
+        """Every parameter all-gathered (after the optimizer's step)."""
+        for pending in self._gathers:
+            pending.wait()
+        self._gathers = []
 
 
 class ChunkReducer:
@@ -149,4 +230,4 @@ class ChunkReducer:
         self.reducer.block_done(self.offset + i)
 
     def finish(self) -> None:
-        """Nothing: the pipeline stage calls GradReducer.finish() after the schedule."""
+        """Nothing: finalize_grads calls GradReducer.finish() after the schedule."""

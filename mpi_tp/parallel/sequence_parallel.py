@@ -7,13 +7,15 @@ reduce-scatter along it:
     reduce_scatter_to_sp reduce-scatter (seq.)     all-gather (sequence)       (replaces g)
 
 `enter_tp` / `leave_tp` pick f / g or their sequence-parallel replacements, so
-the parallel layers have one code path. A replicated parameter (LayerNorm,
-row-parallel bias, position embedding) then sees only this rank's positions:
-`sum_replicated_grads` adds its gradient over the group.
+the parallel layers have one code path. A column layer keeps only its input's
+shard (B, S_i, K) for the backward pass and gathers it again there
+(`regather_from_sp`, Korthikanti et al. 2022, sec. 4.2.2): one more all-gather
+per column layer and step, for 1/T of its input's memory. A replicated
+parameter (LayerNorm, row-parallel bias, position embedding) then sees only
+this rank's positions: its gradient is marked Param.sp_partial and summed over
+the group once per step (mpi_tp.parallel.finalize).
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 from mpi_tp.core import backend
 from mpi_tp.parallel.collectives import Group
@@ -27,6 +29,8 @@ class SequenceSplit:
     Set once per forward pass (the sequence length may change between calls) and
     read by every layer of the model; shards differ by at most one position.
     """
+
+    overlap = True      # column layers' backward: start the all-gather again before dX's GEMM, wait before dW's
 
     def __init__(self, group: Group):
         self.group, self.sizes = group, None
@@ -65,6 +69,44 @@ def reduce_scatter_to_sp_backward(dout, group: Group, sizes: list[int]):
     return group.all_gather(dout, sizes, axis=1)
 
 
+# -- a region that every rank computes whole (the MoE router and dispatch) ----------------
+# Its output is the same on every rank, complete: leaving it keeps this rank's positions (no
+# communication) and entering it gathers them; each is the other's backward.
+
+
+def gather_positions(x, group: Group, sizes: list[int]):
+    """(B, S_i, C) -> (B, S, C), into a region whose result every rank computes whole (all-gather)."""
+    return group.all_gather(x, sizes, axis=1)
+
+
+def gather_positions_backward(dout, group: Group, sizes: list[int]):
+    """The region's input gradient is whole and the same on every rank: keep this rank's positions."""
+    start = offsets(sizes)[group.rank]
+    return backend.array_module(dout).ascontiguousarray(dout[:, start:start + sizes[group.rank]])
+
+
+def keep_positions(y, group: Group, sizes: list[int]):
+    """(B, S, C) -> (B, S_i, C): leave such a region (every rank holds the whole y already)."""
+    return gather_positions_backward(y, group, sizes)
+
+
+def keep_positions_backward(dout, group: Group, sizes: list[int]):
+    """Every rank needs the whole output gradient inside the region (all-gather)."""
+    return gather_positions(dout, group, sizes)
+
+
+def regather_from_sp(x, group: Group, sizes: list[int]):
+    """Start gathering a column layer's kept input shard again, for its weight gradient:
+    (B, S_i, K) -> (B, S, K) when waited. The second all-gather of Korthikanti et al. 2022, sec. 4.2.2:
+    the layer keeps 1/T of its input between the passes instead of all of it."""
+    return group.iall_gather(x, sizes, axis=1, kind="regather")
+
+
+def start_gather_from_sp_backward(dout, group: Group, sizes: list[int]):
+    """gather_from_sp_backward, started (the weight gradient's GEMM runs meanwhile): wait() gives it."""
+    return group.ireduce_scatter(dout, sizes, axis=1)
+
+
 # -- entering and leaving a tensor-parallel region, with or without sequence parallelism ----
 
 
@@ -94,42 +136,3 @@ def leave_tp_backward(dout, group: Group, sizes):
     if sizes is not None:
         return reduce_scatter_to_sp_backward(dout, group, sizes)
     return reduce_from_tp_backward(dout, group)
-
-
-# -- replicated parameters ---------------------------------------------------------------
-
-
-@contextmanager
-def sum_replicated_grads(params, sp: SequenceSplit | None):
-    """The gradient that the enclosed backward adds to each replicated parameter, summed over the group.
-
-        with sum_replicated_grads(block.parameters(), sp):
-            dx = block.backward(dx)
-
-    Under sequence parallelism a replicated parameter (LayerNorm, row-parallel
-    bias, position embedding) sees only this rank's positions, so each rank's
-    gradient is a part of the whole. Only this backward's increment is summed
-    (one packed all-reduce): gradients accumulated by earlier backward passes
-    (micro-batches) were summed already and must not be counted again.
-    Without sequence parallelism (sp None) or on one rank it does nothing.
-    """
-    params = [p for p in params if not p.sharded]
-    if sp is None or sp.group.size == 1 or not params:
-        yield
-        return
-    xp = backend.xp()
-    earlier = None
-    if not all(p.fresh for p in params):       # gradients from earlier passes: set aside, start from 0
-        earlier = [p.grad.copy() for p in params]
-        for p in params:
-            p.zero_grad()
-    yield
-    buf = xp.concatenate([p.grad.reshape(-1) for p in params])    # this backward's part, this rank
-    sp.group.all_reduce(buf, kind="sp_grad_all_reduce")
-    at = 0
-    for i, p in enumerate(params):
-        p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
-        if earlier is not None:
-            p.grad += earlier[i]
-        p.fresh = False
-        at += p.grad.size

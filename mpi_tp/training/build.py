@@ -17,12 +17,13 @@ from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.chunks import build_stage
+from mpi_tp.parallel.pipeline.stage import PipelineStage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import BatchSampler, Corpus, eval_batches, load_corpus, split
-from mpi_tp.training.optim import SGD, AdamW, grad_norm
+from mpi_tp.training.optim import SGD, AdamW
 
 
 @dataclass
@@ -53,7 +54,8 @@ class Run:
 
     def grad_norm(self) -> float:
         """The whole model's gradient norm, the same on every rank (every stage's parameters, wte once)."""
-        return grad_norm(self.model.unique_parameters(), self.topo.tp, self.topo.pp)
+        counted = {id(p) for p in self.model.unique_parameters()}
+        return self.opt.grad_norm(self.topo.tp, self.topo.pp, counted)
 
 
 def _load_data(cfg: TrainConfig, comm):
@@ -116,22 +118,23 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     tp, pp, dp = cfg.layout(comm.Get_size())
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep)      # ep inside dp (checked by validate)
     if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
-        model = PipelineStage(cfg.model_config(), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
+        model = build_stage(cfg.model_config(), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
                               cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
     else:
         model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed,
                     sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
-    # the reducer moves the gradients into buckets: before the optimizer reads them
-    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical")
+    # the reducer moves the gradients (and, for the distributed optimizer, the parameters) into buckets:
+    # before the optimizer reads them
+    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical",
+                          distributed=bool(cfg.zero))
     per_replica = cfg.batch_size * cfg.micro_batches
     rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
-    zero_group = topo.dp if cfg.zero else None        # experts' state: over edp (see optim._Optimizer)
-    if cfg.optimizer == "adamw":
+    if cfg.optimizer == "adamw":         # --zero 1: the distributed optimizer over the reducer's buckets
         opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
-                    zero_group=zero_group)
+                    reducer=reducer)
     else:
         opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                  zero_group=zero_group)
+                  reducer=reducer)
     start = collective_setup(_find_start, cfg, out, comm=comm)
     first = 1
     if start is not None:

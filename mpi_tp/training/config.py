@@ -152,7 +152,7 @@ class TrainConfig:
         self.model_config().validate(tp, self.ep)
 
     def _validate_moe(self, dp: int) -> None:
-        """The expert-parallel layout and what mixture of experts cannot be combined with, in CLI terms."""
+        """The expert-parallel layout, in CLI terms."""
         E, ep = self.moe_experts, self.ep
         if ep < 1:
             raise ConfigError(f"--ep must be at least 1, got {ep}")
@@ -170,13 +170,6 @@ class TrainConfig:
         if E > 0 and ep > E:
             raise ConfigError(f"--ep {ep} exceeds --moe-experts {E}: some rank would hold no expert; use "
                               f"--ep <= {E} or more experts")
-        if E > 0 and self.sequence_parallel:
-            raise ConfigError("--sequence-parallel is not supported with a mixture-of-experts model "
-                              "(--moe-experts): the router and the dispatch need every position on every "
-                              "tensor-parallel rank; drop --sequence-parallel")
-        if E > 0 and (self.pp > 1 or self.virtual_stages > 1):
-            raise ConfigError("pipeline parallelism (--pp, --virtual-stages) is not supported with a "
-                              "mixture-of-experts model (--moe-experts) yet: use --pp 1")
 
     def layout(self, world_size: int) -> tuple[int, int, int]:
         """(tp, pp, dp) for a job of world_size ranks."""

@@ -32,7 +32,8 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage, micro_batch_rows
+from mpi_tp.parallel.finalize import finalize_grads
+from mpi_tp.parallel.pipeline.stage import PipelineStage, micro_batch_rows
 from mpi_tp.parallel.trace import Trace, span
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
@@ -56,8 +57,9 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
 
     x, y: the global batch (rows = sequences); this replica takes `rows`, in
     `micro_batches` forward/backward passes of equal size, each scaled by
-    1/micro_batches (gradient accumulation). The data-parallel all-reduces run
-    during the last backward pass only, when the gradients are complete. Every
+    1/micro_batches (gradient accumulation). The data-parallel buckets start
+    during the last backward pass only, when the gradients are complete, and
+    finalize_grads completes them once per step (mpi_tp.parallel.finalize). Every
     micro-batch draws the dropout masks of this step, keyed by its sequences'
     rows in the global batch, so any (dp, micro_batches) split of the same global
     batch gives the same numbers. Returns the mean loss over the global batch,
@@ -77,6 +79,8 @@ def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer,
         last = m == micro_batches - 1
         with span(trace, "backward", "compute", micro=m):
             model.backward(dout=1.0 / micro_batches, reducer=reducer if last else None)
+    with span(trace, "finalize", "compute"):
+        finalize_grads(model, reducer)
     loss = total / micro_batches
     if dp.size > 1:                       # the global batch's loss: the mean over replicas
         loss = float(dp.all_reduce(numpy.array([loss]))[0]) / dp.size
@@ -100,9 +104,8 @@ def train_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) ->
         loss = forward_backward(model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp, meter)
     if not math.isfinite(loss):
         return loss, float("nan"), f"the loss became {loss}"
-    params = run.opt.params
     if armed("nan-grad", step):
-        params[0].grad[...] = float("nan")
+        run.opt.grads()[0][...] = float("nan")          # what the update would read
     norm = run.grad_norm()
     if not math.isfinite(norm):
         return loss, norm, f"the gradient norm became {norm}"

@@ -4,7 +4,9 @@ The updates are elementwise, so each rank updates its own shards with no
 communication and the result is the same as the serial update of the full
 tensor. Only the global gradient norm needs the group: sharded parameters
 contribute their squares from every rank (all-reduce SUM), replicated ones
-are counted once (every rank holds the same gradient).
+are counted once (every rank holds the same gradient). With the distributed
+optimizer (a GradReducer with distributed=True, --zero 1) each rank updates
+only its share of every data-parallel bucket (mpi_tp.training.optimizer_state).
 """
 from __future__ import annotations
 
@@ -13,47 +15,21 @@ import math
 from mpi_tp.core import backend
 from mpi_tp.core.params import Param, storages
 from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.expert_parallel import expert_of
-from mpi_tp.parallel.topology import split_sizes
+from mpi_tp.training import optimizer_state as state_of
+from mpi_tp.training.optimizer_state import bucket_spaces, storage_spaces
 
 
 def grad_norm(params: list[Param], group: Group, stages: Group | None = None) -> float:
-    """The L2 norm of the full model's gradient, the same on every rank.
+    """The L2 norm of the full model's gradient, the same on every rank, when every rank holds its
+    parameters' whole gradients (no distributed optimizer; with one: _Optimizer.grad_norm).
 
     params: this rank's parameters, each once (a pipeline stage's unique_parameters());
     group: the tensor-parallel group; stages: the pipeline group, whose ranks hold
-    different parts of the model (their squares are summed too).
-
-    Expert parameters (mpi_tp.parallel.expert_parallel.ExpertShard) live on one rank of
-    the expert-parallel group each: their squares (tp shards summed over tp, tp-replicated
-    ones counted once) are summed over ep as well. The other members of the data-parallel
-    group are replicas and are not counted again.
+    different parts of the model (their squares are summed too). Expert parameters
+    (mpi_tp.parallel.expert_parallel.ExpertShard) live on one rank of the expert-parallel
+    group each: their squares are summed over ep as well.
     """
-    xp = backend.xp()
-    sharded, replicated, expert_sharded, expert_replicated, ep = [], [], [], [], None
-    for _, grad, members in storages(params):
-        g = grad.reshape(-1)
-        shard = expert_of(members[0])
-        if shard is None:
-            (sharded if members[0].sharded else replicated).append(float(g @ g))   # BLAS dot, no temporary
-        else:
-            ep = shard.ep
-            (expert_sharded if members[0].sharded else expert_replicated).append(float(g @ g))
-    if ep is None:
-        buf = xp.asarray([math.fsum(sharded)], dtype="float64")
-        group.all_reduce(buf)                                   # one scalar all-reduce per step
-        total = float(buf[0]) + math.fsum(replicated)
-    else:
-        buf = xp.asarray([math.fsum(sharded), math.fsum(expert_sharded)], dtype="float64")
-        group.all_reduce(buf)                                   # dense and expert shards over tp
-        experts = xp.asarray([float(buf[1]) + math.fsum(expert_replicated)], dtype="float64")
-        ep.all_reduce(experts)                                  # every expert, over the ranks holding them
-        total = float(buf[0]) + math.fsum(replicated) + float(experts[0])
-        buf = buf[:1]
-    if stages is not None and stages.size > 1:
-        buf[0] = total
-        total = float(stages.all_reduce(buf)[0])
-    return math.sqrt(total)
+    return state_of.grad_norm(storage_spaces(params), group, stages)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
@@ -99,96 +75,83 @@ def _blocks(n: int):
 
 
 class _Optimizer:
-    """Shared bookkeeping: per-storage state arrays, their per-parameter views, and ZeRO-1.
+    """Shared bookkeeping: the spaces this rank updates (optimizer_state), their state arrays, ZeRO-1.
 
-    zero_group: with a data-parallel group of D > 1 ranks, ZeRO stage 1 (Rajbhandari
-    et al. 2020): each replica keeps the optimizer state of, and updates, only its
-    1/D share of every storage (a contiguous range of its flat view), then the
-    updated parameters are all-gathered over the group. The update of each element
-    is the same arithmetic as without ZeRO, so results are identical.
-
-    Mixture of experts: an expert's storage (p.expert, mpi_tp.parallel.expert_parallel)
-    is the same only on the replicas holding that expert, its expert-data-parallel group
-    `edp` (dp / ep ranks; dp itself at ep = 1), whose members hold the same experts in
-    the same order. So it is sharded over edp instead of dp (whole, no gather, when
-    ep = dp), and each storage's share is all-gathered over its own group: dense
-    storages over dp, in the same order on every member, expert storages over edp,
-    in the same order on the members of each edp group. Still exact: every element
-    has one owner, which does the same update as without ZeRO.
+    reducer: a GradReducer built with distributed=True over a data-parallel group of
+    D > 1 ranks gives the distributed optimizer: each rank keeps the state of, and
+    updates, only its share of every bucket (the reduce-scatter left it those
+    gradients), and after each bucket's update its parameters' all-gather starts
+    (reducer.gather_params), overlapping the next bucket's update; step() waits for
+    them at its end. Otherwise every rank updates all its elements.
     """
 
-    def __init__(self, params: list[Param], kinds: tuple, zero_group: Group | None = None):
+    def __init__(self, params: list[Param], kinds: tuple, reducer=None):
         xp = backend.xp()
         self.params = params
-        self.storages = storages(params)
-        where = {id(base): i for i, (base, _, _) in enumerate(self.storages)}
-        self._where = [where[id(p.base)] for p in params]
-        self.zero = zero_group if zero_group is not None and zero_group.size > 1 else None
-        self._parts = []                 # per storage: (every rank's share sizes, this rank's flat range)
-        self._zero_groups = []           # per storage: the group its state is split over (None: whole here)
-        for base, _, members in self.storages:
-            g = self._zero_group_of(members[0])
-            sizes = split_sizes(base.size, g.size) if g else [base.size]
-            lo = sum(sizes[:g.rank]) if g else 0
-            self._parts.append((sizes, slice(lo, lo + sizes[g.rank if g else 0])))
-            self._zero_groups.append(g)
-        self.state = {k: [xp.zeros(part.stop - part.start, base.dtype)
-                          for (base, _, _), (_, part) in zip(self.storages, self._parts)] for k in kinds}
-        dtype = self.storages[0][0].dtype if self.storages else "float32"
-        n = min(BLOCK, max((b.size for b, _, _ in self.storages), default=1))
+        self.reducer = reducer if reducer is not None and reducer.distributed else None
+        self.spaces = bucket_spaces(self.reducer) if self.reducer else storage_spaces(params)
+        if self.reducer and {id(p) for p in params} != {id(p) for s in self.spaces for _, _, m in s.stores for p in m}:
+            raise ValueError("the distributed optimizer needs the parameters of the reducer's model")
+        self.state = {k: [xp.zeros(s.size, s.params().dtype) for s in self.spaces] for k in kinds}
+        dtype = self.spaces[0].params().dtype if self.spaces else "float32"
+        n = min(BLOCK, max((s.size for s in self.spaces), default=1))
         self._scratch, self._scaled = xp.empty(n, dtype), xp.empty(n, dtype)
         self.t = 0
 
-    def _zero_group_of(self, p: Param) -> Group | None:
-        """ZeRO-1's group for p's storage: dp, or edp for an expert's; None without ZeRO or for one rank."""
-        if self.zero is None:
-            return None
-        shard = expert_of(p)
-        g = self.zero if shard is None else shard.edp
-        return g if g.size > 1 else None
+    def grad_norm(self, tp: Group, pp: Group | None = None, counted=None) -> float:
+        """The whole model's gradient norm from this rank's spaces (see optimizer_state.grad_norm)."""
+        return state_of.grad_norm(self.spaces, tp, pp, counted)
+
+    def grads(self) -> list:
+        """The flat gradients this rank's update reads, one per space (views: writing into them counts)."""
+        return [s.grads() for s in self.spaces]
 
     def state_tensors(self) -> dict:
         """Per-parameter state arrays by kind (saved in checkpoints as optim/<kind>/<name>), whole:
-        under ZeRO-1 the shares are all-gathered first, so every rank of the dp group must call this
-        (experts' shares over their edp groups)."""
+        with the distributed optimizer the shares are all-gathered first, so every rank of the dp group
+        must call this (experts' shares over their edp groups)."""
+        where = {}
+        for j, space in enumerate(self.spaces):
+            for at, base, members in space.stores:
+                for p in members:
+                    where[id(p)] = (j, at, base)
         out = {}
         for kind, arrays in self.state.items():
-            full = [self._gather(a, j) for j, a in enumerate(arrays)]
-            out[kind] = [full[i].reshape(self.storages[i][0].shape)[p.view] for p, i in zip(self.params, self._where)]
+            full = [state_of.gather_whole(s, a) for s, a in zip(self.spaces, arrays)]
+            out[kind] = []
+            for p in self.params:
+                j, at, base = where[id(p)]
+                out[kind].append(full[j][at:at + base.size].reshape(base.shape)[p.view])
         return out
 
     def load_state_tensors(self, values: dict) -> None:
         """Set the state from whole per-parameter arrays {kind: [array per param]} (keeps this rank's share)."""
         xp = backend.xp()
+        given = {id(p): i for i, p in enumerate(self.params)}
         for kind, arrays in self.state.items():
-            full = [xp.empty(base.shape, base.dtype) for base, _, _ in self.storages]
-            for p, i, v in zip(self.params, self._where, values[kind]):
-                full[i][p.view] = v
-            for j, (_, part) in enumerate(self._parts):
-                arrays[j][...] = full[j].reshape(-1)[part]
-
-    def _gather(self, share, j: int):
-        """A storage's whole flat state from every replica's share (the share itself without ZeRO)."""
-        group = self._zero_groups[j]
-        if group is None:
-            return share
-        full = backend.xp().empty(sum(self._parts[j][0]), share.dtype)
-        full[self._parts[j][1]] = share
-        return group.all_gather_inplace(full, self._parts[j][0])
+            for j, space in enumerate(self.spaces):
+                full = xp.empty(sum(space.shares), arrays[j].dtype)
+                for at, base, members in space.stores:
+                    view = full[at:at + base.size].reshape(base.shape)
+                    for p in members:
+                        view[p.view] = values[kind][given[id(p)]]
+                arrays[j][...] = full[space.share]
 
     def _flat(self):
-        """(param, grad, decay, *state) as flat views of this rank's range, one tuple per storage."""
-        for j, (base, _, members) in enumerate(self.storages):
-            grad = members[0].grad_base          # read now: data parallelism may move gradients into buckets
-            part = self._parts[j][1]
-            yield (base.reshape(-1)[part], grad.reshape(-1)[part], members[0].decay,
-                   *(arrays[j] for arrays in self.state.values()))
+        """(param, grad, decay, *state) as flat views of one segment, for every segment of every space;
+        after each space of the distributed optimizer, its parameters' all-gather starts."""
+        for j, space in enumerate(self.spaces):
+            params, grads = space.params(), space.grads()
+            for seg in space.segments:
+                part = slice(seg.lo, seg.hi)
+                yield (params[part], grads[part], seg.decay, *(arrays[j][part] for arrays in self.state.values()))
+            if self.reducer is not None:
+                self.reducer.gather_params(space.index)
 
     def _share_updated_params(self) -> None:
-        """ZeRO-1: every replica updated its share; all-gather the parameters over dp (experts: edp)."""
-        for j, (base, _, _) in enumerate(self.storages):
-            if self._zero_groups[j] is not None:
-                self._zero_groups[j].all_gather_inplace(base.reshape(-1), self._parts[j][0])
+        """Distributed optimizer: wait for every bucket's parameter all-gather."""
+        if self.reducer is not None:
+            self.reducer.wait_params()
 
     def _scratch_for(self, n: int):
         if n > self._scratch.size:       # one block per storage on GPUs
@@ -208,8 +171,8 @@ class _Optimizer:
 class SGD(_Optimizer):
     """p -= lr * (grad + weight_decay * p) for decayed params; optional momentum."""
 
-    def __init__(self, params: list[Param], lr=0.1, momentum=0.0, weight_decay=0.0, zero_group=None):
-        super().__init__(params, ("momentum",) if momentum else (), zero_group)
+    def __init__(self, params: list[Param], lr=0.1, momentum=0.0, weight_decay=0.0, reducer=None):
+        super().__init__(params, ("momentum",) if momentum else (), reducer)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
@@ -243,8 +206,8 @@ class AdamW(_Optimizer):
     """
 
     def __init__(self, params: list[Param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 zero_group=None):
-        super().__init__(params, ("m", "v"), zero_group)
+                 reducer=None):
+        super().__init__(params, ("m", "v"), reducer)
         self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
         self.b1, self.b2 = betas
 

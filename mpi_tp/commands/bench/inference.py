@@ -105,14 +105,15 @@ def collective_floor(topo, model, B, reps=50) -> float:
     if topo.tp.size == 1:
         return 0.0
     xp, C = backend.xp(), model.cfg.n_embd
-    x, logits = xp.ones((B, 1, C), dtype=model.dtype), xp.ones((B, model.wte.sizes[topo.tp.rank]), model.dtype)
+    sizes = model.embedding.wte.sizes
+    x, logits = xp.ones((B, 1, C), dtype=model.dtype), xp.ones((B, sizes[topo.tp.rank]), model.dtype)
     times = []
     for _ in range(reps + 5):
         topo.tp.comm.Barrier()
         t = time.perf_counter()
         for _ in range(2 * len(model.h) + 1):
             topo.tp.all_reduce(x)
-        topo.tp.all_gather_last(logits, model.wte.sizes)
+        topo.tp.all_gather_last(logits, sizes)
         times.append(time.perf_counter() - t)
     topo.stats.reset()
     return float(numpy.median(times[5:]))
@@ -129,7 +130,7 @@ def formula(L, C, V, B, tp, itemsize) -> dict:
 def step_bytes(model, B, n) -> dict:
     """What this rank must read for one decode step at a context of n positions (S_ctx): its weight
     shards and its cache."""
-    wpe = model.wpe.data
+    wpe = model.embedding.wpe.data
     weights = sum(p.data.nbytes for p in model.parameters()) - wpe.nbytes + B * wpe[0].nbytes
     attn = model.h[0].attn
     kv = 2 * len(model.h) * B * attn.H_i * n * attn.hs * model.dtype.itemsize

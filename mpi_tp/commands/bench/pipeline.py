@@ -21,7 +21,7 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology, split_sizes
 from mpi_tp.parallel.trace import Trace
@@ -43,7 +43,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     after the schedule)."""
     from mpi_tp.commands.bench.step import gemm_peak, model_flops        # the same yardsticks as `mpi-tp bench`
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
-    stage = PipelineStage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
+    stage = build_stage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)
     stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, overlap=overlap_dp)

@@ -42,7 +42,8 @@ from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.gpt import Block
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from mpi_tp.parallel.sequence_parallel import SequenceSplit, sum_replicated_grads
+from mpi_tp.parallel.finalize import sum_sp_partial_grads
+from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology
 
 LAYERS = ("column", "row", "mlp", "attention", "block")
@@ -172,8 +173,8 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     y = par.forward(x_i)
     fwd = topo.stats.snapshot()
     topo.stats.reset()
-    with sum_replicated_grads(par.parameters(), sp):          # as GPT.backward does per block
-        dx = par.backward(_cut(dout, out_cols, out_pos))
+    dx = par.backward(_cut(dout, out_cols, out_pos))
+    sum_sp_partial_grads(par.parameters(), topo.tp)           # as finalize_grads does once per step
     bwd = topo.stats.snapshot()
 
     err_out = max_rel_diff(y, _cut(y_ref, out_cols, out_pos))

@@ -26,7 +26,7 @@ from mpi_tp.commands.explain.common import comm_text
 from mpi_tp.core.runtime import rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.pipeline.schedules import draw, schedule, simulate
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
@@ -95,7 +95,7 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
             rank0_print(f"\n== interleaved == skipped: M = {M} is not a multiple of P = {P}", comm=comm)
             continue
         topo = Topology.create(comm, tp=1, pp=P, dp=1)
-        stage = PipelineStage(cfg, topo, "float64", 0, False, name, M, v)
+        stage = build_stage(cfg, topo, "float64", 0, False, name, M, v)
         stage.forward_backward(x, y, slice(0, M))                         # warm-up: caches, buffers
         topo.stats.reset()
         topo.stats.trace = trace = Trace(comm)

@@ -35,7 +35,8 @@ from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff
 from mpi_tp.model.config import fewest_heads
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.pipeline import PipelineStage
+from mpi_tp.parallel.finalize import finalize_grads
+from mpi_tp.parallel.pipeline.stage import PipelineStage
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training import loop
 from mpi_tp.training.build import build
@@ -115,16 +116,16 @@ def instrument(run, phases: Phases) -> None:
     chunks = model.chunks if isinstance(model, PipelineStage) else [model]
     for chunk in chunks:
         if chunk.first:
-            phases.wrap(chunk.wte, "forward", "embedding")
+            phases.wrap(chunk.embedding.wte, "forward", "embedding")
         for block in chunk.h:
             phases.wrap(block, "forward", "blocks")
         if chunk.last:
-            phases.wrap(chunk.wte, "logits_forward", "loss")
-            phases.wrap(chunk.loss, "forward", "loss")
+            phases.wrap(chunk.head.table, "logits_forward", "loss")
+            phases.wrap(chunk.head.loss, "forward", "loss")
         phases.wrap(chunk, "backward", "backward")
     if isinstance(model, PipelineStage):
         phases.wrap(model.engine, "run", "stage to stage")        # what the chunks leave: sends, receives
-        phases.wrap(model, "_sum_tables", "backward")
+        phases.wrap(model.tied_embedding, "sum_grads", "backward")
     phases.wrap(run.reducer, "finish", "backward")
     phases.wrap(run, "grad_norm", "gradient norm")
     phases.wrap(run.opt, "step", "optimizer")
@@ -144,6 +145,7 @@ def serial_step(cfg: TrainConfig, run, lr: float) -> tuple[float, float, dict, d
     for r in range(D * M):
         loss += model.forward(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]) / (D * M)
         model.backward(dout=1.0 / (D * M))
+    finalize_grads(model)
     norm = grad_norm(model.parameters(), serial.tp)
     opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))
     serial.free()
@@ -154,9 +156,9 @@ def sizes_of(run) -> dict:
     """Group name -> its size G, for the closed forms of the wire bytes."""
     t = run.topo
     out = {g.name: g.size for g in (t.tp, t.pp, t.dp, t.ep, t.edp)}
-    emb = getattr(run.model, "embedding", None)
-    if emb is not None:
-        out[emb.name] = emb.size
+    tied = getattr(run.model, "tied_embedding", None)
+    if tied is not None and tied.group is not None:
+        out[tied.group.name] = tied.group.size
     return out
 
 

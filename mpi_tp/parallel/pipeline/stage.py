@@ -1,43 +1,44 @@
-"""One pipeline stage of the GPT: its model chunks, and a training step's forwards and backwards.
+"""One pipeline stage of the GPT: the model chunks it holds, and a training step's forwards and backwards.
 
-    stage = PipelineStage(cfg, topo, schedule="1f1b", micro_batches=4)   # topo.pp: the stages
+    stage = build_stage(cfg, topo, schedule_name="1f1b", micro_batches=4)   # mpi_tp.model.chunks
     loss = stage.forward_backward(x, y, rows)                            # gradients in stage.parameters()
 
 Stage s of P holds chunks s, s + P, ... of the model (v per stage, the
-interleaved schedule's virtual stages), each a `GPT` over a contiguous run of
-blocks (mpi_tp.parallel.pipeline.stages); the model's first chunk also holds
-the embeddings, its last chunk the final LayerNorm, a copy of the tied table
-`wte` for the output layer, and the loss. The engine (mpi_tp.parallel.pipeline.
-engine) runs the schedule; this class supplies what runs at each action:
-a micro-batch's forward through a chunk (with that micro-batch's dropout masks,
-its forward caches set aside until its backward) and its backward.
+interleaved schedule's virtual stages), each a GPT over a contiguous run of
+blocks (mpi_tp.parallel.pipeline.stages), built by the model from the pieces
+it owns (mpi_tp.model.chunks): the model's first chunk also holds the
+embedding, its last chunk the head (final LayerNorm, a copy of the tied table
+wte, the loss). Nothing here knows what a chunk computes. The engine
+(mpi_tp.parallel.pipeline.engine) runs the schedule; this class supplies what
+runs at each action: a micro-batch's forward through a chunk (with that
+micro-batch's dropout masks, its forward caches set aside until its backward)
+and its backward. Messages between stages: mpi_tp.parallel.pipeline.wire.
 
-Data parallelism (a data_parallel.GradReducer over the stage): a chunk's
-block gradients are final after the chunk's last backward in the stage's
-action list; during that backward each block is reported to the reducer, which
-starts the all-reduce of every bucket whose blocks are all done, so it runs
-behind the rest of the schedule. The buckets not owned by blocks (embeddings,
-ln_f, the copies of `wte`) are reduced after the schedule (`finish`), and so is
-everything with overlap off or hierarchical all-reduce.
+After the schedule, finalize_grads (mpi_tp.parallel.finalize) completes the
+gradients: the sequence-parallel sums, the two copies of wte summed over the
+stages that hold them (mpi_tp.parallel.pipeline.embedding_group), the
+data-parallel buckets. With a data_parallel.GradReducer, a chunk's block
+gradients are final after the chunk's last backward in the stage's action
+list; during that backward each block is reported to the reducer, which
+starts every bucket whose blocks are all done, so it runs behind the rest of
+the schedule.
 
-After the schedule the two copies of `wte` (first and last chunk) get the sum
-of their gradients, over the stages that hold them (Megatron's embedding
-group), so both make the same update and stay equal: the serial model's one
-table has both gradients too (after the data-parallel average: the two commute).
+Mixture of experts: every stage's MoE blocks add their aux and z-losses to the
+loss; the loss of the step is the sum over stages (an all-reduce over pp, where
+a dense model's other stages add 0), and each block's backward adds its terms'
+gradient times 1 / M, the micro-batch's share of the loss.
 """
 from __future__ import annotations
 
 import numpy
-from mpi4py import MPI
 
-from mpi_tp.core import backend
-from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.finalize import finalize_grads
+from mpi_tp.parallel.pipeline.embedding_group import TiedEmbedding
 from mpi_tp.parallel.pipeline.engine import PipelineEngine
-from mpi_tp.parallel.pipeline.schedules import global_chunk, schedule
-from mpi_tp.parallel.pipeline.stages import layer_ranges
-from mpi_tp.parallel.topology import Topology, offsets, split_sizes
+from mpi_tp.parallel.pipeline.schedules import schedule
+from mpi_tp.parallel.pipeline.wire import wire_format
+from mpi_tp.parallel.topology import Topology
 
 
 def micro_batch_rows(rows: slice, micro_batches: int) -> list[slice]:
@@ -59,24 +60,16 @@ class PipelineStage:
 
     count_activations = False
 
-    def __init__(self, cfg: GPTConfig, topo: Topology, dtype="float32", seed: int = 0,
-                 sequence_parallel: bool = False, schedule_name: str = "1f1b", micro_batches: int = 1,
-                 virtual: int = 1, recompute: str = "none"):
-        P, s, v = topo.pp.size, topo.pp.rank, virtual
-        self.cfg, self.topo, self.M, self.v = cfg, topo, micro_batches, v
-        last = P * v - 1
-        self.chunks = [GPT(cfg, topo, dtype, seed, sequence_parallel, blocks=r,
-                           first=global_chunk(s, j, P) == 0, last=global_chunk(s, j, P) == last,
-                           recompute=recompute)
-                       for j, r in enumerate(layer_ranges(cfg.n_layer, P, v)[s])]
+    def __init__(self, chunks: list, topo: Topology, schedule_name: str = "1f1b", micro_batches: int = 1):
+        P, s, v = topo.pp.size, topo.pp.rank, len(chunks)
+        self.chunks, self.cfg, self.topo, self.M, self.v = chunks, chunks[0].cfg, topo, micro_batches, v
         self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
         self.block_offsets = [sum(len(c.h) for c in self.chunks[:j]) for j in range(v)]   # chunk j's in h
         self.dtype = self.chunks[0].dtype
         self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, v)[s], v)
-        self.tables = [c.wte for c in self.chunks if c.first or c.last]   # copies of wte on this rank
-        holds = bool(self.tables) and P > 1
-        sub = topo.pp.comm.Split(0 if holds else MPI.UNDEFINED, key=topo.pp.rank)
-        self.embedding = Group(sub, "emb", topo.stats) if holds else None
+        tables = [c.embedding.wte for c in self.chunks if c.first]            # copies of wte on this rank
+        tables += [c.head.table for c in self.chunks if c.last and not c.first]
+        self.tied_embedding = TiedEmbedding(tables, topo.pp, topo.stats)
 
     def parameters(self) -> list:
         return [p for c in self.chunks for p in c.parameters()]
@@ -100,8 +93,11 @@ class PipelineStage:
 
     def unique_parameters(self) -> list:
         """Every parameter once over the whole pipeline: the output layer's copy of wte left out."""
-        return [p for c in self.chunks for p in c.parameters() if not (c.last and p is c.wte.weight)
-                or c.first]
+        return [p for c in self.chunks for p in c.unique_parameters()]
+
+    def moe_layers(self) -> list:
+        """The MoEMLP of every MoE block of this stage, in order."""
+        return [m for c in self.chunks for m in c.moe_layers()]
 
     def zero_grad(self) -> None:
         for c in self.chunks:
@@ -113,29 +109,7 @@ class PipelineStage:
         return self
 
     def _wire(self, B: int, S: int):
-        """(shape of a message between stages, to_wire, from_wire) for activations of B sequences.
-
-        Without sequence parallelism every tensor-parallel rank holds the whole activation (B, S, C):
-        each sends only its 1/T of it, flattened, and the receiving stage's ranks all-gather the
-        pieces (Narayanan et al. 2021, sec. 4.1, scatter/gather). Under sequence parallelism each
-        rank's activation is its S_i positions already, sent as it is.
-        """
-        tp, C = self.topo.tp, self.cfg.n_embd
-        if self.sp is not None:
-            self.sp.set(S)
-            return (B, self.sp.sizes[tp.rank], C), (lambda a: a), (lambda a: a)
-        if tp.size == 1:
-            return (B, S, C), (lambda a: a), (lambda a: a)
-        sizes = split_sizes(B * S * C, tp.size)
-        start = offsets(sizes)[tp.rank]
-        xp = backend.xp()
-
-        def to_wire(a):
-            return xp.ascontiguousarray(a.reshape(-1)[start:start + sizes[tp.rank]])
-
-        def from_wire(piece):
-            return tp.all_gather(piece, sizes, axis=0).reshape(B, S, C)
-        return (sizes[tp.rank],), to_wire, from_wire
+        return wire_format(self.topo, self.sp, B, S, self.cfg.n_embd)
 
     def _forward_only(self, x, y=None):
         """x (B, S) through every stage, one micro-batch: the loss (y given) or the last position's
@@ -151,10 +125,13 @@ class PipelineStage:
                 chunk.sp.set(S)
             inp = x if chunk.first else from_wire(inp)
             if chunk.last:
-                out["value"] = chunk.forward(inp, y) if y is not None else chunk.last_logits(inp)
+                out["value"] = out.get("value", 0.0) + (chunk.forward(inp, y) if y is not None
+                                                        else chunk.last_logits(inp))
                 result = None
             else:
                 result = to_wire(chunk.forward(inp))
+                if y is not None:
+                    out["value"] = out.get("value", 0.0) + chunk.moe_loss()     # MoE blocks' terms
             chunk.stash_caches()                                # no backward follows: drop the caches
             return result
 
@@ -163,7 +140,10 @@ class PipelineStage:
         value = numpy.zeros(1 if y is not None else V)
         if "value" in out:
             value[...] = out["value"]
-        self.topo.pp.broadcast(value, root=self.topo.pp.size - 1)
+        if y is not None:
+            self.topo.pp.all_reduce(value)                      # the loss: every stage's part
+        else:
+            self.topo.pp.broadcast(value, root=self.topo.pp.size - 1)
         return float(value[0]) if y is not None else value
 
     def forward(self, x, y):
@@ -200,13 +180,15 @@ class PipelineStage:
                 chunk.sp.set(S)
             inp = x[parts[m]] if chunk.first else from_wire(inp)
             out = chunk.forward(inp, y[parts[m]] if chunk.last else None)
+            if not chunk.last:
+                losses[m] += chunk.moe_loss()                                  # its MoE blocks' terms
             if self.count_activations:
                 held[m, j] = chunk.activation_bytes()
                 live += held[m, j]
                 self.peak_activation_bytes = max(self.peak_activation_bytes, live)
             kept[m, j] = chunk.stash_caches()
             if chunk.last:
-                losses[m] = out
+                losses[m] += out
                 return None
             return to_wire(out)
 
@@ -216,31 +198,16 @@ class PipelineStage:
             chunk.restore_caches(kept.pop((m, j)))
             live -= held.pop((m, j), 0)
             hook = reducer.chunk(self.block_offsets[j]) if reducer is not None and m == final[j] else None
-            dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout), reducer=hook)
+            dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout), reducer=hook, loss_scale=1.0 / M)
             return None if chunk.first else to_wire(dx)
 
         self.engine.run(forward, backward, shape, self.dtype)
         for c in self.chunks:
             c.dropout.step = step + 1
-        if reducer is not None:
-            reducer.finish()
-        self._sum_tables()
+        finalize_grads(self, reducer)
         loss = numpy.array([sum(losses) / M])
-        self.topo.pp.broadcast(loss, root=self.topo.pp.size - 1)             # the last stage computed it
+        self.topo.pp.all_reduce(loss)               # the last stage's cross-entropy + every stage's MoE terms
         if dp is not None and dp.size > 1:
             dp.all_reduce(loss)
             loss /= dp.size
         return float(loss[0])
-
-    def _sum_tables(self) -> None:
-        """Both copies of wte (lookup, output layer) get the sum of their gradients."""
-        if len(self.tables) == 0 or (len(self.tables) == 1 and self.embedding is None):
-            return
-        total = self.tables[0].weight.grad.copy()
-        for t in self.tables[1:]:
-            total += t.weight.grad
-        if self.embedding is not None:
-            self.embedding.all_reduce(total, kind="embedding_all_reduce")
-        for t in self.tables:
-            t.weight.grad[...] = total
-            t.weight.fresh = False

@@ -1,0 +1,57 @@
+"""The GPT's first piece (Megatron's pre-process): token and position embeddings, dropped out.
+
+Legend (docs/notation.md): B = batch, S = sequence (S_i under sequence parallelism), C = channels,
+V = vocabulary, wte the token table (vocabulary-parallel: rank i holds rows wte_i), wpe the
+position table (replicated).
+
+    x = drop(wte[idx] + wpe[0:S])         wte's lookup ends in g (an all-reduce; sp: reduce-scatter)
+
+Only a pipeline's first stage holds it; the last stage's GPTHead uses the same table (tied), or a
+copy of it when the two are on different stages.
+"""
+from __future__ import annotations
+
+from mpi_tp.core import backend
+from mpi_tp.core.module import Module
+from mpi_tp.core.params import make_param
+from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.dropout import Dropout, region_mask
+from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
+from mpi_tp.parallel.topology import Topology
+
+
+class GPTEmbedding(Module):
+    """(B, S) token ids -> drop(wte[idx] + wpe[0:S]): (B, S, C), or this rank's positions (B, S_i, C)
+    under sequence parallelism (wpe's gradient is then a partial sum: Param.sp_partial)."""
+
+    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, seed: int, dropout: Dropout, sp=None):
+        self.block_size, self.dropout, self.sp = cfg.block_size, dropout, sp
+        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, dtype, seed=seed, sp=sp)
+        self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), dtype, seed=seed,
+                              sp_partial=sp is not None and topo.tp.size > 1)
+
+    def forward(self, idx):
+        B, S = idx.shape
+        if S > self.block_size:
+            raise ConfigError(f"sequence length {S} exceeds block_size {self.block_size}")
+        idx = backend.asarray(idx)
+        positions = slice(0, S)
+        if self.sp is not None:
+            self.sp.set(S)
+            positions = self.sp.positions
+        x = self.wte.forward(idx) + self.wpe.data[positions]            # (B, S, C) or (B, S_i, C)
+        m = None
+        if self.dropout.active:
+            m = region_mask(self.dropout, x, self.sp, -1, 0)
+            x = self.dropout.apply(x, m)
+        self.save_cache(positions, m)
+        return x
+
+    def backward(self, dx):
+        """Accumulate wte's and wpe's gradients; nothing to return (token ids have no gradient)."""
+        positions, m = self.take_cache()
+        if m is not None:
+            dx = self.dropout.apply(dx, m)
+        self.wpe.grad[positions] += dx.sum(axis=0)
+        self.wpe.fresh = False
+        self.wte.backward(dx)

@@ -1,0 +1,54 @@
+"""After the last micro-batch's backward pass: every gradient made final, in one place.
+
+    for m in micro-batches: model.forward(...); model.backward(..., reducer if last else None)
+    finalize_grads(model, reducer)
+
+Megatron-LM's finalize_model_grads. The backward passes leave each rank's own
+gradients, accumulated over the micro-batches; what the layout needs then is
+done once per step, whatever the number of micro-batches M:
+
+  1. sequence parallelism: the replicated parameters that act on each position
+     (Param.sp_partial: LayerNorms, row-parallel biases, the position table)
+     got only this rank's positions' part: sum over tp;
+  2. pipelines: the tied table wte has a copy on the first and on the last
+     stage, each with its own part of the gradient: sum them over the stages
+     that hold one (mpi_tp.parallel.pipeline.embedding_group);
+  3. data parallelism: average over the replicas (or, for the distributed
+     optimizer, reduce-scatter into each rank's share).
+
+With a GradReducer (mpi_tp.parallel.data_parallel), 1 and 3 run bucket by
+bucket, most of them during the last backward pass; finish() does the buckets
+left (the embeddings and ln_f, after 2) and waits. Without one, 1 is one
+packed all-reduce of every sp_partial gradient. The sums commute with the
+average, so the order does not change the numbers.
+"""
+from __future__ import annotations
+
+from mpi_tp.core import backend
+
+
+def sum_sp_partial_grads(params, group) -> None:
+    """Every sp_partial gradient summed over the tensor-parallel group, in one packed all-reduce."""
+    params = [p for p in params if p.sp_partial]
+    if group.size == 1 or not params:
+        return
+    xp = backend.xp()
+    buf = xp.concatenate([p.grad.reshape(-1) for p in params])       # this rank's positions' parts
+    group.all_reduce(buf, kind="sp_grad_all_reduce")
+    at = 0
+    for p in params:
+        p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
+        p.fresh = False
+        at += p.grad.size
+
+
+def finalize_grads(model, reducer=None) -> None:
+    """Complete this step's gradients (see the module docstring). model: a GPT or a PipelineStage;
+    reducer: its GradReducer, whose buckets the last backward pass started (or None)."""
+    if reducer is None or not reducer.buckets:
+        sum_sp_partial_grads(model.parameters(), model.topo.tp)
+    tied = getattr(model, "tied_embedding", None)
+    if tied is not None:
+        tied.sum_grads()
+    if reducer is not None:
+        reducer.finish()
