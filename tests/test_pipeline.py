@@ -1,6 +1,7 @@
 """The pipelined GPT against the serial model: every dp x pp x tp layout of the pass, each schedule,
 several micro-batch counts, uneven stages, sequence parallelism, dropout on (float64, 3 AdamW steps:
-first loss < 1e-10, the rest and every weight < 1e-8)."""
+first loss < 1e-10, the rest and every weight < 1e-8); and a mixture-of-experts GPT in every such
+layout with sequence parallelism, expert parallelism and the distributed optimizer (ZeRO-1)."""
 import numpy as np
 import pytest
 
@@ -17,8 +18,11 @@ pytestmark = pytest.mark.mpi(min_size=1)
 B, STEPS = 2, 3                                                    # sequences per micro-batch and replica
 
 
-def cfg(n_layer):
-    return GPTConfig(vocab_size=37, block_size=7, n_layer=n_layer, n_head=5, n_embd=20, dropout=0.1)
+def cfg(n_layer, **moe):
+    return GPTConfig(vocab_size=37, block_size=7, n_layer=n_layer, n_head=5, n_embd=20, dropout=0.1, **moe)
+
+
+MOE = dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0, moe_aux_weight=0.05, moe_z_weight=0.01)
 
 
 def global_batch(step, rows):
@@ -26,8 +30,8 @@ def global_batch(step, rows):
     return rng.integers(0, 37, (rows, 7)), rng.integers(0, 37, (rows, 7))
 
 
-def serial(n_layer, rows):
-    model = GPT(cfg(n_layer), Topology.serial(), dtype="float64", seed=3)
+def serial(n_layer, rows, **moe):
+    model = GPT(cfg(n_layer, **moe), Topology.serial(), dtype="float64", seed=3)
     opt = AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -37,23 +41,24 @@ def serial(n_layer, rows):
     return np.array(losses), {p.name: p.data for p in model.parameters()}
 
 
-def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none"):
-    stage = build_stage(cfg(n_layer), topo, "float64", 3, sp, name, micro, virtual, recompute)
+def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none", zero=False, **moe):
+    stage = build_stage(cfg(n_layer, **moe), topo, "float64", 3, sp, name, micro, virtual, recompute)
     stage.count_activations = True
-    reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=False)
+    reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=zero, distributed=zero)
     return train_stage(stage, topo, reducer, micro), stage
 
 
 def train_stage(stage, topo, reducer, micro):
     """STEPS AdamW steps of a pipeline stage on this replica's rows of the global batches: the losses."""
-    opt = AdamW(stage.parameters(), lr=1e-2)
+    opt = AdamW(stage.parameters(), lr=1e-2, reducer=reducer)
+    counted = {id(p) for p in stage.unique_parameters()}
     per_replica = micro * B
     rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, per_replica * topo.dp.size)
         losses.append(stage.forward_backward(x, y, rows, reducer, topo.dp))
-        opt.step(grad_scale=clip_coefficient(grad_norm(stage.unique_parameters(), topo.tp, topo.pp), 1.0))
+        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp, topo.pp, counted), 1.0))
     return np.array(losses)
 
 
@@ -183,3 +188,23 @@ def test_activations_held_follow_the_schedule(world):
     assert peak["gpipe", M, "none"] == M * one
     assert peak["1f1b", M, "full"] < peak["1f1b", M, "none"]
     topo.free()
+
+
+def test_experts_in_every_layout_equal_serial(world):
+    """Mixture of experts (3 experts, top-2, a capacity that drops, aux and z-losses) in every tp x pp x dp
+    layout: sequence parallelism at tp > 1, the experts over ep = dp (3 experts split unevenly at dp = 2),
+    the distributed optimizer at dp > 1, 1F1B over 2 micro-batches; every stage's MoE losses reach the loss."""
+    for tp, pp, dp in layouts(world.Get_size()):
+        n_layer = pp + 1
+        ref_losses, ref = serial(n_layer, dp * 2 * B, **MOE)
+        ep = dp if dp <= MOE["moe_experts"] else 1
+        topo = Topology.create(world, tp=tp, pp=pp, dp=dp, ep=ep)
+        losses, stage = pipelined(topo, n_layer, "1f1b", 2, sp=tp > 1, zero=dp > 1, **MOE)
+        what = f"MoE tp={tp} pp={pp} dp={dp} ep={ep} sp={tp > 1} zero={dp > 1}"
+        assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")
+        assert_close(losses, ref_losses, 1e-8, f"losses, {what}")
+        for p in stage.parameters():
+            if p.name.endswith("attn/k/bias"):
+                continue
+            assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-8, f"{p.name}, {what}", comm=topo.tp.comm)
+        topo.free()

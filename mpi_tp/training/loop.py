@@ -99,7 +99,7 @@ def train_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) ->
     if meter is not None:
         meter.begin()
     if isinstance(model, PipelineStage):                 # the schedule runs the micro-batches
-        loss = model.forward_backward(x, y, run.rows, run.reducer, run.topo.dp)
+        loss = model.forward_backward(x, y, run.rows, run.reducer, run.topo.dp, meter)
     else:
         loss = forward_backward(model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp, meter)
     if not math.isfinite(loss):
@@ -144,8 +144,8 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
         progress.close(None)
         return {**record, "steps": cfg.steps, "first_step": run.first}
     pipeline = f" x pp={topo.pp.size} ({cfg.schedule}, M={cfg.micro_batches})" if topo.pp.size > 1 else ""
-    moe = isinstance(model, GPT) and bool(model.moe_layers())
-    meter = MoEMeter(model, topo.dp) if moe else None
+    moe = model.cfg.moe_experts > 0
+    meter = MoEMeter(model, topo.dp, topo.pp) if moe else None
     experts = (f" (ep={topo.ep.size}; MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, every "
                f"{cfg.moe_every} block(s), capacity {cfg.moe_capacity or 'none'})") if moe else ""
     progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}{pipeline} x "

@@ -135,15 +135,17 @@ class Progress:
 class MoEMeter:
     """The mixture-of-experts metrics of a run, on every rank (see the module docstring).
 
-    Per micro-batch `add` takes the model's moe_stats() into the step being run; `commit` keeps a
-    finished step (a skipped one is left out, as from the loss); `report`, at a logged step and on
-    every rank (a collective), sums this replica's numbers over the data-parallel group (one small
-    all-reduce: 3 floats and (E + 1) integers per MoE block, exact in float64) and starts afresh.
+    Per micro-batch `add` takes the model's moe_stats() into the step being run (a pipeline stage
+    adds each of its chunks': every block has a row, filled by the stage that holds it, and the
+    cross-entropy comes from the last stage); `commit` keeps a finished step (a skipped one is left
+    out, as from the loss); `report`, at a logged step and on every rank (a collective), sums this
+    replica's numbers over the data-parallel group and the pipeline's stages (small all-reduces: 3
+    floats and (E + 1) integers per MoE block, exact in float64) and starts afresh.
     """
 
-    def __init__(self, model, dp):
-        self.dp, self.E = dp, model.cfg.moe_experts
-        self.blocks = [b.i for b in model.h if b.moe]
+    def __init__(self, model, dp, pp=None):
+        self.dp, self.pp, self.E = dp, pp, model.cfg.moe_experts
+        self.blocks = [i for i in range(model.cfg.n_layer) if model.cfg.is_moe_block(i)]
         self.parts = numpy.zeros(3)                                   # cross-entropy, aux, z: summed over steps
         self.steps = 0
         self._parts, self._counts = numpy.zeros(3), numpy.zeros((len(self.blocks), self.E + 1))
@@ -156,8 +158,10 @@ class MoEMeter:
     def add(self, model, weight: float) -> None:
         """After a micro-batch's forward: its loss parts (times weight: 1 / micro-batches) and routing."""
         s = model.moe_stats()
-        self._parts += weight * numpy.array([s["cross_entropy"], s["aux_loss"], s["z_loss"]], dtype=float)
-        for row, layer in zip(self._counts, s["layers"]):
+        ce = s["cross_entropy"] if model.last else 0.0
+        self._parts += weight * numpy.array([ce, s["aux_loss"], s["z_loss"]], dtype=float)
+        for layer in s["layers"]:
+            row = self._counts[self.blocks.index(layer["block"])]
             row[:self.E] += backend.asnumpy(layer["tokens_per_expert"])
             row[self.E] += layer["dropped"]
 
@@ -169,8 +173,9 @@ class MoEMeter:
     def report(self) -> dict:
         """The logged entry's MoE fields, the same on every rank; then a new window begins."""
         buf = numpy.concatenate([self.parts, self.counts.reshape(-1)])
-        if self.dp.size > 1:
-            buf = self.dp.all_reduce(buf)
+        for group in (self.dp, self.pp):
+            if group is not None and group.size > 1:
+                buf = group.all_reduce(buf)
         ce, aux, z = buf[:3] / (max(self.steps, 1) * self.dp.size)
         layers = []
         for block, row in zip(self.blocks, buf[3:].reshape(len(self.blocks), self.E + 1)):

@@ -20,7 +20,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-ALL_REDUCE_KINDS = ("all_reduce", "iall_reduce", "sp_grad_all_reduce", "embedding_all_reduce")
+ALL_REDUCE_KINDS = ("all_reduce", "iall_reduce", "sp_grad_all_reduce", "embedding_all_reduce", "grad_norm")
+HALF_KINDS = ("all_gather", "regather", "reduce_scatter", "reduce")      # (G-1)/G n: half an all-reduce
 
 
 def wire_bytes(kind: str, n: float, G: int) -> float:
@@ -29,7 +30,7 @@ def wire_bytes(kind: str, n: float, G: int) -> float:
         return 0.0
     if kind in ALL_REDUCE_KINDS:
         return 2 * (G - 1) / G * n
-    if kind in ("all_gather", "reduce_scatter", "reduce"):
+    if kind in HALF_KINDS:
         return (G - 1) / G * n
     if kind in ("send", "all_to_all", "all_to_allv"):
         return float(n)
@@ -40,7 +41,7 @@ def formula_text(kind: str, G: int) -> str:
     """The closed form as text, e.g. "2(G-1)/G n" with G filled in."""
     if kind in ALL_REDUCE_KINDS:
         return f"2({G}-1)/{G} n"
-    if kind in ("all_gather", "reduce_scatter", "reduce"):
+    if kind in HALF_KINDS:
         return f"({G}-1)/{G} n"
     if kind in ("send", "all_to_all", "all_to_allv"):
         return "n"
@@ -63,6 +64,7 @@ ROLES = {
     ("backward", "all_gather"): "sp's g backward: gather the output gradient's positions",
     ("forward", "reduce_scatter"): "sp's g: sum the partials, keep this rank's positions",
     ("backward", "reduce_scatter"): "sp's f backward: sum the partial dX, keep this rank's positions",
+    ("backward", "regather"): "sp: gather the column layer's kept input shard again, for dA",
     ("backward", "sp_grad_all_reduce"): "sum replicated parameters' gradients over the positions",
 }
 

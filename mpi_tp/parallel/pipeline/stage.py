@@ -154,10 +154,11 @@ class PipelineStage:
         """As GPT.last_logits: the last position's logits over the whole vocabulary, (V,) on every rank."""
         return self._forward_only(idx)
 
-    def forward_backward(self, x, y, rows: slice, reducer=None, dp: Group | None = None) -> float:
+    def forward_backward(self, x, y, rows: slice, reducer=None, dp: Group | None = None, meter=None) -> float:
         """The global batch's mean loss (the same on every rank), its gradient in every Param.grad.
 
         x, y: the global batch; this replica takes `rows`, in M micro-batches of equal size.
+        meter: a training.progress.MoEMeter, given each chunk's MoE statistics per micro-batch.
         reducer: a data_parallel.GradReducer over this stage's parameters: told of each chunk's
         blocks during the chunk's last backward (their gradients are final then), finished after the
         schedule (the rest are complete only then).
@@ -182,6 +183,8 @@ class PipelineStage:
             out = chunk.forward(inp, y[parts[m]] if chunk.last else None)
             if not chunk.last:
                 losses[m] += chunk.moe_loss()                                  # its MoE blocks' terms
+            if meter is not None:                                             # (MoE: training's metrics)
+                meter.add(chunk, 1.0 / M)
             if self.count_activations:
                 held[m, j] = chunk.activation_bytes()
                 live += held[m, j]
