@@ -1,8 +1,9 @@
 """The last figure of docs/learn.md: the collectives of one training step, counted (step_counters.png).
 
 Drawn by experiments/figures.py from the counters of a small GPT's forward and
-backward pass at T = 2 (figure_facts.step_counters), with and without sequence
-parallelism: calls, buffer bytes and wire bytes per kind of collective.
+backward pass at T = 2 (figure_facts.step_counters; figures.py checks that both
+ranks of the group count the same), with and without sequence parallelism:
+calls, buffer bytes and wire bytes per kind of collective.
 """
 import numpy as np
 from figure_drawing import plt, save
@@ -31,7 +32,8 @@ def fig_step(tp, sp, out, written):
         ax.spines[["top", "right"]].set_visible(False)
     axes[0].legend(frameon=False, fontsize=9, ncol=2, loc="upper right")
     L, C, S = STEP["n_layer"], STEP["n_embd"], STEP["block_size"]
-    fig.suptitle(f"One forward and one backward pass at T = 2 (ranks 0-1 of the 3), counted by CommStats: GPT(n_layer={L}, "
-                 f"n_embd={C}, n_head={STEP['n_head']}), B={STEP_B}, S={S}, float32", fontsize=10.5)
+    fig.suptitle(f"One forward and one backward pass at T = 2, counted by CommStats on a tensor-parallel group of "
+                 f"2 ranks (each counts the same)\nGPT(n_layer={L}, n_embd={C}, n_head={STEP['n_head']}), B={STEP_B}, "
+                 f"S={S}, float32", fontsize=10.5)
     fig.tight_layout()
     save(fig, out, "step_counters.png", written)

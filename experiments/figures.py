@@ -10,9 +10,10 @@ positions each rank holds) are read from real ColumnParallelLinear,
 RowParallelLinear, Block and VocabParallelEmbedding objects built on the 3-rank
 group, and every collective named in a caption is counted by `CommStats` while
 those layers run a forward and a backward pass. The last figure is one
-training step of a small GPT on ranks 0 and 1 (tensor-parallel size 2), with
-and without sequence parallelism. Rank 0 gathers the facts, draws, and prints
-the files it wrote.
+forward and one backward pass of a small GPT on a group of 2 of the 3 ranks
+(T = 2), with and without sequence parallelism; the two ranks must count the
+same collectives, and the figure shows rank 0's. Rank 0 gathers the facts,
+draws, and prints the files it wrote.
 """
 import argparse
 import os
@@ -217,16 +218,17 @@ def fig_vocab(f, out, written):
             va="top", fontsize=9)
     # 3. the loss: two small all-reduces instead of gathering B·S·V logits
     calls = f[0]["loss_fwd"].get("all_reduce", (0, 0, 0))
-    steps = [("local max per token", "white"), ("all-reduce MAX\n(B·S values)", COMM),
-             ("local Σ exp(l − m)\n+ target logit (owner)", "white"), ("all-reduce SUM\n(2·B·S values)", COMM),
-             ("loss = log Σ − (l_t − m)", WHOLE)]
+    steps = [("local max of each row j: m$_j$", "white"), ("all-reduce MAX\n(B·S values)", COMM),
+             ("local Σ$_v$ exp(l$_{jv}$ − m$_j$)\n+ target logit l$_{j,y_j}$ (its owner)", "white"),
+             ("all-reduce SUM\n(2·B·S values)", COMM),
+             ("loss$_j$ = log Σ$_v$ exp(l$_{jv}$ − m$_j$)\n− (l$_{j,y_j}$ − m$_j$)", WHOLE)]
     for k, (label, face) in enumerate(steps):
         y = 4.4 - 2.1 * k
         box(ax, 29.6, y, 6.4, 1.5, label, face=face, size=8.5, color="white" if face == COMM else "black")
         if k:
             arrow(ax, 29.6, y + 1.35, 29.6, y + 0.75)
-    ax.text(29.6, -6.2, "backward: (softmax − onehot)/N\non each rank's columns, no communication",
-            ha="center", va="top", fontsize=8.5)
+    ax.text(29.6, -6.2, "backward: (softmax − onehot)/N\non each rank's columns, no communication\n"
+            "(l logits, m row maxima, y targets, j a row)", ha="center", va="top", fontsize=8.5)
     n = len(ids)
     lines = [(f"Counted (T = 3, {n} tokens, float64): embedding forward {said(f[0]['emb_fwd'])} "
               f"({f[0]['emb_fwd']['all_reduce'][1]} bytes); loss forward {calls[0]} all-reduces, "
@@ -257,6 +259,9 @@ def main():
     step = None
     if pair != MPI.COMM_NULL:
         step = (step_counters(pair, False), step_counters(pair, True))
+        both = pair.gather(step, root=0)
+        if pair.Get_rank() == 0 and both[0] != both[1]:   # the figure says the two ranks count the same
+            raise SystemExit(f"ranks 0 and 1 counted different collectives: {both}")
         pair.Free()
     everyone = world.gather(facts, root=0)
     if world.Get_rank() != 0:

@@ -8,7 +8,8 @@ For M = 1, 2, 4, 8, 16 micro-batches of one sequence (C 256, 4 heads, 4 blocks,
 S 128, float32) and the schedules GPipe, 1F1B and interleaved (2 chunks per
 stage, M a multiple of P), runs `mpi-tp bench --pp`'s measurement
 (commands.bench.pipeline.run_pipeline_shape: 3 timed steps after 1 warm-up,
-the median bubble) and draws measured against (P - 1) / (v M), stamped with the
+the median bubble: idle over compute time, of the busiest stage, as
+docs/notation.md defines it) and draws measured against (P - 1) / (v M), stamped with the
 machine and the command. With more ranks than cores the title and the stamp
 say so ("4 ranks on 2 cores (oversubscribed)"): the stages then share cores,
 which the formula does not know about. --n-layer 8 gives P = 4 two blocks per
@@ -47,7 +48,7 @@ def plot(rows, figure, command):
                 label=f"{name}, " + ("(P - 1) / (v M)" if name == "interleaved" else "(P - 1) / M"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per step, M")
-    ax.set_ylabel("bubble: idle time / busiest stage's work")
+    ax.set_ylabel("bubble: idle / compute time,\nof the busiest stage")     # docs/notation.md, Pipelines
     ax.set_title(f"Pipeline bubble, P = {P} stages, C {shape['n_embd']}, {shape['n_layer']} blocks, "
                  f"S {shape['block_size']}, one sequence per micro-batch" + (f"\n{crowded}" if crowded else ""),
                  fontsize=9)

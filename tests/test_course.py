@@ -10,16 +10,39 @@
   and exits 0, except a line marked `# expected to FAIL`: a broken exercise
   must exit 1 and say FAIL (so the shipped broken forms really are broken).
   Lines run in document order, so a command may use what an earlier one wrote.
+- A prediction (an exercise with an `answer` in mpi_tp.course.registry) comes
+  before what shows its answer: the course names the exercise before any
+  command or link that shows it, and docs/learn.md keeps the count inside a
+  <details> block that says so.
+- Each line runs as a student's shell would run it: a fresh bash whose PATH
+  does not hold the tests' own environment, which runs the `source` line of
+  the course's set-up first (test_docs.student_shell). The set-up's install
+  line is the README's, and it is the only line left out: the tests run from
+  the `.venv` it makes.
 
 These tests start their own MPI jobs, so they run in the one-rank pass only.
 """
+import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from test_docs import ROOT, bash_commands, clean_env
+from test_docs import (
+    FENCE,
+    LESSON,
+    LINK,
+    ROOT,
+    VENV,
+    bash_commands,
+    course_setup,
+    student_env,
+    student_shell,
+    why_no_student_shell,
+)
+
+from mpi_tp.course import registry
 
 COURSE, EXERCISES = ROOT / "docs" / "course.md", ROOT / "docs" / "exercises.md"
 TOPICS = ["split", "block", "vocabulary", "sequence parallelism", "step", "pipeline", "experts",
@@ -54,9 +77,46 @@ def test_the_exercises_page_has_commands():
     assert any("--solution" in c for c in commands), "docs/exercises.md checks no solution"
 
 
+def first_shown(text: str, marker: str) -> int | None:
+    """Where `text` first shows `marker`: in a ```bash block or a link's or an image's target (the map's
+    table and the prose only name things); None if nowhere."""
+    spots = [m.start() for m in FENCE.finditer(text) if m.group(2).strip() == "bash" and marker in m.group(3)]
+    spots += [m.start() for m in LINK.finditer(text) if marker in m.group(1)]
+    return min(spots, default=None)
+
+
+@pytest.mark.parametrize("exercise", [e for e in registry.EXERCISES if e.answer], ids=lambda e: f"exercise {e.number}")
+def test_a_prediction_comes_before_its_answer(exercise):
+    text = COURSE.read_text()
+    asked = re.search(rf"\bexercise {exercise.number}\b", text)
+    assert asked, f"docs/course.md never asks for exercise {exercise.number}"
+    for marker in exercise.answer:
+        shown = first_shown(text, marker)
+        assert shown is None or asked.start() < shown, (
+            f"docs/course.md shows {marker} (exercise {exercise.number}'s answer) at line "
+            f"{text.count(chr(10), 0, shown) + 1}, before it asks for the exercise (line "
+            f"{text.count(chr(10), 0, asked.start()) + 1})")
+    outside = re.sub(r"<details>.*?</details>", "", LESSON.read_text(), flags=re.S)
+    for answer in ("4L + 2", "step_counters.png"):           # exercise 5's formula and the chart of its count
+        assert answer not in outside, f"docs/learn.md shows {answer} outside a <details> block"
+
+
+def test_the_dp_caption_counts_what_its_figure_shows():
+    """Lesson 5's caption of step_timeline_dp.png names the gradient buckets' all-reduces and the loss's, as
+    many and as large as the run that drew the figure counted (experiments/results/step_timeline_dp.json)."""
+    run = json.loads((ROOT / "experiments" / "results" / "step_timeline_dp.json").read_text())
+    phases = run["ranks"][0]["result"]["phases"]
+    buckets = phases["backward"]["dp/iall_reduce"]["calls"]
+    loss = phases["loss to every rank"]["dp/all_reduce"]
+    caption = re.search(r"!\[([^\]]*)\]\(figures/step_timeline_dp\.png\)", COURSE.read_text()).group(1)
+    number = {1: "one bucket", 2: "two buckets", 3: "three buckets"}.get(buckets, f"{buckets} buckets")
+    assert number in caption and loss["calls"] == 1 and f"loss's {loss['bytes']}-byte all-reduce" in caption, (
+        caption, buckets, loss)
+
+
 def run(command: str):
-    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=TIMEOUT,
-                       env=clean_env(), cwd=ROOT)
+    r = subprocess.run(student_shell(command), capture_output=True, text=True, timeout=TIMEOUT,
+                       env=student_env(), cwd=ROOT)
     out = f"\n--- stdout (end) ---\n{r.stdout[-3000:]}\n--- stderr (end) ---\n{r.stderr[-2000:]}"
     if EXPECT_FAIL in command:
         assert r.returncode == 1 and "FAIL" in r.stdout, f"`{command}` should fail with FAIL, exited {r.returncode}{out}"
@@ -64,7 +124,7 @@ def run(command: str):
         assert r.returncode == 0, f"`{command}` exited {r.returncode}{out}"
 
 
-NO_MPIEXEC = shutil.which("mpiexec", path=clean_env()["PATH"]) is None
+NO_STUDENT_SHELL = why_no_student_shell()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,21 +143,41 @@ def fresh_course_dirs(tmp_path_factory):
             shutil.move(str(saved / d.name), str(d))
 
 
-@pytest.mark.skipif(NO_MPIEXEC, reason="no mpiexec on PATH (pip install mpich)")
+@pytest.mark.skipif(NO_STUDENT_SHELL is not None, reason=str(NO_STUDENT_SHELL))
 @pytest.mark.parametrize("command", [c for c in bash_commands(COURSE) if "pip install" not in c],
                          ids=lambda c: c[:80])
 def test_course_command_runs(command):
     run(command)
 
 
-@pytest.mark.skipif(NO_MPIEXEC, reason="no mpiexec on PATH (pip install mpich)")
+@pytest.mark.skipif(NO_STUDENT_SHELL is not None, reason=str(NO_STUDENT_SHELL))
 @pytest.mark.parametrize("command", bash_commands(EXERCISES), ids=lambda c: c[:80])
 def test_exercise_command_runs(command):
     run(command)
 
 
 def test_the_only_command_left_out_is_the_install():
-    """The install line is what CI's own set-up does; every other course line runs above."""
+    """The set-up installs as the README does (its first command, up to the training run), and that line
+    is the only course line that does not run above; .ci/run installs the same way."""
+    readme = bash_commands(ROOT / "README.md")[0]
+    install = readme.split(" && .venv/bin/mpiexec")[0]
+    assert install.startswith("python3 -m venv .venv && .venv/bin/pip install"), readme
     left = [c for c in bash_commands(COURSE) if "pip install" in c]
-    assert left == ['python3 -m pip install -q -e ".[mpich]"'], left
+    assert left == [install] == course_setup()[0], (left, install)
     assert Path(ROOT / ".ci" / "run").read_text().count('pip install -q -e ".[mpich,test]"') == 1
+
+
+@pytest.mark.skipif(NO_STUDENT_SHELL is not None, reason=str(NO_STUDENT_SHELL))
+def test_the_commands_find_the_venv_only_through_the_setup():
+    """Without the set-up's PATH line the student's shell has no mpi-tp or mpiexec of .venv (so the tests
+    cannot pass on a PATH the course never sets); after it, mpi-tp, mpiexec and python are .venv's."""
+    assert course_setup()[1], "docs/course.md's set-up puts nothing on the shell's PATH"
+    bare = subprocess.run(["bash", "-c", "command -v mpi-tp mpiexec python"], capture_output=True, text=True,
+                          env=student_env(), cwd=ROOT)
+    found = bare.stdout.split()
+    assert not any(Path(f).parent.resolve() == (VENV / "bin").resolve() for f in found), found
+    set_up = subprocess.run(student_shell("command -v mpi-tp mpiexec python"), capture_output=True, text=True,
+                            env=student_env(), cwd=ROOT)
+    found = set_up.stdout.split()
+    assert len(found) == 3 and all(Path(f).parent.resolve() == (VENV / "bin").resolve() for f in found), (
+        found, set_up.stderr)

@@ -1,5 +1,6 @@
 """`mpi-tp exercise`: every shipped broken version FAILS with its specific message, every solution
-PASSES, and a different planted bug (a mutation of the solution) is caught by each checker.
+PASSES, and a different planted bug (a mutation of the solution) is caught by each checker; exercise 1's
+also fails a bias shared out over the partial sums before g, whose sum is right.
 
 The in-process tests are MPI tests (1, 2, 3 and 4 ranks): exercises 1-4 need 2 or more ranks (at
 T = 1 they are bad input, exit 2), exercise 5 runs at any T. The command-line tests (--copy, --list,
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "exercises.md"
 # exercise: what the shipped broken version's report must say (T >= 2)
 BROKEN = {
-    1: ["output Y: max relative difference", "the bias is added", "gets these right: input gradient dX"],
+    1: ["output Y: max relative difference", "the bias is added", "gets these right: input gradient dX",
+        "what enters g (the forward all-reduce) is not this rank's partial sum X_i A_i: it is X_i A_i + 1.00 b"],
     2: ["forward raised ValueError at line", "a row-split layer expects its input split by columns"],
     3: ["input gradient dX: max relative difference", "backward collectives: none",
         "gets these right: output Y, gradient of column/weight", "dX is only this rank's part"],
@@ -102,6 +104,42 @@ def test_a_planted_bug_is_caught(capsys, world, tmp_path, number):
     assert status == 1
     if world.Get_rank() == 0:
         assert message in out and out.rstrip().endswith("FAIL"), out
+
+
+# exercise 1: the bias shared out over the partial sums before g. The sum comes out right (T shares of b / T,
+# or b from rank 0 alone), so output and gradients equal the serial layer's; the check must still fail it,
+# because the lesson's layer hands g the partial sums alone and adds b once, after the reduce.
+BIAS_BEFORE_G = {
+    "b / T on every rank": ("kern.linear_forward(x, self.weight.data)",
+                            "kern.linear_forward(x, self.weight.data, self.bias.data / self.group.size)",
+                            "every rank: what enters g (the forward all-reduce) is not this rank's partial sum "
+                            "X_i A_i: it is X_i A_i + {share} b"),
+    "b on rank 0 only": ("kern.linear_forward(x, self.weight.data)",
+                         "kern.linear_forward(x, self.weight.data, self.bias.data if self.group.rank == 0 else None)",
+                         "rank 0: what enters g (the forward all-reduce) is not this rank's partial sum X_i A_i: "
+                         "it is X_i A_i + 1.00 b"),
+}
+
+
+@MPI_TEST
+@pytest.mark.parametrize("planted", list(BIAS_BEFORE_G))
+def test_exercise_1_fails_a_bias_added_before_g(capsys, world, tmp_path, planted):
+    T = world.Get_size()
+    if T < 2:
+        pytest.skip("exercise 1 needs 2 or more ranks")
+    old, new, message = BIAS_BEFORE_G[planted]
+    source = Path(get(1).source(solution=True)).read_text()
+    assert old in source and "        y += self.bias.data" in source, "the planted bias no longer applies"
+    mutant = tmp_path / "bias_before_g.py"
+    mutant.write_text(source.replace(old, new).replace("        y += self.bias.data", "        pass"))
+    status, out = run(capsys, world, 1, file=str(mutant))
+    assert status == 1
+    if world.Get_rank() == 0:
+        assert message.format(share=f"{1 / T:.2f}") in out and out.rstrip().endswith("FAIL"), out
+        assert "output Y" not in out.split("why:")[0], out          # the output itself is right
+        assert "the output is right" in out and "adds b once, after the reduce" in out, out
+        if planted == "b on rank 0 only":
+            assert "rank 1: what enters g" not in out, out
 
 
 @MPI_TEST

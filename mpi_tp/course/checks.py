@@ -4,9 +4,15 @@ Each builds the student's layer on the job's tensor-parallel group and the real
 layer on one rank (Topology.serial), both from the same seed and names, runs a
 forward and a backward pass on the same random X and dY (float64), and compares
 the output, the input gradient, every parameter gradient and the collectives of
-each pass. What is wrong is explained when the check can tell why.
+each pass. Exercise 1 also checks what enters g: the lesson's row layer hands
+the all-reduce its partial sum X_i A_i alone and adds b once, after it, so a
+bias shared out over the partials (b / T on every rank, or b on one rank)
+fails even though the sum comes out right. What is wrong is explained when the
+check can tell why.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy
 
@@ -45,11 +51,13 @@ def run_layer(fb: Feedback, comm, topo, par, ser, n_in, n_out, in_cols, out_cols
     x, dout = rng.standard_normal((B, S, n_in)), rng.standard_normal((B, S, n_out))
     y_ref = ser.forward(x)
     dx_ref = ser.backward(dout)
-    got = {"x_i": _cut(x, in_cols), "dout_i": _cut(dout, out_cols), "y_ref": _cut(y_ref, out_cols)}
+    got = {"x_i": _cut(x, in_cols), "dout_i": _cut(dout, out_cols), "y_ref": _cut(y_ref, out_cols),
+           "entered": {}}
     counters = {}
     for phase, fn, arg in (("forward", par.forward, got["x_i"]), ("backward", par.backward, got["dout_i"])):
         topo.stats.reset()
-        got[phase], ok = fb.attempt(phase, fn, arg.copy())
+        with _recording(topo.tp) as got["entered"][phase]:
+            got[phase], ok = fb.attempt(phase, fn, arg.copy())
         if not all_true(ok, comm):
             return None
         counters[phase] = topo.stats.snapshot()
@@ -81,6 +89,22 @@ def run_layer(fb: Feedback, comm, topo, par, ser, n_in, n_out, in_cols, out_cols
     return got
 
 
+@contextmanager
+def _recording(group):
+    """A list that receives a copy of every array handed to group.all_reduce while the block runs (the
+    group's own method is wrapped on this instance only, and restored after)."""
+    seen, real = [], group.all_reduce
+
+    def all_reduce(x, *args, **kwargs):
+        seen.append(numpy.array(x, copy=True))
+        return real(x, *args, **kwargs)
+    group.all_reduce = all_reduce
+    try:
+        yield seen
+    finally:
+        del group.all_reduce                                  # the class's method again
+
+
 def _expected_facts(fb, expect):
     fb.facts.append(f"collectives: forward {describe(expect['forward'], UNIT)}; "
                     f"backward {describe(expect['backward'], UNIT)}")
@@ -106,6 +130,29 @@ def _why_row(fb, got, par, T) -> None:
         pass
 
 
+def _g_input_row(fb, got, par, T) -> None:
+    """What entered g in the forward must be this rank's partial sum X_i A_i alone: any part of b added
+    before the reduce (b / T on every rank sums back to b) sends the replicated bias through g."""
+    entered = got["entered"]["forward"]
+    if len(entered) != 1:                                     # the counters report the wrong number of calls
+        return
+    try:
+        partial = got["x_i"] @ par.weight.data
+        if entered[0].shape != partial.shape or _close(entered[0], partial):
+            return
+        diff, b = entered[0] - partial, par.bias.data
+        k = float(numpy.sum(diff * b) / (b @ b) / (B * S)) if float(b @ b) > 0 else 0.0
+    except Exception:  # noqa: BLE001 -- the student's layer may hold anything
+        return
+    fb.problem("what enters g (the forward all-reduce) is not this rank's partial sum X_i A_i"
+               + (f": it is X_i A_i + {k:.2f} b" if k and _close(diff, k * numpy.broadcast_to(b, diff.shape))
+                  else ""))
+    if _close(got["forward"], got["y_ref"]):
+        fb.note(f"the output is right (g adds the T = {T} shares of b back to one b), but b went through the "
+                "all-reduce: it is replicated, every rank holds all of it, so the lesson's layer hands g the "
+                "partial sums alone and adds b once, after the reduce")
+
+
 def row_bias(student, comm, path=None) -> bool:
     """Exercise 1: RowLinear (a RowParallelLinear) at T = world size against the serial row layer."""
     T = comm.Get_size()
@@ -117,6 +164,8 @@ def row_bias(student, comm, path=None) -> bool:
     expect = {"forward": {"tp/all_reduce": (1, UNIT)}, "backward": {}}
     if all_true(ok, comm):
         got = run_layer(fb, comm, topo, par, ser, K, C, slice(par.weight.start, par.weight.stop), None, expect)
+        if got is not None:
+            _g_input_row(fb, got, par, T)
         if got is not None and fb.problems:
             _why_row(fb, got, par, T)
         _expected_facts(fb, expect)

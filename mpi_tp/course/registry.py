@@ -17,6 +17,7 @@ class Exercise:
     min_ranks: int            # at fewer ranks the bug cannot show
     ranks: int                # the world size the docs suggest
     lesson: str               # where to read about it
+    answer: tuple = ()        # a prediction's: what shows its answer (the course shows these after the exercise)
 
     def source(self, solution: bool = False) -> str:
         folder = "solutions" if solution else "exercises"
@@ -34,7 +35,9 @@ EXERCISES = (
              vocab.vocab_offset, 2, 3, "docs/learn.md, sections 4 and 5"),
     Exercise(5, "the bytes of one training step", "ex5_step_bytes", ("buffer_bytes", "wire_bytes"),
              step_bytes.step_bytes, 1, 2,
-             "mpiexec -n 2 mpi-tp explain --layer step; docs/learn.md, section 7"),
+             "mpiexec -n 2 mpi-tp explain --layer block, --layer embedding, --layer loss (each part's collectives); "
+             "once you have tried: mpi-tp explain --layer step, docs/learn.md section 7",
+             answer=("explain --layer step", "tensor_parallelism.md", "step_counters.png")),
 )
 
 

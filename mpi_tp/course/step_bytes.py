@@ -88,6 +88,7 @@ def step_bytes(student, comm, path=None) -> bool:
         fb.facts.append(f"at {where}: {n} buffer bytes and {wire:g} wire bytes ({calls} all-reduces)")
     topo.free()
     return finish(comm, 5, "the bytes of one training step", fb, [
-        ("the lessons: mpiexec -n 2 mpi-tp explain --layer block, --layer loss, then --layer step (each phase's "
-         "collectives and bytes); docs/learn.md, section 7 (counting the communication)")],
+        ("the lessons: mpiexec -n 2 mpi-tp explain --layer block, --layer embedding, --layer loss (what each part "
+         "sends); once you have tried, the answer: mpi-tp explain --layer step (each phase's collectives and "
+         "bytes), docs/learn.md section 7")],
         against="against the counters of a real step")

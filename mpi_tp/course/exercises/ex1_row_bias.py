@@ -7,7 +7,8 @@ identity backward) adds the T partials. b (C,) is replicated: every rank holds
 all of it.
 
 This RowLinear gives a wrong Y when T >= 2. Fix `forward` (and `backward`, if
-your fix changes what it needs), then check it:
+your fix changes what it needs), then check it (the check also compares what
+enters g with the partial sum X_i A_i):
 
     mpiexec -n 2 mpi-tp exercise 1 --file exercise1.py
 
