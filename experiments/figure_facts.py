@@ -8,10 +8,12 @@ import numpy as np
 
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.dropout import Dropout
-from mpi_tp.model.gpt import GPT, Block
+from mpi_tp.model.block import Block
+from mpi_tp.model.gpt import GPT
 from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from mpi_tp.parallel.finalize import finalize_grads, sum_sp_partial_grads
 from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology
 
@@ -52,7 +54,8 @@ def block_facts(comm, sp: bool):
         rows = split.positions                                          # this rank's positions
     x = np.random.default_rng(1).standard_normal((2, S, cfg.n_embd))[:, rows].copy()
     y, fwd = counted(topo.stats, lambda: block.forward(x))
-    _, bwd = counted(topo.stats, lambda: block.backward(np.ones_like(y)))
+    _, bwd = counted(topo.stats, lambda: (block.backward(np.ones_like(y)),          # then, as finalize_grads
+                                          sum_sp_partial_grads(block.parameters(), topo.tp)))
     attn, mlp = block.attn, block.mlp
     facts = {"heads": (attn.heads.start, attn.heads.stop), "head_size": attn.hs,
              "qkv_cols": (attn.qkv.weight.start, attn.qkv.weight.stop),
@@ -82,12 +85,13 @@ STEP_B = 4
 
 
 def step_counters(comm, sp: bool):
-    """Counters of one forward and one backward of a small GPT on `comm` (2 ranks)."""
+    """Counters of one forward and one backward of a small GPT on `comm` (2 ranks), the backward followed by
+    finalize_grads (the sequence-parallel sums of the replicated gradients)."""
     topo = Topology.create(comm)
     model = GPT(GPTConfig(**STEP), topo, sequence_parallel=sp)
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 256, (STEP_B, STEP["block_size"])), rng.integers(0, 256, (STEP_B, STEP["block_size"]))
     _, fwd = counted(topo.stats, lambda: model.forward(x, y))
-    _, bwd = counted(topo.stats, model.backward)
+    _, bwd = counted(topo.stats, lambda: (model.backward(), finalize_grads(model)))
     topo.free()
     return {"fwd": fwd, "bwd": bwd}

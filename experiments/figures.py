@@ -165,9 +165,11 @@ def fig_block(f, out, written, sp: bool):
         note = ["Entering a region all-gathers the positions, leaving it reduce-scatters them: per block 2 + 2 each way,",
                 ("the same bytes on the wire as 4 all-reduces; LayerNorms, dropout and residuals "
                  "work on 1/T of the positions."),
+                ("q/k/v and fc keep only their input's positions and gather them again for dA (regather): "
+                 "every activation kept is 1/T."),
                 f"Counted on one Block, T = 3, S = 8: forward {said(f[0]['fwd'])}; backward {said(f[0]['bwd'])}.",
-                ("GPT.backward adds one packed all-reduce per block of the replicated parameters' gradients "
-                 "(sp_grad_all_reduce).")]
+                ("finalize_grads adds one packed all-reduce per gradient bucket and step of the replicated "
+                 "parameters' gradients (sp_grad_all_reduce).")]
         title = "Sequence parallelism: the same block, activations split by position outside the regions"
     else:
         note = ["Per block: 2 all-reduces forward (the two g) and 2 backward (the two f), B·S·C values each.",

@@ -27,79 +27,33 @@ from __future__ import annotations
 import textwrap
 
 import numpy
+from mpi4py import MPI
 
 from mpi_tp.commands.explain import moe as explain_moe
 from mpi_tp.commands.explain import step as explain_step
 from mpi_tp.commands.explain import vocab as explain_vocab
 from mpi_tp.commands.explain.common import phase_lines, wire_bytes
+from mpi_tp.commands.explain.layer_texts import LESSONS, SP_LESSONS
 from mpi_tp.commands.explain.pipeline import lesson as pipeline_lesson
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.attention import ParallelAttention
+from mpi_tp.model.block import Block
 from mpi_tp.model.config import GPTConfig, fewest_heads
 from mpi_tp.model.dropout import Dropout
-from mpi_tp.model.gpt import Block
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from mpi_tp.parallel.finalize import sum_sp_partial_grads
 from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology
+from mpi_tp.planning.activations import activation_bytes_per_layer
 
 LAYERS = ("column", "row", "mlp", "attention", "block")
 RTOL = 1e-10              # float64: the parallel layer only reorders sums
 F64 = numpy.float64
 SEED = 7
 
-LESSONS = {
-    "column": "ColumnParallelLinear, Y = X A + b: A (C, O) is cut by its O output columns, "
-              "A = [A_0 | ... | A_{T-1}], "
-              "and rank i computes its columns Y_i = X A_i + b_i with no communication. X must be whole on "
-              "every rank, so it enters through f: identity forward, all-reduce of dX backward (each rank's "
-              "columns give part of dX). Y_i stays split here (gather_output=True would all-gather it).",
-    "row": "RowParallelLinear, Y = X A + b: A (K, C) is cut by its K input rows, A = [A_0; ...; A_{T-1}], and X by "
-           "columns to match (a column layer's output already is). Rank i computes the partial sum X_i A_i, "
-           "and g all-reduces the partials (identity backward). The bias is replicated and added once, "
-           "after the reduce.",
-    "mlp": "ParallelMLP: fc is column-parallel (C -> F, rank i keeps F_i columns), GELU works on each "
-           "rank's columns, and proj is row-parallel over the same F_i rows (F -> C). The column layer's "
-           "output is exactly the row layer's input, so the MLP needs one all-reduce forward (g after "
-           "proj) and one backward (f before fc).",
-    "attention": "ParallelAttention: the H heads are split, rank i keeps H_i whole heads. q, k and v are "
-                 "column-parallel (rank i's columns are its heads; one GEMM behind one f), attention is "
-                 "local to each head, and the output projection is row-parallel over the same columns, "
-                 "followed by g: one all-reduce each way.",
-    "block": "Block: x + attn(ln_1(x)), then + mlp(ln_2(x)), each half split as its layer is. The "
-             "LayerNorms, residuals and row biases are replicated: every rank computes them on the same "
-             "data. Two all-reduces forward (the two g's) and two backward (the two f's).",
-}
-# Under sequence parallelism the same layers communicate differently: the texts say what the counters show.
-SP_LESSONS = {
-    "column": "ColumnParallelLinear under sequence parallelism: X arrives split by positions (rank i holds "
-              "S_i of them), so f becomes an all-gather of the positions (backward: a reduce-scatter that "
-              "sums the partial dX and keeps rank i's positions). Then rank i computes its columns "
-              "Y_i = X A_i + b_i over the whole sequence; Y_i stays split by columns. The layer keeps only "
-              "its S_i positions of X for the backward pass and all-gathers them again there for dA_i = "
-              "X^T dY_i (the regather: 1/T of X's memory for one more all-gather).",
-    "row": "RowParallelLinear under sequence parallelism: rank i computes the partial sum X_i A_i over the "
-           "whole sequence, and g becomes a reduce-scatter: sum the partials, keep rank i's S_i positions "
-           "(backward: an all-gather of dY). The replicated bias is added to those positions only, so its "
-           "gradient is a part of the whole: one all-reduce sums it over the group.",
-    "mlp": "ParallelMLP under sequence parallelism: an all-gather of the positions before fc (f's place) "
-           "and a reduce-scatter after proj (g's place); backward, the reverse. proj's replicated bias "
-           "gradient is summed by one small all-reduce. No all-reduce of activations at all, and the same "
-           "bytes on the wire as plain TP's two all-reduces, plus fc's regather of its kept input shard.",
-    "attention": "ParallelAttention under sequence parallelism: an all-gather of the positions before the "
-                 "q/k/v GEMM (each rank needs every position to attend over), attention on rank i's H_i "
-                 "heads, and a reduce-scatter after the output projection; backward, the reverse, plus the "
-                 "q/k/v layer's regather of its kept input shard and one small all-reduce of the "
-                 "projection's replicated bias gradient.",
-    "block": "Block under sequence parallelism: the LayerNorms, residuals and dropout work on rank i's S_i "
-             "positions only. Two all-gathers and two reduce-scatters forward, two of each backward, the "
-             "two column layers' regathers of their kept input shards, and one small all-reduce of the "
-             "replicated parameters' gradients (LayerNorms, row biases), which each rank computed from "
-             "its own positions. Every activation the block keeps is 1/T of the serial block's.",
-}
 def plan(args, T: int) -> dict:
     """The sizes of the lesson, checked against the world size T (a UserError says what to change)."""
     C, B, S = args.features, args.batch, args.seq
@@ -150,9 +104,10 @@ def _slice_text(param) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" if s.start is not None else ":" for s in param.index()) + "]"
 
 
-def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> tuple[bool, str, list]:
+def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> tuple[bool, str, list, tuple]:
     """Run one layer at T = world size against its serial self; (every rank equal?, this rank's text,
-    the counters of the forward and the backward pass)."""
+    the counters of the forward and the backward pass, the activation bytes kept for the backward pass:
+    (the most any rank keeps, the serial layer's))."""
     B, S, C, K = p["B"], p["S"], p["C"], p["K"]
     topo, serial = Topology.create(comm), Topology.serial()
     sp = SequenceSplit(topo.tp) if sequence_parallel else None
@@ -162,6 +117,7 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     x, dout = rng.standard_normal((B, S, n_in)), rng.standard_normal((B, S, n_out))   # the same on every rank
 
     y_ref = ser.forward(x)                                                # the serial layer, whole sequence
+    kept_ref = ser.activation_bytes()
     dx_ref = ser.backward(dout)
     # What this rank sees of x and y: a row layer's input and a column layer's output are this rank's
     # columns; under sp, whatever lies outside the parallel region is this rank's positions.
@@ -175,6 +131,7 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     topo.stats.reset()
     x_i = _cut(x, in_cols, in_pos)
     y = par.forward(x_i)
+    kept = comm.allreduce(par.activation_bytes(), op=MPI.MAX)          # a lesson: a pickled int, once
     fwd = topo.stats.snapshot()
     topo.stats.reset()
     dx = par.backward(_cut(dout, out_cols, out_pos))
@@ -202,14 +159,15 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
                  f"(worst {worst}); tolerance {RTOL:.0e}: {'PASS' if ok else 'FAIL'}")
     topo.free()
     serial.free()
-    return all_true(ok, comm), "\n".join(lines), [fwd, bwd]
+    return all_true(ok, comm), "\n".join(lines), [fwd, bwd], (kept, kept_ref)
 
 
-def sp_versus_tp(kind: str, p: dict, comm, counted: list) -> tuple[bool, str]:
+def sp_versus_tp(kind: str, p: dict, comm, counted: list) -> tuple[bool, str, tuple]:
     """The wire bytes of the sequence-parallel layer's all-gathers and reduce-scatters (`counted`) beside
-    the plain layer's all-reduces (run here again, quietly): (equal?, the one-line comparison). The sums
-    are the closed forms of the counted buffer bytes (the counters round each to whole bytes)."""
-    _, _, plain = explain_layer(kind, p, comm, False)
+    the plain layer's all-reduces (run here again, quietly): (equal?, the one-line comparison, the plain
+    layer's activation bytes). The sums are the closed forms of the counted buffer bytes (the counters
+    round each to whole bytes)."""
+    _, _, plain, kept_plain = explain_layer(kind, p, comm, False)
     T = comm.Get_size()
 
     def wire(snaps, keep):
@@ -224,7 +182,19 @@ def sp_versus_tp(kind: str, p: dict, comm, counted: list) -> tuple[bool, str]:
         f"and g's places {sp_wire:.1f} {'=' if same else '!='} plain tensor parallelism's all-reduces "
         f"{tp_wire:.1f}{': the same traffic' if same else ': DIFFERENT'}; plus {again:.1f} to gather the column "
         f"layer's kept input again (what keeps 1/T of it) and {grads:.1f} for the replicated parameters' "
-        f"gradients")
+        f"gradients"), kept_plain
+
+
+def memory_line(p: dict, T: int, kept: tuple, kept_plain: tuple) -> str:
+    """The block's activations kept for the backward pass, with and without SP, against one rank's and the
+    paper's count for the same sizes (mpi_tp.planning.activations: Korthikanti et al. 2022, Table 2)."""
+    (sp, one), (tp, _) = kept, kept_plain
+    S, B, C, H = p["S"], p["B"], p["C"], p["cfg"].n_head
+    paper = [activation_bytes_per_layer(S, B, C, H, t, sp=s, paper=True) for t, s in ((T, True), (T, False), (1, False))]
+    return (f"\nactivations the block keeps for the backward pass (the most on any rank): {sp} bytes with sequence "
+            f"parallelism, {tp} without, {one} on one rank: SP / TP = {sp / tp:.3f}, SP / one rank = {sp / one:.3f}"
+            f" (1/T = {1 / T:.3f}); Korthikanti et al.'s count for these sizes (16-bit values, dropout on): "
+            f"SP / TP = {paper[0] / paper[1]:.3f}, SP / one rank = {paper[0] / paper[2]:.3f}")
 
 
 def run(args, comm) -> bool:
@@ -252,14 +222,14 @@ def run(args, comm) -> bool:
         if kind in explain_vocab.LAYERS:
             every &= explain_vocab.lesson(kind, args, comm)
             continue
-        ok, text, counted = explain_layer(kind, p, comm, args.sequence_parallel)
+        ok, text, counted, kept = explain_layer(kind, p, comm, args.sequence_parallel)
         texts = comm.gather(text, root=0)          # a lesson, not a hot path: pickled once
         lesson = (SP_LESSONS if args.sequence_parallel else LESSONS)[kind]
         same = ""
         if args.sequence_parallel and T > 1:
-            equal, same = sp_versus_tp(kind, p, comm, counted)
+            equal, same, kept_plain = sp_versus_tp(kind, p, comm, counted)
             ok &= equal
-            same = "\n" + same
+            same = "\n" + same + (memory_line(p, T, kept, kept_plain) if kind == "block" else "")
         rank0_print(f"\n== {kind} ==\n{textwrap.fill(lesson, 100)}\n" + "\n".join(texts or []) + same +
                     f"\n{kind}: all ranks equal the serial layer: {'yes' if ok else 'no'}", comm=comm)
         every &= ok

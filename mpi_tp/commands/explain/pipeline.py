@@ -24,9 +24,9 @@ from mpi4py import MPI
 
 from mpi_tp.commands.explain.common import comm_text
 from mpi_tp.core.runtime import rank0_print
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.pipeline.schedules import draw, schedule, simulate
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
