@@ -70,6 +70,15 @@ class Pending:
             self._done()
         return self.x
 
+    def cancel(self) -> None:
+        """Withdraw a receive that is no longer wanted (a pipeline run that failed part-way), so that it
+        cannot match a later message; completes the request whether or not a message had arrived."""
+        if self.request is not None:
+            self.request.Cancel()
+            self.request.Wait()
+            backend.stager().give_back(self.x, self.buf, copy=False)
+            self.request = None
+
     def _done(self) -> None:
         backend.stager().give_back(self.x, self.buf, copy=self.result)
         stats, key, t0 = self._record
