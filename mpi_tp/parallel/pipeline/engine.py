@@ -47,6 +47,7 @@ cancels those it posted, so they cannot catch a later run's messages.
 from __future__ import annotations
 
 import os
+import time
 
 from mpi4py import MPI
 
@@ -76,6 +77,8 @@ class PipelineEngine:
 
     posts: after a run, (k, j) for each receive posted: action k's receive, posted just before
     action j computed (j < k when posted ahead). Tests read it; it costs a tuple per message.
+    waited: after a run, the seconds it spent blocked in receives (waiting for a neighbour's
+    message, or for its transfer to finish): what posting ahead can shorten.
     """
 
     def __init__(self, group: Group, actions: list[Action], chunks: int = 1, prepost: int | None = None):
@@ -85,6 +88,7 @@ class PipelineEngine:
         if self.prepost < 0:
             raise UserError(f"prepost={self.prepost}: receives can be posted 0 or more actions ahead")
         self.posts: list[tuple[int, int]] = []
+        self.waited = 0.0
         self.last = self.P * chunks - 1                     # the model's last chunk, globally
         micro = 1 + max((a.micro for a in actions), default=0)
         top = (micro * (self.last + 1)) * 2
@@ -111,7 +115,7 @@ class PipelineEngine:
         acts = self.actions if actions is None else actions
         needs = [self._receive(a) for a in acts]
         sends, posted, ahead = [], {}, 0                     # posted: action index -> its pending receive
-        self.posts = []
+        self.posts, self.waited = [], 0.0
         try:
             for k, a in enumerate(acts):
                 while ahead < len(acts) and ahead <= k + self.prepost:   # receives of actions k .. k + prepost
@@ -119,7 +123,11 @@ class PipelineEngine:
                         posted[ahead] = self.group.irecv(xp.empty(shape, dtype), *needs[ahead])
                         self.posts.append((ahead, k))
                     ahead += 1
-                inp = posted.pop(k).wait() if k in posted else None
+                inp = None
+                if k in posted:
+                    t0 = time.perf_counter()
+                    inp = posted.pop(k).wait()
+                    self.waited += time.perf_counter() - t0
                 g = global_chunk(self.s, a.chunk, self.P)
                 if a.kind == "F":
                     with span(self.group.stats.trace, "F", "pipeline", micro=a.micro, chunk=g):
