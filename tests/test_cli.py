@@ -229,8 +229,8 @@ def test_bench_reports(tmp_path):
 
 
 def test_bench_pipeline_reports(tmp_path):
-    """bench --pp 2: the bubble next to its formula, and the bytes sent between stages equal to
-    p2p_formula (M activations of B S C float32 one way from stage 0)."""
+    """bench --pp 2: the bubble next to its formula, the bytes sent between stages equal to
+    p2p_formula (M activations of B S C float32 one way from stage 0), each stage's time blocked in receives."""
     out = tmp_path / "bench.jsonl"
     r = mpirun(2, "bench", "--pp", "2", "--micro-batches", "4", "--custom", "32,2,2,16,2", "--steps", "2",
                "--warmup", "1", "--json", str(out))
@@ -239,6 +239,7 @@ def test_bench_pipeline_reports(tmp_path):
     assert (row["pp"], row["tp"], row["micro_batches"], row["schedule"]) == (2, 1, 4, "1f1b")
     assert row["bubble"]["formula"] == 0.25 and row["bubble"]["measured"] > 0
     assert row["p2p_bytes_per_step"]["measured"] == row["p2p_bytes_per_step"]["formula"] == 4 * 2 * 16 * 32 * 4
+    assert row["receives_posted_ahead"] == 2 and len(row["receive_wait_ms_per_stage"]) == 2   # the engine's default
     r = mpirun(2, "bench", "--pp", "2", "--custom", "32,2,1,16,2", timeout=60)        # 1 layer, 2 stages
     assert r.returncode == 2 and "cannot fill 2 stages" in r.stderr
 

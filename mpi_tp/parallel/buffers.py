@@ -62,6 +62,17 @@ class Pending:
             self._done()
         return self.value
 
+    def cancel(self) -> None:
+        """Withdraw a receive that is no longer wanted (a pipeline run that failed part-way), so that it
+        cannot match a later message; completes the request whether or not a message had arrived."""
+        if self.request is not None:
+            self.request.Cancel()
+            self.request.Wait()
+            backend.stager().give_back(self.x, self.buf, copy=False)
+            if self._send is not None:
+                backend.stager().give_back(*self._send, copy=False)
+            self.request = None
+
     def _done(self) -> None:
         backend.stager().give_back(self.x, self.buf, copy=self.result)
         if self._send is not None:

@@ -11,7 +11,10 @@ in them, minus one, next to (P - 1) / M, or (P - 1) / (v M) for the interleaved
 schedule; the point-to-point bytes are what each rank sent to the next or
 previous stage, next to the formula (p2p_formula: M activations forward from
 every chunk but the model's last, M gradients back from every chunk but its
-first, B S C / T values each). The other fields are those of `mpi-tp bench`.
+first, B S C / T values each). receive_wait_ms_per_stage is the median time a
+step spent blocked in receives on each stage (engine.waited), with
+receives_posted_ahead actions' receives posted ahead (MPI_TP_PIPE_PREPOST). The
+other fields are those of `mpi-tp bench`.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     rng = numpy.random.default_rng(seed)
     x, y = rng.integers(0, 256, (B * M * dp, S)), rng.integers(0, 256, (B * M * dp, S))
     rows = slice(topo.dp.rank * B * M, (topo.dp.rank + 1) * B * M)
-    step_s, bubbles, sent = [], [], []
+    step_s, bubbles, sent, waited = [], [], [], []
     for i in range(warmup + steps):
         topo.stats.reset()
         trace = Trace(comm) if i >= warmup else None           # the barrier also lines the ranks up
@@ -74,6 +77,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
         busy = comm.allreduce(sum(e["dur"] for e in acts), op=MPI.MAX)
         bubbles.append((last - first - busy) / busy)
         sent.append(topo.stats.snapshot().get("pp/send", {}).get("bytes", 0))
+        waited.append(stage.engine.waited)
     med = float(numpy.median(step_s))
     flops = model_flops(C, L, S, B * M) * dp
     peak = comm.allreduce(gemm_peak(comm), op=MPI.SUM) / comm.Get_size()
@@ -96,6 +100,8 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
     result["recompute"] = recompute
     result["dp_overlapped"] = bool(overlap_dp and dp > 1)       # the DP all-reduces ran during the schedule
+    result["receives_posted_ahead"] = stage.engine.prepost     # actions ahead (0: post and wait at once)
+    result["receive_wait_ms_per_stage"] = [1e3 * w for w in topo.pp.comm.allgather(float(numpy.median(waited)))]
     result["peak_activation_mb_per_stage"] = [b / 2**20 for b in topo.pp.comm.allgather(stage.peak_activation_bytes)]
     topo.free()
     return result
