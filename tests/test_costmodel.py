@@ -233,3 +233,15 @@ def test_worked_example_matches_the_code(capsys):
         assert by_hand[name] == round(t[key] * 1e3, 2), (name, t[key])
     line = next(x for x in quoted.group(2).splitlines() if x[4:32].strip() == lay.describe())    # its row
     assert line.split()[1 + len(lay.describe().split())] == f"{t['total']:.3f}" == f"{by_hand['step'] / 1e3:.3f}"
+
+
+def test_receives_posted_ahead_hide_all_but_the_fill_and_the_drain():
+    """pp_overlap = 1: of the M 2 (P v - 1) / P transfers a stage waits for, only the fill's and the drain's
+    stay (2 (P v - 1) / P of them); pp_overlap = 0 (what this machine measured) prices every one."""
+    w = Workload(n_layer=8, n_embd=256, n_head=4, seq=64, global_batch=32)
+    lay = Layout(pp=4, micro_batch=1)
+    m0, m1 = cpu(inter_alpha=0.0, intra_alpha=0.0), cpu(inter_alpha=0.0, intra_alpha=0.0, pp_overlap=1.0)
+    full, hidden = step_time(m0, w, lay)["pp_comm"], step_time(m1, w, lay)["pp_comm"]
+    M = 32
+    assert hidden == pytest.approx(full / M)            # transfers only: 2 (P-1)/P of M 2 (P-1)/P
+    assert step_time(cpu(pp_overlap=0.5), w, lay)["pp_comm"] < step_time(cpu(), w, lay)["pp_comm"]

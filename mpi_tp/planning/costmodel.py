@@ -14,7 +14,9 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  sequence parallelism: each all-reduce an all-gather + a reduce-scatter (the same
                  bytes), plus the column layers' inputs gathered again in the backward pass (2
                  all-gathers of B S C per layer: what keeps their activations at 1/T)
-    pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages
+    pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages (receives are
+                 posted ahead: pp_overlap of a transfer hides behind compute, but in the fill
+                 and the drain)
     data par.    one all-reduce of the rank's gradients (params / (T P) values) over D; the
                  engine starts it during the last micro-batch's backward pass, which hides
                  dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides).
@@ -143,8 +145,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         v = lay.virtual                                        # v chunks: more messages, 1/v the bubble
         # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp);
         # per step a stage sends, on average, 2 (P v - 1) / P messages per micro-batch
-        message = pa + n / t / pbw + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))
-        pp_comm = micro * 2 * (p * v - 1) / p * message
+        messages = micro * 2 * (p * v - 1) / p                 # per stage and step, on average
+        transfer = n / t / pbw
+        # posted ahead, a transfer overlaps the receiver's compute (pp_overlap of it), except the fill's
+        # and the drain's: 2 (P v - 1) / P of them, nothing computing yet (or any more) to hide behind
+        exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * (p * v - 1) / p)
+        pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
         bubble = (p - 1) / (v * micro) * (compute + tp_comm)
     params_rank = w.params / (t * p)
     grad_bytes = params_rank * 4

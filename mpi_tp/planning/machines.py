@@ -39,6 +39,9 @@ class Machine:
     #                                proportional to the work: kernel launches, the interpreter
     dp_overlap: float = 0.0        # fraction of a concurrent data-parallel all-reduce that compute
     #                                hides (0: none, as measured on one CPU core per rank; 1: fully)
+    pp_overlap: float = 0.0        # fraction of a stage-to-stage transfer that the receive posted ahead
+    #                                hides behind the receiver's compute in the steady state (0: none,
+    #                                as measured here: docs/parallelism.md; the fill and drain never hide)
     # [[buffer bytes n, seconds], ...]: the timed all-reduces that alpha and the bandwidth were fitted
     # to (calibrate; empty for presets): t = 2 (T-1) alpha + 2 (T-1)/T n beta, beta = 1 / bandwidth
     allreduce_points: list = field(default_factory=list)

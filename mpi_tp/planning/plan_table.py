@@ -25,7 +25,7 @@ LEGEND = (
                 "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta (+sp: as all-gathers and reduce-scatters, and "
                 "2 more all-gathers of the column layers' inputs)")),
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
-                "without +sp)")),
+                "without +sp; the machine's pp_overlap of each transfer hidden, but in the fill and drain)")),
     ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
     ("dp comm", ("the gradient all-reduce over the D replicas (float32), minus what the last backward pass "
                 "hides (+zero1: a reduce-scatter of the gradients, hidden alike, and an all-gather of the "
