@@ -3,9 +3,9 @@
     mpiexec -n 2 python -m mpi4py experiments/sp_overlap.py --rounds 5
 
 A column-parallel layer under sequence parallelism keeps its input's shard and gathers it again in the
-backward pass. With SequenceSplit.overlap (the default) the all-gather starts before dX's GEMM and is
-waited before dA's, and dX's reduce-scatter starts before dA's GEMM (Megatron's order); without it the
-same collectives run one after the other. This times training steps of shape a (C 256, H 4, L 4, S 128,
+backward pass. With SequenceSplit.overlap (MPI_TP_SP_OVERLAP=1) the all-gather starts before dX's GEMM
+and is waited before dA's, and dX's reduce-scatter starts before dA's GEMM (Megatron's order); without
+it (the default) the same collectives run one after the other. This times training steps of shape a (C 256, H 4, L 4, S 128,
 B 8, float32, T = the ranks) both ways, alternating, and prints the medians of the backward pass and of
 the step (the slowest rank's), with the raw times in experiments/results/sp_overlap.jsonl.
 """
@@ -22,7 +22,6 @@ from mpi_tp.core.runtime import machine_text
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.finalize import finalize_grads
-from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,7 +40,7 @@ def main():
     times = {True: {"backward": [], "step": []}, False: {"backward": [], "step": []}}
     for k in range(args.rounds + 1):                   # round 0: warm-up, not kept
         for overlap in ((True, False) if k % 2 else (False, True)):
-            SequenceSplit.overlap = overlap
+            model.sp.overlap = overlap
             for _ in range(args.steps):
                 model.zero_grad()
                 comm.Barrier()
@@ -54,7 +53,6 @@ def main():
                 if k:
                     times[overlap]["backward"].append(comm.allreduce(t2 - t1, op=MPI.MAX))
                     times[overlap]["step"].append(comm.allreduce(t2 - t0, op=MPI.MAX))
-    SequenceSplit.overlap = True
     if comm.Get_rank():
         return
     med = {o: {k: 1e3 * statistics.median(v) for k, v in times[o].items()} for o in times}

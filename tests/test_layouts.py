@@ -251,3 +251,25 @@ def test_distributed_optimizer_moves_what_plain_dp_moves(world):
             topo.free()
         assert abs(wire[True] - wire[False]) <= 2, wire            # rounding of the ring's (G-1)/G n only
         assert state[True] * dp == state[False], state
+
+
+def test_sequence_parallel_overlap_changes_no_number(world):
+    """The column layers' backward with the regather and dX's reduce-scatter overlapped (Megatron's order,
+    MPI_TP_SP_OVERLAP=1) gives the gradients of the plain order, which test_sp_and_zero_equal_serial checks
+    against the serial model."""
+    x, y = global_batch(0, B)
+    grads = []
+    for overlap in (False, True):
+        topo = Topology.create(world)
+        model = build(topo, sp=True, dropout=0.1)
+        model.sp.overlap = overlap
+        model.forward(x, y)
+        model.backward()
+        finalize_grads(model)
+        grads.append({p.name: p.grad.copy() for p in model.parameters()})
+        calls = topo.stats.calls.get("tp/regather", 0)
+        assert calls == (2 * CFG["n_layer"] + 1 if world.Get_size() > 1 else 0), calls
+        topo.free()
+    scale = max(float(np.abs(g).max()) for g in grads[0].values())
+    worst = max(float(np.abs(grads[0][k] - grads[1][k]).max()) for k in grads[0]) / scale
+    assert all_true(worst <= 1e-13, world), worst

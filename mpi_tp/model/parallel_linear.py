@@ -42,7 +42,7 @@ def column_backward(dout, cache, group: Group, dw_out=None):
 
     Under sp, with overlap (SequenceSplit.overlap), as Megatron does: start the input's all-gather,
     compute dX = dY A_i^T meanwhile, wait; start dX's reduce-scatter, compute dA_i = X^T dY meanwhile,
-    wait. Without overlap the same collectives run one after the other.
+    wait. Without it (the default here: see SequenceSplit) the same collectives run one after the other.
     """
     x, w, has_bias, seq, overlap = cache
     if seq is None:

@@ -17,6 +17,8 @@ the group once per step (mpi_tp.parallel.finalize).
 """
 from __future__ import annotations
 
+import os
+
 from mpi_tp.core import backend
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.tensor_parallel import copy_to_tp, copy_to_tp_backward, reduce_from_tp, reduce_from_tp_backward
@@ -30,10 +32,14 @@ class SequenceSplit:
     read by every layer of the model; shards differ by at most one position.
     """
 
-    overlap = True      # column layers' backward: start the all-gather again before dX's GEMM, wait before dW's
-
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, overlap: bool | None = None):
+        """overlap: in a column layer's backward, start the input's all-gather before dX's GEMM and wait for
+        it before dA's, and dX's reduce-scatter before dA's GEMM (Megatron's order), instead of one after
+        the other. Default: MPI_TP_SP_OVERLAP=1, else off: on this project's 2-core build machine it made
+        the backward 10-20% slower (experiments/sp_overlap.py; MPICH progresses a non-blocking collective
+        only inside MPI calls). Turn it on where the network or the GPU moves data while the cores compute."""
         self.group, self.sizes = group, None
+        self.overlap = os.environ.get("MPI_TP_SP_OVERLAP", "0") == "1" if overlap is None else overlap
 
     def set(self, S: int) -> None:
         self.sizes = split_sizes(S, self.group.size)
