@@ -44,12 +44,22 @@ def unpack(rev: str) -> str:
     return where
 
 
+def imports_from(code: str) -> None:
+    """Stop unless `python -m mpi_tp`, run as run() runs it, imports the package from `code`."""
+    env = dict(os.environ, PYTHONPATH=code)
+    where = subprocess.run([sys.executable, "-c", "import mpi_tp; print(mpi_tp.__file__)"], env=env, cwd=code,
+                           capture_output=True, text=True).stdout.strip()
+    if not where.startswith(os.path.realpath(code)):
+        raise SystemExit(f"python imports mpi_tp from {where}, not from {code}")
+
+
 def run(code: str, layout: str, steps: int) -> dict:
     out = tempfile.mkdtemp(prefix="mpi_tp_fidelity_")
     env = dict(os.environ, PYTHONPATH=code, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi_tp", "train", *SHAPE, *LAYOUTS[layout],
            "--steps", str(steps), "--out", out]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    # cwd = the code itself: `python -m` puts the working folder first on sys.path, before PYTHONPATH
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=code)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -92,6 +102,8 @@ def main():
             print(table([json.loads(line) for line in f][1:]))
         return
     before = unpack(args.before)
+    for code in (before, ROOT):
+        imports_from(code)
     rows = []
     try:
         for k in range(args.rounds):
