@@ -18,7 +18,7 @@ import h5py
 import numpy
 
 from mpi_tp import checkpoint as ckpt_io
-from mpi_tp.core.errors import UserError
+from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.inference.sampling import printable
@@ -147,6 +147,9 @@ def cmd_export(args, comm) -> int:
         out = args.out
         if not out.endswith((".h5", ".hdf5", ".npz")):
             raise UserError(f"export: {out!r} should end in .h5 or .npz")
+        refuse_to_replace(out, args.overwrite, "export")
+        if os.path.isdir(out):
+            raise UserError(f"export: {out} is a folder: give a file name")
         with ckpt_io.Checkpoint(args.checkpoint) as ck:
             tensors = {name: ck.read(name) for name in ck.tensors if args.optimizer or name.startswith("model/")}
             meta = {k: json.dumps(v) for k, v in ck.meta.items()}
@@ -195,4 +198,6 @@ def add_parsers(sub) -> None:
     x.add_argument("checkpoint", help="checkpoint folder or a step-N folder")
     x.add_argument("out", help="output file, .h5 or .npz")
     x.add_argument("--optimizer", action="store_true", help="include the optimizer state (optim/...)")
+    x.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (the new file takes its "
+                   "place only once it is complete)")
     x.set_defaults(run=cmd_export)

@@ -18,3 +18,10 @@ class UserError(Exception):
     def __init__(self, message: str, status: int = 2):
         super().__init__(message)
         self.status = status
+
+
+def refuse_to_replace(path: str, overwrite: bool, what: str) -> None:
+    """No command replaces a file or folder that exists unless asked (--overwrite): say so in one line."""
+    import os
+    if path and os.path.lexists(path) and not overwrite:
+        raise UserError(f"{what}: {path} exists already: pass --overwrite to replace it, or another name")

@@ -33,7 +33,8 @@ from dataclasses import replace
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.core.runtime import rank0_print
+from mpi_tp.core.errors import refuse_to_replace
+from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
@@ -236,6 +237,7 @@ def add_parser(sub) -> None:
     c = sub.add_parser("calibrate", help="measure this machine's constants for the cost model (mpi-tp plan)",
                        description=__doc__.split("\n\n")[0])
     c.add_argument("--out", default="machine.json", help="where to write the machine description (JSON)")
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     c.add_argument("--name", default="this-machine", help="the machine's name in the file")
     c.set_defaults(run=cmd_calibrate)
 
@@ -257,6 +259,8 @@ def summary(m: Machine, T: int) -> str:
 
 
 def cmd_calibrate(args, comm) -> int:
+    collective_setup(lambda: refuse_to_replace(args.out, args.overwrite, "calibrate --out")
+                     if comm.Get_rank() == 0 else None, comm=comm)      # before minutes of measuring
     m = calibrate(comm, args.name)
     if comm.Get_rank() == 0:
         m.save(args.out)

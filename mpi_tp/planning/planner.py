@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from mpi_tp.core.errors import UserError
+from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
 from mpi_tp.planning.machines import machine
 from mpi_tp.planning.memory import memory_per_rank
@@ -145,6 +145,7 @@ def add_parser(sub) -> None:
     p.add_argument("--emit-config", metavar="FILE", default=None,
                    help="write the best layout as a config that `mpi-tp train --config FILE` runs (on a job "
                         "of that many ranks; the model trained is byte-level, vocabulary 256)")
+    p.add_argument("--overwrite", action="store_true", help="replace the --emit-config file if it exists")
     p.set_defaults(run=cmd_plan, usage_error=p.error)
 
 
@@ -196,6 +197,8 @@ def cmd_plan(args, comm) -> int:
             raise UserError(message)
         args.usage_error(message)                   # argparse's usage and one-line error, exit status 2
     m, w = collective_setup(_check, args, comm=comm)
+    if args.emit_config:
+        collective_setup(refuse_to_replace, args.emit_config, args.overwrite, "plan --emit-config", comm=comm)
     if comm.Get_rank():
         return 0
     result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp, micro_only=args.micro_batch,

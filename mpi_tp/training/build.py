@@ -6,7 +6,6 @@ status 2 on every rank, before any training collective starts.
 """
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 
@@ -14,13 +13,14 @@ from mpi4py import MPI
 
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.core import backend
-from mpi_tp.core.errors import UserError
+from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.gpt import GPT
 from mpi_tp.model.chunks import build_stage
 from mpi_tp.parallel.pipeline.stage import PipelineStage
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
+from mpi_tp.training import run_dir
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import BatchSampler, Corpus, eval_batches, load_corpus, split
 from mpi_tp.training.optim import SGD, AdamW
@@ -43,6 +43,12 @@ class Run:
     out: str                     # the run folder (rank 0 writes it)
     rows: slice                  # this replica's rows of the global batch (its micro-batches, one after another)
     first: int                   # the first step to run (1, or the checkpoint's step + 1)
+    lock: run_dir.RunLock | None = None    # rank 0's hold on `out` (mpi_tp.training.run_dir)
+
+    def close(self) -> None:
+        """Give the run folder back (rank 0 removes its lock); the run may still be read."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def ckpt_root(self) -> str:
@@ -69,19 +75,20 @@ def _load_data(cfg: TrainConfig, comm):
     return corpus, sampler, val, val_tokens
 
 
-def _make_out_dir(cfg: TrainConfig, comm) -> str:
-    out = cfg.out
-    if not out:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") if comm.Get_rank() == 0 else None
-        out = os.path.join("runs", comm.bcast(stamp))
+def _claim_out_dir(cfg: TrainConfig, comm):
+    """Rank 0 claims the run folder (mpi_tp.training.run_dir: a run of its own, locked for this job); every
+    rank gets its path, rank 0 also the lock and what to say about it."""
+    claimed, failure = None, None
     if comm.Get_rank() == 0:
         try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the output folder {out!r} ({e.strerror}); pass --out DIR") from None
-        if not os.access(out, os.W_OK):
-            raise UserError(f"output folder {out!r} is not writable; pass --out DIR")
-    return out
+            refuse_to_replace(cfg.trace, cfg.overwrite, "--trace")
+            claimed = run_dir.claim(cfg.out, cfg.resume, cfg.overwrite)
+        except UserError as e:
+            failure = e                   # raised after the broadcast, which every rank must reach
+    out = comm.bcast(claimed[0] if claimed else None)
+    if failure is not None:
+        raise failure
+    return out, (claimed[1] if claimed else None), (claimed[2] if claimed else [])
 
 
 def _find_start(cfg: TrainConfig, out: str):
@@ -94,8 +101,19 @@ def _find_start(cfg: TrainConfig, out: str):
     return None
 
 
+UNCOMPARED = ("out", "resume", "overwrite", "init_from", "trace")     # where and how, not what
+
+
+def changed_options(start, cfg: TrainConfig) -> list[str]:
+    """The training options a resumed run changes against its checkpoint ('steps 20 -> 40'), for the log: any
+    but the model (checkpoint.check_model_config), the data and the optimizer (_restore) may change."""
+    saved, mine = start.meta.get("train_config", {}), cfg.to_dict()
+    return [f"{k} {saved[k]} -> {mine[k]}" for k in mine if k in saved and k not in UNCOMPARED and saved[k] != mine[k]]
+
+
 def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
-    """Load a checkpoint into model and optimizer; returns the step it was saved at."""
+    """Load a checkpoint into model and optimizer (load_into refuses another model: check_model_config);
+    returns the step it was saved at."""
     if cfg.resume and start.meta.get("data", {}).get("sha256") not in (None, corpus.sha256):
         raise ckpt_io.CheckpointError(f"checkpoint {start.dir} was trained on other data (sha256 "
                                       f"{start.meta['data']['sha256'][:12]}, now {corpus.sha256[:12]}): "
@@ -114,7 +132,18 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     collective_setup(cfg.validate, comm.Get_size(), comm=comm)
     collective_setup(backend.use, cfg.backend, comm, comm=comm)
     corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
-    out = collective_setup(_make_out_dir, cfg, comm, comm=comm)
+    out, lock, notes = collective_setup(_claim_out_dir, cfg, comm, comm=comm)
+    for note in notes:
+        rank0_print(note, comm=comm)
+    try:
+        return _build(cfg, comm, corpus, sampler, val_batches, val_tokens, out, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out, lock) -> Run:
     tp, pp, dp = cfg.layout(comm.Get_size())
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep)      # ep inside dp (checked by validate)
     if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
@@ -140,5 +169,8 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     if start is not None:
         with start:
             first = collective_setup(_restore, start, model, opt, cfg, corpus, comm=comm) + 1
-        rank0_print(f"continuing from {start.dir} (step {first - 1})", comm=comm)
-    return Run(cfg, comm, topo, model, opt, reducer, corpus, sampler, val_batches, val_tokens, out, rows, first)
+        changed = changed_options(start, cfg) if cfg.resume else []
+        rank0_print(f"continuing from {start.dir} (step {first - 1})" +
+                    (f"; changed since: {', '.join(changed)}" if changed else ""), comm=comm)
+    return Run(cfg, comm, topo, model, opt, reducer, corpus, sampler, val_batches, val_tokens, out, rows, first,
+               lock)

@@ -90,6 +90,8 @@ class TrainConfig:
     save_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep: int = opt(3, "keep the newest K checkpoints (0: all)")
     resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints, if there is one")
+    overwrite: bool = opt(False, "start afresh in an --out that holds another run: it is moved aside to "
+                                 "OUT.replaced-<date-time> first (nothing is deleted)")
     init_from: str = opt("", "continue from this checkpoint (a checkpoint folder or step-N folder)")
     log_every: int = opt(10, "print a progress line every N steps (rank 0)")
     trace: str = opt("", "write every rank's events (forward, backward, optimizer, pipeline actions, each "
@@ -127,6 +129,9 @@ class TrainConfig:
             raise ConfigError("--resume needs --out: the folder of the run to continue")
         if self.resume and self.init_from:
             raise ConfigError("use either --resume or --init-from, not both")
+        if self.overwrite and self.resume:
+            raise ConfigError("use either --resume (continue the run in --out) or --overwrite (move it aside and "
+                              "start afresh), not both")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
         if self.dp < 1 or self.pp < 1 or self.tp < 0 or self.virtual_stages < 1:

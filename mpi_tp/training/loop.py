@@ -128,8 +128,16 @@ def save(run: Run, step: int, progress: Progress) -> None:
 
 
 def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
-    """Train as configured; returns the run summary (on every rank)."""
+    """Train as configured; returns the run summary (on every rank). The run folder is this job's from
+    build() until the end, whatever happens (mpi_tp.training.run_dir)."""
     run = build(cfg, comm)
+    try:
+        return _train(run, cfg, comm)
+    finally:
+        run.close()
+
+
+def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     model, topo, corpus = run.model, run.topo, run.corpus
     entropy = unigram_entropy(run.val_tokens)
     record = {"config": cfg.to_dict(), "out": run.out, "layout": topo.describe(),

@@ -168,6 +168,7 @@ def run_step(cfg: TrainConfig, comm, trace=None) -> dict:
     cfg.out = out
     try:
         run = build(cfg, comm)
+        run.close()                          # the folder is build()'s scratch only: give it back at once
     finally:
         comm.Barrier()
         if comm.Get_rank() == 0:
