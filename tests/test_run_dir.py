@@ -155,6 +155,11 @@ def test_another_hosts_lock_is_stale_only_without_a_heartbeat(tmp_path, monkeypa
     assert json.load(open(lock))["pid"] == os.getpid()
     held.release()
     assert not lock.exists()
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": 1, "job": "4242", "started": "2026-12-01T08:00:00"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")          # the same job, requeued on another node: its own lock
+    held = run_dir.lock(str(tmp_path))
+    assert "left by pid 1 on node-elsewhere, Slurm job 4242" in held.took_over
+    held.release()
     monkeypatch.setenv("MPI_TP_LOCK_STALE_S", "soon")
     with pytest.raises(UserError, match="MPI_TP_LOCK_STALE_S"):
         run_dir.stale_after()

@@ -17,9 +17,9 @@ any), start time and command. While the job runs, a thread of rank 0 touches the
 HEARTBEAT seconds. A second job that finds a live lock stops with one line naming the holder. A
 lock is stale when its holder is on this host and its pid is gone, or when its heartbeat is older
 than MPI_TP_LOCK_STALE_S seconds (default STALE, several times NFS's attribute caching, for a
-holder on another host whose pid cannot be checked); a stale lock (a job killed by SIGKILL, a node
-that died) is taken over with a message: the rename of the old lock decides which of two
-takers wins.
+holder on another host whose pid cannot be checked), or when it is this very Slurm job's (requeued
+after a node failed); a stale lock (a job killed by SIGKILL, a node that died) is taken over with a
+message: the rename of the old lock decides which of two takers wins.
 """
 from __future__ import annotations
 
@@ -138,6 +138,9 @@ def _alive(pid: int) -> bool:
 
 
 def _is_stale(holder: dict | None, age: float) -> bool:
+    job = os.environ.get("SLURM_JOB_ID")
+    if holder is not None and job and holder.get("job") == job:
+        return True                                      # this very Slurm job, requeued: its old run is over
     if holder is not None and holder.get("host") == socket.gethostname():
         try:
             return not _alive(int(holder["pid"]))
