@@ -58,6 +58,20 @@ def is_device_array(a) -> bool:
     return type(a).__module__.startswith("cupy")
 
 
+PINNED_MB = 1024           # pinned bytes kept idle at most (MPI_TP_PINNED_MB), beyond which returned buffers go
+SMALLEST = 4096            # the smallest size class, in bytes
+
+
+def size_class(nbytes: int) -> int:
+    """The pool's size class of a buffer of nbytes: the next power of two, at least SMALLEST."""
+    return max(SMALLEST, 1 << max(0, int(nbytes) - 1).bit_length())
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value not in ("0", "1") else value == "1"
+
+
 class Stager:
     """The buffers MPI is handed for device arrays: the arrays themselves, or pooled pinned host copies.
 
@@ -65,24 +79,51 @@ class Stager:
         comm.Allreduce(IN_PLACE, buf)
         stager.give_back(x, buf)      # after it completes: values copied into x, buf back to the pool
 
-    NumPy arrays pass through untouched. `allocate(shape, dtype)` makes a host
-    buffer (pinned memory by default; tests pass numpy.empty).
+    NumPy arrays pass through untouched. With a CUDA-aware MPI a device array goes to MPI itself,
+    except into a non-blocking collective (`nonblocking=True`: Iallreduce, Iallgatherv,
+    Ireduce_scatter): Open MPI 4.x, whose MPIX_Query_cuda_support answers 1, documents device
+    buffers in point-to-point and blocking collectives only, so those are staged too unless
+    `device_nonblocking` (MPI_TP_CUDA_AWARE_NONBLOCKING=1: an MPI known to take them, e.g. one built
+    with UCC or NCCL collectives).
+
+    The pool: pinned host buffers by size class (size_class: powers of two), each lent as a view of
+    the shape and dtype asked for, so the MoE exchanges' varying row counts reuse a few buffers
+    instead of one per shape; at most `limit` bytes (MPI_TP_PINNED_MB MiB) are kept idle, the rest
+    freed when they come back. `allocate(shape, dtype)` makes a host buffer (pinned memory by
+    default; tests pass numpy.empty); `release()` hands freed memory back to the system (CuPy's
+    pinned pool keeps it otherwise). Counters: `allocated` buffers and `pinned_bytes` now held.
     """
 
-    def __init__(self, cuda_aware: bool, allocate=None, synchronize=None):
+    def __init__(self, cuda_aware: bool, allocate=None, synchronize=None, limit: int | None = None,
+                 device_nonblocking: bool | None = None, release=None):
         self.cuda_aware = cuda_aware
-        self._allocate, self._synchronize = allocate, synchronize
-        self._free = defaultdict(list)        # (shape, dtype) -> host buffers not lent out
+        flag = _env_flag("MPI_TP_CUDA_AWARE_NONBLOCKING")
+        self.device_nonblocking = bool(flag) if device_nonblocking is None else device_nonblocking
+        self.limit = int(float(os.environ.get("MPI_TP_PINNED_MB", PINNED_MB)) * 2**20) if limit is None else limit
+        self._allocate, self._synchronize, self._release = allocate, synchronize, release
+        self._free = defaultdict(list)        # size class -> flat uint8 host buffers not lent out
+        self._out = {}                        # id(view lent) -> (its flat buffer, its size class)
         self.lent = 0                         # buffers out now (0 between collectives)
+        self.allocated = 0                    # buffers allocated so far
+        self.pinned_bytes = 0                 # bytes of host buffers held now (lent and idle)
 
-    def lend(self, x, copy: bool = True):
+    def ready(self, x) -> None:
+        """Wait for the device work that produces x (before a collective's clock starts: MPI does not see
+        CUDA streams, and its time must not include queued compute)."""
+        if is_device_array(x):
+            self._sync()
+
+    def lend(self, x, copy: bool = True, nonblocking: bool = False):
         if not is_device_array(x):
             return x
         self._sync()                          # MPI does not see CUDA streams
-        if self.cuda_aware:
+        if self.cuda_aware and (not nonblocking or self.device_nonblocking):
             return x
-        free = self._free[(x.shape, x.dtype.str)]
-        buf = free.pop() if free else self._new(x.shape, x.dtype)
+        cls = size_class(x.nbytes)
+        free = self._free[cls]
+        flat = free.pop() if free else self._new(cls)
+        buf = flat[:x.nbytes].view(x.dtype).reshape(x.shape)
+        self._out[id(buf)] = (flat, cls)
         self.lent += 1
         if copy:
             x.get(out=buf)
@@ -94,15 +135,36 @@ class Stager:
             return x
         if copy:
             x.set(buf)
-        self._free[(buf.shape, buf.dtype.str)].append(buf)
+        flat, cls = self._out.pop(id(buf))
         self.lent -= 1
+        self._free[cls].append(flat)
+        self._trim()
         return x
 
-    def _new(self, shape, dtype):
+    def idle_bytes(self) -> int:
+        return sum(cls * len(bufs) for cls, bufs in self._free.items())
+
+    def _trim(self) -> None:
+        """Free idle buffers, largest first, until at most `limit` bytes are idle."""
+        freed = False
+        for cls in sorted(self._free, reverse=True):
+            while self._free[cls] and self.idle_bytes() > self.limit:
+                self._free[cls].pop()
+                self.pinned_bytes -= cls
+                freed = True
+        if freed and self._release is not None:
+            self._release()
+
+    def _new(self, nbytes: int):
         if self._allocate is None:
+            import cupy
             import cupyx
             self._allocate = lambda s, d: cupyx.empty_pinned(s, dtype=d)
-        return self._allocate(shape, dtype)
+            self._release = cupy.get_default_pinned_memory_pool().free_all_blocks
+        self.allocated += 1
+        self.pinned_bytes += nbytes
+        import numpy
+        return self._allocate((nbytes,), numpy.uint8)
 
     def _sync(self) -> None:
         if self._synchronize is None:
