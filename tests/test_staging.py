@@ -18,12 +18,34 @@ from mpi_tp.parallel.collectives import Group
 class FakeDeviceArray(np.ndarray):
     """Looks like a CuPy array to the stager; its values live in host memory."""
 
-    def get(self, out):
+    def get(self, out, stream=None, blocking=True):
         out[...] = self.view(np.ndarray)
         return out
 
-    def set(self, host):
+    def set(self, host, stream=None):
         self.view(np.ndarray)[...] = host
+
+
+class HostEvent:
+    """A copy on the host is over when it returns: its event is done."""
+    done = True
+
+    def synchronize(self):
+        pass
+
+
+class HostStreams:
+    def new(self):
+        return self
+
+    def current(self):
+        return self
+
+    def event(self, stream):
+        return HostEvent()
+
+    def wait_event(self, event):
+        pass
 
 
 FakeDeviceArray.__module__ = "cupy._fake"
@@ -39,7 +61,7 @@ def host_stager():
     def allocate(shape, dtype):
         made.append(np.empty(shape, dtype))
         return made[-1]
-    return Stager(cuda_aware=False, allocate=allocate, synchronize=lambda: None), made
+    return Stager(cuda_aware=False, allocate=allocate, synchronize=lambda: None, streams=HostStreams()), made
 
 
 def test_each_lend_gets_its_own_buffer_and_buffers_are_reused():
@@ -93,7 +115,7 @@ def test_non_blocking_collectives_are_staged_even_with_a_cuda_aware_mpi(world, m
     group = Group(world.Dup(), "dp")
     for flag, staged in ((None, True), (True, False)):
         stager = Stager(cuda_aware=True, allocate=lambda s, d: np.empty(s, d), synchronize=lambda: None,
-                        device_nonblocking=flag)
+                        device_nonblocking=flag, streams=HostStreams())
         monkeypatch.setattr(backend, "_stager", stager)
         x = device(np.full(8, float(world.Get_rank())))
         lend = stager.lend
@@ -148,4 +170,38 @@ def test_a_collectives_clock_starts_after_the_device_work(monkeypatch):
     group.size = 2                                             # take the counted path (COMM_SELF does one rank)
     group.all_reduce(device(np.ones(4)))
     assert events[:2] == ["sync", "clock"], events
+    group.comm.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_started_collective_never_blocks_the_host_until_wait(world, monkeypatch):
+    """Issue 21, finding 6: the data-parallel buckets start and test their all-reduces inside the backward
+    pass; a stream synchronisation or a blocking copy there would stall the GPU's queue. Starting and
+    testing copy on the copy stream only; wait() is where the host may block."""
+    blocking = []
+
+    class Counting(FakeDeviceArray):
+        def get(self, out, stream=None, blocking=True):
+            if blocking:
+                blocking_calls.append("get")
+            return FakeDeviceArray.get(self, out)
+
+        def set(self, host, stream=None):
+            if stream is None:
+                blocking_calls.append("set")
+            FakeDeviceArray.set(self, host)
+    Counting.__module__ = "cupy._fake"
+    blocking_calls = blocking
+    stager = Stager(cuda_aware=False, allocate=lambda s, d: np.empty(s, d), streams=HostStreams(),
+                    synchronize=lambda: blocking.append("stream synchronize"))
+    monkeypatch.setattr(backend, "_stager", stager)
+    group = Group(world.Dup(), "dp")
+    x = np.full(64, float(world.Get_rank() + 1)).view(Counting)
+    pending = group.iall_reduce(x)
+    while not pending.test():
+        pass
+    assert blocking == [] or world.Get_size() == 1, blocking
+    pending.wait()
+    n = world.Get_size()
+    assert np.array_equal(x.view(np.ndarray), np.full(64, n * (n + 1) / 2)) and stager.lent == 0
     group.comm.Free()

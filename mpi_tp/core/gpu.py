@@ -72,6 +72,28 @@ def _env_flag(name: str) -> bool | None:
     return None if value not in ("0", "1") else value == "1"
 
 
+class CudaStreams:
+    """The CUDA streams and events the stager's asynchronous copies use (CuPy's); tests pass a stand-in."""
+
+    @staticmethod
+    def new():
+        import cupy
+        return cupy.cuda.Stream(non_blocking=True)
+
+    @staticmethod
+    def current():
+        import cupy
+        return cupy.cuda.get_current_stream()
+
+    @staticmethod
+    def event(stream):
+        """An event recorded on `stream` now (event.done, event.synchronize(); stream.wait_event(event))."""
+        import cupy
+        event = cupy.cuda.Event()
+        event.record(stream)
+        return event
+
+
 class Stager:
     """The buffers MPI is handed for device arrays: the arrays themselves, or pooled pinned host copies.
 
@@ -95,14 +117,17 @@ class Stager:
     """
 
     def __init__(self, cuda_aware: bool, allocate=None, synchronize=None, limit: int | None = None,
-                 device_nonblocking: bool | None = None, release=None):
+                 device_nonblocking: bool | None = None, release=None, streams=None):
         self.cuda_aware = cuda_aware
+        self.streams = CudaStreams() if streams is None else streams
         flag = _env_flag("MPI_TP_CUDA_AWARE_NONBLOCKING")
         self.device_nonblocking = bool(flag) if device_nonblocking is None else device_nonblocking
         self.limit = int(float(os.environ.get("MPI_TP_PINNED_MB", PINNED_MB)) * 2**20) if limit is None else limit
         self._allocate, self._synchronize, self._release = allocate, synchronize, release
         self._free = defaultdict(list)        # size class -> flat uint8 host buffers not lent out
         self._out = {}                        # id(view lent) -> (its flat buffer, its size class)
+        self._landing = []                    # (event, flat, size class): copies back to the device in flight
+        self._stream = None                   # the copy stream (CuPy), made on first use
         self.lent = 0                         # buffers out now (0 between collectives)
         self.allocated = 0                    # buffers allocated so far
         self.pinned_bytes = 0                 # bytes of host buffers held now (lent and idle)
@@ -116,9 +141,13 @@ class Stager:
     def lend(self, x, copy: bool = True, nonblocking: bool = False):
         if not is_device_array(x):
             return x
-        self._sync()                          # MPI does not see CUDA streams
         if self.cuda_aware and (not nonblocking or self.device_nonblocking):
+            self._sync()                      # MPI does not see CUDA streams
             return x
+        if copy:
+            self._sync()                      # (the copy below waits for the stream anyway)
+        if self._landing:
+            self._collect()
         cls = size_class(x.nbytes)
         free = self._free[cls]
         flat = free.pop() if free else self._new(cls)
@@ -129,17 +158,52 @@ class Stager:
             x.get(out=buf)
         return buf
 
-    def give_back(self, x, buf, copy: bool = True):
-        """x (now holding buf's values when copy); buf returns to the pool."""
+    def give_back(self, x, buf, copy: bool = True, blocking: bool = True):
+        """x (now holding buf's values when copy); buf returns to the pool. blocking=False (a non-blocking
+        collective finishing inside the backward pass): the copy goes on the copy stream, the compute
+        stream waits for it before its next kernel, and the host does not wait at all; the buffer
+        returns to the pool once the copy is done."""
         if buf is x:
+            return x
+        flat, cls = self._out.pop(id(buf))
+        self.lent -= 1
+        if copy and not blocking:
+            stream = self._copy_stream()
+            x.set(buf, stream=stream)
+            landed = self._event(stream)
+            self._current_stream().wait_event(landed)
+            self._landing.append((landed, flat, cls))
             return x
         if copy:
             x.set(buf)
-        flat, cls = self._out.pop(id(buf))
-        self.lent -= 1
         self._free[cls].append(flat)
         self._trim()
         return x
+
+    def lend_started(self, x):
+        """lend(x, nonblocking=True) for a non-blocking collective, with the copy to the host started on the
+        copy stream instead of waited for: (buf, ready), ready None when buf holds x's values already,
+        else an event (ready.done, ready.synchronize()) after which MPI may read buf. The compute stream
+        goes on meanwhile (the data-parallel buckets' overlap)."""
+        if not is_device_array(x) or (self.cuda_aware and self.device_nonblocking):
+            return self.lend(x, nonblocking=True), None
+        buf = self.lend(x, copy=False, nonblocking=True)
+        if buf is x:                          # (cuda-aware for blocking ones only: staged all the same)
+            return buf, None
+        stream = self._copy_stream()
+        stream.wait_event(self._event(self._current_stream()))     # after the kernels that made x
+        x.get(out=buf, stream=stream, blocking=False)
+        return buf, self._event(stream)
+
+    def _collect(self) -> None:
+        """Buffers whose copy back has landed return to the pool."""
+        still = []
+        for landed, flat, cls in self._landing:
+            if landed.done:
+                self._free[cls].append(flat)
+            else:
+                still.append((landed, flat, cls))
+        self._landing = still
 
     def idle_bytes(self) -> int:
         return sum(cls * len(bufs) for cls, bufs in self._free.items())
@@ -154,6 +218,17 @@ class Stager:
                 freed = True
         if freed and self._release is not None:
             self._release()
+
+    def _copy_stream(self):
+        if self._stream is None:
+            self._stream = self.streams.new()
+        return self._stream
+
+    def _current_stream(self):
+        return self.streams.current()
+
+    def _event(self, stream):
+        return self.streams.event(stream)
 
     def _new(self, nbytes: int):
         if self._allocate is None:

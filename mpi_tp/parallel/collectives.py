@@ -60,11 +60,11 @@ class Group:
         if self.size == 1:
             return Pending(None, x, x, None)
         check_buffer(x, f"{self.name}.iall_reduce")
-        buf = backend.stager().lend(x, nonblocking=True)   # its own buffer until wait(): buckets run together
+        buf, ready = backend.stager().lend_started(x)   # its own buffer until wait(): buckets run together
         t0 = time.perf_counter()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
         self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes), timed=False)
-        return Pending(req, x, buf, (self.stats, f"{self.name}/iall_reduce", t0))
+        return Pending(None, x, buf, (self.stats, f"{self.name}/iall_reduce", t0), ready=ready,
+                       start=lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op))
 
     # -- point to point (pipeline stages) ----------------------------------
 
@@ -161,12 +161,12 @@ class Group:
             return Pending(None, flat, flat, None)
         check_buffer(flat, f"{self.name}.iall_gather_inplace")
         counts = list(sizes)
-        buf = backend.stager().lend(flat, nonblocking=True)
+        buf, ready = backend.stager().lend_started(flat)
         t0 = time.perf_counter()
-        req = self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, displacements(counts))])
         key = f"{self.name}/{kind}"
         self.stats.record(key, flat.nbytes, 0.0, self._ring(flat.nbytes), timed=False)
-        return Pending(req, flat, buf, (self.stats, key, t0))
+        return Pending(None, flat, buf, (self.stats, key, t0), ready=ready,
+                       start=lambda: self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, displacements(counts))]))
 
     def reduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter"):
         """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
@@ -189,15 +189,15 @@ class Group:
             raise ValueError(f"{self.name}.ireduce_scatter: out= needs axis 0")
         front, out, counts = self._scatter_plan(x, sizes, axis, "ireduce_scatter", out)
         stager = backend.stager()
-        send = stager.lend(front, nonblocking=True)
+        send, ready = stager.lend_started(front)
         recv = stager.lend(out, copy=False, nonblocking=True)
         t0 = time.perf_counter()
-        req = self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
         key = f"{self.name}/{kind}"
         self.stats.record(key, x.nbytes, 0.0, self._ring(x.nbytes), timed=False)
         xp = backend.array_module(x)
-        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
-                       send=(front, send))
+        return Pending(None, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
+                       send=(front, send), ready=ready,
+                       start=lambda: self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM))
 
     def all_gather_last(self, x, sizes: list[int]):
         """Concatenate every rank's x along the last axis: (..., sizes[rank]) -> (..., sum(sizes))."""
