@@ -115,15 +115,6 @@ def use(backend: str = "numpy", comm=None) -> None:
     _xp, _name, _stager = cupy, "cupy", Stager(cuda_aware=cuda_aware_mpi())
 
 
-def scatter_add(target, indices, values) -> None:
-    """target[indices[i]] += values[i] for every i, repeated indices summed (in place)."""
-    if is_device_array(target):
-        import cupyx
-        cupyx.scatter_add(target, indices, values)
-    else:
-        numpy.add.at(target, indices, values)
-
-
 def fused(fn):
     """fn, an elementwise function of arrays and scalars, compiled into one kernel by cupy.fuse when the
     backend is CuPy (a dozen kernel launches become one); under NumPy fn itself, called as it is."""

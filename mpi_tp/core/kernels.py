@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.core.backend import array_module, scatter_add
+from mpi_tp.core.backend import array_module
+from mpi_tp.core.segment import segment_sum
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)  # Python float: never upcasts float32
 GELU_CUBIC = 0.044715
@@ -235,12 +236,14 @@ def embedding_forward(ids, table):
 
 
 def embedding_backward(dout, cache):
-    """dtable (V, C): each row of dout added to its id's row, repeated ids summed."""
-    xp = array_module(dout)
+    """dtable (V, C): each row of dout added to its id's row, repeated ids summed.
+
+    A sorted segment sum (mpi_tp.core.segment), not add.at / scatter_add: no float atomics on a
+    GPU, so the gradient, and a resumed run, are the same bits run after run.
+    """
     ids, shape, dtype = cache
-    dtable = xp.zeros(shape, dtype=dtype)              # (V, C)
-    scatter_add(dtable, ids.reshape(-1), dout.reshape(-1, shape[1]))  # (B, S, C) -> (N, C)
-    return dtable
+    dout2 = dout.reshape(-1, shape[1]).astype(dtype, copy=False)   # (B, S, C) -> (N, C), summed in wte's dtype
+    return segment_sum(ids.reshape(-1), dout2, shape[0])           # (N, C) -> (V, C)
 
 
 # ---------------------------------------------------------------- cross-entropy

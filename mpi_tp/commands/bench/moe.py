@@ -135,8 +135,8 @@ def run_moe_shape(comm, C, S, B, E, k, capacity=0.0, steps=10, warmup=3, dtype="
     routed = numpy.zeros(E, dtype=int)
     admitted = numpy.zeros(E, dtype=int)
     for c, a in routes:
-        numpy.add.at(routed, c.reshape(-1), 1)
-        numpy.add.at(admitted, c[a], 1)
+        routed += numpy.bincount(c.reshape(-1), minlength=E)
+        admitted += numpy.bincount(c[a], minlength=E)
     sizes = split_sizes(E, T)
     starts = numpy.cumsum([0] + sizes)
     rows_per_rank = [admitted[starts[r]:starts[r + 1]].tolist() for r in range(T)]
