@@ -8,7 +8,8 @@ text), times dwte (V, C) from dout (N, C): add.at (the old CPU path; cupyx.scatt
 atomics were the GPU one), mpi_tp.core.segment.segment_sum (the new path on every backend), and
 onehot(ids) (V, N) @ dout (N, C), skipped when the one-hot matrix would pass --onehot-max-gib.
 Best of --repeats, float32, one thread (OMP_NUM_THREADS=1); then, on other float64 values, the
-largest difference from add.at over each row's sum of |terms| (the summation orders differ). Prints a table (experiments/README.md has one).
+largest difference from add.at over each row's sum of |terms| (the summation orders differ).
+Prints a table (experiments/README.md has one).
 """
 import argparse
 import os
@@ -78,8 +79,8 @@ def main():
                     e_hot = f"{float((np.abs(onehot(ids, d64, V) - want) / scale).max()):15.1e}"
                 else:
                     t_hot, e_hot = f"{f'({gib:.1f} GiB)':>10}", f"{'-':>15}"
-                print(f"{kind:>8} {V:6d} {C:5d} {longest:7d} | {t_at:9.1f} {t_seg:10.1f} {t_hot} | {e_seg:15.1e} {e_hot}",
-                      flush=True)
+                print(f"{kind:>8} {V:6d} {C:5d} {longest:7d} | {t_at:9.1f} {t_seg:10.1f} {t_hot} | "
+                      f"{e_seg:15.1e} {e_hot}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """`mpi-tp serve`: a saved model behind an OpenAI-style HTTP API, tensor-parallel over every rank.
 
-    mpiexec -n 2 mpi-tp serve --checkpoint runs/X/checkpoints --port 8000
+    mpiexec -n 2 mpi-tp serve --checkpoint runs/X/checkpoints --port 8000    # --backend cupy: GPUs
     curl -s localhost:8000/v1/completions -d '{"prompt": "The ", "max_tokens": 32, "temperature": 0}'
 
-The model loads at tensor-parallel size = world size (as eval and generate do);
-rank 0 answers HTTP and every rank computes (mpi_tp.inference.server).
+The model loads at tensor-parallel size = world size (as eval and generate do), on
+--backend's arrays (numpy, or cupy: one GPU per rank); rank 0 answers HTTP and every
+rank computes (mpi_tp.inference.server).
 SIGTERM or Ctrl-C stops it cleanly: the batch in flight is finished, exit 0.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mpi_tp.commands.tools import load_model
+from mpi_tp.commands.tools import add_backend_argument, load_model, use_backend
 from mpi_tp.inference.server import Stop, serve
 
 
@@ -34,6 +35,7 @@ def _milliseconds(value: str) -> float:
 
 def cmd_serve(args, comm) -> int:
     stop = Stop().install()          # before the (slow) load: a Ctrl-C then still ends the job cleanly
+    use_backend(args, comm)          # before any array is made
     model, _ = load_model(args.checkpoint, comm, args.dtype)
     return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
                  max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop)
@@ -52,4 +54,5 @@ def add_parser(sub) -> None:
     s.add_argument("--batch-wait-ms", type=_milliseconds, default=20.0,
                    help="after a first request, wait this long for more to batch with it (default 20)")
     s.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    add_backend_argument(s)
     s.set_defaults(run=cmd_serve)

@@ -2,11 +2,13 @@
 
     mpiexec -n 2 mpi-tp eval --checkpoint runs/X/checkpoints --data notes.txt [--json]
     mpiexec -n 2 mpi-tp generate --checkpoint runs/X/checkpoints --prompt "The " [--prompt "Once" ...]
+    mpiexec -n 2 mpi-tp generate --checkpoint runs/X/checkpoints --backend cupy   # one GPU per rank
     mpi-tp inspect runs/X/checkpoints           # layout, tensors, full integrity check
     mpi-tp export runs/X/checkpoints model.h5   # one self-contained file of full tensors (.h5 or .npz)
 
 eval and generate rebuild the saved model at tensor-parallel size = world size,
-whatever size saved it; inspect and export work on rank 0.
+whatever size saved it, on the array backend of --backend (numpy, or cupy: one GPU
+per rank, chosen before any array is made); inspect and export work on rank 0.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import h5py
 import numpy
 
 from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.inference.generate import Request, generate
@@ -26,6 +29,18 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.data import DataError, load_corpus
+
+
+def add_backend_argument(parser) -> None:
+    """--backend, as `mpi-tp train` and `mpi-tp bench` have it."""
+    parser.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
+                        help="array backend: numpy (CPUs, the default) or cupy (one GPU per rank)")
+
+
+def use_backend(args, comm) -> None:
+    """args.backend on every rank, before any array is made; if a rank cannot use it (no CuPy, no GPU),
+    every rank stops with one message (exit 2)."""
+    collective_setup(backend.use, args.backend, comm, comm=comm)
 
 
 def load_model(path: str, comm, dtype: str | None = None):
@@ -77,6 +92,7 @@ def _positive_float(value: str) -> float:
 
 
 def cmd_eval(args, comm) -> int:
+    use_backend(args, comm)
     corpus = collective_setup(load_corpus, args.data, comm=comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
     tokens = corpus.data
@@ -95,6 +111,7 @@ def cmd_eval(args, comm) -> int:
 def cmd_generate(args, comm) -> int:
     """Every prompt continued, in one batch, with a KV cache (mpi_tp.inference.generate); a prompt
     longer than block_size keeps its last block_size bytes (said on stderr)."""
+    use_backend(args, comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
     S = model.cfg.block_size
     prompts = [p.encode() for p in (args.prompt or ["The "])]
@@ -177,6 +194,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--json", action="store_true", help="print one JSON line")
     e.add_argument("--batch-size", type=_positive, default=16, help="windows per forward pass (default 16)")
     e.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    add_backend_argument(e)
     e.set_defaults(run=cmd_eval)
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
@@ -190,6 +208,7 @@ def add_parsers(sub) -> None:
                    "reaches p (default 1: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (the i-th: seed + i)")
     g.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    add_backend_argument(g)
     g.set_defaults(run=cmd_generate)
     i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")
     i.add_argument("checkpoint", help="checkpoint folder or a step-N folder")

@@ -92,7 +92,7 @@ class Decoder:
         positions = numpy.maximum(columns[None, :] - cache.first[:, None], 0)   # padding: position 0
         xp = backend.xp()
         emb = model.embedding
-        x = emb.wte.forward(backend.asarray(ids)) + emb.wpe.data[xp.asarray(positions)]
+        x = emb.wte.forward(backend.asarray(ids)) + emb.wpe.data[backend.asarray(positions)]   # host -> device
         with model.moe_dropless():      # experts: exact one position at a time only without capacity
             for j, block in enumerate(model.h):
                 x = x + attend(block.attn, block.ln_1.forward(x), cache, j)

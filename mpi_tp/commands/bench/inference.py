@@ -3,6 +3,7 @@ bandwidth limit measured in the same run.
 
     OMP_NUM_THREADS=1 mpi-tp bench --inference                        # shape c, T = 1, batches 1 4 16
     mpiexec -n 2 mpi-tp bench --inference --json out.jsonl            # T = 2 (tensor parallelism = ranks)
+    mpiexec -n 2 mpi-tp bench --inference --backend cupy              # on GPUs, one per rank
 
 Per batch B: B prompts of --prompt-len random bytes through Decoder.prefill (the
 time to first token, TTFT), then --new-tokens Decoder.step calls, each row's
@@ -89,6 +90,7 @@ def memory_bandwidth(comm, dtype="float32", mib=BANDWIDTH_MIB, reps=7) -> float:
     W = xp.full((K, O), 0.5, dtype=dtype)
     x = xp.ones((1, K), dtype=dtype)
     x @ W
+    backend.synchronize()                # GPU: the warm-up's product is not in the first timing
     best = float("inf")
     for _ in range(reps):
         comm.Barrier()
@@ -114,6 +116,7 @@ def collective_floor(topo, model, B, reps=50) -> float:
         for _ in range(2 * len(model.h) + 1):
             topo.tp.all_reduce(x)
         topo.tp.all_gather_last(logits, sizes)
+        backend.synchronize()            # GPU: until the gathered logits have landed
         times.append(time.perf_counter() - t)
     topo.stats.reset()
     return float(numpy.median(times[5:]))

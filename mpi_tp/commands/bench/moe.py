@@ -3,6 +3,7 @@ active FLOPs at tp = ranks, with the bytes each moves against the formula.
 
     mpiexec -n 2 mpi-tp bench --moe                                   # shape a, E 8, k 2, dropless
     mpiexec -n 2 mpi-tp bench --moe --moe-experts 4 --moe-top-k 1 --moe-capacity 1.25 --json out.jsonl
+    mpiexec -n 2 mpi-tp bench --moe --backend cupy                    # on GPUs, one per rank
 
 The shape's C, S and B are used (B sequences per replica; H and L are not).
 A step is one forward and one backward pass of the MLP sublayer alone (no
