@@ -12,7 +12,9 @@ of its row at columns first[b] .. c; a padding query (c < first[b]) attends to
 itself only, so that it stays finite and touches no real row. A decode step
 (one new column per row, past every row's padding) needs only the padding
 columns masked: step_attention adds KVCache.padding, a bias built once per
-prefill, instead of building cached_attention's boolean mask every step.
+prefill. A prefill adds KVCache.prefill_bias, that rule as a bias built once
+per forward on the device from `first` (uploaded once per prefill), which
+every block reuses: no host traffic per block.
 
 Per block and new position the communication is that of the forward pass: the
 q/k/v column split needs none, the output projection's row split one
@@ -50,26 +52,38 @@ class KVCache:
         (None when no row is padded), so that a step builds no mask."""
         self.length = 0                                # columns filled (the same for every row)
         self.first = numpy.asarray(first, dtype=numpy.int64)
+        self.first_on_device = backend.asarray(self.first)   # host -> device: B int64, once per prefill
+        self._bias, self._bias_for = None, None
         self.real_from = int(self.first.max(initial=0))   # from this column on, no row holds padding
         self.padding = None
         if self.first.any():
             bias = numpy.where(numpy.arange(self.size) < self.first[:, None], -math.inf, 0.0)
             self.padding = backend.asarray(bias[:, None, None, :].astype(self.dtype))
 
+    def prefill_bias(self, start: int, t: int):
+        """The mask of t new columns at `start` as an additive bias (B, 1, t, start + t): 0 where the
+        query may look (keys of its row from first[b] up to itself; a padding query, itself only),
+        -inf elsewhere. Made on the device once per forward and reused by every block."""
+        if self._bias_for != (start, t):
+            xp, n = backend.xp(), start + t
+            cols = xp.arange(n)[None, None, :]
+            rows = (start + xp.arange(t))[None, :, None]
+            first = self.first_on_device[:, None, None]
+            allowed = ((cols <= rows) & (cols >= first)) | (cols == rows)       # (B, t, n)
+            bias = xp.where(allowed, 0.0, -math.inf).astype(self.dtype)
+            self._bias, self._bias_for = bias[:, None], (start, t)
+        return self._bias
 
-def cached_attention(q, k, v, start: int, first):
+
+def cached_attention(q, k, v, start: int, bias):
     """softmax(q k^T / sqrt(hs)) v over the cache. q (B, H, t, hs): the queries of columns start ..
-    start + t - 1; k, v (B, H, S, hs) with columns 0 .. start + t - 1 filled; first (B,): each row's
-    first real column. -> (B, H, t, hs). The same arithmetic as kernels.attention_forward."""
-    xp = array_module(q)
+    start + t - 1; k, v (B, H, S, hs) with columns 0 .. start + t - 1 filled; bias (B, 1, t, n): the
+    mask, KVCache.prefill_bias(start, t). -> (B, H, t, hs). The same arithmetic as
+    kernels.attention_forward (adding 0 changes no score; adding -inf is masking)."""
     t, hs = q.shape[-2:]
     n = start + t
     att = (q * (1.0 / math.sqrt(hs))) @ k[:, :, :n].swapaxes(-1, -2)         # (B, H, t, n)
-    cols = xp.arange(n)[None, None, :]
-    rows = (start + xp.arange(t))[None, :, None]
-    first = xp.asarray(first)[:, None, None]
-    allowed = ((cols <= rows) & (cols >= first)) | (cols == rows)           # (B, t, n)
-    att[~xp.broadcast_to(allowed[:, None], att.shape)] = -math.inf
+    att += bias
     return _softmax_times_v(att, v, n)
 
 
@@ -107,5 +121,5 @@ def attend(attn, x, cache: KVCache, j: int):
     if t == 1 and start >= cache.real_from:                                 # a decode step
         y = step_attention(q, cache.k[j], cache.v[j], start + 1, cache.padding)
     else:
-        y = cached_attention(q, cache.k[j], cache.v[j], start, cache.first)
+        y = cached_attention(q, cache.k[j], cache.v[j], start, cache.prefill_bias(start, t))
     return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.hs))
