@@ -133,9 +133,12 @@ def test_embedding_backward_is_the_segment_sum():
 
 
 def test_no_atomic_accumulation_left_in_mpi_tp():
-    """ufunc.at (numpy.add.at) and cupyx.scatter_add accumulate with float atomics on a GPU: none in mpi_tp/."""
+    """ufunc.at (numpy.add.at) and cupyx.scatter_add accumulate with float atomics on a GPU: none in mpi_tp/
+    (but in mpi_tp/core/standin/, where present: the CuPy stand-in implements cupyx.scatter_add to count them)."""
     found = []
     for path in sorted((ROOT / "mpi_tp").rglob("*.py")):
+        if (ROOT / "mpi_tp" / "core" / "standin") in path.parents:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
             if name == "scatter_add" or (name == "at" and isinstance(node, ast.Attribute)
