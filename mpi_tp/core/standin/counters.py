@@ -24,13 +24,18 @@
   in all and by MPI call; mpi_refusals (by call) and last_refusal (why): those refused, unstaged
   without CUDA-aware MPI, or given to a non-blocking collective (mpi_tp.core.standin.state).
 
-Each kind keeps `*_sites`: where it happened, the first caller outside the stand-in and
-mpi_tp/core/backend.py, as 'folder/file.py:function' (relative to mpi_tp/ when inside it).
+Syncs, uploads and atomics keep `*_sites`: where they happened, the first caller outside the
+stand-in and mpi_tp/core/backend.py, as 'folder/file.py:function' (relative to mpi_tp/ when
+inside it); syncs also `sync_stacks`, that caller and five above it ('core/gpu.py:lend <
+parallel/collectives.py:iall_reduce < ...'). A blocking copy to the host is a sync; one with
+blocking=False only a download. `wait_seconds` (a setting, 0 by default): a sync after kernels
+were queued sleeps that long, standing for the wait for them, so that timings can be checked.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,16 +43,22 @@ _BACKEND = os.path.join(os.path.dirname(_HERE), "backend.py")
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE))
 
 
-def _site() -> str:
-    """'training/optim.py:grad_norm': the first frame outside the stand-in and the backend module."""
-    f = sys._getframe(2)
-    while f is not None:
+def _where(f) -> str:
+    path = os.path.abspath(f.f_code.co_filename)
+    where = os.path.relpath(path, _PACKAGE) if path.startswith(_PACKAGE + os.sep) else os.path.basename(path)
+    return f"{where}:{f.f_code.co_name}"
+
+
+def _stack(depth: int = 6) -> list[str]:
+    """['core/gpu.py:lend', 'parallel/collectives.py:iall_reduce', ...]: the callers, innermost first, from
+    the first frame outside the stand-in and the backend module, `depth` of them at most."""
+    f, out = sys._getframe(2), []
+    while f is not None and len(out) < depth:
         path = os.path.abspath(f.f_code.co_filename)
-        if not path.startswith(_HERE) and path != _BACKEND:
-            where = os.path.relpath(path, _PACKAGE) if path.startswith(_PACKAGE + os.sep) else os.path.basename(path)
-            return f"{where}:{f.f_code.co_name}"
+        if out or (not path.startswith(_HERE) and path != _BACKEND):
+            out.append(_where(f))
         f = f.f_back
-    return "?"
+    return out or ["?"]
 
 
 class Counters:
@@ -58,6 +69,8 @@ class Counters:
 
     def __init__(self):
         self.pinned_live_bytes = 0         # survives reset(): live buffers stay live
+        self.wait_seconds = 0.0            # a sync after kernels were queued sleeps this long (a setting)
+        self._queued = False
         self.reset()
 
     def reset(self) -> None:
@@ -66,34 +79,43 @@ class Counters:
                 setattr(self, name, 0)
         self.last_refusal = ""
         self.pinned_peak_bytes = self.pinned_live_bytes
-        self.sync_reasons, self.sync_sites = Counter(), Counter()
+        self.sync_reasons, self.sync_sites, self.sync_stacks = Counter(), Counter(), Counter()
         self.upload_sites, self.kernel_names, self.atomic_sites = Counter(), Counter(), Counter()
         self.mpi_device_calls, self.mpi_refusals = Counter(), Counter()
         self.paused = 0                    # > 0 inside a fused kernel: its parts are not counted
 
     # -- recording (called by the stand-in) ------------------------------------------------
 
-    def sync(self, reason: str, nbytes: int = 0) -> None:
-        self.syncs += 1
-        self.sync_reasons[reason] += 1
-        self.sync_sites[_site()] += 1
+    def sync(self, reason: str, nbytes: int = 0, blocking: bool = True) -> None:
+        """The host waits for the device (or, blocking=False, only queues a copy to the host)."""
         if nbytes:
             self.downloads += 1
             self.download_bytes += int(nbytes)
+        if not blocking:
+            return
+        stack = _stack()
+        self.syncs += 1
+        self.sync_reasons[reason] += 1
+        self.sync_sites[stack[0]] += 1
+        self.sync_stacks[" < ".join(stack)] += 1
+        if self._queued and self.wait_seconds:
+            time.sleep(self.wait_seconds)          # the queued kernels' time, for timing tests
+        self._queued = False
 
     def upload(self, nbytes: int) -> None:
         self.uploads += 1
         self.upload_bytes += int(nbytes)
-        self.upload_sites[_site()] += 1
+        self.upload_sites[_stack(1)[0]] += 1
 
     def kernel(self, name: str) -> None:
+        self._queued = True
         if not self.paused:
             self.kernels += 1
             self.kernel_names[name] += 1
 
     def atomic(self, name: str) -> None:
         self.atomics += 1
-        self.atomic_sites[f"{_site()} ({name})"] += 1
+        self.atomic_sites[f"{_stack(1)[0]} ({name})"] += 1
 
     def pinned(self, nbytes: int) -> None:
         self.pinned_allocs += 1
@@ -118,9 +140,14 @@ class Counters:
         """Syncs whose site is in none of `files` (e.g. 'core/gpu.py': leave out MPI staging's)."""
         return sum(n for site, n in self.sync_sites.items() if site.split(":")[0] not in files)
 
+    def syncs_under(self, *sites: str) -> int:
+        """Syncs with one of `sites` ('file.py:function', or a file) among their callers (sync_stacks)."""
+        return sum(n for stack, n in self.sync_stacks.items()
+                   if any(s == site or s.split(":")[0] == site for s in stack.split(" < ") for site in sites))
+
     def snapshot(self) -> dict:
         out = {name: getattr(self, name) for name in self.FIELDS}
-        for name in ("sync_reasons", "sync_sites", "upload_sites", "kernel_names", "atomic_sites",
+        for name in ("sync_reasons", "sync_sites", "sync_stacks", "upload_sites", "kernel_names", "atomic_sites",
                      "mpi_device_calls", "mpi_refusals"):
             out[name] = dict(getattr(self, name))
         return out

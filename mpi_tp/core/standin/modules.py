@@ -16,7 +16,8 @@ import weakref
 import numpy
 
 from mpi_tp.core.standin.counters import counters
-from mpi_tp.core.standin.ndarray import _index, _ufunc, _value, call, ndarray
+from mpi_tp.core.standin.dispatch import apply_ufunc, as_index, assigned, call
+from mpi_tp.core.standin.ndarray import ndarray
 from mpi_tp.core.standin.state import StrictnessError, settings
 
 
@@ -133,12 +134,12 @@ class Ufunc:
         self._uf, self.__name__, self.nin, self.nout = uf, uf.__name__, uf.nin, uf.nout
 
     def __call__(self, *args, **kwargs):
-        return _ufunc(self._uf, "__call__", args, kwargs)
+        return apply_ufunc(self._uf, "__call__", args, kwargs)
 
     def __getattr__(self, method):
         if method not in ("reduce", "accumulate", "outer", "at", "reduceat"):
             raise AttributeError(method)
-        return lambda *args, **kwargs: _ufunc(self._uf, method, args, kwargs)
+        return lambda *args, **kwargs: apply_ufunc(self._uf, method, args, kwargs)
 
     def __repr__(self):
         return f"<ufunc 'cupy.{self.__name__}' (stand-in)>"
@@ -218,11 +219,11 @@ def scatter_add(a, slices, value):
     """cupyx.scatter_add: a[slices] += value with repeated indices summed (atomics: floats race on a GPU)."""
     if type(a) is not ndarray:
         raise StrictnessError("cupyx.scatter_add: the target must be a device array")
-    k, _ = _index(slices, "scatter_add")
+    k, _ = as_index(slices, "scatter_add")
     if a.dtype.kind in "fc":
         counters.atomic("cupyx.scatter_add")
     counters.kernel("scatter_add")
-    numpy.add.at(a._a, k, _value(value, "scatter_add"))
+    numpy.add.at(a._a, k, assigned(value, "scatter_add"))
 
 
 def empty_pinned(shape, dtype=float, order="C"):
