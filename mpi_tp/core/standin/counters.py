@@ -26,7 +26,7 @@
 
 Syncs, uploads and atomics keep `*_sites`: where they happened, the first caller outside the
 stand-in and mpi_tp/core/backend.py, as 'folder/file.py:function' (relative to mpi_tp/ when
-inside it); syncs also `sync_stacks`, that caller and five above it ('core/gpu.py:lend <
+inside it); syncs also `sync_stacks`, that caller and seven above it ('core/gpu.py:lend <
 parallel/collectives.py:iall_reduce < ...'). A blocking copy to the host is a sync; one with
 blocking=False only a download. `wait_seconds` (a setting, 0 by default): a sync after kernels
 were queued sleeps that long, standing for the wait for them, so that timings can be checked.
@@ -49,7 +49,7 @@ def _where(f) -> str:
     return f"{where}:{f.f_code.co_name}"
 
 
-def _stack(depth: int = 6) -> list[str]:
+def _stack(depth: int = 8) -> list[str]:
     """['core/gpu.py:lend', 'parallel/collectives.py:iall_reduce', ...]: the callers, innermost first, from
     the first frame outside the stand-in and the backend module, `depth` of them at most."""
     f, out = sys._getframe(2), []
