@@ -174,10 +174,21 @@ class _Module(types.ModuleType):
         return value
 
 
+def _leaves(obj):
+    if type(obj) in (list, tuple):
+        for o in obj:
+            yield from _leaves(o)
+    else:
+        yield obj
+
+
 def asarray(a, dtype=None, order=None, *, blocking=False):
-    """A device array: `a` itself when it is one (cast if dtype differs), else an upload of host data."""
+    """A device array: `a` itself when it is one (cast if dtype differs), built on the device from a
+    sequence of device arrays (and scalars), else an upload of host data."""
     if type(a) is ndarray:
         return a if dtype is None or numpy.dtype(dtype) == a.dtype else a.astype(dtype)
+    if type(a) in (list, tuple) and any(type(v) is ndarray for v in _leaves(a)):
+        return call(numpy.array, (a,), {"dtype": dtype}, "array")     # host arrays among them: refused
     host = numpy.array(a, dtype=dtype, order=order or "K", copy=True)   # the device never aliases host memory
     counters.upload(host.nbytes)
     return ndarray._of(host)
