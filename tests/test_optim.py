@@ -76,3 +76,24 @@ def test_schedule_and_clipping():
     assert lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)                # ends at min_ratio * lr
     assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(4.0, 1.0) == pytest.approx(0.25, rel=1e-6)
     assert clip_coefficient(4.0, 0.0) == 1.0                             # 0: no clipping
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_fused_adamw_update_gives_the_blocked_loops_numbers(dtype, monkeypatch):
+    """Issue 21, finding 7: on CuPy AdamW runs one fused elementwise function per segment (cupy.fuse)
+    instead of a dozen passes; in the blocked loop's order of operations, so bitwise the same numbers."""
+    from mpi_tp.core import backend
+    from mpi_tp.core.params import make_param
+    from mpi_tp.training import optim as optim_module
+    results = []
+    for path in ("numpy", "cupy"):
+        params = [make_param("w", (300, 7), dtype, seed=1, decay=True), make_param("b", (7,), dtype, seed=2)]
+        for p in params:
+            p.grad[...] = np.random.default_rng(3).standard_normal(p.grad.shape)
+        opt = AdamW(params, lr=1e-2)
+        monkeypatch.setattr(optim_module.backend, "name", lambda path=path: path)
+        for _ in range(3):
+            opt.step(grad_scale=0.7)
+        monkeypatch.setattr(optim_module.backend, "name", backend.name)
+        results.append([p.data.copy() for p in params] + [a.copy() for k in ("m", "v") for a in opt.state[k]])
+    assert all(np.array_equal(a, b) for a, b in zip(*results))

@@ -151,3 +151,18 @@ def scatter_add(target, indices, values) -> None:
         cupyx.scatter_add(target, indices, values)
     else:
         numpy.add.at(target, indices, values)
+
+
+def fused(fn):
+    """fn, an elementwise function of arrays and scalars, compiled into one kernel by cupy.fuse when the
+    backend is CuPy (a dozen kernel launches become one); under NumPy fn itself, called as it is."""
+    kernel = {}
+
+    def call(*args):
+        if _name != "cupy":
+            return fn(*args)
+        if "k" not in kernel:
+            kernel["k"] = _xp.fuse(kernel_name=fn.__name__)(fn)
+        return kernel["k"](*args)
+    call.__doc__, call.__name__, call.python = fn.__doc__, fn.__name__, fn
+    return call

@@ -114,8 +114,10 @@ class GPT(Module):
         return loss
 
     def moe_loss(self) -> float:
-        """What this chunk's MoE blocks add to the loss after a forward (weighted aux + z-losses); 0 dense."""
-        return sum(m.loss_term for m in self.moe_layers())
+        """What this chunk's MoE blocks add to the loss after a forward (weighted aux + z-losses); 0 dense.
+        The blocks keep their terms on the device: one copy to the host for all of them."""
+        layers = self.moe_layers()
+        return float(sum(m.loss_term for m in layers)) if layers else 0.0
 
     def backward(self, dout=1.0, reducer=None, loss_scale=None):
         """Accumulate this rank's d(loss_scale * loss)/d(param) into every Param.grad; a chunk that is not
@@ -173,6 +175,12 @@ class GPT(Module):
         replica's batch (cross_entropy + aux_weight * aux_loss + z_weight * z_loss = the loss; aux_loss
         and z_loss summed over blocks, unweighted)."""
         layers = [{"block": b.i, **b.mlp.stats} for b in self.h if b.moe]
+        if layers:                           # the blocks' aux and z-losses to the host in one copy
+            xp = backend.xp()
+            values = backend.asnumpy(xp.stack([xp.stack([xp.asarray(m["aux_loss"]), xp.asarray(m["z_loss"])])
+                                               for m in layers]))
+            for m, (aux, z) in zip(layers, values):
+                m["aux_loss"], m["z_loss"] = float(aux), float(z)
         return {"cross_entropy": getattr(self, "_cross_entropy", None),
                 "aux_loss": sum(m["aux_loss"] for m in layers), "z_loss": sum(m["z_loss"] for m in layers),
                 "aux_weight": self.cfg.moe_aux_weight, "z_weight": self.cfg.moe_z_weight, "layers": layers}

@@ -103,20 +103,21 @@ def admitted(choice, n_experts: int, capacity: float):
 
 
 def balance_loss(p, choice, n_experts: int):
-    """aux = mean_b E sum_e f_be P_be and d aux / dp (N, E), for p (B, S, E), choice (B, S, k)."""
+    """aux = mean_b E sum_e f_be P_be (a 0-d array: no copy to the host here) and d aux / dp (N, E), for
+    p (B, S, E), choice (B, S, k)."""
     xp = backend.array_module(p)
     B, S, k = choice.shape
     f = (choice[..., None] == xp.arange(n_experts)).sum(axis=(1, 2)) / (k * S)   # (B, E)
     P = p.mean(axis=1)                                                             # (B, E)
-    aux = n_experts * float((f * P).sum()) / B
+    aux = (f * P).sum() * (n_experts / B)
     dp = xp.broadcast_to((n_experts / (B * S)) * f[:, None, :], p.shape)           # through P only
     return aux, dp.reshape(B * S, n_experts)
 
 
 def z_loss(z_lse):
-    """zl = mean_n lse_n^2 and d zl / d lse (N,)."""
+    """zl = mean_n lse_n^2 (a 0-d array) and d zl / d lse (N,)."""
     n = z_lse.shape[0]
-    return float((z_lse * z_lse).sum()) / n, z_lse * (2.0 / n)
+    return (z_lse * z_lse).sum() * (1.0 / n), z_lse * (2.0 / n)
 
 
 # ---------------------------------------------------------------- layers

@@ -44,37 +44,59 @@ class Pending:
     then: what turns the completed buffer into the result (e.g. moving the gathered axis back);
     send: (array, buffer) that MPI reads until completion (a gather's or reduce-scatter's input), given
     back to the stager then.
+    start, ready: a device array's copy to the host is still in flight (ready: its event, see
+    mpi_tp.core.gpu.Stager.lend_started); start() starts the MPI operation once it has landed. test()
+    never blocks the host (it starts MPI only when the copy is done, and a finished operation's copy
+    back goes on the copy stream), so that calling it inside the backward pass (the data-parallel
+    buckets) keeps the GPU busy; wait() blocks.
     """
 
-    def __init__(self, request, x, buf, record, result: bool = True, then=None, send=None):
+    def __init__(self, request, x, buf, record, result: bool = True, then=None, send=None, start=None,
+                 ready=None):
         self.request, self.x, self.buf, self._record = request, x, buf, record   # buf: lent by the stager
         self.result, self._then, self.value, self._send = result, then, x, send
+        self._start, self._ready, self.finished = start, ready, request is None and start is None
+        if start is not None and ready is None:
+            self._begin()
+
+    def _begin(self) -> None:
+        self.request, self._start = self._start(), None
 
     def test(self) -> bool:
-        """Let MPI make progress; True once the operation is complete (and then finished as wait() does)."""
-        if self.request is not None and self.request.Test():
-            self._done()
-        return self.request is None
+        """Let MPI make progress; True once the operation is complete (and then finished as wait() does,
+        but with the copy back to the device left on the copy stream)."""
+        if self.finished:
+            return True
+        if self._start is not None:
+            if not self._ready.done:
+                return False
+            self._begin()
+        if self.request.Test():
+            self._done(blocking=False)
+        return self.finished
 
     def wait(self):
-        if self.request is not None:
+        if not self.finished:
+            if self._start is not None:
+                self._ready.synchronize()
+                self._begin()
             self.request.Wait()
-            self._done()
+            self._done(blocking=True)
         return self.value
 
     def cancel(self) -> None:
         """Withdraw a receive that is no longer wanted (a pipeline run that failed part-way), so that it
         cannot match a later message; completes the request whether or not a message had arrived."""
-        if self.request is not None:
+        if not self.finished and self.request is not None:
             self.request.Cancel()
             self.request.Wait()
             backend.stager().give_back(self.x, self.buf, copy=False)
             if self._send is not None:
                 backend.stager().give_back(*self._send, copy=False)
-            self.request = None
+            self.finished = True
 
-    def _done(self) -> None:
-        backend.stager().give_back(self.x, self.buf, copy=self.result)
+    def _done(self, blocking: bool) -> None:
+        backend.stager().give_back(self.x, self.buf, copy=self.result, blocking=blocking)
         if self._send is not None:
             backend.stager().give_back(*self._send, copy=False)
         if self._then is not None:
@@ -84,7 +106,7 @@ class Pending:
         stats.seconds[key] += now - t0                           # from start to completion
         if stats.trace is not None:
             stats.trace.complete(key, "comm", t0, now, bytes=int(self.x.nbytes))
-        self.request = None
+        self.finished = True
 
 
 def axis_first(x, axis: int, xp):

@@ -46,6 +46,7 @@ class Group:
         if self.size == 1:
             return x
         check_buffer(x, f"{self.name}.all_reduce")
+        backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         in_place(lambda buf: self.comm.Allreduce(MPI.IN_PLACE, buf, op=op), x)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
@@ -59,11 +60,11 @@ class Group:
         if self.size == 1:
             return Pending(None, x, x, None)
         check_buffer(x, f"{self.name}.iall_reduce")
-        buf = backend.stager().lend(x)           # its own buffer until wait(): buckets run concurrently
+        buf, ready = backend.stager().lend_started(x)   # its own buffer until wait(): buckets run together
         t0 = time.perf_counter()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
         self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes), timed=False)
-        return Pending(req, x, buf, (self.stats, f"{self.name}/iall_reduce", t0))
+        return Pending(None, x, buf, (self.stats, f"{self.name}/iall_reduce", t0), ready=ready,
+                       start=lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op))
 
     # -- point to point (pipeline stages) ----------------------------------
 
@@ -103,6 +104,7 @@ class Group:
         if self.size == 1:
             return x
         front, out, counts, displs = self._gather_plan(x, sizes, axis, "all_gather")
+        backend.stager().ready(front)       # queued device work is not communication
         t0 = time.perf_counter()
         out_of_place(lambda send, recv: self.comm.Allgatherv(send, [recv, (counts, displs)]), front, out)
         self.stats.record(f"{self.name}/{kind}", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
@@ -114,8 +116,8 @@ class Group:
             return Pending(None, x, x, None)
         front, out, counts, displs = self._gather_plan(x, sizes, axis, "iall_gather")
         stager = backend.stager()
-        send = stager.lend(front)
-        recv = stager.lend(out, copy=False)
+        send = stager.lend(front, nonblocking=True)
+        recv = stager.lend(out, copy=False, nonblocking=True)
         t0 = time.perf_counter()
         req = self.comm.Iallgatherv(send, [recv, (counts, displs)])
         key = f"{self.name}/{kind}"
@@ -131,6 +133,7 @@ class Group:
         check_buffer(flat, f"{self.name}.all_gather_inplace")
         counts = list(sizes)
         displs = [sum(counts[:r]) for r in range(self.size)]
+        backend.stager().ready(flat)       # queued device work is not communication
         t0 = time.perf_counter()
         in_place(lambda buf: self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)]), flat)
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
@@ -158,18 +161,19 @@ class Group:
             return Pending(None, flat, flat, None)
         check_buffer(flat, f"{self.name}.iall_gather_inplace")
         counts = list(sizes)
-        buf = backend.stager().lend(flat)
+        buf, ready = backend.stager().lend_started(flat)
         t0 = time.perf_counter()
-        req = self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, displacements(counts))])
         key = f"{self.name}/{kind}"
         self.stats.record(key, flat.nbytes, 0.0, self._ring(flat.nbytes), timed=False)
-        return Pending(req, flat, buf, (self.stats, key, t0))
+        return Pending(None, flat, buf, (self.stats, key, t0), ready=ready,
+                       start=lambda: self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, displacements(counts))]))
 
     def reduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter"):
         """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
         if self.size == 1:
             return x
         front, out, counts = self._scatter_plan(x, sizes, axis, "reduce_scatter")
+        backend.stager().ready(front)       # queued device work is not communication
         t0 = time.perf_counter()
         out_of_place(lambda send, recv: self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM), front, out)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
@@ -185,15 +189,15 @@ class Group:
             raise ValueError(f"{self.name}.ireduce_scatter: out= needs axis 0")
         front, out, counts = self._scatter_plan(x, sizes, axis, "ireduce_scatter", out)
         stager = backend.stager()
-        send = stager.lend(front)
-        recv = stager.lend(out, copy=False)
+        send, ready = stager.lend_started(front)
+        recv = stager.lend(out, copy=False, nonblocking=True)
         t0 = time.perf_counter()
-        req = self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
         key = f"{self.name}/{kind}"
         self.stats.record(key, x.nbytes, 0.0, self._ring(x.nbytes), timed=False)
         xp = backend.array_module(x)
-        return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
-                       send=(front, send))
+        return Pending(None, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
+                       send=(front, send), ready=ready,
+                       start=lambda: self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM))
 
     def all_gather_last(self, x, sizes: list[int]):
         """Concatenate every rank's x along the last axis: (..., sizes[rank]) -> (..., sum(sizes))."""
@@ -204,6 +208,7 @@ class Group:
         if self.size == 1:
             return x
         check_buffer(x, f"{self.name}.broadcast")
+        backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         in_place(lambda buf: self.comm.Bcast(buf, root=root), x)
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
@@ -214,6 +219,7 @@ class Group:
         if self.size == 1:
             return x
         check_buffer(x, f"{self.name}.reduce")
+        backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         if self.rank == root:
             in_place(lambda buf: self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root), x)
@@ -232,6 +238,7 @@ class Group:
         if x.shape[0] != self.size:
             raise ValueError(f"{self.name}.all_to_all: leading axis {x.shape[0]} is not the group size {self.size}")
         check_buffer(x, f"{self.name}.all_to_all")
+        backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         out = backend.array_module(x).empty_like(x)
         out_of_place(lambda send, recv: self.comm.Alltoall(send, recv), x, out)
@@ -253,6 +260,7 @@ class Group:
         per = int(numpy.prod(x.shape[1:]))
         send = [n * per for n in send_rows]
         recv = [n * per for n in recv_rows]
+        backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         out = backend.array_module(x).empty((sum(recv_rows),) + x.shape[1:], dtype=x.dtype)
         out_of_place(lambda s, r: self.comm.Alltoallv([s, (send, displacements(send))],

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy
+
 from mpi_tp.core import backend
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.expert_parallel import expert_of
@@ -102,36 +104,37 @@ def grad_norm(spaces: list[Space], tp, pp=None, counted=None) -> float:
     counted: ids of the parameters to count (a pipeline's second copy of wte is left out); None: all.
     """
     xp = backend.xp()
-    sums, groups, ep = {}, {}, None
+    squares, groups, ep = {}, {}, None          # per group: 4 float64 sums, on the device until the end
     for space in spaces:
         g, key = space.grads(), (space.group.name if space.group is not None else None)
-        part = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
-        groups[key] = space.group
+        if key not in squares:
+            squares[key], groups[key] = xp.zeros(4, dtype="float64"), space.group
         for seg in space.segments:
             if counted is not None and id(seg.members[0]) not in counted:
                 continue
             shard = expert_of(seg.members[0])
             ep = shard.ep if shard is not None else ep
             x = g[seg.lo:seg.hi]
-            part[(0 if seg.members[0].sharded else 1) + (2 if shard is not None else 0)] += float(x @ x)
-    total = [0.0, 0.0, 0.0, 0.0]
-    for key, part in sums.items():
+            squares[key][(0 if seg.members[0].sharded else 1) + (2 if shard is not None else 0)] += x @ x
+    keys = list(squares)
+    # one copy to the host for the whole model (a sync per storage would stall a GPU's queue each time);
+    # the reductions below then run on host buffers
+    host = backend.asnumpy(xp.stack([squares[k] for k in keys])) if keys else numpy.zeros((0, 4))
+    total = numpy.zeros(4)
+    for key, part in zip(keys, host):
         if groups[key] is not None:                     # bucket shares: every member's elements
-            buf = xp.asarray(part, dtype="float64")
-            groups[key].all_reduce(buf, kind="grad_norm")
-            part = [float(v) for v in buf]
-        total = [a + b for a, b in zip(total, part)]
+            part = groups[key].all_reduce(numpy.ascontiguousarray(part), kind="grad_norm")
+        total += part
     if ep is None:
-        buf = xp.asarray([total[0]], dtype="float64")
+        buf = numpy.array([total[0]])
         tp.all_reduce(buf)                              # one scalar all-reduce per step
-        norm_sq = float(buf[0]) + total[1]
+        norm_sq = float(buf[0]) + float(total[1])
     else:
-        buf = xp.asarray([total[0], total[2]], dtype="float64")
+        buf = numpy.array([total[0], total[2]])
         tp.all_reduce(buf)                              # dense and expert shards over tp
-        experts = xp.asarray([float(buf[1]) + total[3]], dtype="float64")
+        experts = numpy.array([buf[1] + total[3]])
         ep.all_reduce(experts)                          # every expert, over the ranks holding them
-        norm_sq = float(buf[0]) + total[1] + float(experts[0])
+        norm_sq = float(buf[0]) + float(total[1]) + float(experts[0])
     if pp is not None and pp.size > 1:
-        buf = xp.asarray([norm_sq], dtype="float64")
-        norm_sq = float(pp.all_reduce(buf)[0])
+        norm_sq = float(pp.all_reduce(numpy.array([norm_sq]))[0])
     return math.sqrt(norm_sq)

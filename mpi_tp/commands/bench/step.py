@@ -77,11 +77,13 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         t0 = time.perf_counter()
         model.zero_grad()
         model.forward(x, y)
+        backend.synchronize()                        # each phase's time includes its queued GPU work
         t1 = time.perf_counter()
         if i == 0:                                   # a warm-up step: the walk over the caches is not timed
             acts = comm.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
         model.backward(reducer=reducer)
         finalize_grads(model, reducer)
+        backend.synchronize()
         t2 = time.perf_counter()
         opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
         backend.synchronize()
