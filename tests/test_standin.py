@@ -9,9 +9,7 @@ counted syncs, host data counted uploads. MPI takes them staged through pinned h
 when MPI is declared CUDA-aware, by pointer, outside non-blocking collectives (Open MPI 4.x's
 rule: issue 21, finding 1). A collective's time leaves out the wait for queued GPU work (finding 3);
 bench runs on the stand-in (finding 4). A rank whose GPU fails to start fails the whole job with one
-message (finding 8). The findings not fixed yet are xfail(strict=True), naming the branch that fixes
-them: when it lands they pass, strict turns that into a failure, and the mark comes off. The slice
-of the suite on the stand-in runs at 1 and 2 ranks.
+message (finding 8). The slice of the suite on the stand-in runs at 1 and 2 ranks.
 """
 import gc
 import sys
@@ -178,19 +176,10 @@ def _nonblocking(group, x, what):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("what", [
-    pytest.param("iall_reduce", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-        "fixed by the gpufix branch: Group.iall_reduce hands a device buffer to Iallreduce under CUDA-aware "
-        "MPI (issue 21, finding 1)"))),
-    pytest.param("iall_gather", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-        "the same as finding 1, not in issue 21's list: Iallgatherv (sequence parallelism's regather, ZeRO's "
-        "parameters) on device buffers under CUDA-aware MPI"))),
-    pytest.param("ireduce_scatter", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-        "the same as finding 1, not in issue 21's list: Ireduce_scatter (ZeRO's gradients) on device "
-        "buffers under CUDA-aware MPI"))),
-])
+@pytest.mark.parametrize("what", ["iall_reduce", "iall_gather", "ireduce_scatter"])
 def test_nonblocking_collectives_under_cuda_aware_mpi(cuda_aware, world, what):
-    """Open MPI 4.x takes device buffers in blocking collectives only: a started collective must stage."""
+    """Open MPI 4.x takes device buffers in blocking collectives only: a started collective must stage
+    (issue 21, finding 1: Iallreduce; the same held for Iallgatherv and Ireduce_scatter)."""
     group = Group(world.Dup(), "dp")
     try:
         x = cuda_aware.arange(8.0).reshape(4, 2) * (group.rank + 1)      # (4, 2)
@@ -201,16 +190,15 @@ def test_nonblocking_collectives_under_cuda_aware_mpi(cuda_aware, world, what):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.xfail(strict=True, reason="fixed by the gpufix branch: a blocking collective's time starts before "
-                                       "the wait for the GPU's queued work (issue 21, finding 3)")
 def test_collective_timings_leave_out_the_wait_for_queued_work(cupy, world, monkeypatch):
+    """Issue 21, finding 3: a collective's clock started before the wait for the GPU's queued work."""
     monkeypatch.setattr(standin.counters, "wait_seconds", 0.2)      # a sync after queued kernels takes 0.2 s
     group = Group(world.Dup(), "dp")
     try:
         x = cupy.ones(1000) * 2.0                                     # queued work
         group.all_reduce(x)
-        took = group.stats.seconds["dp/all_reduce"]
-        assert all_true(took < 0.1, world), f"the all-reduce was timed {took:.3f} s, the queued work's 0.2 s included"
+        took = world.allreduce(group.stats.seconds["dp/all_reduce"], op=MPI.MIN)   # the last rank in waits least
+        assert took < 0.1, f"the all-reduce was timed {took:.3f} s, the queued work's 0.2 s included"
     finally:
         group.comm.Free()
 
@@ -259,9 +247,8 @@ def test_a_training_job_runs_on_the_standin(monkeypatch, tmp_path):
 
 
 @cli
-@pytest.mark.xfail(strict=True, reason="fixed by the gpufix branch: bench's bare Allreduce hands a CuPy array "
-                                       "straight to MPI (issue 21, finding 4)")
 def test_bench_runs_on_the_standin(monkeypatch):
+    """Issue 21, finding 4: bench's bare Allreduce handed a CuPy array straight to MPI."""
     monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
     r = mpirun(2, "bench", "--custom", "16,2,1,8,2", "--steps", "1", "--warmup", "0", "--backend", "cupy",
                timeout=120)

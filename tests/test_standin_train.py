@@ -7,9 +7,9 @@ Every layout trains 3 steps through the training loop's own build() and train_st
 dropout on), once on NumPy and once on the stand-in, MPI not CUDA-aware (every buffer staged
 through pinned host buffers): losses and weights must agree to 1e-12 (they are bitwise equal),
 and a checkpoint saved and resumed on the stand-in must equal the uninterrupted NumPy run. The
-counters then hold the GPU path to budgets, several of which today's code misses (issue 21's
-findings, each an xfail(strict=True) naming the branch that fixes it: when it lands the test
-passes, strict turns that into a failure, and the mark comes off). The slice runs at 1 and 2 ranks.
+counters then hold the GPU path to budgets (issue 21's findings 2, 5, 6 and 7). Those today's code
+misses are xfail(strict=True), saying what is left: when a fix lands the test passes, strict turns
+that into a failure, and the mark comes off. The slice runs at 1 and 2 ranks.
 """
 import gc
 import os
@@ -28,6 +28,7 @@ from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.build import build
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.loop import train, train_step
+from mpi_tp.training.optim import AdamW
 
 WORLD = MPI.COMM_WORLD
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -119,17 +120,33 @@ def step_syncs(where, layout, n_layer) -> tuple[int, dict]:
     return sum(sites.values()), sites
 
 
-@pytest.mark.xfail(strict=True, reason="fixed by the gpufix branch: the gradient norm reads one float per parameter "
-                                       "storage back (issue 21, finding 7)")
 def test_host_syncs_per_step_do_not_grow_with_the_layers(out):
-    """Syncs outside MPI staging at L and 2L blocks: the same count (staging syncs once per collective)."""
+    """Syncs outside MPI staging at L and 2L blocks: the same count (staging syncs once per collective).
+    Issue 21, finding 7: the gradient norm read one float per parameter storage back."""
     layout = LAYOUTS.get("tp2-sp", {})
     (few, at_l), (many, at_2l) = step_syncs(out, layout, 2), step_syncs(out, layout, 4)
     assert all_true(many == few, WORLD), f"{few} syncs at L = 2 ({at_l}), {many} at L = 4 ({at_2l})"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21, finding 7: four host syncs per MoE layer, and one for each of its "
-                                       "balance and z losses (model/moe.py); not fixed yet")
+def test_adamw_is_a_few_kernels_per_segment_and_no_sync(out):
+    """Issue 21, finding 7: AdamW launched about 13 kernels per parameter storage; now one fused update and
+    its three copies back (p, m, v), whatever the layers, and no host sync."""
+    backend.use("cupy", WORLD)
+    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=5, n_embd=20), Topology.create(WORLD),
+                dtype="float64", seed=2)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    x = numpy.random.default_rng(0).integers(0, 37, (2, 8))
+    model.forward(x, x)
+    model.backward()
+    standin.counters.reset()
+    opt.step(grad_scale=0.5)
+    segments = sum(len(s.segments) for s in opt.spaces)
+    per = standin.counters.kernels / segments
+    assert all_true(per <= 4 and standin.counters.syncs == 0, WORLD), (per, dict(standin.counters.kernel_names))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21, finding 7, its MoE part, not fixed yet: four host syncs per MoE "
+                                       "layer (model/moe.py: nonzero's count, bincount's two, the counts' copy)")
 def test_at_most_one_host_sync_per_moe_layer(out):
     """Dropless dispatch needs its counts on the host (MPI's Alltoallv takes host counts): one sync per MoE
     layer and step at most, counted in model/moe.py and parallel/expert_parallel.py at L and 2L."""
@@ -141,17 +158,17 @@ def test_at_most_one_host_sync_per_moe_layer(out):
     assert all_true(counts[1] - counts[0] <= 2, WORLD), f"MoE syncs per step at L = 2 and 4: {counts}"
 
 
-@pytest.mark.xfail(strict=True, reason="fixed by the gpufix branch: the embedding's backward adds with float "
-                                       "atomics (cupyx.scatter_add), not reproducible on a GPU (issue 21, finding 5)")
+@pytest.mark.xfail(strict=True, reason="issue 21, finding 5, being fixed on another branch: the embedding's backward "
+                                       "adds with float atomics (cupyx.scatter_add), not reproducible on a GPU")
 def test_a_training_step_uses_no_float_atomics(out):
     _, _, counted = run_steps(out, "cupy", LAYOUTS[sorted(LAYOUTS)[0]], steps=1)
     assert all_true(counted["atomics"] == 0, WORLD), counted["atomic_sites"]
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.xfail(strict=True, reason="fixed by the gpufix branch: the buckets' staging copies wait for the GPU "
-                                       "inside block_done, in the middle of the backward pass (issue 21, finding 6)")
 def test_starting_a_bucket_does_not_wait_for_the_gpu(out):
+    """Issue 21, finding 6: the buckets' staging copies waited for the GPU inside block_done (and
+    Pending.test), in the middle of the backward pass."""
     _, _, counted = run_steps(out, "cupy", LAYOUTS["dp2-overlap"], steps=1)
     waits = {s: n for s, n in counted["sync_stacks"].items()
              if "data_parallel.py:block_done" in s or "buffers.py:test" in s}
@@ -173,7 +190,6 @@ def pinned_held(world, batches) -> int:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.xfail(strict=True, reason="fixed by the gpufix branch: bounded pool")
 def test_pinned_memory_stays_bounded_under_varying_moe_shapes(out, world):
     """Issue 21, finding 2: the pool kept one pinned buffer per exact (shape, dtype), never freed. Budget:
     after batches of 1 to 12 sequences (in a shuffled order), at most twice the pinned bytes that the
