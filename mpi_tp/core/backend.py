@@ -112,7 +112,8 @@ def use(backend: str = "numpy", comm=None) -> None:
     try:
         cupy = collective_setup(_start_cupy, local, comm=comm)
     except UserError as e:                 # on every rank: the lowest failing rank's message
-        _release_standin()
+        if _name != "cupy":                # (a stand-in already in use stays where the Stager finds it)
+            _release_standin()
         raise BackendError(str(e)) from None
     _xp, _name, _stager = cupy, "cupy", Stager(cuda_aware=cuda_aware_mpi())
 
