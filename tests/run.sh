@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite at world sizes 1, 2, 3 and 4.
+# The whole test suite at world sizes 1, 2, 3 and 4, and the GPU tests on the CuPy stand-in at 1 and 2.
 #
 #   bash tests/run.sh              (from the repository root, with mpi_tp and the 'test' extra installed)
 #
@@ -7,6 +7,11 @@
 # own mpiexec, and the MPI tests at world size 1). Passes 2, 3 and 4 run the MPI tests
 # (those marked @pytest.mark.mpi, selected with -m mpi) under mpiexec; 3 ranks split
 # heads, vocabulary, MLP width (4C) and sequence unevenly, which 2 and 4 cannot do for 4C.
+# Passes 5, 6 and 7 run the GPU tests (tests/test_gpu.py, skipped above without CuPy and a GPU) on
+# the host stand-in for CuPy (MPI_TP_CUPY_STANDIN=1, mpi_tp/core/standin) at 1 and 2 ranks with MPI
+# not CUDA-aware (every buffer staged through host buffers), and at 2 declared CUDA-aware (device
+# buffers to MPI by pointer); the rest of the stand-in slice (tests/test_standin*.py) selects the
+# stand-in itself and runs in passes 1 and 2. docs/clusters.md#without-a-gpu-the-cupy-stand-in.
 # Each pass must run at least one test and pass; a pass that hangs is killed after
 # MPI_TP_PASS_TIMEOUT seconds. At the end one line says whether every pass passed (exit 0)
 # or which failed (exit 1), and the last lines count each pass's skipped tests by reason
@@ -63,12 +68,18 @@ MPI_TP_EXPECT_WORLD=1 pass "world size 1" "$PY" "${PYTEST[@]}"
 for n in 2 3 4; do
   MPI_TP_EXPECT_WORLD=$n pass "world size $n" "$MPIEXEC" -n "$n" "$PY" -m mpi4py "${PYTEST[@]}" -m mpi
 done
+for run in "1 0 staged" "2 0 staged" "2 1 CUDA-aware"; do
+  read -r n aware how <<< "$run"
+  MPI_TP_CUPY_STANDIN=1 MPI_TP_CUDA_AWARE=$aware MPI_TP_EXPECT_WORLD=$n \
+    pass "GPU tests on the CuPy stand-in, MPI $how, world size $n" \
+    "$MPIEXEC" -n "$n" "$PY" -m mpi4py -m pytest -p no:cacheprovider -q -rfEs --with-mpi tests/test_gpu.py "$@"
+done
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "tests/run.sh: failed passes: ${failed[*]}"
   status=1
 else
-  echo "tests/run.sh: all passes (world sizes 1, 2, 3, 4) passed"
+  echo "tests/run.sh: all passes (world sizes 1, 2, 3, 4; the GPU tests on the stand-in) passed"
   status=0
 fi
 printf '%s\n' "${skipped[@]}"                # last: what did not run, and why

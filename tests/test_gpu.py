@@ -2,8 +2,11 @@
 
 Skips without CuPy or a GPU. experiments/gpu_check.sh runs this file under mpiexec with
 several ranks sharing one GPU, with host staging and (when the MPI library supports it)
-with device buffers handed to MPI directly.
+with device buffers handed to MPI directly. With MPI_TP_CUPY_STANDIN=1 it runs on the host
+stand-in for CuPy instead (mpi_tp.core.standin; tests/run.sh's stand-in passes), and never skips.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -12,6 +15,7 @@ from mpi_tp.core.gpu import cuda_aware_mpi
 from mpi_tp.core.testing import assert_close, gather_full
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import AdamW
 
@@ -24,13 +28,15 @@ def test_cuda_awareness_query_answers():
 
 @pytest.fixture
 def gpu(world):
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no GPU")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no usable GPU")
+    if os.environ.get("MPI_TP_CUPY_STANDIN") != "1":       # the stand-in needs neither CuPy nor a GPU
+        cupy = pytest.importorskip("cupy")
+        try:
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                pytest.skip("no GPU")
+        except cupy.cuda.runtime.CUDARuntimeError:
+            pytest.skip("no usable GPU")
     backend.use("cupy", world)
+    import cupy
     yield cupy
     backend.use("numpy")
 
@@ -49,6 +55,7 @@ def test_model_on_gpu_equals_numpy(world, gpu):
             model.zero_grad()
             losses.append(model.forward(x, y))
             model.backward()
+            finalize_grads(model)          # the sequence-parallel sums (LayerNorms, row biases, wpe)
             opt.step()
         results.append((np.array(losses), {p.name: gather_full(p, world) for p in model.parameters()}))
     (l_np, w_np), (l_gpu, w_gpu) = results

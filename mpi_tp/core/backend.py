@@ -11,6 +11,7 @@ same code runs on NumPy and CuPy arrays.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy
 
@@ -89,17 +90,44 @@ def use(backend: str = "numpy", comm=None) -> None:
     """Select the array backend for this process, once, before any model is built.
 
     backend: "numpy" or "cupy". Under CuPy each rank binds to GPU
-    (node-local rank) % (GPUs on the node); `comm` defaults to COMM_WORLD.
+    (node-local rank) % (GPUs on the node); `comm` (default COMM_WORLD) must be
+    every rank of the job, all calling together: the ranks agree, so that a rank
+    whose GPU fails to start fails them all with its message (BackendError on
+    every rank, the backend left as it was) instead of leaving them in a collective.
+    MPI_TP_CUPY_STANDIN=1 selects the host stand-in for CuPy (mpi_tp.core.standin).
     """
     global _xp, _name, _stager
     if backend == "numpy":
         _xp, _name, _stager = numpy, "numpy", Stager(cuda_aware=False)
+        _release_standin()
         return
     if backend != "cupy":
         raise BackendError(f"unknown backend {backend!r}: use 'numpy' or 'cupy'")
+    from mpi_tp.core.runtime import collective_setup
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    local = node_local_rank(comm)          # the collective first, before anything that can fail on one rank
+    local = int(os.environ.get("MPI_TP_LOCAL_RANK", local))
+    try:
+        cupy = collective_setup(_start_cupy, local, comm=comm)
+    except UserError as e:                 # on every rank: the lowest failing rank's message
+        if _name != "cupy":                # (a stand-in already in use stays where the Stager finds it)
+            _release_standin()
+        raise BackendError(str(e)) from None
+    _xp, _name, _stager = cupy, "cupy", Stager(cuda_aware=cuda_aware_mpi())
+
+
+def _start_cupy(local: int):
+    """This rank's CuPy on GPU local % (GPUs here), or BackendError saying why not."""
+    if os.environ.get("MPI_TP_CUPY_STANDIN") == "1":
+        from mpi_tp.core import standin
+        standin.install()
     try:
         import cupy
         n_gpus = cupy.cuda.runtime.getDeviceCount()
+        if n_gpus > 0:
+            cupy.cuda.Device(local % n_gpus).use()
     except Exception as e:  # ImportError, or CUDA present but unusable
         raise BackendError(
             f"--backend cupy needs CuPy and a working GPU ({type(e).__name__}: {e}); "
@@ -107,12 +135,14 @@ def use(backend: str = "numpy", comm=None) -> None:
         ) from None
     if n_gpus == 0:
         raise BackendError("--backend cupy: CuPy sees no GPU; use --backend numpy")
-    if comm is None:
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
-    local = int(os.environ.get("MPI_TP_LOCAL_RANK", node_local_rank(comm)))
-    cupy.cuda.Device(local % n_gpus).use()
-    _xp, _name, _stager = cupy, "cupy", Stager(cuda_aware=cuda_aware_mpi())
+    return cupy
+
+
+def _release_standin() -> None:
+    """Take the CuPy stand-in out of sys.modules if it was put there (without importing it otherwise)."""
+    standin = sys.modules.get("mpi_tp.core.standin")
+    if standin is not None:
+        standin.uninstall()
 
 
 def fused(fn):
