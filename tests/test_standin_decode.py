@@ -80,9 +80,6 @@ def test_host_traffic_per_decoded_token_does_not_grow_with_the_layers(standin_en
     assert all_true(ok, WORLD), f"syncs and uploads per decoded token at L = 2 and 4: {per_layers}"
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 21: cached_attention (inference/kv_cache.py) masks with a "
-                                       "boolean assignment, which reads a count back, and uploads `first`, once "
-                                       "per layer of every prefill and window refill")
 def test_host_traffic_per_prefill_does_not_grow_with_the_layers(standin_env):
     per_layers = {L: traffic(decode("cupy", L)[3]) for L in (2, 4)}
     assert all_true(per_layers[4] == per_layers[2], WORLD), f"syncs and uploads per prefill: {per_layers}"

@@ -145,8 +145,6 @@ def test_adamw_is_a_few_kernels_per_segment_and_no_sync(out):
     assert all_true(per <= 4 and standin.counters.syncs == 0, WORLD), (per, dict(standin.counters.kernel_names))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21, finding 7, its MoE part, not fixed yet: four host syncs per MoE "
-                                       "layer (model/moe.py: nonzero's count, bincount's two, the counts' copy)")
 def test_at_most_one_host_sync_per_moe_layer(out):
     """Dropless dispatch needs its counts on the host (MPI's Alltoallv takes host counts): one sync per MoE
     layer and step at most, counted in model/moe.py and parallel/expert_parallel.py at L and 2L."""
@@ -158,8 +156,6 @@ def test_at_most_one_host_sync_per_moe_layer(out):
     assert all_true(counts[1] - counts[0] <= 2, WORLD), f"MoE syncs per step at L = 2 and 4: {counts}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21, finding 5, being fixed on another branch: the embedding's backward "
-                                       "adds with float atomics (cupyx.scatter_add), not reproducible on a GPU")
 def test_a_training_step_uses_no_float_atomics(out):
     _, _, counted = run_steps(out, "cupy", LAYOUTS[sorted(LAYOUTS)[0]], steps=1)
     assert all_true(counted["atomics"] == 0, WORLD), counted["atomic_sites"]

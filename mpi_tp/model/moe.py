@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
@@ -213,12 +215,14 @@ class MoEMLP(Module):
         zl, dlse = z_loss(lse)
         self.loss_term = self.aux_weight * aux + self.z_weight * zl
         keep = keep.reshape(N, k)
-        # Admitted assignments (token n, choice j), sorted by expert (so by destination rank too).
-        n_idx, j_idx = xp.nonzero(keep)
-        experts = choice[n_idx, j_idx]
-        by_expert = xp.argsort(experts, kind="stable")
-        n_idx, j_idx, experts = n_idx[by_expert], j_idx[by_expert], experts[by_expert]
-        kept = backend.asnumpy(xp.bincount(experts, minlength=E))
+        # Admitted assignments (token n, choice j), sorted by expert (so by destination rank too), in
+        # (n, j) order within an expert; dropped ones sort last (expert E). The only copy to the host is
+        # where each expert's run starts (E + 1 numbers), one sync per layer: MPI needs host counts.
+        queue = xp.where(keep, choice, E).reshape(N * k)
+        by_expert = xp.argsort(queue, kind="stable")
+        starts = backend.asnumpy(xp.searchsorted(queue[by_expert], xp.arange(E + 1)))
+        kept, M = numpy.diff(starts), int(starts[E])
+        n_idx, j_idx = by_expert[:M] // k, by_expert[:M] % k
         plan = self.dispatcher.plan(kept)
         x_recv = self.dispatcher.dispatch(x2[n_idx], plan)                   # (M, C) -> (R, C)
         y_send = self.dispatcher.combine(self._experts_forward(x_recv, plan.expert_rows), plan)   # (M, C)
