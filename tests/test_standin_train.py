@@ -7,9 +7,8 @@ Every layout trains 3 steps through the training loop's own build() and train_st
 dropout on), once on NumPy and once on the stand-in, MPI not CUDA-aware (every buffer staged
 through pinned host buffers): losses and weights must agree to 1e-12 (they are bitwise equal),
 and a checkpoint saved and resumed on the stand-in must equal the uninterrupted NumPy run. The
-counters then hold the GPU path to budgets (issue 21's findings 2, 5, 6 and 7). Those today's code
-misses are xfail(strict=True), saying what is left: when a fix lands the test passes, strict turns
-that into a failure, and the mark comes off. The slice runs at 1 and 2 ranks.
+counters then hold the GPU path to budgets (issue 21's findings 2, 5, 6 and 7; each of these tests
+failed, as an xfail(strict=True), until its fix landed). The slice runs at 1 and 2 ranks.
 """
 import gc
 import os

@@ -263,7 +263,10 @@ def _build():
         return settings.devices
 
     runtime.__dict__.update(getDeviceCount=get_device_count, getDevice=lambda: Device.current,
-                            setDevice=lambda i: Device(i).use(), CUDARuntimeError=CUDARuntimeError, is_hip=False)
+                            setDevice=lambda i: Device(i).use(), CUDARuntimeError=CUDARuntimeError, is_hip=False,
+                            getDeviceProperties=lambda i: {"name": b"CuPy stand-in (host memory)",
+                                                           "totalGlobalMem": 0},
+                            runtimeGetVersion=lambda: 0, driverGetVersion=lambda: 0)
     cuda.__dict__.update(runtime=runtime, Device=Device, Stream=Stream, Event=Event,
                          get_current_stream=lambda device=None: Stream.current, is_available=lambda: True,
                          get_elapsed_time=lambda start, end: (end.t - start.t) * 1e3)
