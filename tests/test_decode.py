@@ -7,7 +7,7 @@ import pytest
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.testing import all_true
-from mpi_tp.inference.decode import Decoder, window
+from mpi_tp.inference.decode import Decoder, compaction, window
 from mpi_tp.inference.generate import Request, choose, generate
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -33,7 +33,7 @@ def test_cached_logits_equal_the_full_context_at_every_position(world):
     while it fits, then its window (the last block_size / 2 bytes, growing back to block_size)."""
     serial, model, topo = models(world)
     rng = numpy.random.default_rng(0)
-    histories = [list(rng.integers(0, 37, n)) for n in (5, 1, 3)]          # left padding: 0, 4 and 2 columns
+    histories = [list(rng.integers(0, 37, n)) for n in (5, 1, 3)]          # rows of 5, 1 and 3 bytes: each its own columns
     windows = [list(h) for h in histories]
     dec = Decoder(model, len(windows))
     logits = dec.prefill(windows)
@@ -47,9 +47,43 @@ def test_cached_logits_equal_the_full_context_at_every_position(world):
         windows = [h[-window(len(h), CFG.block_size):] for h in histories]
         slides += any(len(w) < len(h) and len(w) == CFG.block_size // 2 for w, h in zip(windows, histories))
         logits = dec.step(nxt)
-    assert slides >= 2 and dec.cache.length <= CFG.block_size
+    assert slides >= 2 and dec.cache.lengths.max() <= CFG.block_size
     assert all_true(worst < 1e-10, world), worst
     topo.free()
+
+
+def test_rows_join_and_leave_while_others_run(world):
+    """Continuous batching's decoder: rows join between steps (a prefill of their own beside the others'
+    decoding), leave (the last row takes the slot), and slide past block_size, and every row's logits
+    stay those of the full forward pass of its own context, whatever ran beside it."""
+    serial, model, topo = models(world)
+    rng = numpy.random.default_rng(1)
+    dec, rows, worst = Decoder(model, 3), [], 0.0
+    plan = {0: [[1, 2, 3, 4, 5]], 2: [[6], [7, 8]], 9: [[9, 9, 9]], 11: [list(range(12))], 20: [[3]]}
+    leaving = {6: [0], 10: [1, 2], 19: [0]}
+    logits = numpy.zeros((0, 37))
+    for step in range(30):
+        if step in leaving:
+            order = dec.leave(leaving[step])
+            rows, logits = [rows[i] for i in order], logits[order]
+        nxt = rng.integers(0, 37, len(rows))
+        for r, i in zip(rows, nxt):
+            r.append(int(i))
+        logits = dec.step(nxt) if rows else logits
+        new = plan.get(step, [])
+        logits = numpy.concatenate([logits, dec.join(new)]) if new else logits
+        rows += [list(p) for p in new]
+        for b, r in enumerate(rows):
+            worst = max(worst, float(numpy.abs(logits[b] - full_last(serial, r[-window(len(r), 12):])).max()))
+    assert dec.rows == len(rows) == 2 and max(len(r) for r in rows) > 12
+    assert all_true(worst < 1e-10, world), worst
+    topo.free()
+
+
+def test_compaction_moves_only_the_last_rows():
+    assert compaction(5, [1]) == [0, 4, 2, 3]
+    assert compaction(5, [0, 4]) == [3, 1, 2]
+    assert compaction(3, [0, 1, 2]) == [] and compaction(2, []) == [0, 1]
 
 
 def test_window_depends_on_the_row_alone():
@@ -102,7 +136,8 @@ def test_sampling_rules():
     (dict(top_k=-2), "top_k"),
     (dict(top_p=0.0), "top_p"),
     (dict(temperature="hot"), "temperature must be a number"),
-    (dict(seed=-1), "seed must be a non-negative integer"),
+    (dict(seed=-1), "seed must be an integer from 0 to 2\\^64 - 1"),
+    (dict(stop=(b"",)), "stop must be non-empty"),
     (dict(max_tokens=True), "max_tokens"),
 ])
 def test_bad_requests_say_what_is_wrong(bad, says):

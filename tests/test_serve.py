@@ -5,125 +5,40 @@ A checkpoint trained for 2 steps is still nearly random, so its greedy text depe
 """
 import http.client
 import json
-import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from test_cli import MPIEXEC, clean_env
+from serving import (
+    BLOCK,
+    Server,
+    expected,
+    needs_mpiexec,
+    serial_model,
+    train_checkpoint,
+)
 
-from mpi_tp.inference.generate import Request
 from mpi_tp.inference.api import BadRequest, TextOut, parse_completion
-
-needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
-BLOCK = 32
-MPI_TP = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "mpi_tp"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "run"
-    r = subprocess.run(MPI_TP + ["train", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size",
-                                 str(BLOCK), "--batch-size", "4", "--steps", "2", "--eval-batches", "1",
-                                 "--eval-every", "100", "--sample-len", "0", "--dtype", "float64", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120, env=clean_env())
-    assert r.returncode == 0, r.stderr
-    return str(out / "checkpoints")
+    return train_checkpoint(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
 def serial(checkpoint):
-    from mpi4py import MPI
-
-    from mpi_tp.commands.tools import load_model
-    return load_model(checkpoint, MPI.COMM_SELF, "float64")[0]
-
-
-def expected(model, body: dict) -> tuple[str, str, int]:
-    """(text, finish_reason, completion tokens) of a request, from generate on the serial model, alone."""
-    from mpi_tp.inference.generate import generate
-    stop = body.get("stop", "").encode()
-    req = Request(body["prompt"].encode(), max_tokens=body["max_tokens"], temperature=body.get("temperature", 1.0),
-                  top_k=body.get("top_k", 0), top_p=body.get("top_p", 1.0), seed=body.get("seed", 0), stop=stop)
-    out = generate(model, [req])[0]
-    stopped = bool(stop) and out.endswith(stop)
-    return (out[:-len(stop)] if stopped else out).decode("utf-8", "replace"), "stop" if stopped else "length", len(out)
-
-
-class Server:
-    """`mpiexec -n 2 ... serve --port 0`, its address read from the line it prints."""
-
-    def __init__(self, checkpoint, folder, *flags):
-        self.out, self.err = folder / "serve.out", folder / "serve.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(MPI_TP + ["serve", "--checkpoint", checkpoint, "--port", "0", "--dtype",
-                                                   "float64", *flags], stdout=out, stderr=err,
-                                         env=clean_env(), start_new_session=True)
-        deadline = time.monotonic() + 120
-        while not (m := re.search(r"^serving .+ on http://([\d.]+):(\d+) \(tp=2\)$", self.stdout(), re.M)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"the server did not start:\n{self.stderr()}")
-            time.sleep(0.05)
-        self.host, self.port = m.group(1), int(m.group(2))
-
-    def stdout(self):
-        return self.out.read_text()
-
-    def stderr(self):
-        return self.err.read_text()
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self, timeout=30) -> int:
-        """SIGTERM to mpiexec (it forwards the signal to every rank); the job's exit status."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"no exit within {timeout} s of SIGTERM:\n{self.stderr()}")
-
-    def call(self, path, body=None, raw=None, method=None):
-        """(status, JSON answer) of one request."""
-        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", data=data, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def stream(self, body):
-        """Send a streamed completion now; its events, to read one by one: JSON (the last one: "[DONE]")."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
-
-        def events():
-            r = conn.getresponse()
-            assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
-            for line in r:
-                if line.startswith(b"data: "):
-                    data = line[6:].strip()
-                    yield "[DONE]" if data == b"[DONE]" else json.loads(data)
-            conn.close()
-        return events()
+    return serial_model(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     # a long batch wait: the concurrent requests below surely meet in one batch (it starts when 4 are in)
-    s = Server(checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4", "--batch-wait-ms", "1500")
+    s = Server(checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4", "--batch-wait-ms", "1500",
+               "--max-queue", "256")
     yield s
     status = s.stop()
     assert status == 0 and "Traceback" not in s.stderr(), s.stderr()
@@ -254,7 +169,8 @@ def test_text_pieces_join_into_the_whole_text():
     rng = random.Random(0)
     for _ in range(200):                                                 # any bytes, any stop: as one decode
         out = bytes(rng.choice(b"ab\n\xc3\xa9\xe2\x82\xac\xff") for _ in range(rng.randint(1, 30)))
-        stop = bytes(rng.choice(b"ab\n\xc3") for _ in range(rng.randint(0, 3)))
+        stop = tuple(bytes(rng.choice(b"ab\n\xc3") for _ in range(rng.randint(1, 3)))
+                     for _ in range(rng.randint(0, 3)))              # up to three stop sequences
         t, pieces = TextOut(stop), []
         for i, b in enumerate(out):
             pieces.append(t.add(b))
@@ -262,18 +178,28 @@ def test_text_pieces_join_into_the_whole_text():
                 out = out[:i + 1]                                        # generate stops there too
                 break
         pieces.append(t.finish())
-        cut = out[:-len(stop)] if stop and out.endswith(stop) else out
+        ended = [len(s) for s in stop if out.endswith(s)]
+        cut = out[:-max(ended)] if ended else out                        # the one that began first is cut
         assert "".join(pieces) == cut.decode("utf-8", "replace") and t.stopped == (cut != out), (out, stop)
 
 
 def test_parse_completion_defaults_and_errors():
     req, stream = parse_completion(b'{"prompt": "h\\u00e9", "stop": ["\\n"]}', BLOCK)
     assert (req.prompt, req.stop, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, stream) == \
-           ("hé".encode(), b"\n", 64, 1.0, 1.0, 0, 0, False)
+           ("hé".encode(), (b"\n",), 64, 1.0, 1.0, 0, 0, False)
+    assert parse_completion(rb'{"prompt": "x", "stop": ["ab", "\u00e9"]}', BLOCK)[0].stop == (b"ab", "é".encode())
     for body, says in [('{"prompt": "x", "stream": 1}', "stream must be true or false"),
                        ('{"prompt": "x", "max_tokens": true}', "max_tokens must be an integer"),
-                       ('{"prompt": "x", "seed": -1}', "seed must be a non-negative integer"),
-                       ('{"prompt": "x", "stop": ["a", "b"]}', "one stop sequence"),
+                       ('{"prompt": "x", "seed": -1}', "seed must be an integer from 0 to 2^64 - 1"),
+                       ('{"prompt": "x", "seed": 18446744073709551616}', "seed must be an integer from 0"),
+                       ('{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "at most 4 non-empty strings"),
+                       ('{"prompt": "x", "stop": [""]}', "at most 4 non-empty strings"),
+                       ('{"prompt": "x", "stop": [3]}', "at most 4 non-empty strings"),
+                       ('{"prompt": "x", "stop": "%s"}' % ("a" * 65), "at most 64 bytes"),
+                       ('{"prompt": "x", "temperature": NaN}', "NaN is not a JSON number"),
+                       ('{"prompt": "x", "top_p": Infinity}', "Infinity is not a JSON number"),
+                       ('{"prompt": "x", "temperature": 1e308}', "temperature must be a number from 0 to 100"),
+                       ('{"prompt": "x", "max_tokens": 1000000000000000000}', "max_tokens must be at most"),
                        ('{"prompt": "\\ud800"}', "valid Unicode"),
                        ('{"prompt": ["x"]}', "prompt must be a string"),
                        ('{"prompt": "x", "top_p": 0}', "top_p"),

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
@@ -33,6 +34,7 @@ def _watchdog(comm, seconds: float) -> threading.Timer:
                          "are out of step (did your code raise, or skip a collective, on some ranks only?); "
                          "aborting the job\n")
         sys.stderr.flush()
+        time.sleep(1.0)            # the launcher forwards the message before the abort takes the job down
         comm.Abort(3)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True

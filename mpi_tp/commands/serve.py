@@ -5,7 +5,7 @@
 
 The model loads at tensor-parallel size = world size (as eval and generate do), on
 --backend's arrays (numpy, or cupy: one GPU per rank); rank 0 answers HTTP and every
-rank computes (mpi_tp.inference.server).
+rank computes (mpi_tp.inference.serving).
 SIGTERM or Ctrl-C stops it cleanly: the batch in flight is finished, exit 0.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import os
 
 from mpi_tp.commands.tools import add_backend_argument, load_model, use_backend
-from mpi_tp.inference.server import Stop, serve
+from mpi_tp.inference.serving.server import Stop, serve
 
 
 def _integer(low: int, high: int):
@@ -33,12 +33,20 @@ def _milliseconds(value: str) -> float:
     return x
 
 
+def _seconds(value: str) -> float:
+    x = float(value)
+    if not 0.1 <= x <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0.1 and 3600 s, got {value}")
+    return x
+
+
 def cmd_serve(args, comm) -> int:
     stop = Stop().install()          # before the (slow) load: a Ctrl-C then still ends the job cleanly
     use_backend(args, comm)          # before any array is made
     model, _ = load_model(args.checkpoint, comm, args.dtype)
     return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
-                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop)
+                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop, batching=args.batching,
+                 max_queue=args.max_queue, max_connections=args.max_connections, read_timeout=args.read_timeout)
 
 
 def add_parser(sub) -> None:
@@ -50,9 +58,19 @@ def add_parser(sub) -> None:
     s.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     s.add_argument("--port", type=_integer(0, 65535), default=8000, help="TCP port (default 8000; 0: any free port, printed)")
-    s.add_argument("--max-batch", type=_integer(1, 1024), default=8, help="requests generated together (default 8)")
+    s.add_argument("--max-batch", type=_integer(1, 1024), default=8,
+                   help="rows generated together: the KV cache's slots (default 8)")
+    s.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="'continuous': requests join the running batch at the next decode step and leave when "
+                        "done; 'static': a batch runs until its longest request ends (default continuous)")
     s.add_argument("--batch-wait-ms", type=_milliseconds, default=20.0,
-                   help="after a first request, wait this long for more to batch with it (default 20)")
+                   help="when idle, after a first request, wait this long for more to start with it (default 20)")
+    s.add_argument("--max-queue", type=_integer(0, 1_000_000), default=64,
+                   help="requests that may wait for a row; past it: 429 with Retry-After (default 64)")
+    s.add_argument("--max-connections", type=_integer(1, 100_000), default=256,
+                   help="connections handled at once; past it: 503 at once (default 256)")
+    s.add_argument("--read-timeout", type=_seconds, default=30.0,
+                   help="seconds a client has to send its whole request, headers and body (default 30)")
     s.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
     add_backend_argument(s)
     s.set_defaults(run=cmd_serve)

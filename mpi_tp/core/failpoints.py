@@ -10,6 +10,8 @@ MPI_TP_FAILPOINT=name[:STEP][,name[:STEP]...] arms the named points below:
     save-enospc-index                            the disk is full when rank 0 writes the index
     sigterm                                      send this process SIGTERM after the step
     nan-grad                                     poison a gradient with NaN after the backward pass
+    sample-error:SEED                            rank 0's sampling fails (a RuntimeError) at the third
+                                                 byte of every request with this seed (serving tests)
 """
 from __future__ import annotations
 
@@ -34,3 +36,9 @@ def no_space(name: str, step: int, path: str) -> None:
     """Raise ENOSPC here when armed, as a write to a full disk would."""
     if armed(name, step):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def sample_error(seed: int, chosen: int) -> None:
+    """Raise here, in rank 0's sampling, at a request's third byte when armed for its seed."""
+    if chosen == 2 and f"sample-error:{seed}" in os.environ.get("MPI_TP_FAILPOINT", "").split(","):
+        raise RuntimeError(f"failpoint sample-error:{seed}")

@@ -3,7 +3,7 @@
 `parse_completion` turns a /v1/completions body (OpenAI's field names) into a
 generate.Request, or raises BadRequest with what is wrong; `TextOut` turns the
 bytes a request gets into text pieces that join into exactly the whole answer.
-The server (mpi_tp.inference.server) uses both; neither needs MPI.
+The server (mpi_tp.inference.serving.http) uses both; neither needs MPI.
 """
 from __future__ import annotations
 
@@ -20,37 +20,46 @@ class BadRequest(Exception):
 
 FIELDS = {"prompt": ((str,), None, "a string: the text to continue"), "max_tokens": ((int,), 64, "an integer"),
           "temperature": ((int, float), 1.0, "a number"), "top_p": ((int, float), 1.0, "a number"),
-          "top_k": ((int,), 0, "an integer"), "seed": ((int,), 0, "a non-negative integer"),
-          "stop": ((str,), "", "a string (one stop sequence)"), "stream": ((bool,), False, "true or false")}
+          "top_k": ((int,), 0, "an integer"), "seed": ((int,), 0, "an integer from 0 to 2^64 - 1"),
+          "stop": ((str, list), [], "a string or a list of strings"), "stream": ((bool,), False, "true or false")}
+
+MAX_TOKENS = 4096        # a request's max_tokens at most
+MAX_STOPS, MAX_STOP_BYTES = 4, 64     # stop sequences per request, and UTF-8 bytes per sequence (OpenAI: 4)
 
 
-MAX_TOKENS = 4096        # a request's max_tokens at most (one request holds its whole batch until it ends)
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_completion(raw: bytes, block_size: int) -> tuple[Request, bool]:
     """(request, stream) from a /v1/completions body, or BadRequest saying what is wrong."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)             # NaN, Infinity: refused
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"the body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise BadRequest('the body must be a JSON object, such as {"prompt": "The ", "max_tokens": 16}')
-    if isinstance(body.get("stop"), list) and len(body["stop"]) <= 1:    # the OpenAI list form, one sequence
-        body["stop"] = body["stop"][0] if body["stop"] else None
     v = {}
     for name, (kinds, default, what) in FIELDS.items():
         x = body.get(name)                                              # null: the default
         if x is None and default is None:
             raise BadRequest(f"{name} is required ({what})")
         if x is not None and (not isinstance(x, kinds) or (isinstance(x, bool) and bool not in kinds)
-                              or (name == "seed" and x < 0)):
+                              or (name == "seed" and not 0 <= x < 2**64)):
             raise BadRequest(f"{name} must be {what}, not {json.dumps(x)[:40]}")
         v[name] = default if x is None else x
     if v["max_tokens"] > MAX_TOKENS:
         raise BadRequest(f"max_tokens must be at most {MAX_TOKENS} on this server, not {v['max_tokens']}")
+    stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"]
+    if len(stops) > MAX_STOPS or not all(isinstance(x, str) and x for x in stops):
+        raise BadRequest(f"stop must be at most {MAX_STOPS} non-empty strings, not {json.dumps(stops)[:60]}")
     stream = v.pop("stream")
     try:
-        req = Request(**{**v, "prompt": v["prompt"].encode(), "stop": v["stop"].encode(),
+        stop = tuple(x.encode() for x in stops)
+        if max(map(len, stop), default=0) > MAX_STOP_BYTES:
+            raise BadRequest(f"a stop sequence may hold at most {MAX_STOP_BYTES} bytes (UTF-8), not "
+                             f"{max(map(len, stop))}")
+        req = Request(**{**v, "prompt": v["prompt"].encode(), "stop": stop,
                          "temperature": float(v["temperature"]), "top_p": float(v["top_p"])})
         req.check(block_size)
     except UnicodeEncodeError:
@@ -65,20 +74,32 @@ def parse_completion(raw: bytes, block_size: int) -> tuple[Request, bool]:
 class TextOut:
     """A request's text as its bytes come: UTF-8 decoded incrementally (a character split over two
     bytes waits for its second; bad bytes become U+FFFD), the stop sequence left out (bytes that may
-    begin it wait), so the pieces of a stream join into exactly the text of the whole answer."""
+    begin one wait), so the pieces of a stream join into exactly the text of the whole answer. Each
+    byte costs at most a few comparisons per stop sequence (and the sequences are short, MAX_STOP_BYTES)."""
 
-    def __init__(self, stop: bytes):
+    def __init__(self, stop: tuple[bytes, ...] | bytes):
+        stop = ((bytes(stop),) if stop else ()) if isinstance(stop, (bytes, bytearray)) else stop
         self.stop, self.out, self.sent, self.stopped = stop, bytearray(), 0, False
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ends = [{b: [k + 1 for k in range(len(s) - 1) if s[k] == b] for b in set(s)} for s in stop]
 
     def add(self, byte: int) -> str:
         self.out.append(byte)
-        s = self.stop
-        if s and self.out.endswith(s):
+        ended = [len(s) for s in self.stop if self.out.endswith(s)]
+        if ended:                                          # the longest: the one that began first
             self.stopped = True
-            return self._upto(len(self.out) - len(s), final=True)
-        hold = next((k for k in range(min(len(s) - 1, len(self.out)), 0, -1) if self.out.endswith(s[:k])), 0)
-        return self._upto(len(self.out) - hold)
+            return self._upto(len(self.out) - max(ended), final=True)
+        return self._upto(len(self.out) - self._hold(byte))
+
+    def _hold(self, byte: int) -> int:
+        """The longest end of the output that begins a stop sequence (those bytes wait)."""
+        hold = 0
+        for s, ends in zip(self.stop, self.ends):
+            for k in reversed(ends.get(byte, ())):             # s[:k] ends with this byte
+                if k > hold and k <= len(self.out) and self.out.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
 
     def finish(self) -> str:
         return "" if self.stopped else self._upto(len(self.out), final=True)

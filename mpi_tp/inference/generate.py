@@ -7,14 +7,21 @@ Every rank of the tensor-parallel group calls generate with the same requests.
 The decoder (mpi_tp.inference.decode) returns the last position's logits over
 the whole vocabulary on every rank (the V_i shards gathered: B x V values per
 step, the only gather); rank 0 chooses each row's next byte with that request's
-own random stream and broadcasts the B choices, so every rank extends the same
-text, a request gets the same bytes in any batch, and a fixed seed gives the
-same text at every tensor-parallel size (the logits agree to rounding).
+own random stream (a `Row`) and broadcasts its choices as one command
+(mpi_tp.inference.serving.protocol, the server's protocol), so every rank
+extends the same text; a finished row leaves the batch at once. A request gets
+the same bytes in any batch and a fixed seed the same text at every
+tensor-parallel size (the logits agree to rounding).
 
-Choosing a byte: temperature 0 (or top_k 1) is greedy; otherwise the logits
-are divided by the temperature, cut to the top_k likeliest (0: all) and then to
-the smallest set whose probability reaches top_p (1: all), and sampled.
-A request ends after max_tokens bytes or when its output ends with `stop`.
+Choosing a byte: temperature 0 (or top_k 1) is greedy; otherwise the logits,
+less their maximum, are divided by the temperature (a temperature so small
+that every other byte's weight underflows to 0 is greedy, not NaN), cut to the
+top_k likeliest (0: all) and then to the smallest set whose probability
+reaches top_p (1: all), and sampled. A request ends after max_tokens bytes or
+when its output ends with one of its stop sequences. Rank 0's sampling never
+raises between collectives: a request it cannot serve (logits that are not
+finite) leaves the batch with its error, the others go on, and generate then
+raises one UserError on every rank.
 """
 from __future__ import annotations
 
@@ -22,8 +29,10 @@ from dataclasses import dataclass
 
 import numpy
 
+from mpi_tp.core import failpoints
 from mpi_tp.core.errors import UserError
-from mpi_tp.inference.decode import Decoder
+from mpi_tp.inference.decode import compaction
+from mpi_tp.inference.serving.protocol import Batch, broadcast_command, wire
 
 
 @dataclass
@@ -34,7 +43,11 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    stop: bytes = b""
+    stop: tuple = ()               # stop sequences (bytes); one bytes value is taken as one sequence
+
+    def __post_init__(self):
+        if isinstance(self.stop, (bytes, bytearray)):
+            self.stop = (bytes(self.stop),) if self.stop else ()
 
     def check(self, block_size: int) -> None:
         """One UserError saying what is wrong with this request, if anything."""
@@ -54,10 +67,10 @@ class Request:
             raise UserError(f"top_k must be a non-negative integer (0: no cut), not {self.top_k!r}")
         if not number(self.top_p) or not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be a number in (0, 1], not {self.top_p!r}")
-        if not count(self.seed) or self.seed < 0:
-            raise UserError(f"seed must be a non-negative integer, not {self.seed!r}")
-        if not isinstance(self.stop, (bytes, bytearray)):
-            raise UserError(f"stop must be bytes, not {self.stop!r}")
+        if not count(self.seed) or not 0 <= self.seed < 2**64:
+            raise UserError(f"seed must be an integer from 0 to 2^64 - 1, not {self.seed!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, bytes) and s for s in self.stop):
+            raise UserError(f"stop must be non-empty byte strings, not {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -65,14 +78,19 @@ class Request:
 
 
 def choose(logits, req: Request, rng) -> int:
-    """The next byte from the whole vocabulary's logits (V,), by req's settings."""
+    """The next byte from the whole vocabulary's logits (V,), by req's settings; ValueError if the
+    logits are not finite (a model that diverged)."""
+    z = numpy.array(logits, dtype=numpy.float64)
+    if not numpy.isfinite(z).all():
+        raise ValueError("the model's logits are not finite (NaN or infinity)")
     if req.greedy:
-        return int(numpy.argmax(logits))
-    z = numpy.asarray(logits, dtype=numpy.float64) / req.temperature
+        return int(numpy.argmax(z))
+    with numpy.errstate(over="ignore"):            # a tiny temperature sends all but the maximum to -inf
+        z = (z - z.max()) / req.temperature        # <= 0, the maximum at 0: exp cannot overflow nor give NaN
     if 0 < req.top_k < z.size:
         z[z < numpy.sort(z)[-req.top_k]] = -numpy.inf
-    p = numpy.exp(z - z.max())
-    p /= p.sum()
+    p = numpy.exp(z)
+    p /= p.sum()                                   # >= 1: the maximum's weight is exp(0)
     if req.top_p < 1:
         order = numpy.argsort(-p, kind="stable")
         keep = numpy.searchsorted(numpy.cumsum(p[order]), req.top_p) + 1     # the smallest set reaching top_p
@@ -82,32 +100,64 @@ def choose(logits, req: Request, rng) -> int:
     return int(rng.choice(p.size, p=p))
 
 
+class Row:
+    """Rank 0: one request being generated: its random stream, its bytes so far, and how it ended."""
+
+    def __init__(self, ident, request: Request):
+        self.id, self.request, self.rng = ident, request, numpy.random.default_rng(request.seed)
+        self.out, self.error = bytearray(), None
+
+    def take(self, logits) -> int:
+        """Choose, keep and return the next byte; -1 (and self.error set) if that failed."""
+        try:
+            failpoints.sample_error(self.request.seed, len(self.out))
+            byte = choose(logits, self.request, self.rng)
+        except Exception as e:  # noqa: BLE001 (rank 0 alone: the failure is this request's, not the job's)
+            self.error = f"{type(e).__name__}: {e}"
+            return -1
+        self.out.append(byte)
+        return byte
+
+    @property
+    def stopped(self) -> bool:
+        return any(self.out.endswith(s) for s in self.request.stop)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or len(self.out) >= self.request.max_tokens or self.stopped
+
+
+def step_command(rows: list[Row], logits, joins=()) -> dict:
+    """Rank 0: each running row's next byte from its logits, the rows now done, the joining requests."""
+    chosen = [-1 if row.done else row.take(logits[i]) for i, row in enumerate(rows)]   # done: cancelled
+    return {"cmd": "step", "bytes": chosen, "leave": [i for i, row in enumerate(rows) if row.done],
+            "join": [[row.id, wire(row.request.prompt)] for row in joins],
+            "errors": {str(row.id): row.error for row in rows if row.error is not None}}
+
+
 def generate(model, requests: list[Request], on_token=None) -> list[bytes]:
-    """The new bytes of each request, generated together (one batch). on_token(i, byte), if given,
-    is called on every rank as request i gets each byte (a server streams from it on rank 0)."""
+    """The new bytes of each request, generated together. on_token(i, byte), if given, is called on
+    every rank as request i gets each byte (a server streams from it on rank 0)."""
     if not requests:
         return []
     for r in requests:
         r.check(model.cfg.block_size)
-    group = model.topo.tp
-    rngs = [numpy.random.default_rng(r.seed) for r in requests]
-    out = [bytearray() for _ in requests]
-    live = [True] * len(requests)
-    decoder = Decoder(model, len(requests))
-    logits = decoder.prefill([r.prompt for r in requests])
-    choice = numpy.zeros(len(requests), dtype=numpy.int64)
-    for _ in range(max(r.max_tokens for r in requests)):
-        if group.rank == 0:
-            for i, r in enumerate(requests):
-                choice[i] = choose(logits[i], r, rngs[i]) if live[i] else 0
-        group.broadcast(choice)
-        for i, r in enumerate(requests):
-            if live[i]:
-                out[i].append(int(choice[i]))
-                if on_token is not None:
-                    on_token(i, int(choice[i]))
-                live[i] = len(out[i]) < r.max_tokens and not (r.stop and out[i].endswith(r.stop))
-        if not any(live):
-            break
-        logits = decoder.step(choice)
+    comm, root = model.topo.tp.comm, model.topo.tp.rank == 0
+    batch, out, errors = Batch(model, len(requests)), [bytearray() for _ in requests], {}
+
+    def got(i, byte):
+        out[i].append(byte)
+        if on_token is not None:
+            on_token(i, byte)
+    rows, joins, logits = [], [Row(i, r) for i, r in enumerate(requests)], None
+    while joins or batch.rows:
+        cmd = step_command(rows, logits, joins) if root else None
+        cmd = broadcast_command(comm, cmd)
+        errors.update(cmd["errors"])
+        logits = batch.apply(cmd, on_byte=got)
+        if root:
+            rows = [rows[i] for i in compaction(len(rows), cmd["leave"])] + joins     # as the batch's rows
+        joins = []
+    if errors:
+        raise UserError("; ".join(f"prompt {int(i) + 1}: {m}" for i, m in sorted(errors.items())))
     return [bytes(o) for o in out]

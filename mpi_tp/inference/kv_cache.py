@@ -1,24 +1,27 @@
 """The attention cache of tensor-parallel decoding: each rank keeps the keys and values of its own heads.
 
-    cache = KVCache(model, batch=4)          # (B, H_i, block_size, hs) keys and values per block
-    y = attend(block.attn, x, cache, j)      # t new positions of every row, over the cache
+    cache = KVCache(model, slots=4)          # (slots, H_i, block_size, hs) keys and values per block
+    y = attend_prefill(block.attn, x, cache, j, rows)   # t new positions of some rows, from column 0
+    y = attend_step(block.attn, x, cache, j, mask)      # one new position of every running row
 
 Rank i holds H_i of the H heads (uneven splits included), so its cache is
-H_i / H of the whole: 2 x L x B x H_i x S x hs values, allocated once for
-S = block_size positions. The rows of a batch share the cache's columns:
-prompts of different lengths are left-padded, and `first[b]` is the first
-column of row b that holds a token. A query at column c attends to the keys
-of its row at columns first[b] .. c; a padding query (c < first[b]) attends to
-itself only, so that it stays finite and touches no real row. A decode step
-(one new column per row, past every row's padding) needs only the padding
-columns masked: step_attention adds KVCache.padding, a bias built once per
-prefill. A prefill adds KVCache.prefill_bias, that rule as a bias built once
-per forward on the device from `first` (uploaded once per prefill), which
-every block reuses: no host traffic per block.
+H_i / H of the whole: 2 x L x slots x H_i x S x hs values, allocated once for
+S = block_size positions. A row is one sequence; rows 0 .. cache.rows - 1 are
+running, each with its own length (`lengths[b]`: its columns 0 .. lengths[b] - 1
+hold its tokens, from position 0), so sequences join and leave independently
+(continuous batching): a new row is prefilled into a free slot from column 0,
+a finished row's slot is taken by the last running row (`move`, only its
+filled columns), and a decode step writes each row's new key and value at its
+own column. A step's mask is the columns past each row's length: an additive
+bias (rows, 1, 1, n) made on the device once per step and reused by every block
+(none when every row has the same length: `step_mask`). A prefill is causal attention over
+its own t positions (the rows start empty), right-padded to the longest: a
+query never sees the padding after it, and the padding columns are past the
+row's length, so no later step sees them either.
 
 Per block and new position the communication is that of the forward pass: the
 q/k/v column split needs none, the output projection's row split one
-all-reduce of (B, t, C); the cache itself is never communicated.
+all-reduce of (rows, t, C); the cache itself is never communicated.
 """
 from __future__ import annotations
 
@@ -31,95 +34,103 @@ from mpi_tp.core.backend import array_module
 
 
 class KVCache:
-    """Keys and values of this rank's heads, every block of `model`, `batch` rows, block_size columns."""
+    """Keys and values of this rank's heads, every block of `model`, `slots` rows, block_size columns."""
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, slots: int):
         xp, cfg = backend.xp(), model.cfg
         attn = model.h[0].attn
-        shape = (batch, attn.H_i, cfg.block_size, attn.hs)
+        shape = (slots, attn.H_i, cfg.block_size, attn.hs)
         self.k = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.v = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
-        self.batch, self.size, self.dtype = batch, cfg.block_size, model.dtype
-        self.reset(numpy.zeros(batch, dtype=numpy.int64))
+        self.slots, self.size, self.dtype = slots, cfg.block_size, model.dtype
+        self.lengths = numpy.zeros(slots, dtype=numpy.int64)     # columns filled, per row
+        self.rows = 0                                             # running rows: 0 .. rows - 1
+        self._causal = {}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
-    def reset(self, first) -> None:
-        """Start again: empty, with row b's tokens from column first[b]. A decode step's mask is
-        only these padding columns: kept as an additive bias (B, 1, 1, S), -inf before first[b]
-        (None when no row is padded), so that a step builds no mask."""
-        self.length = 0                                # columns filled (the same for every row)
-        self.first = numpy.asarray(first, dtype=numpy.int64)
-        self.first_on_device = backend.asarray(self.first)   # host -> device: B int64, once per prefill
-        self._bias, self._bias_for = None, None
-        self.real_from = int(self.first.max(initial=0))   # from this column on, no row holds padding
-        self.padding = None
-        if self.first.any():
-            bias = numpy.where(numpy.arange(self.size) < self.first[:, None], -math.inf, 0.0)
-            self.padding = backend.asarray(bias[:, None, None, :].astype(self.dtype))
+    def move(self, src: int, dst: int) -> None:
+        """Row src's filled columns into row dst (a finished row's slot reused)."""
+        n = int(self.lengths[src])
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst] = n
 
-    def prefill_bias(self, start: int, t: int):
-        """The mask of t new columns at `start` as an additive bias (B, 1, t, start + t): 0 where the
-        query may look (keys of its row from first[b] up to itself; a padding query, itself only),
-        -inf elsewhere. Made on the device once per forward and reused by every block."""
-        if self._bias_for != (start, t):
-            xp, n = backend.xp(), start + t
-            cols = xp.arange(n)[None, None, :]
-            rows = (start + xp.arange(t))[None, :, None]
-            first = self.first_on_device[:, None, None]
-            allowed = ((cols <= rows) & (cols >= first)) | (cols == rows)       # (B, t, n)
-            bias = xp.where(allowed, 0.0, -math.inf).astype(self.dtype)
-            self._bias, self._bias_for = bias[:, None], (start, t)
-        return self._bias
+    def causal_bias(self, t: int):
+        """(t, t): 0 on and below the diagonal, -inf above; made on the device once per t."""
+        if t not in self._causal:
+            xp = backend.xp()
+            i = xp.arange(t)
+            self._causal[t] = xp.where(i[None, :] <= i[:, None], 0.0, -math.inf).astype(self.dtype)
+        return self._causal[t]
 
-
-def cached_attention(q, k, v, start: int, bias):
-    """softmax(q k^T / sqrt(hs)) v over the cache. q (B, H, t, hs): the queries of columns start ..
-    start + t - 1; k, v (B, H, S, hs) with columns 0 .. start + t - 1 filled; bias (B, 1, t, n): the
-    mask, KVCache.prefill_bias(start, t). -> (B, H, t, hs). The same arithmetic as
-    kernels.attention_forward (adding 0 changes no score; adding -inf is masking)."""
-    t, hs = q.shape[-2:]
-    n = start + t
-    att = (q * (1.0 / math.sqrt(hs))) @ k[:, :, :n].swapaxes(-1, -2)         # (B, H, t, n)
-    att += bias
-    return _softmax_times_v(att, v, n)
+    def step_mask(self, at):
+        """Where a decode step over rows 0 .. rows - 1 writes and looks, each row at column lengths[b]:
+        (n, bias, index) with n = the longest row + 1; bias (rows, 1, 1, n), -inf past each row's new
+        column, and index (rows, columns) on the device for the writes; both None when all rows are
+        level. at: lengths[:rows] already on the device. Made once per step, reused by every block."""
+        cols = self.lengths[:self.rows]
+        n = int(cols.max()) + 1
+        if n > self.size:
+            raise ValueError(f"the cache holds {self.size} positions: column {n - 1} does not fit")
+        if cols.min() == cols.max():
+            return n, None, None
+        xp = backend.xp()
+        bias = xp.where(xp.arange(n)[None, :] <= at[:, None], 0.0, -math.inf).astype(self.dtype)
+        return n, bias[:, None, None, :], (xp.arange(self.rows), at)
 
 
-def step_attention(q, k, v, n: int, padding=None):
-    """cached_attention for one query column per row, at column n - 1, after every row's padding
-    (a decode step): it sees every filled column of its row, so the mask is the padding bias alone
-    (KVCache.padding, (B, 1, 1, S), or None: no padding). q (B, H, 1, hs) -> (B, H, 1, hs)."""
-    att = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k[:, :, :n].swapaxes(-1, -2)  # (B, H, 1, n)
-    if padding is not None:
-        att += padding[..., :n]
-    return _softmax_times_v(att, v, n)
-
-
-def _softmax_times_v(att, v, n: int):
-    """Softmax over the last axis of the masked scores (B, H, t, n), in place, then times v[:, :, :n]."""
+def _softmax_times_v(att, v):
+    """Softmax over the last axis of the masked scores (B, H, t, n), in place, then times v (B, H, n, hs)."""
     xp = array_module(att)
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
-    att *= 1.0 / (att @ xp.ones(n, dtype=att.dtype))[..., None]             # row sums by BLAS
-    return att @ v[:, :, :n]                                                # (B, H, t, hs)
+    att *= 1.0 / (att @ xp.ones(att.shape[-1], dtype=att.dtype))[..., None]    # row sums by BLAS
+    return att @ v                                                              # (B, H, t, hs)
 
 
-def attend(attn, x, cache: KVCache, j: int):
-    """Block j's attention (a model.attention.ParallelAttention) for the t new columns x (B, t, C)
-    at cache.length: their keys and values go into the cache, the queries read all of it; the
-    output projection's all-reduce makes the result whole: (B, t, C) on every rank."""
+def _qkv(attn, x):
     B, t = x.shape[:2]
-    start = cache.length
-    if start + t > cache.size:
-        raise ValueError(f"the cache holds {cache.size} positions: {start} + {t} do not fit")
     qkv = attn.qkv.forward(x).reshape(B, t, 3, attn.H_i, attn.hs)
-    q, k, v = qkv.transpose(2, 0, 3, 1, 4)                                  # each (B, H_i, t, hs)
-    cache.k[j][:, :, start:start + t] = k
-    cache.v[j][:, :, start:start + t] = v
-    if t == 1 and start >= cache.real_from:                                 # a decode step
-        y = step_attention(q, cache.k[j], cache.v[j], start + 1, cache.padding)
-    else:
-        y = cached_attention(q, cache.k[j], cache.v[j], start, cache.prefill_bias(start, t))
+    return qkv.transpose(2, 0, 3, 1, 4)                                     # q, k, v: each (B, H_i, t, hs)
+
+
+def _project(attn, y):
+    B, _, t, _ = y.shape
     return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.hs))
+
+
+def attend_prefill(attn, x, cache: KVCache, j: int, rows):
+    """Block j's attention (a model.attention.ParallelAttention) for rows starting empty: x (J, t, C),
+    their positions 0 .. t - 1 (right-padded), `rows` the J cache rows (a slice, or host indices). Their
+    keys and values go into the cache; the queries attend causally to their own: (J, t, C), every rank."""
+    q, k, v = _qkv(attn, x)
+    t = x.shape[1]
+    if t > cache.size:
+        raise ValueError(f"the cache holds {cache.size} positions: {t} do not fit")
+    cache.k[j][rows, :, :t] = k
+    cache.v[j][rows, :, :t] = v
+    att = (q * (1.0 / math.sqrt(attn.hs))) @ k.swapaxes(-1, -2)             # (J, H_i, t, t)
+    att += cache.causal_bias(t)
+    return _project(attn, _softmax_times_v(att, v))
+
+
+def attend_step(attn, x, cache: KVCache, j: int, mask):
+    """Block j's attention for one new position of every running row: x (rows, 1, C), row b's at
+    column lengths[b] (written there), attending to its columns 0 .. lengths[b]; mask: the step's
+    (KVCache.step_mask). -> (rows, 1, C) on every rank."""
+    q, k, v = _qkv(attn, x)
+    A, (n, bias, index) = x.shape[0], mask
+    if index is None:                                                       # every row at column n - 1
+        cache.k[j][:A, :, n - 1] = k[:, :, 0]
+        cache.v[j][:A, :, n - 1] = v[:, :, 0]
+    else:
+        cache.k[j][index[0], :, index[1]] = k[:, :, 0]
+        cache.v[j][index[0], :, index[1]] = v[:, :, 0]
+    att = (q * (1.0 / math.sqrt(attn.hs))) @ cache.k[j][:A, :, :n].swapaxes(-1, -2)   # (A, H_i, 1, n)
+    if bias is not None:
+        att += bias
+    return _project(attn, _softmax_times_v(att, cache.v[j][:A, :, :n]))

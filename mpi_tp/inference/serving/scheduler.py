@@ -1,0 +1,171 @@
+"""Rank 0's scheduler: admission, batching and cancellation, on the one thread that calls MPI.
+
+HTTP threads `submit` checked requests as Jobs: into a bounded queue ("full"
+past --max-queue: the client gets 429 with Retry-After), or refused while
+stopping. The scheduler's loop then runs one decode step per iteration:
+
+1. every running row gets its next byte from the last logits (rank 0 samples
+   it: generate.Row), which goes to its Job's items for the HTTP thread to
+   send; a row that is done (max_tokens, a stop sequence, an error in its
+   sampling) or whose client went away (Job.cancelled) leaves the batch;
+2. waiting Jobs join in the freed rows: at every step ("continuous", the
+   default: a request's prefill runs beside the others' decoding, and nobody
+   waits for the longest request of a batch to end), or only when no row
+   runs ("static": the batch runs until its longest request ends). When
+   nothing runs, the first request waits up to --batch-wait-ms for company;
+3. the step goes out as one command (protocol.py) and every rank applies it.
+
+Nothing here raises between two collectives: a request's failure on rank 0
+(its sampling) ends that request with an error and the batch goes on.
+SIGTERM / SIGINT: no new requests (503), the queued ones answered 503, the
+running rows finished, then "stop" to every rank.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import sys
+import threading
+import time
+
+from mpi_tp.inference.decode import compaction
+from mpi_tp.inference.generate import Row, step_command
+from mpi_tp.inference.serving.protocol import Batch, broadcast_command
+
+DONE, CLOSED = "done", "closed"        # a job's last item: generated in full / shut down before it began
+
+
+def log(message: str) -> None:
+    print(f"mpi-tp serve: {message}", file=sys.stderr, flush=True)
+
+
+class Job:
+    """One request, between its HTTP thread and the scheduler."""
+
+    def __init__(self, request, stream: bool):
+        self.request, self.stream = request, stream
+        self.items = queue.SimpleQueue()      # bytes (ints), then DONE, ("error", message) or CLOSED
+        self.cancelled = False                # set by the HTTP thread when the client goes away
+        self.arrived, self.last = time.monotonic(), None
+
+
+class ServedRow(Row):
+    def __init__(self, ident, job: Job):
+        super().__init__(ident, job.request)
+        self.job = job
+
+    @property
+    def done(self) -> bool:
+        return self.job.cancelled or super().done
+
+
+class Scheduler:
+    """Rank 0: the queue of checked requests, the running rows, and the loop that steps them."""
+
+    def __init__(self, model, comm, metrics, stop, max_batch: int = 8, max_queue: int = 64,
+                 batching: str = "continuous", batch_wait_ms: float = 20.0):
+        self.comm, self.metrics, self.stop = comm, metrics, stop
+        self.max_batch, self.max_queue, self.batching, self.wait = max_batch, max_queue, batching, batch_wait_ms / 1e3
+        self.batch, self.rows, self.ids = Batch(model, max_batch), [], itertools.count()
+        self.waiting, self.cond = collections.deque(), threading.Condition()
+        self.accepting, self.active = True, 0          # active: jobs whose HTTP thread has not finished
+        self.stats = {"requests_served": 0, "steps": 0, "largest_batch": 0}
+
+    # ------------------------------------------------------------- HTTP threads
+
+    def submit(self, job: Job) -> str:
+        """'queued', 'full' (the queue is at --max-queue) or 'stopping'."""
+        with self.cond:
+            if not self.accepting or self.stop.requested:
+                return "stopping"
+            if len(self.waiting) >= self.max_queue:
+                return "full"
+            self.waiting.append(job)
+            self.active += 1
+            self.cond.notify_all()
+            return "queued"
+
+    def finished(self) -> None:
+        """A submitted job's HTTP thread is done with it (answered, or its client left)."""
+        with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+    def gauges(self) -> dict:
+        return {"queue_depth": len(self.waiting), "running_rows": len(self.rows)}
+
+    # ------------------------------------------------------------- the MPI thread
+
+    def run(self) -> None:
+        """Steps until a signal and the end of the running rows; then "stop" to every rank."""
+        logits = None
+        while True:
+            if self.stop.requested and self.accepting:
+                self._close()
+            cmd = self._step(logits)
+            if cmd is None:
+                if not self.accepting:
+                    break
+                continue
+            cmd = broadcast_command(self.comm, cmd, idle=self.batch.rows == 0)
+            logits = self.batch.apply(cmd)
+            self.stats["steps"] += 1
+            self.stats["largest_batch"] = max(self.stats["largest_batch"], self.batch.rows)
+        broadcast_command(self.comm, {"cmd": "stop"}, idle=True)
+        with self.cond:                       # the last answers written before the process ends
+            self.cond.wait_for(lambda: self.active == 0, timeout=10)
+
+    def _step(self, logits) -> dict | None:
+        """This step's command, or None when no row runs and none joins."""
+        for row in self.rows:
+            if row.job.cancelled:
+                self.metrics.count("cancelled")
+        cmd = step_command(self.rows, logits)              # each row's byte; those done leave
+        now = time.monotonic()
+        for row, byte in zip(self.rows, cmd["bytes"]):
+            job = row.job
+            if byte >= 0:
+                self.metrics.byte(job.last is None, now - (job.last or job.arrived))
+                job.last = now
+                job.items.put(byte)
+            if row.done and not job.cancelled:
+                job.items.put(("error", row.error) if row.error else DONE)
+                self.stats["requests_served"] += row.error is None
+        staying = len(self.rows) - len(cmd["leave"])
+        joins = [ServedRow(next(self.ids), job) for job in self._admit(self.max_batch - staying, staying > 0)]
+        if not self.rows and not joins:
+            return None
+        cmd["join"] = step_command([], None, joins)["join"]
+        self.rows = [self.rows[i] for i in compaction(len(self.rows), cmd["leave"])] + joins
+        return cmd
+
+    def _admit(self, free: int, running: bool) -> list[Job]:
+        """Jobs to join now, at most `free`. While nothing runs: wait (0.1 s at a time, to see a
+        signal) for a first one, then up to batch_wait for company."""
+        with self.cond:
+            if not self.accepting or (running and self.batching == "static"):
+                return []
+            if not running:
+                if not self.waiting:
+                    self.cond.wait(0.1)
+                deadline = time.monotonic() + self.wait        # (a signal ends the wait: they run, then stop)
+                while (self.waiting and len(self.waiting) < free and time.monotonic() < deadline
+                       and not self.stop.requested):
+                    self.cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            jobs = []
+            while self.waiting and len(jobs) < free:
+                job = self.waiting.popleft()
+                if job.cancelled:                        # its client left while it waited
+                    self.metrics.count("cancelled")
+                else:
+                    jobs.append(job)
+            return jobs
+
+    def _close(self) -> None:
+        log(f"{self.stop.requested}: stopping (no new requests; the queued ones answered 503, the "
+            f"{len(self.rows)} running finished)")
+        with self.cond:
+            self.accepting = False
+            while self.waiting:
+                self.waiting.popleft().items.put(CLOSED)

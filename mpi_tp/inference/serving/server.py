@@ -1,0 +1,86 @@
+"""serve(): a model behind the completions API, every rank of the tensor-parallel group computing.
+
+Rank 0 listens (http.py), queues and schedules (scheduler.py) and broadcasts one command per decode
+step (protocol.py); the other ranks follow those commands. SIGTERM / SIGINT (mpiexec forwards them to
+every rank) are noted in a flag: rank 0 stops taking requests, answers the queued ones 503, finishes
+the running rows, says "stop", and every rank exits 0 (the others never die inside a collective).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.runtime import collective_setup
+from mpi_tp.inference.decode import Decoder
+from mpi_tp.inference.serving.http import HTTPServer
+from mpi_tp.inference.serving.metrics import Metrics
+from mpi_tp.inference.serving.protocol import follow
+from mpi_tp.inference.serving.scheduler import Scheduler, log
+
+
+class Stop:
+    """SIGTERM / SIGINT noted in a flag, nothing else (the handler runs between two bytecodes of the main thread)."""
+    requested = None
+
+    def install(self) -> Stop:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda signum, frame: setattr(self, "requested", signal.Signals(signum).name))
+        return self
+
+
+class App:
+    """What the HTTP threads see of the server: the scheduler, the metrics, and the model's name."""
+
+    def __init__(self, model, comm, name: str, scheduler: Scheduler, metrics: Metrics, stop: Stop):
+        self.name, self.block_size, self.tp, self.created = name, model.cfg.block_size, comm.Get_size(), int(time.time())
+        self.scheduler, self.metrics, self.stop = scheduler, metrics, stop
+
+    def health(self) -> tuple[int, dict]:
+        s = self.scheduler
+        up = s.accepting and not self.stop.requested
+        return 200 if up else 503, {"status": "ok" if up else "stopping", "tp": self.tp, "model": self.name,
+                                    "block_size": self.block_size, "in_progress": s.active, **s.gauges(),
+                                    "batching": s.batching, **s.stats}
+
+    def models(self) -> tuple[int, dict]:
+        return 200, {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                 "owned_by": "mpi_tp", "block_size": self.block_size}]}
+
+    def metrics_text(self, open_connections: int) -> str:
+        return self.metrics.render({**self.scheduler.gauges(), "open_connections": open_connections})
+
+
+def serve(model, comm, name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
+          batch_wait_ms: float = 20.0, stop: Stop | None = None, batching: str = "continuous",
+          max_queue: int = 64, max_connections: int = 256, read_timeout: float = 30.0) -> int:
+    """Serve until SIGTERM / SIGINT; collective over comm (the model's tensor-parallel group)."""
+    stop = stop or Stop().install()
+    collective_setup(Decoder, model, 1, comm=comm)     # a model the decoder cannot run: say so now
+    metrics = Metrics()
+    scheduler = Scheduler(model, comm, metrics, stop, max_batch, max_queue, batching, batch_wait_ms)
+    app = App(model, comm, name, scheduler, metrics, stop)
+
+    def bind():
+        if comm.Get_rank() != 0:
+            return None
+        try:
+            return HTTPServer((host, port), app, max_connections, read_timeout)
+        except OSError as e:
+            raise UserError(f"serve: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    httpd = collective_setup(bind, comm=comm)
+    if comm.Get_rank() != 0:
+        follow(model, comm, max_batch)
+        return 0
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    where = f"[{host}]" if ":" in host else host
+    print(f"serving {name} on http://{where}:{httpd.server_address[1]} (tp={comm.Get_size()})", flush=True)
+    log(f"{batching} batching of up to {max_batch} rows; at most {max_queue} waiting, {max_connections} "
+        f"connections, {read_timeout:g} s to send a request")
+    scheduler.run()
+    log(f"{stop.requested}: stopped after {scheduler.stats['requests_served']} request(s) in "
+        f"{scheduler.stats['steps']} step(s)")
+    httpd.shutdown()
+    httpd.server_close()
+    return 0
