@@ -1,27 +1,19 @@
 """Load test of `mpi-tp serve`: streamed completions from 1 to 64 concurrent clients, loopback only.
 
-    python experiments/serve_load.py                                  # full: trains a small model first
-    python experiments/serve_load.py --clients 1 4 --requests 8 --no-hostile --out /tmp/l.jsonl \\
-        --figure /tmp/l.png                                           # quick (about a minute)
-    python experiments/serve_load.py --replot                         # redraw the figure from the JSONL
+    python experiments/serve_load.py                  # full, then the hostile mix (serve_hostile.py): ~5 min
+    python experiments/serve_load.py --clients 1 4 --no-hostile --out /tmp/l.jsonl --figure /tmp/l.png  # quick
+    python experiments/serve_load.py --replot         # the table and docs/figures/serve_load.png from the JSONL
 
-Without --checkpoint a small model is trained into a temporary folder first (4 blocks, C 128,
-40 steps: about 15 s). Each mode starts its own 2-rank server (`mpiexec -n 2 ... serve --port 0
---max-batch 16`); the modes are `--batching static` and `continuous` when `serve --help` lists
---batching, else the one current server, labelled "static (current)". At each level of N clients
-every client sends streamed completions one after another (seeded sampling, temperature 1, seed =
-request index, max_tokens drawn from 8..96 with a fixed seed, the same list for every mode), until
---requests of them (default max(8, 2N)) were sent or --level-seconds passed. The modes take
-turns level by level, in ABBA order, so slow drift of a shared machine falls on both alike.
-
-Per request: time to first token (send -> first event with text) and per-token latency ((last
-text event - first) / (completion tokens - 1)). Per mode and level: completion tokens (from the
-final usage events) / wall time, p50 and p99 of both, errors by status, the servers' RSS (every
-rank's VmRSS from /proc, and process_resident_memory_bytes from GET /metrics where the server has
-it). One JSON line per mode, level and round in experiments/results/serve_load.jsonl (machine,
-command, time), a table, and docs/figures/serve_load.png. Then the hostile mix (serve_hostile.py)
-against a fresh server, unless --no-hostile. Every server is stopped at the end (SIGTERM; SIGKILL
-of its process group after 30 s), also on Ctrl-C or an error.
+Without --checkpoint a small model is trained first (4 blocks, C 128, 40 steps, ~15 s). Each mode
+runs its own 2-rank server (`--max-batch 16`): `--batching static` and `continuous` where `serve
+--help` lists --batching, else the current server, "static (current)". At N clients each sends
+streamed completions one after another (temperature 1, seed = request index, max_tokens from 8..96
+drawn with a fixed seed, the same for every mode) until --requests (max(8, 2N)) were sent or
+--level-seconds passed; the modes take turns level by level in ABBA order (drift falls on both).
+Per request: time to first token (send -> first text event), per-token latency ((last text event -
+first) / (tokens - 1)); per mode and level: completion tokens (usage) / wall time, p50 / p99, errors
+by status, RSS (both ranks' VmRSS; /metrics' process_resident_memory_bytes where served). One JSON
+line per mode, level and round (machine, command, time). Servers always end: SIGTERM, SIGKILL after 30 s.
 """
 import argparse
 import contextlib
@@ -55,9 +47,8 @@ REQUEST_TIMEOUT = 60.0                 # seconds any one socket operation of a c
 
 def mpi_tp_command(ranks=2):
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if not mpiexec:
-        sys.exit("no mpiexec on PATH (pip install mpich)")
-    return [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "mpi_tp"]
+    return [mpiexec or sys.exit("no mpiexec on PATH (pip install mpich)"), "-n", str(ranks), sys.executable,
+            "-m", "mpi4py", "-m", "mpi_tp"]
 
 
 def child_env():
@@ -205,7 +196,7 @@ def metrics(server):
 def stream_one(server, body, timeout=REQUEST_TIMEOUT):
     """Send one streamed completion, read it to its end: status, TTFT and per-token latency in ms, tokens."""
     r = {"status": None, "ttft_ms": None, "tpot_ms": None, "tokens": 0}
-    conn, times, done = http.client.HTTPConnection(server.host, server.port, timeout=timeout), [], False
+    conn, resp, times, done = http.client.HTTPConnection(server.host, server.port, timeout=timeout), None, [], False
     t0 = time.perf_counter()
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -213,7 +204,6 @@ def stream_one(server, body, timeout=REQUEST_TIMEOUT):
         r["status"] = resp.status
         if resp.status != 200:
             r["retry_after"] = resp.getheader("Retry-After")
-            resp.read()
             return r
         while line := resp.readline():
             if not line.startswith(b"data: "):
@@ -227,8 +217,10 @@ def stream_one(server, body, timeout=REQUEST_TIMEOUT):
             if "usage" in event:
                 r["tokens"] = event["usage"]["completion_tokens"]
     except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
-        r["error"] = type(e).__name__
+        r["status"], r["error"] = r["status"] or type(e).__name__, type(e).__name__
     finally:
+        if resp is not None:
+            resp.close()               # Connection: close: the response holds the socket
         conn.close()
     if r["status"] == 200 and not done:
         r["status"] = "incomplete"
@@ -338,8 +330,7 @@ def main():
     ap.add_argument("--requests", type=int, help="requests per level (default max(8, 2 N))")
     ap.add_argument("--level-seconds", type=float, default=120, help="no new request after this (default 120)")
     ap.add_argument("--rounds", type=int, default=1, help="every level this many times (default 1)")
-    ap.add_argument("--modes", nargs="+", help="static continuous (default, where serve has --batching); "
-                    "current: no --batching")
+    ap.add_argument("--modes", nargs="+", help="default: static continuous (current, where no --batching)")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-queue", type=int, help="passed to serve (default: not passed)")
     ap.add_argument("--out", default=RESULTS, help=f"JSON lines (default {os.path.relpath(RESULTS, ROOT)})")
@@ -375,6 +366,11 @@ def main():
             with open(args.out, "w") as out:
                 for k, (rnd, clients) in enumerate(itertools.product(range(args.rounds), args.clients)):
                     for m in modes if k % 2 == 0 else modes[::-1]:           # ABBA: drift falls on every mode
+                        if not servers[m].alive():
+                            print(f"the {m} server died; the rest of its levels are not run:\n"
+                                  + servers[m].log_tail(), flush=True)
+                            modes.remove(m)
+                            continue
                         row = measure(servers[m], m, batching, rnd, clients, args, max_tokens)
                         rows.append({**row, "checkpoint": args.checkpoint or "trained: " + " ".join(TRAIN), **head})
                         out.write(json.dumps(rows[-1]) + "\n")
@@ -387,13 +383,11 @@ def main():
         plot(rows, args.figure)
         if not args.no_hostile:
             import serve_hostile
-            serve_hostile.run(checkpoint, options, tmp)
+            serve_hostile.run(checkpoint, options, tmp, out=os.path.join(os.path.dirname(args.out), "serve_hostile"))
 
 
 def measure(s, mode, batching, rnd, clients, args, max_tokens):
     """One mode at one level: run_level's numbers, RSS before and after, the server's own counters."""
-    if not s.alive():
-        raise RuntimeError(f"the {mode} server died:\n{s.log_tail()}")
     load, rss = os.getloadavg()[0], s.rss()
     row = run_level(s, clients, args.requests or max(8, 2 * clients), max_tokens, args.level_seconds)
     label = mode if mode != "current" else "default" if batching else "static (current)"
