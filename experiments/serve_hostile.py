@@ -255,7 +255,7 @@ def write(rows, head, out):
 
     def mib(r):
         return f"{r['rss_mib']} MiB (peak {r['hwm_mib']})" if r else "-"
-    lines = [f"# mpi-tp serve: the hostile mix\n\n{head['machine']}; commit {head['commit']}; {head['time']}  ",
+    lines = [f"# mpi-tp serve: the hostile mix\n\n{head['machine']}; mpi_tp at {head['commit']}; {head['time']}  ",
              f"`{head['command']}`  ",
              f"server: `mpiexec -n 2 ... serve --port 0 {' '.join(head['flags'])}`; RSS of both ranks at the start "
              + f"{mib(head['rss_start'])}, at the end {mib(head['rss_end'])}"

@@ -1,6 +1,6 @@
 """Load test of `mpi-tp serve`: streamed completions from 1 to 64 concurrent clients, loopback only.
 
-    python experiments/serve_load.py                  # full, then the hostile mix (serve_hostile.py): ~5 min
+    python experiments/serve_load.py                  # full, then the hostile mix (serve_hostile.py): 1-3 min
     python experiments/serve_load.py --clients 1 4 --no-hostile --out /tmp/l.jsonl --figure /tmp/l.png  # quick
     python experiments/serve_load.py --replot         # the table and docs/figures/serve_load.png from the JSONL
 
@@ -74,13 +74,15 @@ def serve_options():
 
 
 def stamp():
-    """The machine (mpi_tp.core.runtime.machine_text, in a child: no MPI in this process) and the server's commit."""
+    """The machine (mpi_tp.core.runtime.machine_text, in a child: no MPI here) and the last commit of mpi_tp/."""
     code = "from mpi_tp.core.runtime import machine_text; print(machine_text())"
     machine = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True,
                              text=True, timeout=120, check=False).stdout.strip()
-    commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True,
-                            check=False)
-    return {"machine": machine or "?", "commit": commit.stdout.strip() or "?",
+    def git(*a):
+        return subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True, check=False).stdout.strip()
+    commit = (git("log", "-1", "--format=%h", "--", "mpi_tp") or "?") + ("+dirty" if git("status", "--porcelain",
+                                                                                        "--", "mpi_tp") else "")
+    return {"machine": machine or "?", "commit": commit,
             "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -315,7 +317,7 @@ def plot(rows, path):
     s, rounds = rows[0], max(r["round"] for r in rows) + 1
     fig.suptitle(f"mpi-tp serve, tp=2, --max-batch {s['max_batch']}: max_tokens 8..96, temperature 1"
                  + (f" (median of {rounds} rounds)" if rounds > 1 else ""), fontsize=10)
-    fig.text(0.01, 0.01, f"{s['machine']}; {s['time'][:10]}; {s['commit']}; shared machine\n{s['command']}",
+    fig.text(0.01, 0.01, f"{s['machine']}; {s['time'][:10]}; mpi_tp {s['commit']}; shared machine\n{s['command']}",
              fontsize=7, color="gray")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -365,7 +367,7 @@ def main():
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as out:
                 for k, (rnd, clients) in enumerate(itertools.product(range(args.rounds), args.clients)):
-                    for m in modes if k % 2 == 0 else modes[::-1]:           # ABBA: drift falls on every mode
+                    for m in modes[:] if k % 2 == 0 else modes[::-1]:           # ABBA: drift falls on every mode
                         if not servers[m].alive():
                             print(f"the {m} server died; the rest of its levels are not run:\n"
                                   + servers[m].log_tail(), flush=True)
