@@ -317,7 +317,9 @@ def plot(rows, path):
     s, rounds = rows[0], max(r["round"] for r in rows) + 1
     fig.suptitle(f"mpi-tp serve, tp=2, --max-batch {s['max_batch']}: max_tokens 8..96, temperature 1"
                  + (f" (median of {rounds} rounds)" if rounds > 1 else ""), fontsize=10)
-    fig.text(0.01, 0.01, f"{s['machine']}; {s['time'][:10]}; mpi_tp {s['commit']}; shared machine\n{s['command']}",
+    load = [x for r in rows for x in r["loadavg"]]
+    fig.text(0.01, 0.01, f"{s['machine']}; {s['time'][:10]}; mpi_tp {s['commit']}; shared machine, 1-min load "
+             f"{min(load):.1f}-{max(load):.1f}\n{s['command']}",
              fontsize=7, color="gray")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
