@@ -3,7 +3,7 @@
     python experiments/serve_hostile.py                      # trains a small model first (about 15 s)
     python experiments/serve_hostile.py --checkpoint C       # about 1 minute
 
-One 2-rank server (`--max-batch 4`, and `--max-queue 4` where serve has it) gets each case in
+One 2-rank server (`--max-batch 4`; `--max-queue 4 --read-timeout 10` where serve has them) gets each case in
 turn, then a good request (greedy, 8 tokens: 200; after the client that left mid-stream, within
 2 s: its row must stop rather than run to its 2000 tokens) and GET /health (200). A case
 passes when its answer is one of the expected ones, both checks pass and the server still runs.
@@ -207,6 +207,7 @@ def after(server):
 def run(checkpoint, options, logs, slow_seconds=20.0, out=OUT):
     queue = 4
     flags = ["--max-batch", "4"] + (["--max-queue", str(queue)] if "--max-queue" in options else [])
+    flags += ["--read-timeout", "10"] if "--read-timeout" in options else []     # the slow sender outlasts it
     server, rows, head = sl.Server(checkpoint, flags, logs), [], {**sl.stamp(), "flags": flags}
     head["rss_start"], restarts = server.rss(), 0
     try:

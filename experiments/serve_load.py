@@ -1,6 +1,6 @@
 """Load test of `mpi-tp serve`: streamed completions from 1 to 64 concurrent clients, loopback only.
 
-    python experiments/serve_load.py                  # full, then the hostile mix (serve_hostile.py): 1-3 min
+    python experiments/serve_load.py                  # full, then the hostile mix (serve_hostile.py): ~3 min
     python experiments/serve_load.py --clients 1 4 --no-hostile --out /tmp/l.jsonl --figure /tmp/l.png  # quick
     python experiments/serve_load.py --replot         # the table and docs/figures/serve_load.png from the JSONL
 
@@ -395,7 +395,7 @@ def measure(s, mode, batching, rnd, clients, args, max_tokens):
     load, rss = os.getloadavg()[0], s.rss()
     row = run_level(s, clients, args.requests or max(8, 2 * clients), max_tokens, args.level_seconds)
     label = mode if mode != "current" else "default" if batching else "static (current)"
-    counters = {k: v for k, v in (metrics(s) or {}).items() if k.startswith("mpi_tp_")}
+    counters = {k: v for k, v in (metrics(s) or {}).items() if k.startswith("mpi_tp_") and "_bucket{" not in k}
     return {"mode": mode, "label": label, "round": rnd, **row, "rss_start": rss, "rss_end": s.rss(),
             "metrics": counters or None, "flags": s.flags, "loadavg": [load, os.getloadavg()[0]]}
 
