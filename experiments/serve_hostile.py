@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 
-import serve_load as sl
+import serve_harness as sl
 
 OUT = os.path.join(sl.HERE, "results", "serve_hostile")
 GOOD = {"prompt": "The ", "max_tokens": 8, "temperature": 0}
