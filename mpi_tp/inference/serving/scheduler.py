@@ -122,7 +122,7 @@ class Scheduler:
             if row.job.cancelled:
                 self.metrics.count("cancelled")
         cmd = step_command(self.rows, logits)              # each row's byte; those done leave
-        now = time.monotonic()
+        now, ended = time.monotonic(), []
         for row, byte in zip(self.rows, cmd["bytes"]):
             job = row.job
             if byte >= 0:
@@ -130,14 +130,17 @@ class Scheduler:
                 job.last = now
                 job.items.put(byte)
             if row.done and not job.cancelled:
-                job.items.put(("error", row.error) if row.error else DONE)
+                ended.append((job, ("error", row.error) if row.error else DONE))
                 self.stats["requests_served"] += row.error is None
-        staying = len(self.rows) - len(cmd["leave"])
-        joins = [ServedRow(next(self.ids), job) for job in self._admit(self.max_batch - staying, staying > 0)]
-        if not self.rows and not joins:
+        self.rows = [self.rows[i] for i in compaction(len(self.rows), cmd["leave"])]
+        for job, last in ended:                            # after the rows are updated: a client that
+            job.items.put(last)                            # reads /metrics next sees its row gone
+        joins = [ServedRow(next(self.ids), job) for job in self._admit(self.max_batch - len(self.rows),
+                                                                       bool(self.rows))]
+        if not cmd["bytes"] and not joins:
             return None
         cmd["join"] = step_command([], None, joins)["join"]
-        self.rows = [self.rows[i] for i in compaction(len(self.rows), cmd["leave"])] + joins
+        self.rows += joins
         return cmd
 
     def _admit(self, free: int, running: bool) -> list[Job]:
