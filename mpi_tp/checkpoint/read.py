@@ -32,6 +32,14 @@ def resolve(path: str) -> str:
     return os.path.join(path, step_dir_name(steps[-1]))
 
 
+def open_checkpoint(path: str):
+    """What a command loading a model was given: a Hugging Face model folder (config.json and safetensors:
+    mpi_tp.checkpoint.hf.HFFolder) or an mpi_tp checkpoint (Checkpoint). Both have dir, step, meta
+    ("config", "dtypes"), has_optimizer and read(name, axis, start, stop), so load_into takes either."""
+    from mpi_tp.checkpoint.hf import HFFolder, is_hf_folder
+    return HFFolder(path) if is_hf_folder(path) else Checkpoint(path)
+
+
 class Checkpoint:
     """A complete step directory, opened and checked (cheap checks; `verify` reads everything)."""
 
@@ -60,6 +68,11 @@ class Checkpoint:
         self.shards = self.layout["shards"]
         self.tensors = self.layout["tensors"]
         self._check_shards_present()
+
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the optimizer's state was saved with the model (a training save; not an import)."""
+        return any(name.startswith("optim/") for name in self.tensors)
 
     def _check_shards_present(self):
         """A missing virtual-dataset source reads as fill values without error: check explicitly."""
