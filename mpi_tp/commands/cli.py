@@ -6,6 +6,8 @@
     mpiexec -n 2 mpi-tp generate --checkpoint C         sample text from a saved model
     mpiexec -n 2 mpi-tp serve --checkpoint C            an HTTP completions API (OpenAI-style)
     mpi-tp inspect C / mpi-tp export C OUT.h5           look into / flatten a checkpoint
+    mpi-tp export C OUT --format hf                     a Hugging Face GPT-2 folder (transformers loads it)
+    mpiexec -n 2 mpi-tp import-hf HF_FOLDER OUT         a Hugging Face GPT-2 folder as a sharded checkpoint
     mpiexec -n 2 mpi-tp bench --shape c                 timed steps against the machine's limits
     mpi-tp plan --machine dgx-a100 --nodes 4 ...        rank layouts with the cost model
     mpiexec -n 2 mpi-tp calibrate --out machine.json    measure this machine for the cost model

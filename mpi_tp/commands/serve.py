@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
                                    "mpiexec -n T mpi-tp serve --checkpoint C. Rank 0 answers POST "
                                    "/v1/completions, GET /v1/models and GET /health; every rank computes. "
                                    "SIGTERM or Ctrl-C finishes the batch in flight and exits 0.")
-    s.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
+    s.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
+                   "GPT-2 folder")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     s.add_argument("--port", type=_integer(0, 65535), default=8000, help="TCP port (default 8000; 0: any free port, printed)")
     s.add_argument("--max-batch", type=_integer(1, 1024), default=8,

@@ -5,9 +5,10 @@
     mpiexec -n 2 mpi-tp generate --checkpoint runs/X/checkpoints --backend cupy   # one GPU per rank
     mpi-tp inspect runs/X/checkpoints           # layout, tensors, full integrity check
     mpi-tp export runs/X/checkpoints model.h5   # one self-contained file of full tensors (.h5 or .npz)
+    mpi-tp export runs/X/checkpoints gpt2-folder --format hf    # a folder transformers loads
 
 eval and generate rebuild the saved model at tensor-parallel size = world size,
-whatever size saved it, on the array backend of --backend (numpy, or cupy: one GPU
+whatever size saved it (or read a Hugging Face GPT-2 folder: mpi_tp.commands.hf), on the array backend of --backend (numpy, or cupy: one GPU
 per rank, chosen before any array is made); inspect and export work on rank 0.
 """
 from __future__ import annotations
@@ -44,9 +45,10 @@ def use_backend(args, comm) -> None:
 
 
 def load_model(path: str, comm, dtype: str | None = None):
-    """(model, checkpoint): the saved model rebuilt at tp = world size and filled from the checkpoint."""
+    """(model, checkpoint): the saved model rebuilt at tp = world size and filled from the checkpoint
+    (an mpi_tp checkpoint, or a Hugging Face model folder: ckpt_io.open_checkpoint)."""
     def build():
-        ck = ckpt_io.Checkpoint(path)
+        ck = ckpt_io.open_checkpoint(path)
         cfg = GPTConfig(**ck.meta["config"])
         model = GPT(cfg, Topology.create(comm), dtype=dtype or ck.meta.get("dtypes", "float32"))
         return model, ck
@@ -96,6 +98,10 @@ def cmd_eval(args, comm) -> int:
     corpus = collective_setup(load_corpus, args.data, comm=comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
     tokens = corpus.data
+    V = model.cfg.vocab_size
+    if int(tokens.max()) >= V:        # every rank sees the same data: the same answer everywhere
+        raise DataError(f"{corpus.name} holds byte {int(tokens.max())}, but the model's vocabulary has {V} "
+                        f"tokens (0 to {V - 1}): evaluate it on text whose bytes are all below {V}")
     loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
     result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,
               "data_sha256": corpus.sha256, "tp": model.topo.tp.size, "dtype": str(model.dtype)}
@@ -120,7 +126,7 @@ def cmd_generate(args, comm) -> int:
                     file=sys.stderr)
     requests = [Request(p[-S:], args.max_new_tokens, 0.0 if args.greedy else args.temperature, args.top_k,
                         args.top_p, args.seed + i) for i, p in enumerate(prompts)]
-    collective_setup(lambda: [r.check(S) for r in requests], comm=comm)
+    collective_setup(lambda: [r.check(S, model.cfg.vocab_size) for r in requests], comm=comm)
     for r, new in zip(requests, generate(model, requests)):
         rank0_print(printable(r.prompt + new), comm=comm)
     return 0
@@ -162,8 +168,13 @@ def cmd_inspect(args, comm) -> int:
 def cmd_export(args, comm) -> int:
     def run():
         out = args.out
-        if not out.endswith((".h5", ".hdf5", ".npz")):
-            raise UserError(f"export: {out!r} should end in .h5 or .npz")
+        if args.format == "hf":
+            from mpi_tp.commands.hf import export_hf
+            return export_hf(args)
+        ext = "npz" if out.endswith(".npz") else "h5" if out.endswith((".h5", ".hdf5")) else None
+        if ext is None or args.format not in (None, ext):
+            raise UserError(f"export: {out!r} should end in .h5 or .npz (or pass --format hf for a Hugging "
+                            "Face folder)")
         refuse_to_replace(out, args.overwrite, "export")
         if os.path.isdir(out):
             raise UserError(f"export: {out} is a folder: give a file name")
@@ -189,7 +200,8 @@ def add_parsers(sub) -> None:
     e = sub.add_parser("eval", help="mean next-token cross-entropy of a checkpoint on a text file",
                        description="Mean next-token cross-entropy (nats per token) of a saved model on a "
                                    "text: windows of block_size + 1 bytes starting at 0, S, 2S, ...")
-    e.add_argument("--checkpoint", required=True, help="checkpoint folder (its latest step) or a step-N folder")
+    e.add_argument("--checkpoint", required=True, help="checkpoint folder (its latest step), a step-N folder, or a "
+                   "Hugging Face GPT-2 folder")
     e.add_argument("--data", required=True, help="text file (or 'pydoc' / 'shakespeare')")
     e.add_argument("--json", action="store_true", help="print one JSON line")
     e.add_argument("--batch-size", type=_positive, default=16, help="windows per forward pass (default 16)")
@@ -197,7 +209,8 @@ def add_parsers(sub) -> None:
     add_backend_argument(e)
     e.set_defaults(run=cmd_eval)
     g = sub.add_parser("generate", help="sample text from a checkpoint")
-    g.add_argument("--checkpoint", required=True, help="checkpoint folder or a step-N folder")
+    g.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
+                   "GPT-2 folder")
     g.add_argument("--prompt", action="append", help="text to continue (default 'The '); repeat it for a "
                    "batch of prompts, generated together")
     g.add_argument("--max-new-tokens", type=_positive, default=200, help="bytes to generate (default 200)")
@@ -213,10 +226,14 @@ def add_parsers(sub) -> None:
     i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")
     i.add_argument("checkpoint", help="checkpoint folder or a step-N folder")
     i.set_defaults(run=cmd_inspect)
-    x = sub.add_parser("export", help="write a checkpoint's full tensors to one .h5 or .npz file")
+    x = sub.add_parser("export", help="write a checkpoint's full tensors to one .h5 or .npz file, or a Hugging "
+                       "Face folder (--format hf)")
     x.add_argument("checkpoint", help="checkpoint folder or a step-N folder")
-    x.add_argument("out", help="output file, .h5 or .npz")
+    x.add_argument("out", help="output file, .h5 or .npz; with --format hf, a folder")
     x.add_argument("--optimizer", action="store_true", help="include the optimizer state (optim/...)")
     x.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (the new file takes its "
                    "place only once it is complete)")
+    from mpi_tp.commands.hf import add_export_arguments, add_parser as add_import_hf
+    add_export_arguments(x)
     x.set_defaults(run=cmd_export)
+    add_import_hf(sub)

@@ -31,7 +31,7 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_completion(raw: bytes, block_size: int) -> tuple[Request, bool]:
+def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256) -> tuple[Request, bool]:
     """(request, stream) from a /v1/completions body, or BadRequest saying what is wrong."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)             # NaN, Infinity: refused
@@ -61,7 +61,7 @@ def parse_completion(raw: bytes, block_size: int) -> tuple[Request, bool]:
                              f"{max(map(len, stop))}")
         req = Request(**{**v, "prompt": v["prompt"].encode(), "stop": stop,
                          "temperature": float(v["temperature"]), "top_p": float(v["top_p"])})
-        req.check(block_size)
+        req.check(block_size, vocab_size)
     except UnicodeEncodeError:
         raise BadRequest("the prompt and stop must be valid Unicode text (no lone surrogates)") from None
     except OverflowError:

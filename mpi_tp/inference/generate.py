@@ -49,11 +49,14 @@ class Request:
         if isinstance(self.stop, (bytes, bytearray)):
             self.stop = (bytes(self.stop),) if self.stop else ()
 
-    def check(self, block_size: int) -> None:
+    def check(self, block_size: int, vocab_size: int = 256) -> None:
         """One UserError saying what is wrong with this request, if anything."""
         if not isinstance(self.prompt, (bytes, bytearray)) or not 1 <= len(self.prompt) <= block_size:
             raise UserError(f"the prompt must hold 1 to {block_size} bytes (the model's block_size), "
                             f"not {len(self.prompt) if isinstance(self.prompt, (bytes, bytearray)) else '?'}")
+        if max(self.prompt) >= vocab_size:        # a model of fewer than 256 tokens (an imported one)
+            raise UserError(f"the prompt holds byte {max(self.prompt)}, but the model's vocabulary has "
+                            f"{vocab_size} tokens (0 to {vocab_size - 1})")
         def number(x):
             return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -112,6 +115,9 @@ class Row:
         try:
             failpoints.sample_error(self.request.seed, len(self.out))
             byte = choose(logits, self.request, self.rng)
+            if byte > 255:            # a model of more than 256 tokens (an imported GPT-2): no tokenizer yet
+                raise ValueError(f"the model chose token {byte}, which is not a byte: text through a "
+                                 f"vocabulary of {len(logits)} tokens needs a tokenizer, not supported yet")
         except Exception as e:  # noqa: BLE001 (rank 0 alone: the failure is this request's, not the job's)
             self.error = f"{type(e).__name__}: {e}"
             return -1
@@ -141,7 +147,7 @@ def generate(model, requests: list[Request], on_token=None) -> list[bytes]:
     if not requests:
         return []
     for r in requests:
-        r.check(model.cfg.block_size)
+        r.check(model.cfg.block_size, model.cfg.vocab_size)
     comm, root = model.topo.tp.comm, model.topo.tp.rank == 0
     batch, out, errors = Batch(model, len(requests)), [bytearray() for _ in requests], {}
 

@@ -3,5 +3,6 @@ written from one (`write`); `config` maps config.json to GPTConfig, `names` the 
 Needs the safetensors package (the `hf` extra), not torch."""
 from mpi_tp.checkpoint.hf.config import HFConfigError, gpt_config, hf_config
 from mpi_tp.checkpoint.hf.read import HFFolder, is_hf_folder
+from mpi_tp.checkpoint.hf.write import export
 
-__all__ = ["HFConfigError", "HFFolder", "gpt_config", "hf_config", "is_hf_folder"]
+__all__ = ["HFConfigError", "HFFolder", "export", "gpt_config", "hf_config", "is_hf_folder"]

@@ -44,14 +44,13 @@ def is_hf_folder(path: str) -> bool:
         return False
 
 
-def _safetensors():
+def require_safetensors() -> None:
+    """One CheckpointError saying what to install when the safetensors package is absent."""
     try:
-        import safetensors
-        from safetensors import safe_open
+        import safetensors  # noqa: F401
     except ImportError:
-        raise CheckpointError("reading a Hugging Face folder needs the safetensors package: "
-                              "pip install -e '.[hf]' (or pip install safetensors)") from None
-    return safetensors, safe_open
+        raise CheckpointError("Hugging Face folders need the safetensors package: pip install -e '.[hf]' "
+                              "(or pip install safetensors)") from None
 
 
 def weight_files(folder: str) -> dict[str, str]:
@@ -89,7 +88,7 @@ class HFFolder:
         self._open = {}
         self.hf_config = read_config(path)
         self.cfg = gpt_config(self.hf_config, self.dir)
-        self._safetensors, self._safe_open = _safetensors()
+        require_safetensors()
         files = weight_files(path)
         if files is None:
             single = os.path.join(path, SINGLE)
@@ -110,7 +109,8 @@ class HFFolder:
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing (the folder's {INDEX} names it)")
             try:
-                self._open[path] = self._stack.enter_context(self._safe_open(path, framework="np"))
+                from safetensors import safe_open
+                self._open[path] = self._stack.enter_context(safe_open(path, framework="np"))
             except Exception as e:  # noqa: BLE001 (safetensors raises its own types for a damaged file)
                 raise CheckpointError(f"cannot read {path} ({type(e).__name__}: {e}): not a safetensors "
                                       "file, or damaged") from None

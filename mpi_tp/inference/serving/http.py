@@ -146,7 +146,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(raw) < n:
             return None                                  # cut off (the deadline, or the client left)
         try:
-            job = Job(*parse_completion(raw, app.block_size))
+            job = Job(*parse_completion(raw, app.block_size, app.vocab_size))
         except BadRequest as e:
             return self._error(400, str(e))
         said = app.scheduler.submit(job)

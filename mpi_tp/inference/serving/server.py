@@ -35,6 +35,7 @@ class App:
 
     def __init__(self, model, comm, name: str, scheduler: Scheduler, metrics: Metrics, stop: Stop):
         self.name, self.block_size, self.tp, self.created = name, model.cfg.block_size, comm.Get_size(), int(time.time())
+        self.vocab_size = model.cfg.vocab_size
         self.scheduler, self.metrics, self.stop = scheduler, metrics, stop
 
     def health(self) -> tuple[int, dict]:

@@ -1,0 +1,103 @@
+"""Writing an mpi_tp checkpoint as a Hugging Face GPT-2 folder that transformers loads:
+
+    mpi-tp export runs/X/checkpoints gpt2-folder --format hf
+    transformers.AutoModelForCausalLM.from_pretrained("gpt2-folder")
+
+    OUT/config.json                               GPT2LMHeadModel's (mpi_tp.checkpoint.hf.config.hf_config)
+    OUT/model.safetensors                         every tensor under its GPT-2 name (names.py), or, past
+    OUT/model-0000i-of-0000n.safetensors          max_shard_bytes, shards and their
+    OUT/model.safetensors.index.json              weight_map
+
+Runs on one rank: each Hugging Face tensor is assembled from the checkpoint's full tensors
+(c_attn from q, k and v), and one shard's tensors are in memory at a time. The folder is
+written as OUT.tmp and renamed into place once complete, so a failed export never replaces
+a good folder; an existing OUT is replaced only when asked (overwrite).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy
+
+from mpi_tp.checkpoint.format import CheckpointError
+from mpi_tp.checkpoint.hf.config import hf_config
+from mpi_tp.checkpoint.hf.names import gpt2_pieces, hf_shapes, region
+from mpi_tp.checkpoint.hf.read import INDEX, SINGLE, require_safetensors
+from mpi_tp.core.errors import refuse_to_replace
+from mpi_tp.model.config import GPTConfig
+
+DEFAULT_SHARD_BYTES = 5 * 10**9           # save_pretrained's default shard size in transformers 4
+
+
+def hf_tensors(cfg: GPTConfig) -> dict[str, list]:
+    """Hugging Face tensor name -> [(mpi_tp name, Piece)] that make it up, in the folder's order."""
+    parts = {name: [] for name in hf_shapes(cfg)}
+    for ours, piece in gpt2_pieces(cfg).items():
+        parts[piece.tensor].append((ours, piece))
+    return parts
+
+
+def _assemble(ckpt, name: str, shape: tuple, parts: list, dtype):
+    full = numpy.empty(shape, dtype=dtype)
+    for ours, piece in parts:
+        values = ckpt.read(f"model/{ours}")
+        full[region(piece, len(shape))] = values.T if piece.transposed else values
+    return full
+
+
+def _shards(shapes: dict, itemsize: int, limit: int) -> list[list[str]]:
+    """The tensors in order, cut into runs of at most `limit` bytes (a bigger tensor alone)."""
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = int(numpy.prod(shape)) * itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write checkpoint `ckpt` (a Checkpoint) as the Hugging Face GPT-2 folder `out`; returns its files."""
+    refuse_to_replace(out, overwrite, "export")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"export: {out} is a file; a Hugging Face model is a folder: give a folder name")
+    cfg = GPTConfig(**ckpt.meta["config"])
+    if cfg.moe_experts:
+        raise CheckpointError(f"export --format hf: {ckpt.dir} is a mixture-of-experts model "
+                              f"(moe_experts = {cfg.moe_experts}), which GPT-2 has no form for")
+    require_safetensors()
+    from safetensors.numpy import save_file
+    dtype = numpy.dtype(ckpt.tensors["model/wte"]["dtype"])
+    shapes, parts = hf_shapes(cfg), hf_tensors(cfg)
+    shards = _shards(shapes, dtype.itemsize, max_shard_bytes)
+    tmp = out.rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    files, weight_map = [], {}
+    for i, names in enumerate(shards):
+        file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: _assemble(ckpt, name, shapes[name], parts[name], dtype) for name in names}
+        save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})   # transformers asks "pt"
+        weight_map.update({name: file for name in names})
+        files.append(file)
+    if len(shards) > 1:
+        total = sum(int(numpy.prod(s)) * dtype.itemsize for s in shapes.values())
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        files.append(INDEX)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config(cfg, dtype.name), f, indent=2)
+    files.append("config.json")
+    if os.path.exists(out):              # asked to replace it: the old one goes only once the new is whole
+        old = out.rstrip(os.sep) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+    return files
