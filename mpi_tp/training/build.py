@@ -22,7 +22,7 @@ from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training import run_dir
 from mpi_tp.training.config import TrainConfig
-from mpi_tp.training.data import BatchSampler, Corpus, eval_batches, load_corpus, split
+from mpi_tp.training.data import BatchSampler, Corpus, DataError, eval_batches, load_corpus, split
 from mpi_tp.training.optim import SGD, AdamW
 
 
@@ -68,6 +68,10 @@ def _load_data(cfg: TrainConfig, comm):
     if cfg.data == "shakespeare":   # one download: rank 0 fetches into the cache, then everyone reads it
         collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
     corpus = load_corpus(cfg.data)
+    if int(corpus.data.max()) >= cfg.vocab_size:
+        raise DataError(f"{corpus.name} holds byte {int(corpus.data.max())}, but the model's vocabulary has "
+                        f"{cfg.vocab_size} tokens (0 to {cfg.vocab_size - 1}): train on text whose bytes are all "
+                        f"below {cfg.vocab_size}, or use a vocabulary of 256")
     train_tokens, val_tokens = split(corpus, cfg.val_fraction)
     global_batch = cfg.batch_size * cfg.micro_batches * cfg.dp
     sampler = BatchSampler(train_tokens, cfg.block_size, global_batch, cfg.seed)
@@ -92,9 +96,10 @@ def _claim_out_dir(cfg: TrainConfig, comm):
 
 
 def _find_start(cfg: TrainConfig, out: str):
-    """The checkpoint to continue from (--resume: the run's own newest; --init-from: the one named), or None."""
+    """The checkpoint to continue from (--resume: the run's own newest; --init-from: the one named, or a
+    Hugging Face folder), or None."""
     if cfg.init_from:
-        return ckpt_io.Checkpoint(cfg.init_from)
+        return ckpt_io.open_checkpoint(cfg.init_from)
     root = os.path.join(out, "checkpoints")
     if cfg.resume and ckpt_io.complete_steps(root):
         return ckpt_io.Checkpoint(root)
@@ -113,7 +118,8 @@ def changed_options(start, cfg: TrainConfig) -> list[str]:
 
 def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
     """Load a checkpoint into model and optimizer (load_into refuses another model: check_model_config);
-    returns the step it was saved at."""
+    returns the step it was saved at. One without optimizer state (a Hugging Face folder, an import) leaves
+    the optimizer fresh."""
     if cfg.resume and start.meta.get("data", {}).get("sha256") not in (None, corpus.sha256):
         raise ckpt_io.CheckpointError(f"checkpoint {start.dir} was trained on other data (sha256 "
                                       f"{start.meta['data']['sha256'][:12]}, now {corpus.sha256[:12]}): "
@@ -122,7 +128,7 @@ def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
     if saved_opt != cfg.optimizer:
         raise ckpt_io.CheckpointError(f"checkpoint {start.dir} holds {saved_opt} state but this run uses "
                                       f"--optimizer {cfg.optimizer}")
-    ckpt_io.load_into(start, model, opt)
+    ckpt_io.load_into(start, model, opt if start.has_optimizer else None)
     ckpt_io.restore_rng(start, model)
     return start.step
 

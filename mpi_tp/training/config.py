@@ -25,6 +25,8 @@ class TrainConfig:
     n_embd: int = opt(128, "channels (hidden size C)")
     block_size: int = opt(128, "context length in bytes (sequence length S)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
+    vocab_size: int = opt(256, "vocabulary (the data's tokens are bytes: 256; --init-from a Hugging Face folder "
+                          "takes the folder's)")
     # mixture of experts (see mpi_tp.model.moe); moe_experts = 0 is the dense model
     moe_experts: int = opt(0, "experts per MoE block (0: a dense model)")
     moe_top_k: int = opt(1, "experts per token")
@@ -92,7 +94,9 @@ class TrainConfig:
     resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints, if there is one")
     overwrite: bool = opt(False, "start afresh in an --out that holds another run: it is moved aside to "
                                  "OUT.replaced-<date-time> first (nothing is deleted)")
-    init_from: str = opt("", "continue from this checkpoint (a checkpoint folder or step-N folder)")
+    init_from: str = opt("", "continue from this checkpoint (a checkpoint folder or step-N folder), or start from "
+                         "a Hugging Face GPT-2 folder (config.json, model.safetensors): its n_layer, n_head, "
+                         "n_embd, block_size and vocab_size become the defaults")
     log_every: int = opt(10, "print a progress line every N steps (rank 0)")
     trace: str = opt("", "write every rank's events (forward, backward, optimizer, pipeline actions, each "
                      "collective and send/receive with its bytes) to this file in the Chrome trace format, "
@@ -103,8 +107,8 @@ class TrainConfig:
     prompt: str = opt("The ", "prompt for the final sample")
     temperature: float = opt(0.8, "sampling temperature for the final sample")
 
-    def model_config(self, vocab_size: int = 256) -> GPTConfig:
-        return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
                          moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every,
                          moe_capacity=self.moe_capacity, moe_aux_weight=self.moe_aux_weight,
@@ -226,11 +230,24 @@ def add_arguments(parser) -> None:
                             help=f"{f.metadata['help']} (default: {default!r})")
 
 
+# The model's shape, which a Hugging Face folder named by --init-from supplies (its config.json).
+HF_MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
 def resolve(args) -> TrainConfig:
-    """Defaults, then the --config file, then the options given on the command line."""
+    """Defaults, then (--init-from a Hugging Face folder) the folder's model shape, then the --config
+    file, then the options given on the command line. A shape given that differs from the folder's is
+    refused when the weights load (checkpoint.check_model_config)."""
     values = load_json(args.config) if args.config else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
+    init_from = values.get("init_from", "")
+    if init_from:
+        from mpi_tp.checkpoint.hf import HFFolder, is_hf_folder
+        if is_hf_folder(init_from):
+            with HFFolder(init_from) as folder:
+                shape = {k: getattr(folder.cfg, k) for k in HF_MODEL_FIELDS}
+            values = {**shape, **values}
     return TrainConfig(**values)

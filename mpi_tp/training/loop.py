@@ -212,7 +212,9 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                    "communication": topo.stats.snapshot()})
     progress.say(f"done in {fmt_time(train_s)}: validation loss {val_loss:.4f} nats/byte "
                  f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s")
-    if cfg.sample_len:
+    if cfg.sample_len and cfg.vocab_size != 256:     # tokens that are not bytes: no text without a tokenizer
+        progress.say(f"no sample: the model's vocabulary has {cfg.vocab_size} tokens, not the 256 bytes")
+    elif cfg.sample_len:
         text = sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed)
         record["sample"] = printable(text)
         progress.say("--- sample ---\n" + record["sample"] + "\n--------------")
