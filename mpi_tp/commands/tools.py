@@ -95,6 +95,9 @@ def cmd_eval(args, comm) -> int:
     use_backend(args, comm)
     corpus = collective_setup(load_corpus, args.data, comm=comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
+    if corpus.vocab_size > model.cfg.vocab_size:
+        raise UserError(f"--data {args.data} holds ids of a vocabulary of {corpus.vocab_size}; the model at "
+                        f"{args.checkpoint} has {model.cfg.vocab_size}: evaluate it on data of its own tokenizer")
     tokens = corpus.data
     loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
     result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,
