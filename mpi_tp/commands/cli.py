@@ -73,6 +73,8 @@ def build_parser() -> Parser:
     add_explain(sub)
     from mpi_tp.commands.exercise import add_parser as add_exercise
     add_exercise(sub)
+    from mpi_tp.commands.tokenize import add_parser as add_tokenize
+    add_tokenize(sub)
     return p
 
 

@@ -97,11 +97,13 @@ def cmd_eval(args, comm) -> int:
     use_backend(args, comm)
     corpus = collective_setup(load_corpus, args.data, comm=comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
-    tokens = corpus.data
-    V = model.cfg.vocab_size
-    if int(tokens.max()) >= V:        # every rank sees the same data: the same answer everywhere
-        raise DataError(f"{corpus.name} holds byte {int(tokens.max())}, but the model's vocabulary has {V} "
-                        f"tokens (0 to {V - 1}): evaluate it on text whose bytes are all below {V}")
+    tokens, V = corpus.data, model.cfg.vocab_size
+    # ids of a larger vocabulary than the model's (bytes into a model of fewer than 256 tokens, a token file of
+    # another tokenizer): refused if any is past it (every rank sees the same data: the same answer everywhere)
+    if corpus.vocab_size > V and int(tokens.max()) >= V:
+        raise DataError(f"--data {args.data} holds ids of a vocabulary of {corpus.vocab_size} (up to "
+                        f"{int(tokens.max())}); the model at {args.checkpoint} has {V} tokens: evaluate it on "
+                        "data of its own tokenizer")
     loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
     result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,
               "data_sha256": corpus.sha256, "tp": model.topo.tp.size, "dtype": str(model.dtype)}

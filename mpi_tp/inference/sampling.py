@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy
 
 
-def sample(model, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int | None = None,
-           seed: int = 0) -> bytes:
-    """prompt + n_new sampled bytes. The context is cropped to the model's block_size.
+def sample(model, prompt: bytes | list, n_new: int, temperature: float = 0.8, top_k: int | None = None,
+           seed: int = 0) -> bytes | list:
+    """prompt + n_new sampled bytes (a list of ids when the prompt is a list of ids: any vocabulary).
+    The context is cropped to the model's block_size.
 
     model: a GPT, or a pipeline stage (mpi_tp.parallel.pipeline.stage), anything with last_logits(ctx)."""
     was_training = model.dropout.training
@@ -38,7 +39,7 @@ def sample(model, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: in
         group.broadcast(choice)
         tokens.append(int(choice[0]))
     model.train(was_training)
-    return bytes(tokens)
+    return bytes(tokens) if isinstance(prompt, (bytes, bytearray)) else tokens
 
 
 def printable(data: bytes) -> str:

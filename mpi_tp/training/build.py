@@ -68,10 +68,11 @@ def _load_data(cfg: TrainConfig, comm):
     if cfg.data == "shakespeare":   # one download: rank 0 fetches into the cache, then everyone reads it
         collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
     corpus = load_corpus(cfg.data)
-    if int(corpus.data.max()) >= cfg.vocab_size:
-        raise DataError(f"{corpus.name} holds byte {int(corpus.data.max())}, but the model's vocabulary has "
-                        f"{cfg.vocab_size} tokens (0 to {cfg.vocab_size - 1}): train on text whose bytes are all "
-                        f"below {cfg.vocab_size}, or use a vocabulary of 256")
+    V = cfg.vocab_size or corpus.vocab_size      # the model's (a Hugging Face folder's, with --init-from)
+    if corpus.vocab_size > V and int(corpus.data.max()) >= V:
+        raise DataError(f"--data {cfg.data} holds ids of a vocabulary of {corpus.vocab_size} (up to "
+                        f"{int(corpus.data.max())}), but the model's has {V} tokens: train it on data of its own "
+                        "tokenizer")
     train_tokens, val_tokens = split(corpus, cfg.val_fraction)
     global_batch = cfg.batch_size * cfg.micro_batches * cfg.dp
     sampler = BatchSampler(train_tokens, cfg.block_size, global_batch, cfg.seed)
@@ -153,10 +154,10 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
     tp, pp, dp = cfg.layout(comm.Get_size())
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep)      # ep inside dp (checked by validate)
     if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
-        model = build_stage(cfg.model_config(), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
+        model = build_stage(cfg.model_config(corpus.vocab_size), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
                               cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
     else:
-        model = GPT(cfg.model_config(), topo, dtype=cfg.dtype, seed=cfg.seed,
+        model = GPT(cfg.model_config(corpus.vocab_size), topo, dtype=cfg.dtype, seed=cfg.seed,
                     sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
     # the reducer moves the gradients (and, for the distributed optimizer, the parameters) into buckets:
     # before the optimizer reads them

