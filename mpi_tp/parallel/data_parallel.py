@@ -47,6 +47,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
+from mpi4py import MPI
+
 from mpi_tp.core import backend
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.collectives import Group
@@ -102,6 +105,21 @@ def _make_bucket(stores, ready_after, blocks, group: Group, distributed: bool) -
                   share, grad_share)
 
 
+def _block_bytes(model, kinds, owner):
+    """(blocks, kinds): each block's gradient bytes of each kind, the largest over the tensor-parallel group.
+    Buckets are cut on these, so every tensor-parallel rank cuts at the same blocks, uneven shards
+    notwithstanding: the collectives over tp that start a bucket then pair up (cut on each rank's own
+    sizes, they did not: a hang under sequence parallelism)."""
+    sizes = numpy.zeros((len(model.h), len(kinds)), dtype=numpy.int64)
+    for k, (mine, _) in enumerate(kinds):
+        for store in mine:
+            if owner.get(id(store[0])) is not None:
+                sizes[owner[id(store[0])], k] += store[0].nbytes
+    if model.topo.tp.size > 1 and sizes.size:
+        model.topo.tp.all_reduce(sizes, op=MPI.MAX, kind="bucket_plan")        # once, when the buckets are made
+    return sizes
+
+
 def make_buckets(model, group: Group, bucket_mb: float, distributed: bool) -> list[Bucket]:
     """model's parameters in buckets of about bucket_mb MiB, cut at block boundaries, last block first."""
     owner = {}                       # which block each storage belongs to (None: embeddings, ln_f)
@@ -115,12 +133,13 @@ def make_buckets(model, group: Group, bucket_mb: float, distributed: bool) -> li
         kinds.append(([s for s in stores if id(s[0]) in experts], next(iter(experts.values())).edp))
     buckets, limit = [], bucket_mb * 2**20
     current, size = [[] for _ in kinds], [0] * len(kinds)
+    block_bytes = _block_bytes(model, kinds, owner)
     for i in reversed(range(len(model.h))):            # backward order
         for k, (mine, g) in enumerate(kinds):          # dense, then experts: each cut on its own sizes
             for store in mine:
                 if owner.get(id(store[0])) == i:
                     current[k].append(store)
-                    size[k] += store[0].nbytes
+            size[k] += int(block_bytes[i, k])
             if (size[k] >= limit or i == 0) and current[k]:
                 blocks = {owner[id(store[0])] for store in current[k]}
                 buckets.append(_make_bucket(current[k], i, blocks, g, distributed))
