@@ -54,8 +54,10 @@ def gqa_case(rng, dtype, B=2, K=2, G=3, S=5, hs=3, mask=False):
 
 CASES = dict(rmsnorm=rmsnorm_case, rope=rope_case, swiglu=swiglu_case, gqa=gqa_case)
 GRAD_CASES = [
-    ("rmsnorm", dict(shape=(2, 5, 4))), ("rmsnorm", dict(shape=(1, 1, 3))), ("rmsnorm", dict(shape=(7, 2), eps=1e-3)),
-    ("rope", dict(shape=(2, 3, 5, 4))), ("rope", dict(shape=(1, 1, 1, 2))), ("rope", dict(shape=(2, 2, 3, 8), theta=500.0)),
+    ("rmsnorm", dict(shape=(2, 5, 4))), ("rmsnorm", dict(shape=(1, 1, 3))),
+    ("rmsnorm", dict(shape=(7, 2), eps=1e-3)),
+    ("rope", dict(shape=(2, 3, 5, 4))), ("rope", dict(shape=(1, 1, 1, 2))),
+    ("rope", dict(shape=(2, 2, 3, 8), theta=500.0)),
     ("rope", dict(shape=(3, 2, 1, 6), per_row=True)),
     ("swiglu", dict(shape=(2, 5, 4))), ("swiglu", dict(shape=(1,))), ("swiglu", dict(shape=(3, 1, 7))),
     ("gqa", dict()), ("gqa", dict(K=1, G=4, S=3, hs=2)), ("gqa", dict(B=1, K=3, G=1, S=4)), ("gqa", dict(mask=True)),

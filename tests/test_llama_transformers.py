@@ -1,6 +1,6 @@
 """The Llama model against transformers' LlamaForCausalLM, through the name table of mpi_tp.model.llama.
 
-    .venv/bin/python -m pytest -q tests/test_llama_transformers.py       (skipped without torch/transformers)
+    .venv/bin/python -m pytest -q tests/test_llama_transformers.py     (skipped without torch, transformers)
 
 A tiny LlamaForCausalLM with random weights (float64, grouped-query attention, tied and untied), its
 weights copied into the serial model by the table (transposing the linear layers): the same logits
