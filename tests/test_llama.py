@@ -142,3 +142,24 @@ def test_bad_configs():
     cfg = GPTConfig(arch="llama", n_embd=128)
     assert cfg.kv_heads == 4 and cfg.ffn == 344 and not cfg.tied
     assert GPTConfig().ffn == 512 and GPTConfig().tied and GPTConfig().resolved().n_kv_head == 4
+
+
+def test_saved_configurations_compare_by_what_they_mean():
+    """A checkpoint's config without the Llama fields (saved before they existed) loads as gpt2; None and the
+    value it stands for are the same model; another arch or K is refused with the differences named."""
+    import shutil
+    import tempfile
+
+    from mpi_tp import checkpoint as ck
+    root = tempfile.mkdtemp(prefix="mpi_tp_llama_cfg_")              # one per rank: serial models
+    old = GPTConfig(vocab_size=37, block_size=8, n_layer=1, n_head=4, n_embd=16)
+    saved = {k: v for k, v in old.to_dict().items()
+             if k not in ("arch", "n_kv_head", "intermediate_size", "rope_theta", "norm_eps", "tie_word_embeddings")}
+    ck.save(root, 1, GPT(old, Topology.serial(), dtype="float64"), None, {"config": saved})
+    with ck.Checkpoint(root) as c:
+        ck.load_into(c, GPT(GPTConfig(**saved), Topology.serial(), dtype="float64"))
+        ck.load_into(c, GPT(GPTConfig(**saved, n_kv_head=4, intermediate_size=64, tie_word_embeddings=True),
+                            Topology.serial(), dtype="float64"))
+        with pytest.raises(ck.CheckpointError, match="arch: checkpoint gpt2 vs model llama"):
+            ck.load_into(c, GPT(GPTConfig(**saved, arch="llama"), Topology.serial(), dtype="float64"))
+    shutil.rmtree(root, ignore_errors=True)
