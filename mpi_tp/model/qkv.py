@@ -31,7 +31,8 @@ class QKVParallelLinear(Module):
     GEMM reads as it is. When key/value heads are replicated (K < T), W_k,i and W_v,i are the same
     slices on several ranks: they get a storage of their own, (C, 2 hs), marked `replicas` (their
     gradients are summed over the replica group after the backward pass: Param.replicas), and the
-    forward concatenates [W_q,i | W_kv,i] first, a copy of C (H_i + 2) hs weights, small beside the GEMM.
+    forward concatenates [W_q,i | W_kv,i] first, a copy of C (H_i + 2) hs weights, small beside the GEMM
+    (and the backward again: the copy is not kept).
     """
 
     def __init__(self, name: str, C: int, hs: int, layout: HeadLayout, topo: Topology, dtype, *, bias: bool,
@@ -79,6 +80,8 @@ class QKVParallelLinear(Module):
         """x (B, S, C) (sp: (B, S_i, C)) -> q (B, S, H_i, hs), k and v (B, S, K_i, hs): views of one array."""
         b = self.biases[0].base if self.biases else None
         y, cache = column_forward(x, self._fused_weight(), b, self.group, self.sp)    # (B, S, (H_i + 2 K_i) hs)
+        if self.split:               # the concatenated weights are made again for the backward, not kept
+            cache = (cache[0], None, *cache[2:])
         self.save_cache(cache)
         B, S = y.shape[:2]
         n_q, n_kv = self.H_i * self.hs, self.K_i * self.hs
@@ -93,6 +96,7 @@ class QKVParallelLinear(Module):
         if not self.split:
             dx, db = _accumulate_weight(self.weights, lambda dw_out: column_backward(dqkv, cache, self.group, dw_out))
         else:
+            cache = (cache[0], self._fused_weight(), *cache[2:])
             dx, dw, db = column_backward(dqkv, cache, self.group)                     # dw (C, (H_i + 2) hs)
             n_q = self.H_i * self.hs
             accumulate_base(self.weights[:1], dw[:, :n_q])

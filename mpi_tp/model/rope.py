@@ -45,12 +45,14 @@ class Rope(Module):
 
     def forward(self, q, k, angles=None):
         """Rotate q and k: to positions 0 ... S-1 (angles None), or by the given (cos, sin) (Rope.at)."""
-        cos, sin = rope_table(q.shape[-2], self.hs, self.theta, self.dtype) if angles is None else angles
-        q, cache = kl.rope_forward(q, cos, sin)
+        S = q.shape[-2]
+        cos, sin = rope_table(S, self.hs, self.theta, self.dtype) if angles is None else angles
+        q, _ = kl.rope_forward(q, cos, sin)
         k, _ = kl.rope_forward(k, cos, sin)
-        self.save_cache(cache)
+        self.save_cache(S, angles)            # not the table (shared, not an activation): its length
         return q, k
 
     def backward(self, dq, dk):
-        (cache,) = self.take_cache()
+        S, angles = self.take_cache()
+        cache = rope_table(S, self.hs, self.theta, self.dtype) if angles is None else angles
         return kl.rope_backward(dq, cache), kl.rope_backward(dk, cache)
