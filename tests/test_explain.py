@@ -164,6 +164,32 @@ def test_impossible_requests_are_usage_errors_on_every_rank(capsys, world):
     assert capsys.readouterr().out == ""                              # nothing printed before the check
 
 
+@MPI_TEST
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_query_attention_shows_each_ranks_key_value_heads(capsys, world, kv_heads):
+    """--kv-heads K: each rank's line names its query and key/value heads as mpi_tp.model.heads splits them
+    (replicas when K < T, with their gradient sum in the backward pass), and the layer equals its serial self."""
+    from mpi_tp.model.heads import head_layout
+    T = world.Get_size()
+    status, out = explain(capsys, world, "attention", heads=4, kv_heads=kv_heads, features=16)
+    assert status == 0
+    if world.Get_rank() != 0:
+        return
+    layout = head_layout(4, kv_heads, T)
+    assert f"heads H = 4, key/value heads K = {kv_heads} (llama attention)" in out and "Grouped-query" in out
+    for r, text in enumerate(sections(out)["attention"]):
+        assert layout.describe(r) in text
+        assert f"attn/k/weight: global (16, {4 * kv_heads}) -> shard (16, {4 * len(layout.kv[r])})" in text
+        assert ("kv/kv_grad_all_reduce: 1 call" in text) == (len(layout.replicas(r)) > 1)
+
+
+@MPI_TEST
+def test_kv_heads_that_do_not_fit_are_usage_errors(capsys, world):
+    with pytest.raises(UserError, match="--kv-heads 3 does not fit"):
+        explain(capsys, world, "attention", heads=4, kv_heads=3, features=16)
+    assert capsys.readouterr().out == ""
+
+
 # Tests that start their own MPI job: only with an mpiexec, and only in the one-rank pass.
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 one_rank_pass = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job: one-rank pass only")

@@ -166,12 +166,16 @@ def check_model_config(ckpt: Checkpoint, cfg) -> None:
     """Refuse to load into a model whose architecture differs from the saved one.
 
     A key the saved configuration lacks (written before the field existed, e.g. moe_* in a
-    checkpoint older than mixture of experts) counts as the field's default, which is what
-    that model was; so a dense checkpoint and a mixture-of-experts model (or the reverse)
-    differ in moe_experts. Routing options (moe_top_k, moe_every) count only for MoE models."""
+    checkpoint older than mixture of experts, arch in one older than Llama) counts as the
+    field's default, which is what that model was; so a dense checkpoint and a
+    mixture-of-experts model (or the reverse) differ in moe_experts. Fields left None compare
+    as what they stand for (n_kv_head None is n_head). Routing options (moe_top_k, moe_every) count only for MoE models."""
     defaults = type(cfg)().to_dict()
     saved = {**defaults, **ckpt.meta.get("config", {})}
     mine = cfg.to_dict()
+    if hasattr(cfg, "resolved"):     # a None (n_kv_head, intermediate_size, ...) stands for its arch's default
+        saved = type(cfg)(**{k: v for k, v in saved.items() if k in defaults}).resolved().to_dict()
+        mine = cfg.resolved().to_dict()
     dense = not saved.get("moe_experts") and not mine.get("moe_experts")
     diff = [f"{k}: checkpoint {saved[k]} vs model {v}" for k, v in mine.items()
             if k in saved and k not in TRAINING_ONLY and saved[k] != v and not (dense and k.startswith("moe_"))]

@@ -239,8 +239,11 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
 
 def _writes(p, topo) -> bool:
     """Whether this rank writes tensor p: its replica is the first to hold p (dp rank 0 for a dense
-    tensor, edp rank 0 for an expert's), and p is a shard or this is tensor-parallel rank 0."""
+    tensor, edp rank 0 for an expert's), and p is a shard or this is tensor-parallel rank 0; a shard
+    that several tensor-parallel ranks hold (Param.replicas) is written by the first of them."""
     first = topo.dp.rank == 0 if expert_of(p) is None else topo.edp.rank == 0
+    if p.replicas is not None:
+        return first and p.replicas.rank == 0
     return first and (p.sharded or topo.tp.rank == 0)
 
 

@@ -30,6 +30,10 @@ class Param:
     (LayerNorm, row-parallel bias, position embedding) gets from each rank only the gradient of that
     rank's positions: mpi_tp.parallel.finalize sums it over the tensor-parallel group once per step
     (Megatron marks these `sequence_parallel`).
+    replicas: the tensor-parallel ranks that hold this same slice (grouped-query attention's key/value
+    heads when there are fewer than ranks: mpi_tp.model.heads), as a Group, or None when no other rank
+    holds it. Each replica's gradient is its own query heads' part: mpi_tp.parallel.finalize sums it over
+    the group once per step; the gradient norm and the checkpoint count the slice once (the group's rank 0).
 
     Storage: `data` is usually its own array. Several parameters can instead be
     views into one contiguous array (`base`, with `data = base[view]`), e.g.
@@ -51,6 +55,7 @@ class Param:
     view: tuple = ()             # data = base[view]
     fresh: bool = True           # grad still holds the zeros of zero_grad (nothing accumulated yet)
     sp_partial: bool = False     # grad is this rank's positions' part: summed over tp after the backward
+    replicas: object = None      # a Group of tp ranks holding this same slice (see above), or None
 
     def __post_init__(self):
         if self.grad is None:
@@ -114,8 +119,9 @@ def storages(params: list[Param]) -> list[tuple]:
             out.append((p.base, p.grad_base, []))
         out[seen[key]][2].append(p)
     for base, _, members in out:
-        if len({(m.decay, m.sharded, m.sp_partial) for m in members}) > 1:
-            raise ValueError(f"params {[m.name for m in members]} share storage but differ in decay, sharding or sp_partial")
+        if len({(m.decay, m.sharded, m.sp_partial, id(m.replicas)) for m in members}) > 1:
+            raise ValueError(f"params {[m.name for m in members]} share storage but differ in decay, sharding, "
+                             "sp_partial or replicas")
     return out
 
 
@@ -152,11 +158,12 @@ def normal_shard(name, global_shape, std, seed, dtype, axis=None, start=0, stop=
 
 
 def make_param(name, global_shape, dtype, *, init="normal", std=0.02, seed=0,
-               axis=None, start=0, stop=None, decay=False, sp_partial=False) -> Param:
+               axis=None, start=0, stop=None, decay=False, sp_partial=False, replicas=None) -> Param:
     """Create the shard [start, stop) along `axis` (None: whole) of parameter `name`.
 
     init: "normal" (N(0, std^2), keyed by seed and name), "zeros" or "ones".
     sp_partial: see Param (only for a replicated parameter under sequence parallelism).
+    replicas: see Param (only for a shard that other tensor-parallel ranks hold too).
     """
     global_shape = tuple(int(s) for s in global_shape)
     if axis is not None and stop is None:
@@ -175,5 +182,7 @@ def make_param(name, global_shape, dtype, *, init="normal", std=0.02, seed=0,
         raise ValueError(f"unknown init {init!r}")
     if sp_partial and axis is not None:
         raise ValueError(f"{name}: a sharded parameter's gradient is never a partial sum over positions")
+    if replicas is not None and axis is None:
+        raise ValueError(f"{name}: replicas are for a shard that several ranks hold, not a whole tensor")
     return Param(name, data, global_shape, axis, start, stop if axis is not None else 0, decay,
-                 sp_partial=sp_partial)
+                 sp_partial=sp_partial, replicas=replicas)

@@ -12,7 +12,10 @@ Without a cache every new byte costs a forward pass over the whole context
 reads each rank's share of the weights and of the cache once. The model runs
 plain tensor parallelism (no sequence parallelism: a decode step has one
 position, nothing to split; a checkpoint saved at any layout, pipelines
-included, loads as plain TP at the world size of the job). Each row has its
+included, loads as plain TP at the world size of the job). Llama models
+decode alike: no position table, but q and k rotated to each row's own
+position, the cache holding the key/value heads only (grouped-query
+attention: K/H of the multi-head cache). Each row has its
 own columns and positions from 0 (mpi_tp.inference.kv_cache), so a row
 computes what it would alone, in whatever company and whenever it joined.
 Mixture-of-experts blocks run dropless (GPT.moe_dropless), every token
@@ -23,7 +26,8 @@ that depends on nothing but their number n (so a request gets the same bytes
 in any batch): the whole row while n <= S = block_size, then the last
 S/2 bytes, growing by one per step back to S, then S/2 again, and so on
 (`window(n, S)`). When a row's window starts again, that row alone is
-prefilled again from its window (the learned positions go only to block_size).
+prefilled again from its window (the learned positions go only to block_size;
+llama's rotations are trained on 0 ... block_size - 1 alike).
 """
 from __future__ import annotations
 
@@ -129,8 +133,7 @@ class Decoder:
             ids[b, :len(p)] = p                                              # right padding
         last = numpy.array([len(p) - 1 for p in prompts])
         where = rows if isinstance(rows, slice) else backend.asarray(rows)  # the cache rows, on the device
-        emb = model.embedding
-        x = emb.wte.forward(backend.asarray(ids)) + emb.wpe.data[:t]         # host -> device: the ids
+        x = model.embedding.at(backend.asarray(ids), slice(0, t))           # host -> device: the ids
         with model.moe_dropless():      # experts: exact one position at a time only without capacity
             for j, block in enumerate(model.h):
                 x = x + attend_prefill(block.attn, block.ln_1.forward(x), cache, j, where)
@@ -142,13 +145,14 @@ class Decoder:
     def _forward_step(self, next_ids) -> numpy.ndarray:
         """One position per running row, at its column: through every block, then the logits (rows, V)."""
         model, cache = self.model, self.cache
-        emb = model.embedding
         ids = backend.asarray(numpy.stack([next_ids, cache.lengths[:self.rows]]))   # host -> device, once
         mask = cache.step_mask(ids[1])                                      # (the positions are the columns)
-        x = emb.wte.forward(ids[0][:, None]) + emb.wpe.data[ids[1]][:, None]
+        x = model.embedding.at(ids[0][:, None], ids[1][:, None])
+        rope = model.h[0].attn.rope if model.h else None                    # llama: each row's rotation,
+        angles = rope.at(ids[1], mask[0]) if rope is not None else None     # once for every block
         with model.moe_dropless():
             for j, block in enumerate(model.h):
-                x = x + attend_step(block.attn, block.ln_1.forward(x), cache, j, mask)
+                x = x + attend_step(block.attn, block.ln_1.forward(x), cache, j, mask, angles)
                 x = x + block.mlp.forward(block.ln_2.forward(x))
         cache.lengths[:self.rows] += 1
         return self._logits(x)

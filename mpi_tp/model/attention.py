@@ -1,4 +1,15 @@
-"""Causal self-attention split by heads: q/k/v column-parallel, the output projection row-parallel."""
+"""Causal self-attention split by heads: q/k/v column-parallel, the output projection row-parallel.
+
+Legend (docs/notation.md): B = batch, S = sequence, C = channels, hs = head size, H query heads, K
+key/value heads, G = H/K; rank i holds H_i query heads and the K_i key/value heads they read
+(mpi_tp.model.heads), G_i = H_i / K_i of its query heads per key/value head.
+
+    q, k, v = x W_q, x W_k, x W_v       QKVParallelLinear: f, one GEMM (GPT-2: + biases)
+    q, k = rope(q), rope(k)             llama: rotary positions 0 ... S-1, per head (mpi_tp.model.rope)
+    y = softmax(q k^T / sqrt(hs)) v     causal, per query head; with K < H each key/value head serves
+                                        its G_i query heads (a broadcast, no copies)
+    out = y W_o                         row-parallel, g (GPT-2: + bias, added once after the reduce)
+"""
 from __future__ import annotations
 
 import math
@@ -8,8 +19,11 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.dropout import Dropout
-from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from mpi_tp.parallel.topology import Topology, offsets, split_sizes
+from mpi_tp.model.heads import head_layout
+from mpi_tp.model.parallel_linear import RowParallelLinear
+from mpi_tp.model.qkv import QKVParallelLinear
+from mpi_tp.model.rope import Rope
+from mpi_tp.parallel.topology import Topology
 
 
 class ParallelAttention(Module):
@@ -27,36 +41,62 @@ class ParallelAttention(Module):
         self.group, self.dropout, self.layer = tp, dropout, layer
         C, H = cfg.n_embd, cfg.n_head
         self.hs = C // H
-        head_sizes = split_sizes(H, tp.size)
-        self.H_i = head_sizes[tp.rank]
-        self.heads = range(offsets(head_sizes)[tp.rank], offsets(head_sizes)[tp.rank] + self.H_i)
-        cols = [h * self.hs for h in head_sizes]  # the q/k/v column split follows the head split
-        # q, k and v: three column-parallel layers behind one f, computed as one GEMM (parts)
-        self.qkv = ColumnParallelLinear(name, C, C, tp, dtype, sizes=cols, seed=seed, parts=("q", "k", "v"),
-                                        sp=sp)
-        self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed,
+        self.layout = head_layout(H, cfg.kv_heads, tp.size)
+        self.heads, self.kv_heads = self.layout.q[tp.rank], self.layout.kv[tp.rank]
+        self.H_i, self.K_i = len(self.heads), len(self.kv_heads)
+        bias = not cfg.llama
+        self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias, seed=seed, sp=sp)
+        self.rope = Rope(self.hs, cfg.rope_theta, dtype) if cfg.llama else None
+        cols = [len(q) * self.hs for q in self.layout.q]   # the output projection's rows follow the query heads
+        self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed, bias=bias,
                                       std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
-    def forward(self, x):
-        qkv = self.qkv.forward(x)                                        # (B, S, 3 H_i hs): [q_i | k_i | v_i]
-        B, S = qkv.shape[:2]                                             # S: the whole sequence, also under sp
-        qkv = qkv.reshape(B, S, 3, self.H_i, self.hs)
+    def project_qkv(self, x, angles=None):
+        """x -> q (B, H_i, S, hs), k and v (B, K_i, S, hs), head-major and contiguous; llama: q and k rotated
+        to positions 0 ... S-1, or by `angles` (Rope.at: one position per row, for cached decoding)."""
+        q, k, v = self.qkv.forward(x)                                    # (B, S, H_i, hs), (B, S, K_i, hs) x 2
+        xp = backend.xp()
         # one copy into head-major order, so that the batched attention products see contiguous heads
-        q, k, v = backend.xp().ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))  # each (B, H_i, S, hs)
+        q, k, v = (xp.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v))
+        if self.rope is not None:
+            q, k = self.rope.forward(q, k, angles)
+        return q, k, v
+
+    def grouped(self, q, k, v):
+        """Grouped-query attention as a broadcast: q (B, K_i, G_i, S, hs), k and v (B, K_i, 1, S, hs);
+        plain multi-head attention (K_i = H_i) is left as it is."""
+        if self.K_i == self.H_i:
+            return q, k, v
+        B, _, S, hs = q.shape
+        return q.reshape(B, self.K_i, self.H_i // self.K_i, S, hs), k[:, :, None], v[:, :, None]
+
+    def ungroup(self, y):
+        """(B, K_i, G_i, S, hs) or (B, H_i, S, hs) -> (B, H_i, S, hs)."""
+        return y.reshape(y.shape[0], self.H_i, *y.shape[-2:])
+
+    def forward(self, x):
+        q, k, v = self.project_qkv(x)                                    # S: the whole sequence, also under sp
+        B, _, S, _ = q.shape
         mask = (self.dropout.head_masks(B, S, self.heads, self.layer)     # bool (B, H_i, S, S): this
                 if self.dropout.active else None)                        # rank's heads only
-        y, cache = kern.attention_forward(q, k, v, mask, self.dropout.scale)   # (B, H_i, S, hs)
+        gq, gk, gv = self.grouped(q, k, v)
+        y, cache = kern.attention_forward(gq, gk, gv, self._grouped_mask(mask), self.dropout.scale)
         if self.recompute:           # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
-            cache = (q, k, v, mask is not None, self.dropout.key())
+            cache = (gq, gk, gv, mask is not None, self.dropout.key())
         self.save_cache(cache)
-        y = y.transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)    # (B, S, H_i hs), rank's columns
+        y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)   # (B, S, H_i hs)
         return self.proj.forward(y)                                      # row split + g -> (B, S, C)
                                                                          # (sp: reduce-scatter -> (B, S_i, C))
+
+    def _grouped_mask(self, mask):
+        if mask is None or self.K_i == self.H_i:
+            return mask
+        return mask.reshape(mask.shape[0], self.K_i, self.H_i // self.K_i, *mask.shape[-2:])
 
     def backward(self, dout):
         dy = self.proj.backward(dout)                                    # (B, S, H_i hs)
         B, S = dy.shape[:2]
-        dy = dy.reshape(B, S, self.H_i, self.hs)
+        dy = dy.reshape(B, S, self.H_i, self.hs).transpose(0, 2, 1, 3)  # (B, H_i, S, hs)
         (cache,) = self.take_cache()
         if self.recompute:           # the attention core again, with the same dropout masks (keyed, redrawn)
             q, k, v, masked, key = cache
@@ -64,9 +104,15 @@ class ParallelAttention(Module):
             if masked:
                 with self.dropout.replay(key):
                     mask = self.dropout.head_masks(B, S, self.heads, self.layer)
-            _, cache = kern.attention_forward(q, k, v, mask, self.dropout.scale)
-        grads = kern.attention_backward(dy.transpose(0, 2, 1, 3), cache)
-        dqkv = backend.xp().empty((B, S, 3, self.H_i, self.hs), dtype=dout.dtype)
-        for j, d in enumerate(grads):                                    # dq, dk, dv: (B, H_i, S, hs)
-            dqkv[:, :, j] = d.transpose(0, 2, 1, 3)
-        return self.qkv.backward(dqkv.reshape(B, S, 3 * self.H_i * self.hs))   # one GEMM, f's all-reduce
+            _, cache = kern.attention_forward(q, k, v, self._grouped_mask(mask), self.dropout.scale)
+        if self.K_i != self.H_i:
+            dy = dy.reshape(B, self.K_i, self.H_i // self.K_i, S, self.hs)
+        dq, dk, dv = kern.attention_backward(dy, cache)                  # dq like q, dk and dv like k and v
+        dq, dk, dv = self.ungroup(dq), dk.reshape(B, self.K_i, S, self.hs), dv.reshape(B, self.K_i, S, self.hs)
+        if self.rope is not None:
+            dq, dk = self.rope.backward(dq, dk)
+        n_q, n_kv = self.H_i * self.hs, self.K_i * self.hs
+        dqkv = backend.xp().empty((B, S, n_q + 2 * n_kv), dtype=dout.dtype)
+        for at, n, d in ((0, n_q, dq), (n_q, n_kv, dk), (n_q + n_kv, n_kv, dv)):   # (B, heads, S, hs) each
+            dqkv[:, :, at:at + n] = d.transpose(0, 2, 1, 3).reshape(B, S, n)
+        return self.qkv.backward(dqkv)                                   # one GEMM, f's all-reduce

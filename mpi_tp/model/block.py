@@ -1,9 +1,12 @@
-"""One transformer block: attention and MLP (or mixture of experts), each behind a LayerNorm, with residuals.
+"""One transformer block: attention and MLP (or mixture of experts), each behind a norm, with residuals.
 
 Legend (docs/notation.md): B = batch, S = sequence (S_i under sequence parallelism), C = channels.
 
     x = x + drop(attn(ln_1(x)))            heads split: f, q/k/v column, proj row, g
     x = x + drop(mlp(ln_2(x)))             fc column, gelu, proj row, g (or an MoEMLP)
+
+Llama (cfg.llama): ln_1 and ln_2 are RMSNorms, attention rotates q and k (no biases, grouped-query
+attention when n_kv_head < n_head), and the MLP is SwiGLU (gate/up column, silu * up, down row, g).
 
 Per block the forward pass all-reduces twice (after attention, after the MLP) and so does the
 backward (the two f's), B S C values each (Megatron-LM, sec. 3); under sequence parallelism each
@@ -14,9 +17,10 @@ from __future__ import annotations
 from mpi_tp.core.module import Module
 from mpi_tp.model.attention import ParallelAttention
 from mpi_tp.model.dropout import Dropout, region_mask
-from mpi_tp.model.layernorm import LayerNorm
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.moe import MoEMLP
+from mpi_tp.model.rmsnorm import make_norm
+from mpi_tp.model.swiglu import ParallelSwiGLU
 
 
 class Block(Module):
@@ -32,12 +36,13 @@ class Block(Module):
     def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None):
         name = f"h/{i}"
         self.i, self.dropout, self.sp = i, dropout, sp
-        self.ln_1 = LayerNorm(f"{name}/ln_1", cfg.n_embd, dtype, sp=sp)
+        self.ln_1 = make_norm(f"{name}/ln_1", cfg, dtype, sp=sp)
         self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp)
-        self.ln_2 = LayerNorm(f"{name}/ln_2", cfg.n_embd, dtype, sp=sp)
+        self.ln_2 = make_norm(f"{name}/ln_2", cfg, dtype, sp=sp)
         self.moe = cfg.is_moe_block(i)
+        mlp = ParallelSwiGLU if cfg.llama else ParallelMLP
         self.mlp = MoEMLP(f"{name}/moe", cfg, topo, dtype, seed, sp) if self.moe else \
-            ParallelMLP(f"{name}/mlp", cfg, topo, dtype, seed, sp)
+            mlp(f"{name}/mlp", cfg, topo, dtype, seed, sp)
 
     def _residual_drop(self, y, site):
         # Outside the parallel regions: one mask for the whole group (keyed by layer and site only;

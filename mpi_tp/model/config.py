@@ -1,7 +1,15 @@
-"""The model's configuration (GPT-2 style) and the error raised for one that cannot work."""
+"""The model's configuration (GPT-2 or Llama) and the error raised for one that cannot work.
+
+arch "gpt2": LayerNorm, learned positions (wpe), biases, a GELU MLP of width 4C, the output layer tied
+to the token table. arch "llama" (mpi_tp.model.llama lists its parameters): RMSNorm, rotary positions,
+no biases, a SwiGLU MLP, grouped-query attention (n_kv_head), the output layer tied or its own.
+Fields left None take their architecture's default (`resolved()`); a configuration saved before a
+field existed loads with its default (arch "gpt2").
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.topology import TopologyError, check_splittable
@@ -19,6 +27,12 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    arch: str = "gpt2"            # "gpt2" or "llama"
+    n_kv_head: int | None = None  # K key/value heads (llama: grouped-query attention when K < n_head); None: n_head
+    intermediate_size: int | None = None   # F, the MLP width; None: 4C (gpt2), llama_width(C) (llama)
+    rope_theta: float = 10000.0   # llama: the rotary embeddings' base
+    norm_eps: float = 1e-5        # the LayerNorms' (gpt2) or RMSNorms' (llama) epsilon
+    tie_word_embeddings: bool | None = None   # output layer = wte; None: True (gpt2, always), False (llama)
     # Mixture of experts (mpi_tp.model.moe); moe_experts = 0 is the dense model.
     moe_experts: int = 0          # E: experts in each MoE block
     moe_top_k: int = 1            # k: experts per token
@@ -26,6 +40,31 @@ class GPTConfig:
     moe_capacity: float = 0.0     # capacity factor per sequence and expert; 0: dropless
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss (Switch / GShard)
     moe_z_weight: float = 0.0     # weight of the router z-loss (ST-MoE)
+
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        """K: key/value heads (n_head unless grouped-query attention)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def ffn(self) -> int:
+        """F: the MLP's width (an expert's too)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return llama_width(self.n_embd) if self.llama else 4 * self.n_embd
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer is the token table wte (else its own table lm_head)."""
+        return (not self.llama) if self.tie_word_embeddings is None else bool(self.tie_word_embeddings)
+
+    def resolved(self) -> "GPTConfig":
+        """A copy with every None replaced by the value it stands for (to compare two configurations)."""
+        return replace(self, n_kv_head=self.kv_heads, intermediate_size=self.ffn, tie_word_embeddings=self.tied)
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block i's MLP is a mixture of experts."""
@@ -40,6 +79,7 @@ class GPTConfig:
                               f"(head size = n_embd / n_head)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._validate_arch(tp)
         if tp > self.n_head:
             raise ConfigError(f"tensor-parallel size {tp} exceeds n_head = {self.n_head}: every rank "
                               f"needs at least one attention head; use at most {self.n_head} ranks "
@@ -49,6 +89,39 @@ class GPTConfig:
         except TopologyError as e:
             raise ConfigError(str(e)) from None
         self._validate_moe(ep)
+
+    def _validate_arch(self, tp: int) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"arch {self.arch!r}: use one of {', '.join(ARCHS)}")
+        K, F = self.n_kv_head, self.intermediate_size
+        if K is not None and (not _is_int(K) or K < 1 or self.n_head % K):
+            raise ConfigError(f"n_kv_head = {K!r} must be a positive integer dividing n_head = {self.n_head} "
+                              "(each key/value head serves n_head / n_kv_head query heads)")
+        if F is not None and (not _is_int(F) or F < 1):
+            raise ConfigError(f"intermediate_size = {F!r} must be a positive integer (the MLP width)")
+        if self.ffn < tp:
+            raise ConfigError(f"intermediate_size = {self.ffn} cannot be split over {tp} tensor-parallel ranks: "
+                              f"use a width of at least {tp}")
+        for key in ("rope_theta", "norm_eps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+        if self.tie_word_embeddings not in (None, True, False):
+            raise ConfigError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        if self.llama:
+            if (self.n_embd // self.n_head) % 2:
+                raise ConfigError(f"rotary embeddings rotate pairs of a head's dimensions: the head size "
+                                  f"n_embd / n_head = {self.n_embd // self.n_head} must be even")
+            if self.moe_experts:
+                raise ConfigError("mixture of experts has GELU experts, a GPT-2 block's: arch llama has no "
+                                  "SwiGLU experts; use arch gpt2 for --moe-experts, or a dense llama")
+            return
+        if self.kv_heads != self.n_head:
+            raise ConfigError(f"n_kv_head = {K} with arch gpt2: grouped-query attention is a llama option "
+                              "(use --arch llama, or drop --n-kv-head)")
+        if not self.tied:
+            raise ConfigError("arch gpt2 always ties its output layer to wte: --untie-embeddings "
+                              "(tie_word_embeddings false) needs --arch llama")
 
     def _validate_moe(self, ep: int) -> None:
         E, k = self.moe_experts, self.moe_top_k
@@ -74,6 +147,20 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+ARCHS = ("gpt2", "llama")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def llama_width(C: int) -> int:
+    """The default SwiGLU width: 8C/3 (the parameters of a 4C two-matrix MLP in three matrices), rounded
+    up to a multiple of 8 (Llama rounds to 256; that would more than double a tiny model's MLP)."""
+    width = -(-8 * C // 3)                             # ceil(8C / 3)
+    return -(-width // 8) * 8
 
 
 def fewest_heads(C: int, T: int) -> int:

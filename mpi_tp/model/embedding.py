@@ -5,6 +5,7 @@ V = vocabulary, wte the token table (vocabulary-parallel: rank i holds rows wte_
 position table (replicated).
 
     x = drop(wte[idx] + wpe[0:S])         wte's lookup ends in g (an all-reduce; sp: reduce-scatter)
+    x = drop(wte[idx])                    llama: no position table (attention rotates q and k instead)
 
 Only a pipeline's first stage holds it; the last stage's GPTHead uses the same table (tied), or a
 copy of it when the two are on different stages.
@@ -27,8 +28,8 @@ class GPTEmbedding(Module):
     def __init__(self, cfg: GPTConfig, topo: Topology, dtype, seed: int, dropout: Dropout, sp=None):
         self.block_size, self.dropout, self.sp = cfg.block_size, dropout, sp
         self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, dtype, seed=seed, sp=sp)
-        self.wpe = make_param("wpe", (cfg.block_size, cfg.n_embd), dtype, seed=seed,
-                              sp_partial=sp is not None and topo.tp.size > 1)
+        self.wpe = None if cfg.llama else make_param("wpe", (cfg.block_size, cfg.n_embd), dtype, seed=seed,
+                                                     sp_partial=sp is not None and topo.tp.size > 1)
 
     def forward(self, idx):
         B, S = idx.shape
@@ -39,7 +40,9 @@ class GPTEmbedding(Module):
         if self.sp is not None:
             self.sp.set(S)
             positions = self.sp.positions
-        x = self.wte.forward(idx) + self.wpe.data[positions]            # (B, S, C) or (B, S_i, C)
+        x = self.wte.forward(idx)                                       # (B, S, C) or (B, S_i, C)
+        if self.wpe is not None:
+            x += self.wpe.data[positions]
         m = None
         if self.dropout.active:
             m = region_mask(self.dropout, x, self.sp, -1, 0)
@@ -52,6 +55,15 @@ class GPTEmbedding(Module):
         positions, m = self.take_cache()
         if m is not None:
             dx = self.dropout.apply(dx, m)
-        self.wpe.grad[positions] += dx.sum(axis=0)
-        self.wpe.fresh = False
+        if self.wpe is not None:
+            self.wpe.grad[positions] += dx.sum(axis=0)
+            self.wpe.fresh = False
         self.wte.backward(dx)
+
+    def at(self, ids, positions):
+        """Inference (cached decoding): ids (B, t) at positions (t,) (every row alike) or (B, 1) (one per row),
+        on the device -> (B, t, C), without dropout or sequence parallelism."""
+        x = self.wte.forward(ids)
+        if self.wpe is not None:
+            x += self.wpe.data[positions]
+        return x

@@ -1,4 +1,4 @@
-"""A GPT-2 style transformer whose every layer is split across the tensor-parallel group.
+"""A GPT-2 or Llama style transformer whose every layer is split across the tensor-parallel group.
 
 Legend (docs/notation.md): B = batch, S = sequence, C = channels (n_embd), H =
 heads, hs = C/H head size, V = vocabulary, T = tensor-parallel size; a subscript
@@ -14,6 +14,9 @@ The model is three kinds of pieces, as in Megatron-LM's GPT (pre-process, blocks
         x = x + drop(mlp(ln_2(x)))                fc column, gelu, proj row, g
     logits_i = ln_f(x) @ wte_i^T                  head (GPTHead): tied, this rank's vocab columns (f)
     loss = vocab-parallel cross-entropy           2 small all-reduces, no gather
+
+Llama (cfg.arch "llama"; mpi_tp.model.llama lists its parameters): no wpe, RMSNorms, rotary q and k,
+no biases, grouped-query attention, a SwiGLU MLP, and the output layer tied or its own (lm_head).
 
 A pipeline stage (mpi_tp.parallel.pipeline.stage) builds the pieces it owns: a GPT over a run of
 blocks, with the embedding when it is the model's first chunk and the head when it is the last;
@@ -55,7 +58,8 @@ class GPT(Module):
     (under sequence parallelism (B, S_i, C), after `sp.set(S)` by the caller);
     one that is not last returns its activations, and its backward takes their
     gradient and returns the input's. A last chunk that is not also the first
-    holds its own copy of the tied table `wte` (same name, same initial values).
+    holds its own copy of the tied table `wte` (same name, same initial values);
+    an untied output layer (llama) is the table `lm_head`, on the last chunk only.
     """
 
     def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0,
@@ -78,8 +82,11 @@ class GPT(Module):
             block.attn.recompute = recompute == "selective"
         self.head = None
         if last:
-            table = self.embedding.wte if first else VocabParallelEmbedding(
-                "wte", cfg.vocab_size, cfg.n_embd, topo.tp, self.dtype, seed=seed, sp=self.sp)
+            if cfg.tied and first:
+                table = self.embedding.wte
+            else:                    # the tied table's copy (same name, same values), or lm_head
+                table = VocabParallelEmbedding("wte" if cfg.tied else "lm_head", cfg.vocab_size, cfg.n_embd,
+                                               topo.tp, self.dtype, seed=seed, sp=self.sp)
             self.head = GPTHead(cfg, topo, self.dtype, table, self.sp)
 
     def train(self, mode: bool = True) -> "GPT":
@@ -188,7 +195,7 @@ class GPT(Module):
     def unique_parameters(self) -> list:
         """Every parameter once over the whole model: a last chunk that is not first leaves out its copy of
         the tied table (its gradient equals the first stage's after finalize_grads)."""
-        if self.last and not self.first:
+        if self.last and not self.first and self.cfg.tied:
             return [p for p in self.parameters() if p is not self.head.table.weight]
         return self.parameters()
 

@@ -1,4 +1,4 @@
-"""The GPT's last piece (Megatron's post-process): the final LayerNorm, the tied output layer, the loss.
+"""The GPT's last piece (Megatron's post-process): the final norm, the output layer, the loss.
 
 Legend (docs/notation.md): B = batch, S = sequence (S_i under sequence parallelism), C = channels,
 V = vocabulary, V_i rank i's vocabulary rows of the table wte.
@@ -6,15 +6,18 @@ V = vocabulary, V_i rank i's vocabulary rows of the table wte.
     logits_i = ln_f(x) @ wte_i^T           tied output layer: this rank's vocabulary columns (f;
                                            sp: an all-gather)
     loss = vocab-parallel cross-entropy     2 small all-reduces, no gather of the logits
+
+Llama: ln_f is an RMSNorm, and the output layer is wte (tied) or, untied (the default), a table of
+its own, lm_head (V, C), split over the vocabulary like wte: the same product and the same loss.
 """
 from __future__ import annotations
 
 from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.layernorm import LayerNorm
 from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
+from mpi_tp.model.rmsnorm import make_norm
 from mpi_tp.parallel.topology import Topology
 
 
@@ -23,16 +26,17 @@ class GPTHead(Module):
 
     table: the token embedding wte, the same object as the model's GPTEmbedding's when one chunk
     holds both, else this stage's copy (its gradient is summed with the first stage's after the
-    backward pass: mpi_tp.parallel.pipeline.embedding_group).
+    backward pass: mpi_tp.parallel.pipeline.embedding_group); or, untied, the output layer's own
+    table lm_head.
     """
 
     def __init__(self, cfg: GPTConfig, topo: Topology, dtype, table: VocabParallelEmbedding, sp=None):
-        self.ln_f = LayerNorm("ln_f", cfg.n_embd, dtype, sp=sp)
+        self.ln_f = make_norm("ln_f", cfg, dtype, sp=sp)
         self.table = table
         self.loss = VocabParallelCrossEntropy(topo.tp, table.start, table.stop)
 
     def logits(self, x):
-        """(B, S, C) (sp: (B, S_i, C)) -> (B, S, V_i): ln_f, then the tied output layer."""
+        """(B, S, C) (sp: (B, S_i, C)) -> (B, S, V_i): ln_f, then the output layer."""
         return self.table.logits_forward(self.ln_f.forward(x))
 
     def forward(self, x, targets=None):

@@ -11,12 +11,13 @@ from mpi_tp.parallel.topology import Topology
 
 
 class ParallelMLP(Module):
-    """fc (column split, C -> 4C) -> GELU on each rank's columns -> proj (row split, 4C -> C) -> g."""
+    """fc (column split, C -> F) -> GELU on each rank's columns -> proj (row split, F -> C) -> g.
+    F = cfg.ffn, 4C unless intermediate_size says otherwise."""
 
     def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, sp=None):
-        C = cfg.n_embd
-        self.fc = ColumnParallelLinear(f"{name}/fc", C, 4 * C, topo.tp, dtype, seed=seed, sp=sp)
-        self.proj = RowParallelLinear(f"{name}/proj", 4 * C, C, topo.tp, dtype, sizes=self.fc.sizes,
+        C, F = cfg.n_embd, cfg.ffn
+        self.fc = ColumnParallelLinear(f"{name}/fc", C, F, topo.tp, dtype, seed=seed, sp=sp)
+        self.proj = RowParallelLinear(f"{name}/proj", F, C, topo.tp, dtype, sizes=self.fc.sizes,
                                       seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
     def forward(self, x):

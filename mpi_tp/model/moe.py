@@ -2,7 +2,7 @@
 a router sends each token to k of E expert MLPs, divided among the expert-parallel group.
 
 Legend (docs/notation.md): B = batch, S = sequence, N = B S tokens, C = channels, E = experts,
-k = experts per token, F = 4C an expert's width, F_i rank i's columns of it (tensor parallelism,
+k = experts per token, F = cfg.ffn (4C) an expert's width, F_i rank i's columns of it (tensor parallelism,
 as in the dense MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.expert_parallel).
 
     z = x W_r                       (N, C) @ (C, E) -> (N, E)     router logits; W_r replicated
@@ -130,7 +130,7 @@ class Expert(Module):
     partial sum X_e A_fc,i -> gelu -> @ A_proj,i, before the all-reduce and the proj bias."""
 
     def __init__(self, name, cfg, tp, dtype, seed):
-        C, F = cfg.n_embd, 4 * cfg.n_embd
+        C, F = cfg.n_embd, cfg.ffn
         _, start, stop = shard_range(F, tp, None, f"{name}: expert width")
         self.fc_weight = make_param(f"{name}/fc/weight", (C, F), dtype, seed=seed, axis=1, start=start,
                                     stop=stop, decay=True)                                  # (C, F_i)

@@ -16,7 +16,9 @@ the last bucket, started by `finish`. Per bucket and step:
   1. sequence parallelism: the gradients of the replicated parameters that act
      on each position (Param.sp_partial, kept together at the bucket's end) are
      this rank's positions' part: one all-reduce over tp sums them
-     (`tp/sp_grad_all_reduce`), whatever the number of micro-batches;
+     (`tp/sp_grad_all_reduce`), whatever the number of micro-batches; likewise
+     the replicated key/value heads of grouped-query attention (Param.replicas,
+     kept together before them), over the ranks holding them (`kv/kv_grad_all_reduce`);
   2. over the replicas, either an all-reduce (`dp/iall_reduce`), or, for the
      distributed optimizer (`distributed=True`, --zero 1), a reduce-scatter into
      this rank's share of the bucket (`dp/reduce_scatter`): rank r of D keeps
@@ -47,6 +49,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
+from mpi4py import MPI
+
 from mpi_tp.core import backend
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.collectives import Group
@@ -65,6 +70,8 @@ class Bucket:
     ready_after: int | None          # the block whose backward completes it (None: the end of the pass)
     group: Group                     # dp, or edp for experts
     sp: slice                        # the sp_partial gradients, summed over tp (empty: none)
+    replicas: slice                  # replicated key/value shards' gradients (Param.replicas), summed over
+    replica_group: Group | None      # ... this group, the ranks holding the same heads (empty slice: none)
     params: object                   # (n,) the distributed optimizer's parameter buffer (data are views), or None
     shares: list                     # every group member's share of the n elements ([n] without it)
     share: slice                     # this rank's share
@@ -74,11 +81,13 @@ class Bucket:
 def _make_bucket(stores, ready_after, blocks, group: Group, distributed: bool) -> Bucket:
     """One flat gradient buffer (and parameter buffer) for these storages; their Params become views."""
     xp = backend.xp()
-    stores = sorted(stores, key=lambda s: s[2][0].sp_partial)          # sp_partial ones last, together
+    # replicated key/value shards, then sp_partial ones, last, each kind together
+    stores = sorted(stores, key=lambda s: (s[2][0].sp_partial, s[2][0].replicas is not None))
     n = sum(base.size for base, _, _ in stores)
     grads = xp.zeros(n, dtype=stores[0][0].dtype)
     params = xp.empty(n, dtype=stores[0][0].dtype) if distributed else None
     at, sp_at, placed = 0, n, []
+    rep_at, rep_stop, rep_group = n, n, None
     for base, grad, members in stores:
         view = grads[at:at + base.size].reshape(base.shape)
         view[...] = grad
@@ -92,14 +101,33 @@ def _make_bucket(stores, ready_after, blocks, group: Group, distributed: bool) -
             base = pview
         if members[0].sp_partial:
             sp_at = min(sp_at, at)
+        if members[0].replicas is not None:
+            if rep_group not in (None, members[0].replicas):
+                raise ValueError("a bucket's replicated shards belong to two replica groups")
+            rep_group, rep_at, rep_stop = members[0].replicas, min(rep_at, at), at + base.size
         placed.append((at, base, members))
         at += base.size
     shares = split_sizes(n, group.size) if distributed else [n]
     lo = offsets(shares)[group.rank] if distributed else 0
     share = slice(lo, lo + shares[group.rank if distributed else 0])
     grad_share = xp.empty(share.stop - share.start, grads.dtype) if distributed else None
-    return Bucket(grads, placed, frozenset(blocks), ready_after, group, slice(sp_at, n), params, shares,
-                  share, grad_share)
+    return Bucket(grads, placed, frozenset(blocks), ready_after, group, slice(sp_at, n),
+                  slice(rep_at, rep_stop), rep_group, params, shares, share, grad_share)
+
+
+def _block_bytes(model, kinds, owner):
+    """(blocks, kinds): each block's gradient bytes of each kind, the largest over the tensor-parallel group.
+    Buckets are cut on these, so every tensor-parallel rank cuts at the same blocks, uneven shards
+    notwithstanding: the collectives over tp (and over a key/value head's replicas) that start a
+    bucket then pair up (cut on each rank's own sizes, they did not: a hang under sequence parallelism)."""
+    sizes = numpy.zeros((len(model.h), len(kinds)), dtype=numpy.int64)
+    for k, (mine, _) in enumerate(kinds):
+        for store in mine:
+            if owner.get(id(store[0])) is not None:
+                sizes[owner[id(store[0])], k] += store[0].nbytes
+    if model.topo.tp.size > 1 and sizes.size:
+        model.topo.tp.all_reduce(sizes, op=MPI.MAX, kind="bucket_plan")        # once, when the buckets are made
+    return sizes
 
 
 def make_buckets(model, group: Group, bucket_mb: float, distributed: bool) -> list[Bucket]:
@@ -115,12 +143,13 @@ def make_buckets(model, group: Group, bucket_mb: float, distributed: bool) -> li
         kinds.append(([s for s in stores if id(s[0]) in experts], next(iter(experts.values())).edp))
     buckets, limit = [], bucket_mb * 2**20
     current, size = [[] for _ in kinds], [0] * len(kinds)
+    block_bytes = _block_bytes(model, kinds, owner)
     for i in reversed(range(len(model.h))):            # backward order
         for k, (mine, g) in enumerate(kinds):          # dense, then experts: each cut on its own sizes
             for store in mine:
                 if owner.get(id(store[0])) == i:
                     current[k].append(store)
-                    size[k] += store[0].nbytes
+            size[k] += int(block_bytes[i, k])
             if (size[k] >= limit or i == 0) and current[k]:
                 blocks = {owner[id(store[0])] for store in current[k]}
                 buckets.append(_make_bucket(current[k], i, blocks, g, distributed))
@@ -145,8 +174,8 @@ class GradReducer:
         self.distributed = distributed and group.size > 1
         self.tp = model.topo.tp
         self._done, self._started, self._pending, self._gathers = set(), set(), [], []
-        sp = self.tp.size > 1 and any(p.sp_partial for p in model.parameters())
-        self.buckets = make_buckets(model, group, bucket_mb, self.distributed) if group.size > 1 or sp else []
+        tp_sums = self.tp.size > 1 and any(p.sp_partial or p.replicas is not None for p in model.parameters())
+        self.buckets = make_buckets(model, group, bucket_mb, self.distributed) if group.size > 1 or tp_sums else []
         self.hierarchical = {}       # group name -> HierarchicalAllReduce
         if hierarchical and group.size > 1:
             for g in {b.group.name: b.group for b in self.buckets if b.group.size > 1}.values():
@@ -158,6 +187,8 @@ class GradReducer:
         self._started.add(k)
         if b.sp.start < b.sp.stop:
             self.tp.all_reduce(b.grads[b.sp], kind="sp_grad_all_reduce")
+        if b.replicas.start < b.replicas.stop:
+            b.replica_group.all_reduce(b.grads[b.replicas], kind="kv_grad_all_reduce")
         if self.group.size == 1 or self.hierarchical:     # hierarchical: node by node, blocking, in finish()
             return
         if self.distributed and b.group.size == 1:        # experts held by one replica (ep = D): nothing to sum

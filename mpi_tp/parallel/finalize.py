@@ -10,16 +10,19 @@ done once per step, whatever the number of micro-batches M:
   1. sequence parallelism: the replicated parameters that act on each position
      (Param.sp_partial: LayerNorms, row-parallel biases, the position table)
      got only this rank's positions' part: sum over tp;
+  1b. grouped-query attention with fewer key/value heads than tensor-parallel
+     ranks: each replica of a key/value head (Param.replicas) got its own query
+     heads' part of the gradient: sum over the replica group (mpi_tp.model.heads);
   2. pipelines: the tied table wte has a copy on the first and on the last
      stage, each with its own part of the gradient: sum them over the stages
      that hold one (mpi_tp.parallel.pipeline.embedding_group);
   3. data parallelism: average over the replicas (or, for the distributed
      optimizer, reduce-scatter into each rank's share).
 
-With a GradReducer (mpi_tp.parallel.data_parallel), 1 and 3 run bucket by
+With a GradReducer (mpi_tp.parallel.data_parallel), 1, 1b and 3 run bucket by
 bucket, most of them during the last backward pass; finish() does the buckets
 left (the embeddings and ln_f, after 2) and waits. Without one, 1 is one
-packed all-reduce of every sp_partial gradient. The sums commute with the
+packed all-reduce of every sp_partial gradient, 1b one of every replica's. The sums commute with the
 average, so the order does not change the numbers.
 """
 from __future__ import annotations
@@ -42,11 +45,30 @@ def sum_sp_partial_grads(params, group) -> None:
         at += p.grad.size
 
 
+def sum_replica_grads(params) -> None:
+    """Every replicated shard's gradient (Param.replicas) summed over its replica group, one packed
+    all-reduce per group (a rank's key/value heads are the same in every block: one group)."""
+    groups = {}
+    for p in params:
+        if p.replicas is not None and p.replicas.size > 1:
+            groups.setdefault(id(p.replicas), (p.replicas, []))[1].append(p)
+    xp = backend.xp()
+    for group, members in groups.values():
+        buf = xp.concatenate([p.grad.reshape(-1) for p in members])    # this rank's query heads' parts
+        group.all_reduce(buf, kind="kv_grad_all_reduce")
+        at = 0
+        for p in members:
+            p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
+            p.fresh = False
+            at += p.grad.size
+
+
 def finalize_grads(model, reducer=None) -> None:
     """Complete this step's gradients (see the module docstring). model: a GPT or a PipelineStage;
     reducer: its GradReducer, whose buckets the last backward pass started (or None)."""
     if reducer is None or not reducer.buckets:
         sum_sp_partial_grads(model.parameters(), model.topo.tp)
+        sum_replica_grads(model.parameters())
     tied = getattr(model, "tied_embedding", None)
     if tied is not None:
         tied.sum_grads()

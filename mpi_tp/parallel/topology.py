@@ -12,7 +12,7 @@ not touch them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
@@ -87,6 +87,7 @@ class Topology:
     ep: Group
     edp: Group
     stats: CommStats
+    subgroups: dict = field(default_factory=dict)     # tp_subgroup's groups, made once each
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1,
@@ -132,6 +133,19 @@ class Topology:
         """A one-rank layout (tp = pp = dp = 1) on COMM_SELF: the serial reference model."""
         return cls.create(MPI.COMM_SELF, tp=1, dp=1)
 
+    def tp_subgroup(self, name: str, colors: list[int]) -> Group:
+        """The tensor-parallel ranks whose color equals this rank's (colors: one per tp rank, the same list
+        on every rank), as a Group: e.g. the ranks holding replicas of one key/value head (mpi_tp.model.heads).
+        Made on first use (collective over tp) and freed with the layout; COMM_SELF when tp = 1."""
+        key = (name, tuple(colors))
+        if key not in self.subgroups:
+            if self.tp.size == 1:
+                self.subgroups[key] = Group(MPI.COMM_SELF, name, self.stats)
+            else:
+                sub = self.tp.comm.Split(colors[self.tp.rank], key=self.tp.rank)
+                self.subgroups[key] = Group(sub, name, self.stats)
+        return self.subgroups[key]
+
     def describe(self) -> dict:
         out = {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
         if self.ep.size > 1:
@@ -140,6 +154,7 @@ class Topology:
 
     def free(self) -> None:
         """Release the layout's communicators (collective over its ranks); a second call does nothing."""
-        for comm in {id(g.comm): g.comm for g in (self.tp, self.pp, self.dp, self.ep, self.edp)}.values():
+        groups = (self.tp, self.pp, self.dp, self.ep, self.edp, *self.subgroups.values())
+        for comm in {id(g.comm): g.comm for g in groups}.values():
             if comm not in (MPI.COMM_SELF, MPI.COMM_NULL):      # mpi4py sets a freed handle to COMM_NULL
                 comm.Free()

@@ -19,10 +19,20 @@ def opt(default, help, choices=None):
 
 @dataclass
 class TrainConfig:
-    # model (GPT-2 style; see mpi_tp.model.config)
+    # model (GPT-2 or Llama; see mpi_tp.model.config)
+    arch: str = opt("gpt2", "architecture: 'gpt2' (LayerNorm, learned positions, biases, GELU MLP, tied output "
+                    "layer) or 'llama' (RMSNorm, rotary positions, no biases, SwiGLU MLP, grouped-query "
+                    "attention, untied output layer unless --tie-embeddings)", ["gpt2", "llama"])
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads (split among tensor-parallel ranks; must divide n_embd)")
+    n_kv_head: int = opt(0, "llama: key/value heads K, dividing n_head (fewer: grouped-query attention; "
+                         "0: n_head)")
     n_embd: int = opt(128, "channels (hidden size C)")
+    intermediate_size: int = opt(0, "MLP width F (0: 4C for gpt2, 8C/3 rounded up to a multiple of 8 for llama)")
+    rope_theta: float = opt(10000.0, "llama: the base of the rotary position embeddings")
+    norm_eps: float = opt(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)")
+    untie_embeddings: bool = opt(False, "llama: give the output layer its own table lm_head (the default)")
+    tie_embeddings: bool = opt(False, "llama: tie the output layer to the token table wte, as gpt2 always does")
     block_size: int = opt(128, "context length in bytes (sequence length S)")
     dropout: float = opt(0.0, "dropout probability (attention, residual and embedding)")
     vocab_size: int = opt(0, "the model's vocabulary; 0: the data's (256 for bytes, a token file's own); "
@@ -109,8 +119,11 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int = 256) -> GPTConfig:
         """The model to build; vocab_size: the data's, when the vocab_size option is 0."""
+        tied = True if self.tie_embeddings else False if self.untie_embeddings else None    # None: arch's
         return GPTConfig(vocab_size=self.vocab_size or vocab_size, block_size=self.block_size, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
+                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, arch=self.arch,
+                         n_kv_head=self.n_kv_head or None, intermediate_size=self.intermediate_size or None,
+                         rope_theta=self.rope_theta, norm_eps=self.norm_eps, tie_word_embeddings=tied,
                          moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every,
                          moe_capacity=self.moe_capacity, moe_aux_weight=self.moe_aux_weight,
                          moe_z_weight=self.moe_z_weight)
@@ -159,7 +172,22 @@ class TrainConfig:
                               f"job has {world_size}: launch with mpiexec -n {tp * pp * dp}, or change "
                               "--tp/--pp/--dp")
         self._validate_moe(dp)
+        self._validate_arch()
         self.model_config().validate(tp, self.ep)
+
+    def _validate_arch(self) -> None:
+        """The architecture's options, in CLI terms (the model's own checks follow: GPTConfig.validate)."""
+        if self.n_kv_head < 0 or self.intermediate_size < 0:
+            raise ConfigError(f"--n-kv-head and --intermediate-size must be >= 0 (0: the default), got "
+                              f"{self.n_kv_head} and {self.intermediate_size}")
+        if self.tie_embeddings and self.untie_embeddings:
+            raise ConfigError("use either --tie-embeddings or --untie-embeddings, not both")
+        if self.arch == "gpt2":
+            llama_only = ("n_kv_head", "rope_theta", "untie_embeddings", "tie_embeddings")
+            given = [f"--{k.replace('_', '-')}" for k in llama_only if getattr(self, k) != getattr(TrainConfig, k)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} set with --arch gpt2: llama options (pass --arch llama, "
+                                  "or drop them)")
 
     def _validate_moe(self, dp: int) -> None:
         """The expert-parallel layout, in CLI terms."""

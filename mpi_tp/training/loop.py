@@ -157,7 +157,10 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     meter = MoEMeter(model, topo.dp, topo.pp) if moe else None
     experts = (f" (ep={topo.ep.size}; MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, every "
                f"{cfg.moe_every} block(s), capacity {cfg.moe_capacity or 'none'})") if moe else ""
-    progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters, tp={topo.tp.size}{pipeline} x "
+    mc = model.cfg
+    arch = (f" (llama: {mc.n_head} heads, {mc.kv_heads} key/value, MLP {mc.ffn}, "
+            f"{'tied' if mc.tied else 'untied'} output layer)") if mc.llama else ""
+    progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters{arch}, tp={topo.tp.size}{pipeline} x "
                  f"dp={topo.dp.size}{experts}{' +sp' if cfg.sequence_parallel else ''}"
                  f"{' +zero1' if cfg.zero else ''}, "
                  f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} {corpus.unit}s, "

@@ -112,6 +112,9 @@ def grad_norm(spaces: list[Space], tp, pp=None, counted=None) -> float:
         for seg in space.segments:
             if counted is not None and id(seg.members[0]) not in counted:
                 continue
+            replicas = seg.members[0].replicas
+            if replicas is not None and replicas.rank != 0:      # a replicated key/value shard: counted once,
+                continue                                         # by the first rank holding it
             shard = expert_of(seg.members[0])
             ep = shard.ep if shard is not None else ep
             x = g[seg.lo:seg.hi]

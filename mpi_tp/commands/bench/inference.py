@@ -133,10 +133,12 @@ def formula(L, C, V, B, tp, itemsize) -> dict:
 def step_bytes(model, B, n) -> dict:
     """What this rank must read for one decode step at a context of n positions (S_ctx): its weight
     shards and its cache."""
-    wpe = model.embedding.wpe.data
-    weights = sum(p.data.nbytes for p in model.parameters()) - wpe.nbytes + B * wpe[0].nbytes
+    weights = sum(p.data.nbytes for p in model.parameters())
+    wpe = model.embedding.wpe                       # GPT-2: one row of the position table per sequence
+    if wpe is not None:
+        weights += B * wpe.data[0].nbytes - wpe.data.nbytes
     attn = model.h[0].attn
-    kv = 2 * len(model.h) * B * attn.H_i * n * attn.hs * model.dtype.itemsize
+    kv = 2 * len(model.h) * B * attn.K_i * n * attn.hs * model.dtype.itemsize     # the key/value heads
     return {"weights": int(weights), "kv_cache": int(kv)}
 
 

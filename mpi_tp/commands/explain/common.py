@@ -20,7 +20,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-ALL_REDUCE_KINDS = ("all_reduce", "iall_reduce", "sp_grad_all_reduce", "embedding_all_reduce", "grad_norm")
+ALL_REDUCE_KINDS = ("all_reduce", "iall_reduce", "sp_grad_all_reduce", "embedding_all_reduce", "grad_norm",
+                    "kv_grad_all_reduce")
 HALF_KINDS = ("all_gather", "regather", "reduce_scatter", "reduce")      # (G-1)/G n: half an all-reduce
 
 
@@ -66,14 +67,17 @@ ROLES = {
     ("backward", "reduce_scatter"): "sp's f backward: sum the partial dX, keep this rank's positions",
     ("backward", "regather"): "sp: gather the column layer's kept input shard again, for dA",
     ("backward", "sp_grad_all_reduce"): "sum replicated parameters' gradients over the positions",
+    ("backward", "kv_grad_all_reduce"): "sum a replicated key/value head's gradients over its holders",
 }
 
 
-def phase_lines(phase: str, snapshot: dict, T: int) -> list[str]:
-    """The tensor-parallel layers' collectives of one pass, one line each, with their role (ROLES)."""
+def phase_lines(phase: str, snapshot: dict, T: int, sizes: dict | None = None) -> list[str]:
+    """The tensor-parallel layers' collectives of one pass, one line each, with their role (ROLES).
+    sizes: the size of each group other than tp, by name (e.g. "kv", the ranks holding a key/value head)."""
     if not snapshot:
         return [f"  {phase:<9} none" + (" (one rank: nothing to communicate)" if T == 1 else "")]
-    return [f"  {phase:<9} {comm_text(key, v, T)}  ({ROLES.get((phase, key.split('/', 1)[1]), '')})"
+    size = lambda key: (sizes or {}).get(key.split("/", 1)[0], T)
+    return [f"  {phase:<9} {comm_text(key, v, size(key))}  ({ROLES.get((phase, key.split('/', 1)[1]), '')})"
             for key, v in snapshot.items()]
 
 

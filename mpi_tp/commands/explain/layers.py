@@ -14,6 +14,9 @@ how far the result is from the same layer on one rank (built from the same seed 
 names, so the weights agree slice for slice). Exit status 0 when every rank of
 every layer equals the serial layer.
 
+--kv-heads K shows grouped-query attention (a Llama attention and block): which key/value heads
+each rank holds, its own or a replica (mpi_tp.model.heads), and the replicas' gradient sum.
+
 Under --sequence-parallel a last line sets the wire bytes of the all-gathers and
 reduce-scatters beside those of the plain layer's all-reduces: the same traffic.
 
@@ -33,7 +36,7 @@ from mpi_tp.commands.explain import moe as explain_moe
 from mpi_tp.commands.explain import step as explain_step
 from mpi_tp.commands.explain import vocab as explain_vocab
 from mpi_tp.commands.explain.common import phase_lines, wire_bytes
-from mpi_tp.commands.explain.layer_texts import LESSONS, SP_LESSONS
+from mpi_tp.commands.explain.layer_texts import GQA_LESSON, LESSONS, SP_LESSONS
 from mpi_tp.commands.explain.pipeline import lesson as pipeline_lesson
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
@@ -44,7 +47,7 @@ from mpi_tp.model.config import GPTConfig, fewest_heads
 from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from mpi_tp.parallel.finalize import sum_sp_partial_grads
+from mpi_tp.parallel.finalize import sum_replica_grads, sum_sp_partial_grads
 from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.planning.activations import activation_bytes_per_layer
@@ -66,7 +69,13 @@ def plan(args, T: int) -> dict:
     if H < T or C % H:
         raise UserError(f"--heads {H} does not fit: every one of the {T} ranks needs a head, and the heads "
                          f"must divide --features {C}; use --heads between {T} and {C} that divides {C}")
-    cfg = GPTConfig(vocab_size=T, block_size=S, n_layer=1, n_head=H, n_embd=C)     # vocabulary unused here
+    K = args.kv_heads
+    if K is not None and (K < 1 or H % K or (C // H) % 2):
+        raise UserError(f"--kv-heads {K} does not fit: the key/value heads must divide the {H} heads, and the "
+                        f"rotary embedding needs an even head size (C / H = {C // H}); use --features and "
+                        "--heads that give one, e.g. --features 16 --heads 4 --kv-heads 2")
+    llama = dict(arch="llama", n_kv_head=K, intermediate_size=4 * C) if K is not None else {}
+    cfg = GPTConfig(vocab_size=T, block_size=S, n_layer=1, n_head=H, n_embd=C, **llama)  # vocabulary unused
     cfg.validate(T)
     if args.sequence_parallel and S < T:
         raise UserError(f"--sequence-parallel cuts --seq {S} over {T} ranks: use --seq {T} or more")
@@ -136,6 +145,7 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     topo.stats.reset()
     dx = par.backward(_cut(dout, out_cols, out_pos))
     sum_sp_partial_grads(par.parameters(), topo.tp)           # as finalize_grads does once per step
+    sum_replica_grads(par.parameters())                       # (grouped-query attention's kv replicas)
     bwd = topo.stats.snapshot()
 
     err_out = max_rel_diff(y, _cut(y_ref, out_cols, out_pos))
@@ -150,11 +160,16 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     lines += [f"  {q.name}: global {q.global_shape} -> shard {tuple(q.data.shape)} = {_slice_text(q)}"
               for q in par.parameters()]
     attn = par if kind == "attention" else getattr(par, "attn", None)
-    if attn is not None:
+    sizes = {}
+    if attn is not None and not p["cfg"].llama:
         lines.append(f"  heads {attn.heads.start}:{attn.heads.stop} of {p['cfg'].n_head} "
                      f"(H_i = {attn.H_i}, head size hs = {attn.hs}: {attn.H_i * attn.hs} columns of q, k and v)")
+    elif attn is not None:                       # grouped-query attention: which key/value heads, split or not
+        sizes["kv"] = len(attn.layout.replicas(topo.tp.rank))
+        lines.append(f"  {attn.layout.describe(topo.tp.rank)}; H_i = {attn.H_i}, K_i = {attn.K_i}, head size "
+                     f"hs = {attn.hs}: {attn.H_i * attn.hs} columns of q, {attn.K_i * attn.hs} of k and of v")
     lines.append(f"  input {x_i.shape} -> output {y.shape}")
-    lines += phase_lines("forward", fwd, topo.tp.size) + phase_lines("backward", bwd, topo.tp.size)
+    lines += phase_lines("forward", fwd, topo.tp.size, sizes) + phase_lines("backward", bwd, topo.tp.size, sizes)
     lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} "
                  f"(worst {worst}); tolerance {RTOL:.0e}: {'PASS' if ok else 'FAIL'}")
     topo.free()
@@ -172,9 +187,10 @@ def sp_versus_tp(kind: str, p: dict, comm, counted: list) -> tuple[bool, str, tu
 
     def wire(snaps, keep):
         return sum(wire_bytes(k.split("/")[1], v["bytes"], T) for snap in snaps for k, v in snap.items() if keep(k))
-    extras = ("tp/sp_grad_all_reduce", "tp/regather")
+    extras = ("tp/sp_grad_all_reduce", "tp/regather", "kv/kv_grad_all_reduce")    # the replicas' sum: both
     sp_wire = wire(counted, lambda k: k not in extras)
-    tp_wire, grads = wire(plain, lambda k: True), wire(counted, lambda k: k == "tp/sp_grad_all_reduce")
+    tp_wire = wire(plain, lambda k: k != "kv/kv_grad_all_reduce")
+    grads = wire(counted, lambda k: k == "tp/sp_grad_all_reduce")
     again = wire(counted, lambda k: k == "tp/regather")
     same = abs(sp_wire - tp_wire) <= 1e-9 * tp_wire
     return all_true(same, comm), (
@@ -214,8 +230,9 @@ def run(args, comm) -> bool:
     if set(kinds) & set(explain_vocab.LAYERS):        # before anything is printed
         collective_setup(explain_vocab.plan, args, T, comm=comm)
     odd = f"O = K = 2C + 1 = {p['K']}, " if {"column", "row"} & set(kinds) else ""   # only those layers use it
+    kv = f"key/value heads K = {cfg.kv_heads} (llama attention), " if cfg.llama else ""
     rank0_print(f"tensor-parallel size T = {T} (the world size), float64; global sizes: batch B = {p['B']}, "
-                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, {odd}"
+                f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, {kv}{odd}"
                 f"F = 4C = {4 * p['C']}" + (", sequence-parallel" if args.sequence_parallel else ""), comm=comm)
     every = True
     for kind in kinds:
@@ -225,6 +242,8 @@ def run(args, comm) -> bool:
         ok, text, counted, kept = explain_layer(kind, p, comm, args.sequence_parallel)
         texts = comm.gather(text, root=0)          # a lesson, not a hot path: pickled once
         lesson = (SP_LESSONS if args.sequence_parallel else LESSONS)[kind]
+        if cfg.llama and kind in ("attention", "block"):
+            lesson += " " + GQA_LESSON.format(K=cfg.kv_heads, H=cfg.n_head, G=cfg.n_head // cfg.kv_heads)
         same = ""
         if args.sequence_parallel and T > 1:
             equal, same, kept_plain = sp_versus_tp(kind, p, comm, counted)
@@ -249,6 +268,10 @@ def add_parser(sub) -> None:
     e.add_argument("--features", type=int, default=8, help="channels C (default 8)")
     e.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
+    e.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads K dividing the heads: grouped-query attention, the attention (and "
+                        "block) of a Llama model; shows which key/value heads each rank holds, split or "
+                        "replicated (default: none, GPT-2's multi-head attention)")
     e.add_argument("--batch", type=int, default=2, help="batch B (default 2)")
     e.add_argument("--seq", type=int, default=4, help="sequence length S (default 4)")
     e.add_argument("--sequence-parallel", action="store_true", help="split the activations along the sequence")

@@ -7,8 +7,8 @@ Stage s of P holds chunks s, s + P, ... of the model (v per stage, the
 interleaved schedule's virtual stages), each a GPT over a contiguous run of
 blocks (mpi_tp.parallel.pipeline.stages), built by the model from the pieces
 it owns (mpi_tp.model.chunks): the model's first chunk also holds the
-embedding, its last chunk the head (final LayerNorm, a copy of the tied table
-wte, the loss). Nothing here knows what a chunk computes. The engine
+embedding, its last chunk the head (final norm, a copy of the tied table
+wte or, untied, the table lm_head, the loss). Nothing here knows what a chunk computes. The engine
 (mpi_tp.parallel.pipeline.engine) runs the schedule; this class supplies what
 runs at each action: a micro-batch's forward through a chunk (with that
 micro-batch's dropout masks, its forward caches set aside until its backward)
@@ -69,6 +69,8 @@ class PipelineStage:
         self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, v)[s], v)
         tables = [c.embedding.wte for c in self.chunks if c.first]            # copies of wte on this rank
         tables += [c.head.table for c in self.chunks if c.last and not c.first]
+        if not self.cfg.tied:                          # untied (llama's lm_head): nothing to sum
+            tables = []
         self.tied_embedding = TiedEmbedding(tables, topo.pp, topo.stats)
 
     def parameters(self) -> list:

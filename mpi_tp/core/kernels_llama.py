@@ -1,0 +1,128 @@
+"""Pure forward/backward kernels of the Llama architecture: RMSNorm, rotary position embeddings, SwiGLU.
+
+The same contract as mpi_tp.core.kernels (llm.c's pairs): `out, cache = X_forward(...)`,
+`grads = X_backward(dout, cache)`; no MPI, no classes, no state; fresh gradients, inputs and
+caches never modified; NumPy or CuPy (the module comes from the input); the input's dtype kept.
+
+Legend (docs/notation.md): B = batch, S = sequence, C = channels, H = heads, hs = head size,
+F = MLP width; under tensor parallelism the caller passes rank i's shards (H_i heads, F_i columns).
+
+    RMSNorm    out = x / sqrt(mean(x^2) + eps) * w                  (Zhang & Sennrich 2019)
+    RoPE       out = x * cos + rotate_half(x) * sin                   (Su et al. 2021; the Hugging
+               rotate_half([x1, x2]) = [-x2, x1]: dimension j of a    Face / Llama layout: the two
+               head is paired with dimension j + hs/2                 halves of a head, not
+                                                                      interleaved pairs)
+    SwiGLU     out = silu(gate) * up, silu(g) = g * sigmoid(g)         (Shazeer 2020)
+"""
+from __future__ import annotations
+
+from mpi_tp.core.backend import array_module
+
+
+# ---------------------------------------------------------------- rmsnorm
+
+def rmsnorm_forward(x, w, eps=1e-5):
+    """Normalise over the last axis by the root mean square: out = x * rstd * w. x (..., C), w (C,)."""
+    xp = array_module(x)
+    C = x.shape[-1]
+    ms = xp.einsum("...c,...c->...", x, x)[..., None]     # (..., C) -> (..., 1), sum of squares
+    ms *= 1.0 / C
+    ms += eps
+    rstd = 1.0 / xp.sqrt(ms)                            # (..., 1)
+    xhat = x * rstd                                     # (..., C), fresh
+    return xhat * w, (xhat, w, rstd)
+
+
+def rmsnorm_backward(dout, cache):
+    """dx (..., C), dw (C,)."""
+    xhat, w, rstd = cache
+    xp = array_module(dout)
+    C = w.shape[0]
+    # out = xhat * w
+    dw = xp.einsum("nc,nc->c", dout.reshape(-1, C), xhat.reshape(-1, C))   # (N, C) -> (C,)
+    dxhat = dout * w                                    # (..., C), fresh
+    # xhat = x * rstd, rstd = (mean(x^2) + eps)^(-1/2)  =>  dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
+    proj = xp.einsum("...c,...c->...", dxhat, xhat)[..., None]             # (..., 1), times C
+    proj *= 1.0 / C
+    dx = dxhat
+    dx -= xhat * proj
+    dx *= rstd
+    return dx, dw
+
+
+# ---------------------------------------------------------------- rotary position embeddings
+
+def rope_tables(positions, hs: int, theta: float, dtype):
+    """cos, sin (n, hs) for integer positions (n,) (NumPy or CuPy): angle p / theta^(2j/hs) at dimension j
+    and at j + hs/2 alike (Llama's `cat(freqs, freqs)`), computed in float64, then cast to dtype."""
+    xp = array_module(positions)
+    if hs % 2:
+        raise ValueError(f"rotary embeddings need an even head size, got {hs}")
+    inv_freq = 1.0 / (float(theta) ** (xp.arange(0, hs, 2, dtype="float64") / hs))   # (hs/2,)
+    angles = positions.astype("float64")[:, None] * inv_freq[None, :]               # (n, hs/2)
+    angles = xp.concatenate([angles, angles], axis=1)                               # (n, hs)
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+
+
+def _rotate_half(x):
+    """[x1, x2] -> [-x2, x1] over the last axis (halves of hs/2): a rotation by 90 degrees in each pair."""
+    xp = array_module(x)
+    half = x.shape[-1] // 2
+    return xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rope_forward(x, cos, sin):
+    """Rotate each pair (j, j + hs/2) of the last axis by its angle: out = x * cos + rotate_half(x) * sin.
+    x (..., S, hs); cos, sin broadcastable to x, e.g. (S, hs), or (B, 1, 1, hs) for one position per row."""
+    out = x * cos
+    out += _rotate_half(x) * sin
+    return out, (cos, sin)
+
+
+def rope_backward(dout, cache):
+    """dx: the inverse rotation of dout (a rotation's transpose is its inverse). The same angle at j and at
+    j + hs/2 lets sin commute with rotate_half, whose transpose is its negative: dx = dout cos - R(dout) sin."""
+    cos, sin = cache
+    dx = dout * cos
+    dx -= _rotate_half(dout) * sin
+    return dx
+
+
+# ---------------------------------------------------------------- swiglu
+
+def _sigmoid(g, xp):
+    """1 / (1 + exp(-g)) without overflow warnings: exp of a non-positive number only."""
+    e = xp.exp(-xp.abs(g))                              # (0, 1]
+    return xp.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(g.dtype, copy=False)
+
+
+def swiglu_forward(gate, up):
+    """out = silu(gate) * up, silu(g) = g * sigmoid(g). gate, up (..., F) -> out (..., F)."""
+    xp = array_module(gate)
+    s = _sigmoid(gate, xp)                              # kept for the backward
+    silu = gate * s
+    return silu * up, (gate, up, s, silu)
+
+
+def swiglu_backward(dout, cache):
+    """dgate, dup (..., F). silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))."""
+    gate, up, s, silu = cache
+    dup = dout * silu
+    dgate = 1.0 - s
+    dgate *= gate
+    dgate += 1.0
+    dgate *= s
+    dgate *= up
+    dgate *= dout
+    return dgate, dup
+
+
+# ---------------------------------------------------------------- grouped-query attention
+
+def group_heads(q, kv_heads: int):
+    """(B, H, S, hs) -> (B, K, H/K, S, hs): the query heads of each key/value head side by side (query head h
+    reads key/value head h // (H/K)); a key/value array (B, K, S, hs) becomes (B, K, 1, S, hs) by [:, :, None].
+    The attention kernels broadcast over the group axis; the backward sums k's and v's gradients over it."""
+    B, H, S, hs = q.shape
+    return q.reshape(B, kv_heads, H // kv_heads, S, hs)
+

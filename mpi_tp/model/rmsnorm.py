@@ -1,0 +1,36 @@
+"""RMSNorm (llama): replicated on every rank of the tensor-parallel group, a weight and no bias."""
+from __future__ import annotations
+
+from mpi_tp.core import kernels_llama as kl
+from mpi_tp.core.module import Module
+from mpi_tp.core.params import make_param
+from mpi_tp.model.layernorm import LayerNorm
+
+
+class RMSNorm(Module):
+    """out = x / sqrt(mean(x^2) + eps) * w over channels, replicated on every rank.
+
+    sp: under sequence parallelism each rank normalises its own positions, so its weight gradient is a
+    partial sum (Param.sp_partial), completed after the backward pass, as LayerNorm's."""
+
+    def __init__(self, name: str, n: int, dtype, eps: float = 1e-5, sp=None):
+        self.weight = make_param(f"{name}/weight", (n,), dtype, init="ones",
+                                 sp_partial=sp is not None and sp.group.size > 1)
+        self.eps = eps
+
+    def forward(self, x):
+        out, cache = kl.rmsnorm_forward(x, self.weight.data, self.eps)
+        self.save_cache(cache)
+        return out
+
+    def backward(self, dout):
+        dx, dw = kl.rmsnorm_backward(dout, *self.take_cache())
+        self.weight.accumulate(dw)
+        return dx
+
+
+def make_norm(name: str, cfg, dtype, sp=None):
+    """The architecture's normalisation: LayerNorm (gpt2) or RMSNorm (llama), eps = cfg.norm_eps."""
+    if cfg.llama:
+        return RMSNorm(name, cfg.n_embd, dtype, cfg.norm_eps, sp)
+    return LayerNorm(name, cfg.n_embd, dtype, cfg.norm_eps, sp)
