@@ -1,7 +1,14 @@
-"""Hugging Face GPT-2 folders against transformers itself: the same logits (float64, < 1e-9) from the folder
-and from its import at every tensor-parallel size of the pass (5 heads and vocabulary 97: uneven at 2, 3
-and 4 ranks; the MLP's 80 columns at 3), the same greedy tokens, a checkpoint trained at tp 2 x dp 2 and
-exported that transformers loads with mpi_tp's loss, and one line for each model mpi_tp does not compute.
+"""Hugging Face GPT-2 and Llama folders against transformers itself.
+
+GPT-2: the same logits (float64, < 1e-9) from the folder and from its import at every tensor-parallel
+size of the pass (5 heads and vocabulary 97: uneven at 2, 3 and 4 ranks; the MLP's 80 columns at 3, a
+50-wide n_inner at 3 and 4), the same greedy tokens, a checkpoint trained at tp 2 x dp 2 and exported
+that transformers loads with mpi_tp's loss. Llama (grouped-query attention: 6 query heads over 3 or 2
+key/value heads, split at 2 and 3 ranks, replicated at 4; tied and untied): each rank's shard is its
+slice of the folder's (transposed) tensor, the logits equal the serial model's (< 1e-10) and
+transformers' to float32's rounding (< 1e-6: transformers computes RMSNorm and the rotary angles in
+float32 whatever the model's dtype); a trained Llama checkpoint exported loads in transformers.
+And one line for each model mpi_tp does not compute.
 
 The oracle (transformers and torch, `pip install -e '.[hf-oracle]'`) runs on rank 0 only; without it those
 tests skip and the rest (folders written here with safetensors alone: round trips, bfloat16, refusals)
@@ -12,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -37,19 +45,31 @@ needs_oracle = pytest.mark.skipif(not ORACLE, reason="the transformers oracle is
                                   "(pip install -e '.[hf-oracle]': transformers, torch==2.13.0 CPU build)")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 SIZES = dict(vocab_size=97, n_positions=32, n_embd=20, n_layer=2, n_head=5)     # uneven at 2, 3, 4 ranks
+LLAMA_SIZES = dict(vocab_size=97, max_position_embeddings=32, hidden_size=24, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=3, intermediate_size=40, rope_theta=500.0,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False)
 CFG = GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=5, n_embd=20)
+LLAMA = GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=6, n_embd=24, arch="llama", n_kv_head=3,
+                  intermediate_size=40, rope_theta=500.0, norm_eps=1e-6, tie_word_embeddings=False)
 TOL = 1e-9
+LLAMA_TOL = 1e-6          # transformers' Llama: RMSNorm and rotary angles in float32 (see the docstring)
 
 
 # ---------------------------------------------------------------- folders
 
-def transformers_folder(path, shard_kb=None, seed=0):
-    """A random-weight GPT2LMHeadModel in float64 saved by save_pretrained (sharded under shard_kb);
-    every parameter moved off its initial value (biases, LayerNorms too), so each mapping is exercised."""
+def transformers_folder(path, shard_kb=None, seed=0, arch="gpt2", **overrides):
+    """A random-weight GPT2LMHeadModel (or LlamaForCausalLM) in float64 saved by save_pretrained (sharded
+    under shard_kb); every parameter moved off its initial value (biases and norms too), so each mapping is
+    exercised. overrides: config.json's settings."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**SIZES, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{**LLAMA_SIZES, **overrides}, bos_token_id=None, eos_token_id=None)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(**{**SIZES, **overrides}, bos_token_id=None, eos_token_id=None)
+        model = transformers.GPT2LMHeadModel(config)
     model = model.double().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -113,30 +133,59 @@ IDS = np.random.default_rng(7).integers(0, 97, (3, 32))
 LENGTHS = (1, 2, 3, 4, 17, 32)                  # 32 = n_positions: every row of wpe
 
 
-def oracle_logits(model):
+def oracle_logits(model, lengths=LENGTHS):
     import torch
     with torch.no_grad():
-        return {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in LENGTHS}
+        return {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in lengths}
+
+
+def check_shards(model, serial, world):
+    """Each rank's shard is its slice of the whole tensor (the serial model's, read from the same folder)."""
+    whole = {p.name: p.data for p in serial.parameters()}
+    ok = all(np.array_equal(p.data, whole[p.name][p.index()]) for p in model.parameters())
+    assert all_true(ok, world), "a rank's shard is not its slice of the folder's tensor"
 
 
 # ---------------------------------------------------------------- against transformers, at the pass's size
 
+GPT2_VARIANTS = {"one-file": (None, {}), "sharded": (20, {}),
+                 "n_inner-eps": (None, {"n_inner": 50, "layer_norm_epsilon": 1e-6})}
+
+
 @needs_oracle
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("shard_kb", [None, 20], ids=["one-file", "sharded"])
-def test_logits_from_folder_equal_transformers(world, shared_dir, shard_kb):
+@pytest.mark.parametrize("variant", list(GPT2_VARIANTS))
+def test_logits_from_folder_equal_transformers(world, shared_dir, variant):
+    shard_kb, overrides = GPT2_VARIANTS[variant]
     folder = os.path.join(shared_dir, "gpt2")
-    ref = world.bcast(oracle_logits(transformers_folder(folder, shard_kb)) if world.Get_rank() == 0 else None)
+    ref = world.bcast(oracle_logits(transformers_folder(folder, shard_kb, **overrides))
+                      if world.Get_rank() == 0 else None)
     files = sorted(os.listdir(folder))
     assert ("model.safetensors.index.json" in files) == bool(shard_kb), files
     model = loaded(folder, Topology.create(world))
-    serial = loaded(folder, Topology.serial())                # every rank: the whole tensors
-    whole = {p.name: p.data for p in serial.parameters()}
-    ok = all(np.array_equal(p.data, whole[p.name][p.index()]) for p in model.parameters())
-    assert all_true(ok, world), "a rank's shard is not its slice of the folder's tensor"
+    check_shards(model, loaded(folder, Topology.serial()), world)
     for S in LENGTHS:
         assert_close(model.full_logits(IDS[:, :S]), ref[S], TOL, f"logits at S={S}, tp={world.Get_size()}",
                      scale=1.0, comm=world)
+
+
+@needs_oracle
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kv, tied", [(3, False), (2, True)], ids=["K3-untied", "K2-tied"])
+def test_llama_logits_from_folder(world, shared_dir, kv, tied):
+    folder = os.path.join(shared_dir, "llama")
+    ref = world.bcast(oracle_logits(transformers_folder(folder, 20, arch="llama", num_key_value_heads=kv,
+                                                        tie_word_embeddings=tied), (1, 3, 32))
+                      if world.Get_rank() == 0 else None)
+    model, serial = loaded(folder, Topology.create(world)), loaded(folder, Topology.serial())
+    assert model.cfg.llama and model.cfg.kv_heads == kv and model.cfg.tied == tied
+    assert ("lm_head" in {p.name for p in serial.parameters()}) != tied
+    check_shards(model, serial, world)
+    for S in (1, 3, 32):
+        logits = model.full_logits(IDS[:, :S])
+        assert_close(logits, serial.full_logits(IDS[:, :S]), 1e-10, f"tp={world.Get_size()} against tp=1, S={S}",
+                     scale=1.0, comm=world)
+        assert_close(logits, ref[S], LLAMA_TOL, f"against transformers, S={S}", comm=world)
 
 
 @needs_oracle
@@ -180,10 +229,13 @@ def test_greedy_generation_equals_transformers(world, shared_dir):
 # ---------------------------------------------------------------- with safetensors alone
 
 @pytest.mark.mpi(min_size=1)
-def test_numpy_folder_round_trip(world, shared_dir):
-    """A folder -> an import at this size -> export -> the same tensors, bit for bit (one file and shards)."""
+@pytest.mark.parametrize("cfg", [CFG, LLAMA, replace(LLAMA, n_kv_head=1, tie_word_embeddings=True)],
+                         ids=["gpt2", "llama", "llama-K1-tied"])
+def test_numpy_folder_round_trip(world, shared_dir, cfg):
+    """A folder -> an import at this size -> export -> the same tensors, bit for bit (one file and shards);
+    with K = 1 every rank holds a replica of the key/value head, written once."""
     folder, out = os.path.join(shared_dir, "np"), os.path.join(shared_dir, "imported")
-    values = world.bcast(numpy_folder(folder) if world.Get_rank() == 0 else None)
+    values = world.bcast(numpy_folder(folder, cfg) if world.Get_rank() == 0 else None)
     world.Barrier()
     import_folder(folder, out, world)
     ok = True
@@ -232,19 +284,29 @@ def test_original_gpt2_names_and_buffers(tmp_path):
 
 
 REFUSED_CONFIGS = [
-    ({"model_type": "llama"}, "model_type 'llama'"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
     ({"activation_function": "relu"}, "activation_function 'relu'"),
     ({"activation_function": "gelu"}, "activation_function 'gelu'"),
-    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon 1e-06"),
+    ({"layer_norm_epsilon": -1}, "layer_norm_epsilon = -1"),
     ({"scale_attn_weights": False}, "scale_attn_weights = false"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = true"),
     ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn = true"),
     ({"add_cross_attention": True}, "add_cross_attention = true"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings = false"),
-    ({"n_inner": 32}, "n_inner = 32"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"architectures": ["GPT2DoubleHeadsModel"]}, "GPT2DoubleHeadsModel"),
     ({"n_head": 3}, "n_head = 3 must divide n_embd = 20"),
+]
+REFUSED_LLAMA = [
+    ({"hidden_act": "gelu"}, "hidden_act = \"gelu\""),
+    ({"attention_bias": True}, "attention_bias = true"),
+    ({"mlp_bias": True}, "mlp_bias = true"),
+    ({"pretraining_tp": 2}, "pretraining_tp = 2"),
+    ({"head_dim": 8}, "head_dim = 8"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_parameters"),
+    ({"num_key_value_heads": 4}, "n_kv_head = 4 must be a positive integer dividing n_head = 6"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
 ]
 REFUSED_TENSORS = [
     ({"transformer.h.0.mlp.c_fc.extra_bias": np.zeros(80)}, "holds transformer.h.0.mlp.c_fc.extra_bias"),
@@ -260,6 +322,21 @@ def test_unsupported_config_is_one_line(tmp_path, config, message):
     with pytest.raises(UserError) as e:
         HFFolder(str(tmp_path / "m"))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("config, message", REFUSED_LLAMA, ids=[m for _, m in REFUSED_LLAMA])
+def test_unsupported_llama_config_is_one_line(tmp_path, config, message):
+    numpy_folder(str(tmp_path / "m"), LLAMA, config=config)
+    with pytest.raises(UserError) as e:
+        HFFolder(str(tmp_path / "m"))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_llama_bias_where_none_is_expected(tmp_path):
+    numpy_folder(str(tmp_path / "m"), LLAMA, tensors={"model.layers.1.self_attn.q_proj.bias": np.zeros(24)})
+    with pytest.raises(HFConfigError, match="holds model.layers.1.self_attn.q_proj.bias, which mpi_tp's llama "
+                                            "model has no place for"):
+        HFFolder(str(tmp_path / "m"))
 
 
 @pytest.mark.parametrize("tensors, message", REFUSED_TENSORS, ids=[m for _, m in REFUSED_TENSORS])
@@ -316,30 +393,37 @@ def test_import_hf_eval_generate_and_init_from(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "activation_function 'relu'" in r.stderr
 
 
+TRAINED = {"gpt2": (["--n-head", "3"], "GPT2LMHeadModel", TOL),
+           "llama": (["--arch", "llama", "--n-head", "4", "--n-kv-head", "1"], "LlamaForCausalLM", LLAMA_TOL)}
+
+
 @needs_oracle
 @needs_mpiexec
-def test_trained_tp2_dp2_exported_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("arch", list(TRAINED))
+def test_trained_tp2_dp2_exported_loads_in_transformers(tmp_path, arch):
+    """Llama: one key/value head, a replica on each tensor-parallel rank (written once)."""
     import torch
     from transformers import AutoModelForCausalLM
+    options, kind, tol = TRAINED[arch]
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
     r = mpirun(4, "train", "--tp", "2", "--dp", "2", "--dtype", "float64", "--steps", "3", "--n-layer", "2",
-               "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "2", "--eval-batches",
-               "1", "--sample-len", "0", "--out", run)
+               *options, "--n-embd", "24", "--block-size", "16", "--batch-size", "2", "--eval-batches", "1",
+               "--sample-len", "0", "--out", run)
     assert r.returncode == 0, r.stderr
     root = os.path.join(run, "checkpoints")
     r = mpirun(1, "export", root, out, "--format", "hf")
-    assert r.returncode == 0 and "model.safetensors" in r.stdout, r.stderr
+    assert r.returncode == 0 and "model.safetensors" in r.stdout and kind in r.stdout, r.stderr
     r = mpirun(1, "export", root, out, "--format", "hf")
     assert r.returncode == 2 and "exists already: pass --overwrite" in r.stderr
     assert mpirun(1, "export", root, out, "--format", "hf", "--overwrite").returncode == 0
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert hf.dtype == torch.float64 and type(hf).__name__ == "GPT2LMHeadModel"
+    assert hf.dtype == torch.float64 and type(hf).__name__ == kind
     x = np.random.default_rng(0).integers(0, 256, (4, 16))
     with torch.no_grad():
         out = hf(torch.tensor(x), labels=torch.tensor(x))                      # mean over the targets x[:, 1:]
         logits = out.logits[:, :-1]                                            # float64
         theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), torch.tensor(x[:, 1:]).reshape(-1))
     ours = loaded(root, Topology.serial()).forward(x[:, :-1], x[:, 1:])
-    assert abs(theirs.item() - ours) <= TOL * abs(ours), (theirs.item(), ours)
+    assert abs(theirs.item() - ours) <= tol * abs(ours), (theirs.item(), ours)
     # transformers' own loss takes the logits to float32 first (ForCausalLMLoss): equal to float32's rounding
     assert abs(out.loss.item() - ours) <= 1e-6 * abs(ours), (out.loss.item(), ours)

@@ -1,4 +1,4 @@
-"""Hugging Face models in and out: `import-hf` (a GPT-2 folder -> a sharded mpi_tp checkpoint) and
+"""Hugging Face models in and out: `import-hf` (a GPT-2 or Llama folder -> a sharded mpi_tp checkpoint) and
 `export --format hf` (a checkpoint -> a folder transformers loads).
 
     mpiexec -n 2 mpi-tp import-hf gpt2-folder runs/gpt2/checkpoints     # shards at tp = 2
@@ -67,13 +67,14 @@ def export_hf(args) -> int:
     """`mpi-tp export CKPT OUT --format hf` (rank 0)."""
     with ckpt_io.Checkpoint(args.checkpoint) as ck:
         files = export(ck, args.out, args.overwrite, int(args.max_shard_mb * 10**6))
-    print(f"wrote {args.out}: {', '.join(files)} (Hugging Face GPT-2) from {ck.dir} (step {ck.step})")
+    kind = "LlamaForCausalLM" if ck.meta["config"].get("arch") == "llama" else "GPT2LMHeadModel"
+    print(f"wrote {args.out}: {', '.join(files)} (Hugging Face {kind}) from {ck.dir} (step {ck.step})")
     return 0
 
 
 def add_parser(sub) -> None:
-    i = sub.add_parser("import-hf", help="a Hugging Face GPT-2 folder as a sharded mpi_tp checkpoint",
-                       description="Read a Hugging Face GPT-2 folder (config.json, model.safetensors or its "
+    i = sub.add_parser("import-hf", help="a Hugging Face GPT-2 or Llama folder as a sharded mpi_tp checkpoint",
+                       description="Read a Hugging Face GPT-2 or Llama folder (config.json, model.safetensors or its "
                                    "shards) and write it as an mpi_tp checkpoint at tensor-parallel size = "
                                    "world size: mpiexec -n T mpi-tp import-hf FOLDER OUT. Each rank reads "
                                    "only its slices.")
@@ -89,7 +90,7 @@ def add_parser(sub) -> None:
 def add_export_arguments(x) -> None:
     """export's options for --format hf."""
     x.add_argument("--format", choices=["h5", "npz", "hf"], help="h5 or npz: one file of full tensors "
-                   "(default: by OUT's extension); hf: a Hugging Face GPT-2 folder (config.json and "
+                   "(default: by OUT's extension); hf: a Hugging Face folder, GPT-2 or Llama (config.json and "
                    "model.safetensors) that transformers loads")
     x.add_argument("--max-shard-mb", type=float, default=DEFAULT_SHARD_BYTES / 10**6,
                    help="--format hf: cut model.safetensors into shards of at most this many MB "

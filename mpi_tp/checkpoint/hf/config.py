@@ -1,21 +1,32 @@
 """A Hugging Face config.json as an mpi_tp GPTConfig and back, and a refusal for whatever mpi_tp does not compute.
 
-GPT-2 (transformers' GPT2Config, model_type "gpt2") maps field by field:
+GPT-2 (GPT2Config, model_type "gpt2"), arch "gpt2":
 
     config.json                      GPTConfig / what mpi_tp computes
     n_embd, n_head, n_layer          n_embd, n_head, n_layer
     n_positions                      block_size (the rows of wpe)
     vocab_size                       vocab_size (kept: 50257 for a real GPT-2; ids in, logits out)
-    n_inner: null                    the MLP is 4 n_embd wide
+    n_inner (null: 4 n_embd)         intermediate_size (the MLP's width)
+    layer_norm_epsilon               norm_eps
     activation_function              gelu_new or gelu_pytorch_tanh: the tanh GELU (kernels.gelu_forward)
-    layer_norm_epsilon: 1e-5         LayerNorm's eps
     scale_attn_weights: true         softmax(q k^T / sqrt(hs))
     tie_word_embeddings: true        the output layer is wte (no lm_head of its own)
-    resid/embd/attn_pdrop           dropout (training only; one rate for the three sites, mpi_tp's too)
+    resid/embd/attn_pdrop            dropout (training only; one rate for the three sites, mpi_tp's too)
 
-Anything else that changes the numbers (another model type, activation, epsilon, attention scaling,
-biases, rope scaling, cross-attention, an untied head) is refused with one line naming it: a model
-that loads must compute what transformers computes.
+Llama (LlamaConfig, model_type "llama"), arch "llama":
+
+    hidden_size, num_attention_heads, num_hidden_layers     n_embd, n_head, n_layer
+    num_key_value_heads (null: the heads)                   n_kv_head (grouped-query attention)
+    intermediate_size                                       intermediate_size (SwiGLU's width)
+    max_position_embeddings                                 block_size (the longest sequence)
+    rope_theta (transformers 5: rope_parameters.rope_theta) rope_theta; rope_type "default" only
+    rms_norm_eps                                            norm_eps
+    tie_word_embeddings                                     tie_word_embeddings (false: lm_head)
+    hidden_act: silu; attention_bias, mlp_bias: false; head_dim: hidden_size / num_attention_heads
+
+Anything else that changes the numbers (another model type, activation, attention scaling, biases,
+rope scaling, cross-attention, ...) is refused with one line naming it: a model that loads must
+compute what transformers computes.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.model.config import GPTConfig
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-LAYER_NORM_EPS = 1e-5                            # mpi_tp.model.layernorm.LayerNorm's
+ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel")}
 
 
 class HFConfigError(CheckpointError):
@@ -49,61 +60,119 @@ def _refuse(folder: str, what: str) -> HFConfigError:
     return HFConfigError(f"Hugging Face model {folder}: {what}")
 
 
-def gpt_config(hf: dict, folder: str = "") -> GPTConfig:
-    """GPTConfig of a GPT-2 config.json, or one HFConfigError naming the first setting mpi_tp lacks."""
-    kind = hf.get("model_type")
-    if kind != "gpt2":
-        raise _refuse(folder, f"model_type {kind!r} is not supported (mpi_tp imports 'gpt2')")
-    arch = hf.get("architectures") or ["GPT2LMHeadModel"]
-    if not set(arch) <= {"GPT2LMHeadModel", "GPT2Model"}:
-        raise _refuse(folder, f"architectures {arch} are not supported (mpi_tp imports GPT2LMHeadModel)")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in GELU_TANH:
-        raise _refuse(folder, f"activation_function {act!r} is not supported (mpi_tp's GELU is the tanh "
-                              f"approximation: {' or '.join(GELU_TANH)})")
-    eps = hf.get("layer_norm_epsilon", LAYER_NORM_EPS)
-    if eps != LAYER_NORM_EPS:
-        raise _refuse(folder, f"layer_norm_epsilon {eps} is not supported (mpi_tp's LayerNorm uses {LAYER_NORM_EPS})")
-    # (key, the value mpi_tp computes, what it means)
-    for key, want, meaning in (("scale_attn_weights", True, "attention scaled by 1/sqrt(head size)"),
-                               ("scale_attn_by_inverse_layer_idx", False, "no extra 1/(layer+1) scaling"),
-                               ("reorder_and_upcast_attn", False, "attention in the model's dtype"),
-                               ("add_cross_attention", False, "no cross-attention"),
-                               ("tie_word_embeddings", True, "the output layer is the tied wte")):
-        if hf.get(key, want) != want:
+def _require(hf: dict, folder: str, settings) -> None:
+    """settings: (key, the value mpi_tp computes, what that means); a key absent counts as that value."""
+    for key, want, meaning in settings:
+        if key in hf and hf[key] != want:
             raise _refuse(folder, f"{key} = {json.dumps(hf[key])} is not supported (mpi_tp computes {key} = "
                                   f"{json.dumps(want)}: {meaning})")
-    n_embd = hf.get("n_embd")
-    inner = hf.get("n_inner")
-    if inner is not None and inner != 4 * (n_embd or 0):
-        raise _refuse(folder, f"n_inner = {inner} is not supported (mpi_tp's MLP is 4 n_embd = "
-                              f"{4 * (n_embd or 0)} wide)")
-    if hf.get("rope_scaling") is not None:
-        raise _refuse(folder, f"rope_scaling {hf['rope_scaling']} is not supported")
+
+
+def _sizes(hf: dict, folder: str, names) -> dict:
+    """{our field: config.json's positive integer} for names = ((ours, theirs), ...)."""
     sizes = {}
-    for ours, theirs in (("vocab_size", "vocab_size"), ("block_size", "n_positions"), ("n_layer", "n_layer"),
-                         ("n_head", "n_head"), ("n_embd", "n_embd")):
+    for ours, theirs in names:
         value = hf.get(theirs)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise _refuse(folder, f"{theirs} = {value!r}: config.json needs a positive integer")
         sizes[ours] = value
-    drops = {hf.get(k, 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
-    dropout = drops.pop() if len(drops) == 1 else 0.0     # training only (not compared on load)
-    cfg = GPTConfig(**sizes, dropout=float(dropout) if 0 <= dropout < 1 else 0.0)
+    return sizes
+
+
+def _eps(hf: dict, folder: str, key: str) -> float:
+    value = hf.get(key, 1e-5)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _refuse(folder, f"{key} = {value!r}: config.json needs a positive number")
+    return float(value)
+
+
+def gpt_config(hf: dict, folder: str = "") -> GPTConfig:
+    """GPTConfig of a GPT-2 or Llama config.json, or one HFConfigError naming the first setting mpi_tp lacks."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise _refuse(folder, f"model_type {kind!r} is not supported (mpi_tp imports {' and '.join(ARCHITECTURES)})")
+    arch = hf.get("architectures") or [ARCHITECTURES[kind][0]]
+    if not set(arch) <= set(ARCHITECTURES[kind]):
+        raise _refuse(folder, f"architectures {arch} are not supported (mpi_tp imports {ARCHITECTURES[kind][0]})")
+    if hf.get("rope_scaling") is not None:
+        raise _refuse(folder, f"rope_scaling {json.dumps(hf['rope_scaling'])} is not supported")
+    cfg = _llama(hf, folder) if kind == "llama" else _gpt2(hf, folder)
     cfg.validate()
     return cfg
 
 
+def _gpt2(hf: dict, folder: str) -> GPTConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GELU_TANH:
+        raise _refuse(folder, f"activation_function {act!r} is not supported (mpi_tp's GELU is the tanh "
+                              f"approximation: {' or '.join(GELU_TANH)})")
+    _require(hf, folder, (("scale_attn_weights", True, "attention scaled by 1/sqrt(head size)"),
+                          ("scale_attn_by_inverse_layer_idx", False, "no extra 1/(layer+1) scaling"),
+                          ("reorder_and_upcast_attn", False, "attention in the model's dtype"),
+                          ("add_cross_attention", False, "no cross-attention"),
+                          ("tie_word_embeddings", True, "GPT-2's output layer is the tied wte")))
+    sizes = _sizes(hf, folder, (("vocab_size", "vocab_size"), ("block_size", "n_positions"),
+                                ("n_layer", "n_layer"), ("n_head", "n_head"), ("n_embd", "n_embd")))
+    inner = hf.get("n_inner")
+    if inner is not None:
+        inner = _sizes(hf, folder, (("n_inner", "n_inner"),))["n_inner"]
+    drops = {hf.get(k, 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    dropout = drops.pop() if len(drops) == 1 else 0.0     # training only (not compared on load)
+    return GPTConfig(**sizes, arch="gpt2", intermediate_size=None if inner == 4 * sizes["n_embd"] else inner,
+                     norm_eps=_eps(hf, folder, "layer_norm_epsilon"),
+                     dropout=float(dropout) if isinstance(dropout, (int, float)) and 0 <= dropout < 1 else 0.0)
+
+
+def _llama(hf: dict, folder: str) -> GPTConfig:
+    _require(hf, folder, (("hidden_act", "silu", "SwiGLU's gate is silu"),
+                          ("attention_bias", False, "q, k, v and o without biases"),
+                          ("mlp_bias", False, "gate, up and down without biases"),
+                          ("pretraining_tp", 1, "each linear layer in one product"),
+                          ("partial_rotary_factor", 1.0, "every dimension of a head rotated")))
+    rope = hf.get("rope_parameters") or {}          # transformers 5 keeps rope_theta and rope_type here
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or \
+            set(rope) - {"rope_type", "rope_theta", "partial_rotary_factor"} or \
+            rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(folder, f"rope_parameters {json.dumps(rope)} are not supported (mpi_tp rotates by the "
+                              "default rope: rope_type 'default', a rope_theta)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    sizes = _sizes(hf, folder, (("vocab_size", "vocab_size"), ("block_size", "max_position_embeddings"),
+                                ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
+                                ("n_embd", "hidden_size"), ("intermediate_size", "intermediate_size")))
+    C, H = sizes["n_embd"], sizes["n_head"]
+    if hf.get("head_dim") not in (None, C // H) or C % H:
+        raise _refuse(folder, f"head_dim = {hf.get('head_dim')} is not supported (mpi_tp's head size is "
+                              f"hidden_size / num_attention_heads = {C} / {H})")
+    kv = hf.get("num_key_value_heads")
+    kv = sizes["n_head"] if kv is None else _sizes(hf, folder, (("kv", "num_key_value_heads"),))["kv"]
+    tied = hf.get("tie_word_embeddings", False)     # LlamaConfig's default
+    if not isinstance(tied, bool):
+        raise _refuse(folder, f"tie_word_embeddings = {tied!r}: config.json needs true or false")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise _refuse(folder, f"rope_theta = {theta!r}: config.json needs a positive number")
+    dropout = hf.get("attention_dropout", 0.0)
+    return GPTConfig(**sizes, arch="llama", n_kv_head=kv, rope_theta=float(theta),
+                     norm_eps=_eps(hf, folder, "rms_norm_eps"), tie_word_embeddings=tied,
+                     dropout=float(dropout) if isinstance(dropout, (int, float)) and 0 <= dropout < 1 else 0.0)
+
+
 def hf_config(cfg: GPTConfig, dtype: str) -> dict:
-    """The config.json of GPT2LMHeadModel for an mpi_tp GPTConfig (a dense one: export refuses MoE)."""
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": LAYER_NORM_EPS,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "add_cross_attention": False, "tie_word_embeddings": True, "initializer_range": 0.02,
-        "bos_token_id": None, "eos_token_id": None, "use_cache": True,
-        "dtype": dtype, "torch_dtype": dtype,        # transformers 5 reads dtype, 4 torch_dtype
-    }
+    """The config.json of GPT2LMHeadModel or LlamaForCausalLM for an mpi_tp GPTConfig (a dense one: export
+    refuses mixtures of experts)."""
+    common = {"vocab_size": cfg.vocab_size, "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None,
+              "use_cache": True, "dtype": dtype, "torch_dtype": dtype}    # transformers 5 reads dtype, 4 torch_dtype
+    if cfg.llama:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layer,
+                "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
+                "head_dim": cfg.n_embd // cfg.n_head, "max_position_embeddings": cfg.block_size,
+                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+                "attention_dropout": cfg.dropout, "tie_word_embeddings": cfg.tied}
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_inner": cfg.intermediate_size, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "add_cross_attention": False, "tie_word_embeddings": True}

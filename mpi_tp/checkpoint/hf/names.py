@@ -1,7 +1,7 @@
 """Which Hugging Face tensor holds each mpi_tp parameter, and where in it.
 
 GPT2LMHeadModel (P = "transformer.", or "" in a folder saved from GPT2Model, such as the
-original gpt2 release), C = n_embd, for each block N:
+original gpt2 release), C = n_embd, H = n_head, K = n_kv_head, hs = C / H, for each block N:
 
     mpi_tp name (shape)            Hugging Face tensor (shape)               part
     wte (V, C)                     P wte.weight (V, C)                       whole
@@ -14,9 +14,9 @@ original gpt2 release), C = n_embd, for each block N:
     h/N/attn/proj/weight (C, C)    P h.N.attn.c_proj.weight (C, C)           whole
     h/N/attn/proj/bias (C,)        P h.N.attn.c_proj.bias (C,)               whole
     h/N/ln_2/{weight,bias} (C,)    P h.N.ln_2.{weight,bias} (C,)             whole
-    h/N/mlp/fc/weight (C, 4C)      P h.N.mlp.c_fc.weight (C, 4C)             whole
-    h/N/mlp/fc/bias (4C,)          P h.N.mlp.c_fc.bias (4C,)                 whole
-    h/N/mlp/proj/weight (4C, C)    P h.N.mlp.c_proj.weight (4C, C)           whole
+    h/N/mlp/fc/weight (C, F)       P h.N.mlp.c_fc.weight (C, F)              whole (F = n_inner, or 4C)
+    h/N/mlp/fc/bias (F,)           P h.N.mlp.c_fc.bias (F,)                  whole
+    h/N/mlp/proj/weight (F, C)     P h.N.mlp.c_proj.weight (F, C)            whole
     h/N/mlp/proj/bias (C,)         P h.N.mlp.c_proj.bias (C,)                whole
     ln_f/{weight,bias} (C,)        P ln_f.{weight,bias} (C,)                 whole
     (the tied output layer)        lm_head.weight (V, C): wte; not read, not written
@@ -25,6 +25,27 @@ No transposition: GPT-2's Conv1D stores its weight (in, out) and computes x @ W 
 mpi_tp's linear layers do (y = x @ A + b, A (in, out)); the embeddings are (rows, C) in both.
 The q|k|v order of c_attn's columns is that of transformers' split(n_embd, dim=2), and within
 each part head h holds columns [h hs, (h + 1) hs), as mpi_tp's head split assumes.
+
+LlamaForCausalLM (P = "model.", or "" from LlamaModel), for each block N (mpi_tp.model.llama has the shapes):
+
+    mpi_tp name (shape)            Hugging Face tensor (shape)               part
+    wte (V, C)                     P embed_tokens.weight (V, C)              whole
+    h/N/ln_1/weight (C,)           P layers.N.input_layernorm.weight         whole
+    h/N/attn/q/weight (C, H hs)    P layers.N.self_attn.q_proj.weight (H hs, C)    transposed
+    h/N/attn/k/weight (C, K hs)    P layers.N.self_attn.k_proj.weight (K hs, C)    transposed
+    h/N/attn/v/weight (C, K hs)    P layers.N.self_attn.v_proj.weight (K hs, C)    transposed
+    h/N/attn/proj/weight (H hs, C) P layers.N.self_attn.o_proj.weight (C, H hs)    transposed
+    h/N/ln_2/weight (C,)           P layers.N.post_attention_layernorm.weight      whole
+    h/N/mlp/gate/weight (C, F)     P layers.N.mlp.gate_proj.weight (F, C)    transposed
+    h/N/mlp/up/weight (C, F)       P layers.N.mlp.up_proj.weight (F, C)      transposed
+    h/N/mlp/down/weight (F, C)     P layers.N.mlp.down_proj.weight (C, F)    transposed
+    ln_f/weight (C,)               P norm.weight (C,)                        whole
+    lm_head (V, C)                 lm_head.weight (V, C)                     whole; absent when tied (wte serves)
+
+torch.nn.Linear stores (out, in) and computes x W^T: each linear weight is the transpose of
+mpi_tp's (in, out). A rank's column shard of q (its heads) is a block of q_proj's rows, so a
+shard is still one contiguous read. The rotary pairing (rotate_half) and the head order are
+transformers' own (mpi_tp.model.llama): no permutation of q_proj or k_proj.
 
 A `Piece` says where an mpi_tp tensor lies in a Hugging Face one: the tensor, the axis along
 which it is one part of several (None: it is the whole tensor), the part's offset on that
@@ -37,10 +58,20 @@ from dataclasses import dataclass
 
 from mpi_tp.model.config import GPTConfig
 
-# Tensors of a GPT-2 folder that hold no parameter: the causal-mask buffers older transformers saved
-# ("h.N.attn.bias" (1, 1, n_positions, n_positions), "h.N.attn.masked_bias"), and the tied head.
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+# Tensors that hold no parameter: the causal-mask buffers older transformers saved in GPT-2 folders
+# ("h.N.attn.bias" (1, 1, n_positions, n_positions), "h.N.attn.masked_bias"), the rotary frequencies older
+# Llama folders hold ("layers.N.self_attn.rotary_emb.inv_freq"), and the head of a tied model.
+IGNORED_SUFFIXES = {"gpt2": (".attn.bias", ".attn.masked_bias"), "llama": (".rotary_emb.inv_freq",)}
 TIED_HEAD = "lm_head.weight"
+# The prefixes a folder's names may carry (the *ForCausalLM's, or none: saved from the bare model), and the
+# token table's name after it, by which the prefix is recognised.
+PREFIXES = {"gpt2": (("transformer.", ""), "wte.weight"), "llama": (("model.", ""), "embed_tokens.weight")}
+LLAMA_LAYER = {                 # mpi_tp name in block N -> (LlamaForCausalLM's in layers.N, transposed)
+    "ln_1/weight": ("input_layernorm.weight", False), "attn/q/weight": ("self_attn.q_proj.weight", True),
+    "attn/k/weight": ("self_attn.k_proj.weight", True), "attn/v/weight": ("self_attn.v_proj.weight", True),
+    "attn/proj/weight": ("self_attn.o_proj.weight", True), "ln_2/weight": ("post_attention_layernorm.weight", False),
+    "mlp/gate/weight": ("mlp.gate_proj.weight", True), "mlp/up/weight": ("mlp.up_proj.weight", True),
+    "mlp/down/weight": ("mlp.down_proj.weight", True)}
 
 
 @dataclass(frozen=True)
@@ -69,9 +100,33 @@ def gpt2_pieces(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, Piece
     return out
 
 
-def hf_shapes(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, tuple]:
-    """Every Hugging Face tensor a GPT-2 folder of this configuration holds (lm_head left out): its shape."""
-    C, V, S = cfg.n_embd, cfg.vocab_size, cfg.block_size
+def llama_pieces(cfg: GPTConfig, prefix: str = "model.") -> dict[str, Piece]:
+    """mpi_tp parameter name -> its Piece of a LlamaForCausalLM folder, for every parameter of the model."""
+    out = {"wte": Piece(f"{prefix}embed_tokens.weight", None), "ln_f/weight": Piece(f"{prefix}norm.weight", None)}
+    for n in range(cfg.n_layer):
+        for ours, (theirs, transposed) in LLAMA_LAYER.items():
+            out[f"h/{n}/{ours}"] = Piece(f"{prefix}layers.{n}.{theirs}", None, transposed=transposed)
+    if not cfg.tied:
+        out["lm_head"] = Piece(TIED_HEAD, None)
+    return out
+
+
+def pieces(cfg: GPTConfig, prefix: str | None = None) -> dict[str, Piece]:
+    """mpi_tp parameter name -> its Piece, for the configuration's architecture (prefix None: the usual one)."""
+    prefix = PREFIXES[cfg.arch][0][0] if prefix is None else prefix
+    return llama_pieces(cfg, prefix) if cfg.llama else gpt2_pieces(cfg, prefix)
+
+
+def hf_shapes(cfg: GPTConfig, prefix: str | None = None) -> dict[str, tuple]:
+    """Every Hugging Face tensor a folder of this configuration holds (a tied lm_head left out): its shape,
+    in the model's order."""
+    prefix = PREFIXES[cfg.arch][0][0] if prefix is None else prefix
+    if cfg.llama:
+        from mpi_tp.model.llama import parameter_shapes
+        table = llama_pieces(cfg, prefix)
+        return {table[name].tensor: tuple(reversed(shape)) if table[name].transposed else tuple(shape)
+                for name, shape in parameter_shapes(cfg).items()}
+    C, V, S, F = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.ffn
     shapes = {f"{prefix}wte.weight": (V, C), f"{prefix}wpe.weight": (S, C),
               f"{prefix}ln_f.weight": (C,), f"{prefix}ln_f.bias": (C,)}
     for n in range(cfg.n_layer):
@@ -79,8 +134,8 @@ def hf_shapes(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, tuple]:
         shapes.update({f"{h}.ln_1.weight": (C,), f"{h}.ln_1.bias": (C,), f"{h}.ln_2.weight": (C,),
                        f"{h}.ln_2.bias": (C,), f"{h}.attn.c_attn.weight": (C, 3 * C),
                        f"{h}.attn.c_attn.bias": (3 * C,), f"{h}.attn.c_proj.weight": (C, C),
-                       f"{h}.attn.c_proj.bias": (C,), f"{h}.mlp.c_fc.weight": (C, 4 * C),
-                       f"{h}.mlp.c_fc.bias": (4 * C,), f"{h}.mlp.c_proj.weight": (4 * C, C),
+                       f"{h}.attn.c_proj.bias": (C,), f"{h}.mlp.c_fc.weight": (C, F),
+                       f"{h}.mlp.c_fc.bias": (F,), f"{h}.mlp.c_proj.weight": (F, C),
                        f"{h}.mlp.c_proj.bias": (C,)})
     return shapes
 

@@ -22,7 +22,7 @@ import numpy
 
 from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.checkpoint.hf.config import HFConfigError, gpt_config, read_config
-from mpi_tp.checkpoint.hf.names import IGNORED_SUFFIXES, TIED_HEAD, gpt2_pieces, hf_shapes, region
+from mpi_tp.checkpoint.hf.names import IGNORED_SUFFIXES, PREFIXES, TIED_HEAD, hf_shapes, pieces, region
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -72,7 +72,7 @@ def weight_files(folder: str) -> dict[str, str]:
 
 
 class HFFolder:
-    """A Hugging Face GPT-2 folder, opened and checked (names, shapes, dtypes: every tensor the model needs
+    """A Hugging Face GPT-2 or Llama folder, opened and checked (names, shapes, dtypes: every tensor the model needs
     is there, nothing is left that mpi_tp would not use); reads like a Checkpoint.
 
     meta: {"config": the GPTConfig as a dict, "dtypes": "float64" if the weights are, else "float32",
@@ -95,7 +95,7 @@ class HFFolder:
             files = {name: single for name in self._file(single).keys()}
         self.files = files
         self.prefix = self._prefix()
-        self.pieces = gpt2_pieces(self.cfg, self.prefix)
+        self.pieces = pieces(self.cfg, self.prefix)
         self.dtypes = self._check()
         wide = "float64" if "F64" in self.dtypes.values() else "float32"
         self.meta = {"config": self.cfg.to_dict(), "dtypes": wide,
@@ -117,11 +117,12 @@ class HFFolder:
         return self._open[path]
 
     def _prefix(self) -> str:
-        for prefix in ("transformer.", ""):
-            if f"{prefix}wte.weight" in self.files:
+        prefixes, table = PREFIXES[self.cfg.arch]
+        for prefix in prefixes:
+            if f"{prefix}{table}" in self.files:
                 return prefix
-        raise HFConfigError(f"Hugging Face model {self.dir} has no transformer.wte.weight (nor wte.weight): "
-                            "not a GPT-2 checkpoint")
+        raise HFConfigError(f"Hugging Face model {self.dir} has no {prefixes[0]}{table} (nor {table}): not a "
+                            f"{self.hf_config.get('model_type')} checkpoint")
 
     def _check(self) -> dict[str, str]:
         """{tensor: safetensors dtype}; one HFConfigError for a missing, unexpected or misshapen tensor."""
@@ -132,11 +133,11 @@ class HFFolder:
                                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: "
                                 "its config.json describes a bigger model than its weights")
         extra = sorted(n for n in set(self.files) - set(want)
-                       if n != TIED_HEAD and not n.endswith(IGNORED_SUFFIXES))
+                       if n != TIED_HEAD and not n.endswith(IGNORED_SUFFIXES[self.cfg.arch]))
         if extra:
             raise HFConfigError(f"Hugging Face model {self.dir} holds {extra[0]}"
                                 f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which mpi_tp's "
-                                "GPT-2 has no place for: not supported")
+                                f"{self.cfg.arch} model has no place for: not supported")
         dtypes, self.shapes = {}, want
         for name, shape in want.items():
             s = self._file(self.files[name]).get_slice(name)

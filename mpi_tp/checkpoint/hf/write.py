@@ -1,16 +1,16 @@
-"""Writing an mpi_tp checkpoint as a Hugging Face GPT-2 folder that transformers loads:
+"""Writing an mpi_tp checkpoint as a Hugging Face folder (GPT-2, or Llama) that transformers loads:
 
     mpi-tp export runs/X/checkpoints gpt2-folder --format hf
     transformers.AutoModelForCausalLM.from_pretrained("gpt2-folder")
 
-    OUT/config.json                               GPT2LMHeadModel's (mpi_tp.checkpoint.hf.config.hf_config)
-    OUT/model.safetensors                         every tensor under its GPT-2 name (names.py), or, past
+    OUT/config.json                               GPT2LMHeadModel's or LlamaForCausalLM's (config.hf_config)
+    OUT/model.safetensors                         every tensor under its Hugging Face name (names.py), or, past
     OUT/model-0000i-of-0000n.safetensors          max_shard_bytes, shards and their
     OUT/model.safetensors.index.json              weight_map
 
 Runs on one rank: each Hugging Face tensor is assembled from the checkpoint's full tensors
-(c_attn from q, k and v), and one shard's tensors are in memory at a time. The folder is
-written as OUT.tmp and renamed into place once complete, so a failed export never replaces
+(GPT-2's c_attn from q, k and v; Llama's linear weights transposed), and one shard's tensors
+are in memory at a time. The folder is written as OUT.tmp and renamed into place once complete, so a failed export never replaces
 a good folder; an existing OUT is replaced only when asked (overwrite).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy
 
 from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.checkpoint.hf.config import hf_config
-from mpi_tp.checkpoint.hf.names import gpt2_pieces, hf_shapes, region
+from mpi_tp.checkpoint.hf.names import hf_shapes, pieces, region
 from mpi_tp.checkpoint.hf.read import INDEX, SINGLE, require_safetensors
 from mpi_tp.core.errors import refuse_to_replace
 from mpi_tp.model.config import GPTConfig
@@ -34,7 +34,7 @@ DEFAULT_SHARD_BYTES = 5 * 10**9           # save_pretrained's default shard size
 def hf_tensors(cfg: GPTConfig) -> dict[str, list]:
     """Hugging Face tensor name -> [(mpi_tp name, Piece)] that make it up, in the folder's order."""
     parts = {name: [] for name in hf_shapes(cfg)}
-    for ours, piece in gpt2_pieces(cfg).items():
+    for ours, piece in pieces(cfg).items():
         parts[piece.tensor].append((ours, piece))
     return parts
 
@@ -61,14 +61,15 @@ def _shards(shapes: dict, itemsize: int, limit: int) -> list[list[str]]:
 
 
 def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write checkpoint `ckpt` (a Checkpoint) as the Hugging Face GPT-2 folder `out`; returns its files."""
+    """Write checkpoint `ckpt` (a Checkpoint) as the Hugging Face folder `out`; returns its files."""
     refuse_to_replace(out, overwrite, "export")
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"export: {out} is a file; a Hugging Face model is a folder: give a folder name")
     cfg = GPTConfig(**ckpt.meta["config"])
     if cfg.moe_experts:
         raise CheckpointError(f"export --format hf: {ckpt.dir} is a mixture-of-experts model "
-                              f"(moe_experts = {cfg.moe_experts}), which GPT-2 has no form for")
+                              f"(moe_experts = {cfg.moe_experts}), which GPT2LMHeadModel and LlamaForCausalLM have no "
+                              "form for")
     require_safetensors()
     from safetensors.numpy import save_file
     dtype = numpy.dtype(ckpt.tensors["model/wte"]["dtype"])
