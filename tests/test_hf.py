@@ -397,6 +397,23 @@ TRAINED = {"gpt2": (["--n-head", "3"], "GPT2LMHeadModel", TOL),
            "llama": (["--arch", "llama", "--n-head", "4", "--n-kv-head", "1"], "LlamaForCausalLM", LLAMA_TOL)}
 
 
+@needs_mpiexec
+def test_train_init_from_a_llama_folder(tmp_path):
+    """The folder's model becomes the run's (arch, grouped-query heads, width, rope, eps, untied head)."""
+    folder = str(tmp_path / "llama")
+    numpy_folder(folder, LLAMA)
+    r = mpirun(2, "train", "--init-from", folder, "--data", text_below(tmp_path), "--steps", "1", "--batch-size", "2",
+               "--eval-batches", "1", "--dtype", "float64", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0 and "continuing from" in r.stdout and "no sample" in r.stdout, r.stderr
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert {k: saved[k] for k in ("arch", "n_kv_head", "intermediate_size", "rope_theta", "norm_eps",
+                                  "untie_embeddings")} == dict(arch="llama", n_kv_head=3, intermediate_size=40,
+                                                               rope_theta=500.0, norm_eps=1e-6, untie_embeddings=True)
+    r = mpirun(1, "train", "--init-from", folder, "--n-kv-head", "2", "--data", text_below(tmp_path), "--steps",
+               "1", "--out", str(tmp_path / "run2"))
+    assert r.returncode == 2 and "n_kv_head: checkpoint 3 vs model 2" in r.stderr, r.stderr
+
+
 @needs_oracle
 @needs_mpiexec
 @pytest.mark.parametrize("arch", list(TRAINED))

@@ -105,8 +105,8 @@ class TrainConfig:
     overwrite: bool = opt(False, "start afresh in an --out that holds another run: it is moved aside to "
                                  "OUT.replaced-<date-time> first (nothing is deleted)")
     init_from: str = opt("", "continue from this checkpoint (a checkpoint folder or step-N folder), or start from "
-                         "a Hugging Face GPT-2 folder (config.json, model.safetensors): its n_layer, n_head, "
-                         "n_embd, block_size and vocab_size become the defaults")
+                         "a Hugging Face GPT-2 or Llama folder (config.json, model.safetensors): its model "
+                         "(arch, sizes, vocabulary, ...) becomes the default of the model options")
     log_every: int = opt(10, "print a progress line every N steps (rank 0)")
     trace: str = opt("", "write every rank's events (forward, backward, optimizer, pipeline actions, each "
                      "collective and send/receive with its bytes) to this file in the Chrome trace format, "
@@ -259,14 +259,21 @@ def add_arguments(parser) -> None:
                             help=f"{f.metadata['help']} (default: {default!r})")
 
 
-# The model's shape, which a Hugging Face folder named by --init-from supplies (its config.json).
-HF_MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+def folder_defaults(cfg: GPTConfig) -> dict:
+    """The model options of a Hugging Face folder's configuration (--init-from FOLDER: the run's defaults)."""
+    out = {"vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+           "n_embd": cfg.n_embd, "arch": cfg.arch, "norm_eps": cfg.norm_eps,
+           "intermediate_size": cfg.intermediate_size or 0}
+    if cfg.llama:
+        out.update(n_kv_head=cfg.n_kv_head or 0, rope_theta=cfg.rope_theta, tie_embeddings=cfg.tied,
+                   untie_embeddings=not cfg.tied)
+    return out
 
 
 def resolve(args) -> TrainConfig:
-    """Defaults, then (--init-from a Hugging Face folder) the folder's model shape, then the --config
-    file, then the options given on the command line. A shape given that differs from the folder's is
-    refused when the weights load (checkpoint.check_model_config)."""
+    """Defaults, then (--init-from a Hugging Face folder) the folder's model (folder_defaults), then the
+    --config file, then the options given on the command line. A model option given that differs from the
+    folder's is refused when the weights load (checkpoint.check_model_config)."""
     values = load_json(args.config) if args.config else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name, None)
@@ -277,6 +284,8 @@ def resolve(args) -> TrainConfig:
         from mpi_tp.checkpoint.hf import HFFolder, is_hf_folder
         if is_hf_folder(init_from):
             with HFFolder(init_from) as folder:
-                shape = {k: getattr(folder.cfg, k) for k in HF_MODEL_FIELDS}
-            values = {**shape, **values}
+                defaults = folder_defaults(folder.cfg)
+            if {"tie_embeddings", "untie_embeddings"} & set(values):     # one of the pair given: it decides
+                defaults = {k: v for k, v in defaults.items() if k not in ("tie_embeddings", "untie_embeddings")}
+            values = {**defaults, **values}
     return TrainConfig(**values)

@@ -227,7 +227,8 @@ def final_sample(model, cfg: TrainConfig, corpus) -> str:
     """The end-of-run sample, as text: bytes, or the token file's tokenizer's ids decoded by it."""
     V = model.cfg.vocab_size
     if corpus.tokenizer is None and V != 256:      # bytes into a model of another vocabulary (--init-from a
-        return f"(no sample: the model's {V} tokens are not bytes, and the data names no tokenizer)"   # folder)
+        return f"(no sample: the model's vocabulary has {V} tokens, not the 256 bytes, and the data names no " \
+               "tokenizer)"                                                                           # folder)
     if corpus.tokenizer is None:
         return printable(sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed))
     from mpi_tp.text.tokenizer import TokenizerError, load_tokenizer
