@@ -149,7 +149,7 @@ class Decoder:
         mask = cache.step_mask(ids[1])                                      # (the positions are the columns)
         x = model.embedding.at(ids[0][:, None], ids[1][:, None])
         rope = model.h[0].attn.rope if model.h else None                    # llama: each row's rotation,
-        angles = rope.at(ids[1], mask[0]) if rope is not None else None     # once for every block
+        angles = rope.at(ids[1], cache.size) if rope is not None else None  # once for every block
         with model.moe_dropless():
             for j, block in enumerate(model.h):
                 x = x + attend_step(block.attn, block.ln_1.forward(x), cache, j, mask, angles)
