@@ -2,10 +2,10 @@
 grouped-query attention with fewer key/value heads than ranks (replicas) and with more, an untied head.
 
 Head layouts exercised (mpi_tp.model.heads; tests/run.sh runs 1, 2, 3 and 4 ranks), H = 4 query heads:
-    K = 4:  tp = 2: 2 + 2 kv heads, tp = 3: 2 + 1 + 1, tp = 4: one each (their own)
-    K = 2:  tp = 2: one each; tp = 3: kv 0 on ranks 0, 1 (replicas), kv 1 on rank 2; tp = 4: two replicas each
-    K = 1:  every rank a replica of the one kv head (tp = 2, 3, 4)
-and H = 6, K = 3 (tp = 2: kv 2 + 1, query heads 4 + 2). MLP width F = 22: 11 + 11, 8 + 7 + 7, 6 + 6 + 5 + 5.
+    H_kv = 4:  tp = 2: 2 + 2 kv heads, tp = 3: 2 + 1 + 1, tp = 4: one each (their own)
+    H_kv = 2:  tp = 2: one each; tp = 3: kv 0 on ranks 0, 1 (replicas), kv 1 on rank 2; tp = 4: two replicas each
+    H_kv = 1:  every rank a replica of the one kv head (tp = 2, 3, 4)
+and H = 6, H_kv = 3 (tp = 2: kv 2 + 1, query heads 4 + 2). MLP width F = 22: 11 + 11, 8 + 7 + 7, 6 + 6 + 5 + 5.
 """
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ from mpi_tp.training.optim import AdamW, clip_grad_norm
 pytestmark = pytest.mark.mpi(min_size=1)
 CFG = dict(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_embd=16, arch="llama", intermediate_size=22)
 HEADS = [dict(n_kv_head=4), dict(n_kv_head=2), dict(n_kv_head=1), dict(n_head=6, n_embd=24, n_kv_head=3)]
-HEAD_IDS = ["K=4", "K=2", "K=1", "H=6-K=3"]
+HEAD_IDS = ["H_kv=4", "H_kv=2", "H_kv=1", "H=6-H_kv=3"]
 
 
 def batch(seed, B=3, S=8, V=37):
@@ -46,7 +46,7 @@ def test_loss_and_gradients(world, heads, tied):
         x, y = batch(0)
         assert_close(np.array(par.forward(x, y)), np.array(ser.forward(x, y)), 1e-10, f"loss sp={sp}")
         ser.backward(), par.backward()
-        finalize_grads(par)                      # sp: the RMSNorm weights; K < T: the key/value replicas
+        finalize_grads(par)                      # sp: the RMSNorm weights; H_kv < T: the key/value replicas
         scale = max(float(np.abs(p.grad).max()) for p in ser.parameters())
         serial = {p.name: p for p in ser.parameters()}
         for p in par.parameters():
@@ -89,7 +89,7 @@ def test_twenty_adamw_steps(world, heads):
 
 
 def test_replicas_hold_one_head_and_are_counted_once(world):
-    """K = 1 < T: every rank holds the one key/value head (its shard is the whole of k and v); the gradient
+    """H_kv = 1 < T: every rank holds the one key/value head (its shard is the whole of k and v); the gradient
     norm counts it once, as the serial model does."""
     ser, par = pair(world, n_kv_head=1)
     k = next(p for p in par.parameters() if p.name == "h/0/attn/k/weight")
@@ -104,7 +104,7 @@ def test_replicas_hold_one_head_and_are_counted_once(world):
 
 
 def test_head_layout_rule():
-    """mpi_tp.model.heads: kv heads split when K >= T, ranks split among kv heads when K < T."""
+    """mpi_tp.model.heads: kv heads split when H_kv >= T, ranks split among kv heads when H_kv < T."""
     lay = head_layout(8, 4, 2)
     assert [list(r) for r in lay.q] == [[0, 1, 2, 3], [4, 5, 6, 7]] and [list(r) for r in lay.kv] == [[0, 1], [2, 3]]
     lay = head_layout(6, 3, 2)
@@ -116,11 +116,11 @@ def test_head_layout_rule():
     lay = head_layout(5, 5, 2)                   # plain multi-head attention: GPT-2's split
     assert [len(r) for r in lay.q] == [3, 2] and lay.q == lay.kv and not lay.replicated
     for H in range(1, 9):                        # every T <= H works, every head served exactly once
-        for K in (k for k in range(1, H + 1) if H % k == 0):
+        for H_kv in (k for k in range(1, H + 1) if H % k == 0):
             for T in range(1, H + 1):
-                lay = head_layout(H, K, T)
+                lay = head_layout(H, H_kv, T)
                 assert sorted(h for r in lay.q for h in r) == list(range(H))
-                assert all(len(q) >= 1 and all(h // (H // K) in kv for h in q) for q, kv in zip(lay.q, lay.kv))
+                assert all(len(q) >= 1 and all(h // (H // H_kv) in kv for h in q) for q, kv in zip(lay.q, lay.kv))
 
 
 def test_bad_configs():
@@ -146,7 +146,7 @@ def test_bad_configs():
 
 def test_saved_configurations_compare_by_what_they_mean():
     """A checkpoint's config without the Llama fields (saved before they existed) loads as gpt2; None and the
-    value it stands for are the same model; another arch or K is refused with the differences named."""
+    value it stands for are the same model; another arch or H_kv is refused with the differences named."""
     import shutil
     import tempfile
 

@@ -2,10 +2,10 @@
 first loss < 1e-10, the rest and every weight < 1e-8): sequence parallelism on and off, ZeRO-1 and the
 overlapped data-parallel buckets, each pipeline schedule with recomputation, an untied head (on the last
 stage) and a tied one (two copies summed), grouped-query attention with replicated key/value heads
-(K = 1 < tp) and split ones; and checkpoints saved at one layout load at another.
+(H_kv = 1 < tp) and split ones; and checkpoints saved at one layout load at another.
 
-World 4 runs tp = 4 (K = 1: 4 replicas; K = 2: 2 + 2) and tp = 2 with pp = 2 or dp = 2; world 3 runs
-tp = 3 (K = 2: kv 0 on ranks 0 and 1, kv 1 on rank 2: uneven replicas) and pp = 3 or dp = 3.
+World 4 runs tp = 4 (H_kv = 1: 4 replicas; H_kv = 2: 2 + 2) and tp = 2 with pp = 2 or dp = 2; world 3 runs
+tp = 3 (H_kv = 2: kv 0 on ranks 0 and 1, kv 1 on rank 2: uneven replicas) and pp = 3 or dp = 3.
 """
 import numpy as np
 import pytest

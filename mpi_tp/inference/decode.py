@@ -15,7 +15,7 @@ position, nothing to split; a checkpoint saved at any layout, pipelines
 included, loads as plain TP at the world size of the job). Llama models
 decode alike: no position table, but q and k rotated to each row's own
 position, the cache holding the key/value heads only (grouped-query
-attention: K/H of the multi-head cache). Each row has its
+attention: H_kv/H of the multi-head cache). Each row has its
 own columns and positions from 0 (mpi_tp.inference.kv_cache), so a row
 computes what it would alone, in whatever company and whenever it joined.
 Mixture-of-experts blocks run dropless (GPT.moe_dropless), every token

@@ -28,7 +28,7 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     arch: str = "gpt2"            # "gpt2" or "llama"
-    n_kv_head: int | None = None  # K key/value heads (llama: grouped-query attention when K < n_head); None: n_head
+    n_kv_head: int | None = None  # H_kv key/value heads (llama; < n_head: grouped-query attention); None: n_head
     intermediate_size: int | None = None   # F, the MLP width; None: 4C (gpt2), llama_width(C) (llama)
     rope_theta: float = 10000.0   # llama: the rotary embeddings' base
     norm_eps: float = 1e-5        # the LayerNorms' (gpt2) or RMSNorms' (llama) epsilon
@@ -47,7 +47,7 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
-        """K: key/value heads (n_head unless grouped-query attention)."""
+        """H_kv: key/value heads (n_head unless grouped-query attention)."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
