@@ -10,7 +10,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.model.heads import HeadLayout
-from mpi_tp.model.parallel_linear import _accumulate_weight, column_backward, column_forward
+from mpi_tp.model.parallel_linear import accumulate_weight, column_backward, column_forward
 from mpi_tp.parallel.topology import Topology
 
 
@@ -94,7 +94,7 @@ class QKVParallelLinear(Module):
         positions), after f's all-reduce; the weights' and biases' gradients accumulated."""
         (cache,) = self.take_cache()
         if not self.split:
-            dx, db = _accumulate_weight(self.weights, lambda dw_out: column_backward(dqkv, cache, self.group, dw_out))
+            dx, db = accumulate_weight(self.weights, lambda dw_out: column_backward(dqkv, cache, self.group, dw_out))
         else:
             cache = (cache[0], self._fused_weight(), *cache[2:])
             dx, dw, db = column_backward(dqkv, cache, self.group)                     # dw (C, (H_i + 2) hs)
