@@ -134,7 +134,7 @@ def attend_prefill(attn, x, cache: KVCache, j: int, rows):
 def attend_step(attn, x, cache: KVCache, j: int, mask, angles=None):
     """Block j's attention for one new position of every running row: x (rows, 1, C), row b's at
     column lengths[b] (written there), attending to its columns 0 .. lengths[b]; mask: the step's
-    (KVCache.step_mask); angles: llama's rotations to each row's position (Rope.at), None for GPT-2.
+    (KVCache.step_mask); angles: llama's rotations to each row's position (Rope.angles), None for GPT-2.
     -> (rows, 1, C) on every rank."""
     q, k, v = attn.project_qkv(x, angles)                            # (A, H_i, 1, hs), (A, H_kv_i, 1, hs) x 2
     A, (n, bias, index) = x.shape[0], mask

@@ -53,7 +53,7 @@ class ParallelAttention(Module):
 
     def project_qkv(self, x, angles=None):
         """x -> q (B, H_i, S, hs), k and v (B, H_kv_i, S, hs), head-major and contiguous; llama: q and k rotated
-        to positions 0 ... S-1, or by `angles` (Rope.at: one position per row, for cached decoding)."""
+        to positions 0 ... S-1, or by `angles` (Rope.angles: one position per row, for cached decoding)."""
         q, k, v = self.qkv.forward(x)                                    # (B, S, H_i, hs), (B, S, H_kv_i, hs) x 2
         xp = backend.xp()
         # one copy into head-major order, so that the batched attention products see contiguous heads

@@ -93,9 +93,9 @@ class GPTConfig:
     def _validate_arch(self, tp: int) -> None:
         if self.arch not in ARCHS:
             raise ConfigError(f"arch {self.arch!r}: use one of {', '.join(ARCHS)}")
-        K, F = self.n_kv_head, self.intermediate_size
-        if K is not None and (not _is_int(K) or K < 1 or self.n_head % K):
-            raise ConfigError(f"n_kv_head = {K!r} must be a positive integer dividing n_head = {self.n_head} "
+        H_kv, F = self.n_kv_head, self.intermediate_size
+        if H_kv is not None and (not _is_int(H_kv) or H_kv < 1 or self.n_head % H_kv):
+            raise ConfigError(f"n_kv_head = {H_kv!r} must be a positive integer dividing n_head = {self.n_head} "
                               "(each key/value head serves n_head / n_kv_head query heads)")
         if F is not None and (not _is_int(F) or F < 1):
             raise ConfigError(f"intermediate_size = {F!r} must be a positive integer (the MLP width)")
@@ -117,7 +117,7 @@ class GPTConfig:
                                   "SwiGLU experts; use arch gpt2 for --moe-experts, or a dense llama")
             return
         if self.kv_heads != self.n_head:
-            raise ConfigError(f"n_kv_head = {K} with arch gpt2: grouped-query attention is a llama option "
+            raise ConfigError(f"n_kv_head = {H_kv} with arch gpt2: grouped-query attention is a llama option "
                               "(use --arch llama, or drop --n-kv-head)")
         if not self.tied:
             raise ConfigError("arch gpt2 always ties its output layer to wte: --untie-embeddings "
