@@ -133,7 +133,6 @@ def test_bad_configs():
     bad("grouped-query attention is a llama option", n_head=4, n_embd=16, n_kv_head=2)
     bad("always ties", tie_word_embeddings=False)
     bad("head size n_embd / n_head = 3 must be even", arch="llama", n_head=4, n_embd=12)
-    bad("SwiGLU experts", arch="llama", moe_experts=2)
     bad("intermediate_size = 0", intermediate_size=0)
     bad("cannot be split over 3", tp=3, arch="llama", n_head=4, n_embd=16, intermediate_size=2)
     bad("rope_theta", arch="llama", rope_theta=0.0)
@@ -141,6 +140,10 @@ def test_bad_configs():
     bad("exceeds n_head", tp=5, arch="llama", n_head=4, n_embd=16, n_kv_head=1)
     cfg = GPTConfig(arch="llama", n_embd=128)
     assert cfg.kv_heads == 4 and cfg.ffn == 344 and not cfg.tied
+    from mpi_tp.model.llama import parameter_shapes
+    for config in (cfg, GPTConfig(arch="llama", n_layer=3, moe_experts=2, moe_every=2, tie_word_embeddings=True)):
+        model = GPT(config, Topology.serial(), dtype="float32")
+        assert {p.name: p.global_shape for p in model.parameters()} == parameter_shapes(config)
     assert GPTConfig().ffn == 512 and GPTConfig().tied and GPTConfig().resolved().n_kv_head == 4
 
 
@@ -163,3 +166,29 @@ def test_saved_configurations_compare_by_what_they_mean():
         with pytest.raises(ck.CheckpointError, match="arch: checkpoint gpt2 vs model llama"):
             ck.load_into(c, GPT(GPTConfig(**saved, arch="llama"), Topology.serial(), dtype="float64"))
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "swiglu-experts"])
+def test_serial_gradients_match_finite_differences(moe):
+    """The serial Llama model's backward against central differences of its loss, a few elements of every
+    parameter (float64; grouped-query attention, untied head; with SwiGLU experts, dropless top-2 of 3):
+    the wiring of the kernels, which tests/test_kernels_llama.py checks one by one."""
+    experts = dict(moe_experts=3, moe_top_k=2, moe_aux_weight=0.05, moe_z_weight=0.01) if moe else {}
+    model = GPT(GPTConfig(**dict(CFG, n_layer=2, n_kv_head=2, **experts)), Topology.serial(), dtype="float64",
+                seed=5)
+    randomize(model, std=0.3)
+    x, y = batch(3, B=2)
+    model.forward(x, y)
+    model.backward()
+    rng = np.random.default_rng(0)
+    for p in model.parameters():
+        for flat in rng.choice(p.data.size, size=min(3, p.data.size), replace=False):
+            i = np.unravel_index(flat, p.data.shape)        # (q, k, v: views into one array, not reshaped)
+            old = p.data[i]
+            p.data[i] = old + 1e-6
+            up = model.forward(x, y)
+            p.data[i] = old - 1e-6
+            down = model.forward(x, y)
+            p.data[i] = old
+            numeric = (up - down) / 2e-6
+            assert abs(numeric - p.grad[i]) <= 1e-6 * max(1.0, abs(numeric)), (p.name, i, numeric, p.grad[i])

@@ -112,9 +112,6 @@ class GPTConfig:
             if (self.n_embd // self.n_head) % 2:
                 raise ConfigError(f"rotary embeddings rotate pairs of a head's dimensions: the head size "
                                   f"n_embd / n_head = {self.n_embd // self.n_head} must be even")
-            if self.moe_experts:
-                raise ConfigError("mixture of experts has GELU experts, a GPT-2 block's: arch llama has no "
-                                  "SwiGLU experts; use arch gpt2 for --moe-experts, or a dense llama")
             return
         if self.kv_heads != self.n_head:
             raise ConfigError(f"n_kv_head = {H_kv} with arch gpt2: grouped-query attention is a llama option "

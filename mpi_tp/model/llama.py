@@ -34,6 +34,12 @@ num_key_value_heads = H_kv, intermediate_size = F, num_hidden_layers = n_layer, 
 norm_eps, tie_word_embeddings, vocab_size, max_position_embeddings >= block_size, attention_bias and
 mlp_bias false, hidden_act "silu", no rope_scaling. tests/test_llama_transformers.py checks the table
 against transformers' LlamaForCausalLM, logit for logit.
+
+Mixture of experts (moe_experts > 0; block i an MoE block when i % moe_every == moe_every - 1): the
+block's MLP parameters become h/{i}/moe/router/weight (C, E), replicated, and per expert e
+h/{i}/moe/experts/{e}/gate/weight, .../up/weight (C, F) and .../down/weight (F, C), split as the dense
+MLP's (mpi_tp.model.experts); Mixtral's names for them are block_sparse_moe.gate.weight (E, C) and
+block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down), transposed the same way.
 """
 from __future__ import annotations
 
@@ -50,9 +56,13 @@ def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple]:
     for i in range(cfg.n_layer):
         out.update({f"h/{i}/ln_1/weight": (C,), f"h/{i}/attn/q/weight": (C, H * hs),
                     f"h/{i}/attn/k/weight": (C, H_kv * hs), f"h/{i}/attn/v/weight": (C, H_kv * hs),
-                    f"h/{i}/attn/proj/weight": (H * hs, C), f"h/{i}/ln_2/weight": (C,),
-                    f"h/{i}/mlp/gate/weight": (C, F), f"h/{i}/mlp/up/weight": (C, F),
-                    f"h/{i}/mlp/down/weight": (F, C)})
+                    f"h/{i}/attn/proj/weight": (H * hs, C), f"h/{i}/ln_2/weight": (C,)})
+        mlps = [f"h/{i}/mlp"]
+        if cfg.is_moe_block(i):
+            out[f"h/{i}/moe/router/weight"] = (C, cfg.moe_experts)
+            mlps = [f"h/{i}/moe/experts/{e}" for e in range(cfg.moe_experts)]
+        for mlp in mlps:
+            out.update({f"{mlp}/gate/weight": (C, F), f"{mlp}/up/weight": (C, F), f"{mlp}/down/weight": (F, C)})
     out["ln_f/weight"] = (C,)
     if not cfg.tied:
         out["lm_head"] = (V, C)
