@@ -167,7 +167,7 @@ def test_impossible_requests_are_usage_errors_on_every_rank(capsys, world):
 @MPI_TEST
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_grouped_query_attention_shows_each_ranks_key_value_heads(capsys, world, kv_heads):
-    """--kv-heads K: each rank's line names its query and key/value heads as mpi_tp.model.heads splits them
+    """--kv-heads H_kv: each rank's line names its query and key/value heads as mpi_tp.model.heads splits them
     (replicas when K < T, with their gradient sum in the backward pass), and the layer equals its serial self."""
     from mpi_tp.model.heads import head_layout
     T = world.Get_size()
@@ -176,7 +176,7 @@ def test_grouped_query_attention_shows_each_ranks_key_value_heads(capsys, world,
     if world.Get_rank() != 0:
         return
     layout = head_layout(4, kv_heads, T)
-    assert f"heads H = 4, key/value heads K = {kv_heads} (llama attention)" in out and "Grouped-query" in out
+    assert f"heads H = 4, key/value heads H_kv = {kv_heads} (llama attention)" in out and "Grouped-query" in out
     for r, text in enumerate(sections(out)["attention"]):
         assert layout.describe(r) in text
         assert f"attn/k/weight: global (16, {4 * kv_heads}) -> shard (16, {4 * len(layout.kv[r])})" in text

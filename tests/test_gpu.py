@@ -41,8 +41,10 @@ def gpu(world):
     backend.use("numpy")
 
 
-def test_model_on_gpu_equals_numpy(world, gpu):
-    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=5, n_embd=20, dropout=0.1)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_model_on_gpu_equals_numpy(world, gpu, arch):
+    llama = dict(arch="llama", n_kv_head=1, intermediate_size=44) if arch == "llama" else {}   # kv replicated
+    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=5, n_embd=20, dropout=0.1, **llama)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 37, (3, 8)), rng.integers(0, 37, (3, 8))) for _ in range(3)]
     results = []

@@ -42,12 +42,12 @@ def swiglu_case(rng, dtype, shape=(2, 3, 4)):
                 lambda d, c: dict(zip(("gate", "up"), kl.swiglu_backward(d, c))), ("gate", "up"))
 
 
-def gqa_case(rng, dtype, B=2, K=2, G=3, S=5, hs=3, mask=False):
-    """Grouped-query attention: q (B, K, G, S, hs) against k and v (B, K, 1, S, hs), broadcast."""
-    inputs = dict(q=rng.standard_normal((B, K, G, S, hs)).astype(dtype),
-                  k=rng.standard_normal((B, K, 1, S, hs)).astype(dtype),
-                  v=rng.standard_normal((B, K, 1, S, hs)).astype(dtype))
-    drop = rng.random((B, K, G, S, S)) >= 0.3 if mask else None
+def gqa_case(rng, dtype, B=2, H_kv=2, R=3, S=5, hs=3, mask=False):
+    """Grouped-query attention: q (B, H_kv, R, S, hs) against k and v (B, H_kv, 1, S, hs), broadcast."""
+    inputs = dict(q=rng.standard_normal((B, H_kv, R, S, hs)).astype(dtype),
+                  k=rng.standard_normal((B, H_kv, 1, S, hs)).astype(dtype),
+                  v=rng.standard_normal((B, H_kv, 1, S, hs)).astype(dtype))
+    drop = rng.random((B, H_kv, R, S, S)) >= 0.3 if mask else None
     return Case(inputs, lambda i: kern.attention_forward(i["q"], i["k"], i["v"], drop, 1 / 0.7),
                 lambda d, c: dict(zip(("q", "k", "v"), kern.attention_backward(d, c))), ("q", "k", "v"))
 
@@ -60,7 +60,7 @@ GRAD_CASES = [
     ("rope", dict(shape=(2, 2, 3, 8), theta=500.0)),
     ("rope", dict(shape=(3, 2, 1, 6), per_row=True)),
     ("swiglu", dict(shape=(2, 5, 4))), ("swiglu", dict(shape=(1,))), ("swiglu", dict(shape=(3, 1, 7))),
-    ("gqa", dict()), ("gqa", dict(K=1, G=4, S=3, hs=2)), ("gqa", dict(B=1, K=3, G=1, S=4)), ("gqa", dict(mask=True)),
+    ("gqa", dict()), ("gqa", dict(H_kv=1, R=4, S=3, hs=2)), ("gqa", dict(B=1, H_kv=3, R=1, S=4)), ("gqa", dict(mask=True)),
 ]
 
 
@@ -70,12 +70,12 @@ def test_backward_matches_finite_differences(seed, name, kw):
     rng = np.random.default_rng(seed)
     case = CASES[name](rng, np.float64, **kw)
     out, cache = case.forward(case.inputs)
-    G = rng.standard_normal(out.shape)               # L = sum(out * G): dL/dout = G
-    grads = case.backward(G, cache)
+    dout = rng.standard_normal(out.shape)            # L = sum(out * dout): dL/dout = dout
+    grads = case.backward(dout, cache)
     for inp in case.wrt:
         assert grads[inp].shape == case.inputs[inp].shape, inp
         check(f"{name} d{inp}", grads[inp],
-              numerical_grad(lambda: float(np.sum(case.forward(case.inputs)[0] * G)), case.inputs[inp]), FD_TOL)
+              numerical_grad(lambda: float(np.sum(case.forward(case.inputs)[0] * dout)), case.inputs[inp]), FD_TOL)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -59,7 +59,6 @@ def test_llama_pipeline_equals_tensor_parallel(tmp_path):
     (["--n-kv-head", "2"], "--n-kv-head set with --arch gpt2"),
     (["--untie-embeddings"], "--untie-embeddings set with --arch gpt2"),
     (["--arch", "llama", "--n-kv-head", "3"], "n_kv_head = 3 must be a positive integer dividing n_head = 4"),
-    (["--arch", "llama", "--moe-experts", "2"], "no SwiGLU experts"),
     (["--arch", "llama", "--n-embd", "12", "--n-head", "4"], "must be even"),
     (["--arch", "llama", "--tie-embeddings", "--untie-embeddings"], "not both"),
 ])

@@ -1,7 +1,7 @@
 """Cached decoding of the Llama model against its full forward pass, grouped-query attention included.
 
 float64, 4 query heads with 4, 2 or 1 key/value heads: at 2, 3 and 4 ranks the key/value heads are
-split (K >= T) or replicated (K < T, mpi_tp.model.heads). Rows of different lengths decode side by side
+split (H_kv >= T) or replicated (H_kv < T, mpi_tp.model.heads). Rows of different lengths decode side by side
 (each row's rotations at its own positions), join and leave, and slide past block_size.
 """
 import numpy
@@ -18,15 +18,15 @@ pytestmark = pytest.mark.mpi(min_size=1)
 S = 10
 
 
-def cfg(K):
-    return GPTConfig(vocab_size=37, block_size=S, n_layer=2, n_head=4, n_embd=16, arch="llama", n_kv_head=K,
+def cfg(H_kv):
+    return GPTConfig(vocab_size=37, block_size=S, n_layer=2, n_head=4, n_embd=16, arch="llama", n_kv_head=H_kv,
                      intermediate_size=22)
 
 
-def models(world, K, seed=3):
-    serial = GPT(cfg(K), Topology.serial(), dtype="float64", seed=seed).eval()
+def models(world, H_kv, seed=3):
+    serial = GPT(cfg(H_kv), Topology.serial(), dtype="float64", seed=seed).eval()
     topo = Topology.create(world, tp=world.Get_size())
-    return serial, GPT(cfg(K), topo, dtype="float64", seed=seed).eval(), topo
+    return serial, GPT(cfg(H_kv), topo, dtype="float64", seed=seed).eval(), topo
 
 
 def full_last(model, row) -> numpy.ndarray:
@@ -34,10 +34,10 @@ def full_last(model, row) -> numpy.ndarray:
     return model.full_logits(numpy.array([row[-S:]]))[0, -1]
 
 
-@pytest.mark.parametrize("K", [4, 2, 1])
-def test_cached_logits_equal_the_full_context_at_every_position(world, K):
-    serial, model, topo = models(world, K)
-    rng = numpy.random.default_rng(K)
+@pytest.mark.parametrize("H_kv", [4, 2, 1])
+def test_cached_logits_equal_the_full_context_at_every_position(world, H_kv):
+    serial, model, topo = models(world, H_kv)
+    rng = numpy.random.default_rng(H_kv)
     dec, rows, worst = Decoder(model, 3), [], 0.0
     plan = {0: [[1, 2, 3, 4, 5], [6]], 3: [[7, 8]], 8: [list(range(10))]}    # rows of their own lengths
     leaving = {6: [0], 12: [1]}
@@ -61,28 +61,28 @@ def test_cached_logits_equal_the_full_context_at_every_position(world, K):
 
 
 def test_the_cache_holds_the_key_value_heads_only(world):
-    """The cache's bytes: K/H of the multi-head model's, on every rank whose kv heads are its own; with
-    K < T each rank keeps the one key/value head its query heads read."""
+    """The cache's bytes: H_kv/H of the multi-head model's, on every rank whose kv heads are its own; with
+    H_kv < T each rank keeps the one key/value head its query heads read."""
     T = world.Get_size()
     nbytes = {}
-    for K in (4, 2, 1):
-        _, model, topo = models(world, K)
+    for H_kv in (4, 2, 1):
+        _, model, topo = models(world, H_kv)
         dec = Decoder(model, 2)
         attn = model.h[0].attn
-        assert dec.cache.k[0].shape == (2, attn.K_i, S, 4)
-        nbytes[K] = dec.cache.nbytes
+        assert dec.cache.k[0].shape == (2, attn.H_kv_i, S, 4)
+        nbytes[H_kv] = dec.cache.nbytes
         topo.free()
     if T == 1:
         assert nbytes[2] * 2 == nbytes[4] and nbytes[1] * 4 == nbytes[4]
-    total = {K: world.allreduce(n) for K, n in nbytes.items()}
-    if T <= 2:                                           # K >= T for K = 2: split, every head once
+    total = {H_kv: world.allreduce(n) for H_kv, n in nbytes.items()}
+    if T <= 2:                                           # H_kv >= T for H_kv = 2: split, every head once
         assert total[2] * 2 == total[4]
-    assert nbytes[1] == 2 * 2 * 2 * 1 * S * 4 * 8        # K, V x blocks x slots x 1 head x S x hs x float64
+    assert nbytes[1] == 2 * 2 * 2 * 1 * S * 4 * 8        # keys and values x blocks x slots x 1 head x S x hs x 8
 
 
-@pytest.mark.parametrize("K", [2, 1])
-def test_generated_text_is_the_serial_models(world, K):
-    serial, model, topo = models(world, K, seed=5)
+@pytest.mark.parametrize("H_kv", [2, 1])
+def test_generated_text_is_the_serial_models(world, H_kv):
+    serial, model, topo = models(world, H_kv, seed=5)
     reqs = [Request(bytes([1, 2, 3]), max_tokens=14, temperature=0),
             Request(bytes([2, 9]), max_tokens=12, temperature=0.9, top_p=0.9, seed=11)]
     assert all_true(generate(model, reqs) == generate(serial, reqs), world)

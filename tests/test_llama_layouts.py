@@ -2,10 +2,10 @@
 first loss < 1e-10, the rest and every weight < 1e-8): sequence parallelism on and off, ZeRO-1 and the
 overlapped data-parallel buckets, each pipeline schedule with recomputation, an untied head (on the last
 stage) and a tied one (two copies summed), grouped-query attention with replicated key/value heads
-(K = 1 < tp) and split ones; and checkpoints saved at one layout load at another.
+(H_kv = 1 < tp) and split ones; and checkpoints saved at one layout load at another.
 
-World 4 runs tp = 4 (K = 1: 4 replicas; K = 2: 2 + 2) and tp = 2 with pp = 2 or dp = 2; world 3 runs
-tp = 3 (K = 2: kv 0 on ranks 0 and 1, kv 1 on rank 2: uneven replicas) and pp = 3 or dp = 3.
+World 4 runs tp = 4 (H_kv = 1: 4 replicas; H_kv = 2: 2 + 2) and tp = 2 with pp = 2 or dp = 2; world 3 runs
+tp = 3 (H_kv = 2: kv 0 on ranks 0 and 1, kv 1 on rank 2: uneven replicas) and pp = 3 or dp = 3.
 """
 import numpy as np
 import pytest
@@ -119,3 +119,25 @@ def test_checkpoints_between_layouts(world, tmp_path_factory):
     world.Barrier()
     if world.Get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
+
+
+MOE = dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0, moe_aux_weight=0.05, moe_z_weight=0.01)
+
+
+def test_swiglu_experts_in_every_layout_equal_serial(world):
+    """Llama with mixture-of-experts blocks (SwiGLU experts, top-2 of 3, a capacity that drops) and one
+    key/value head: every tp x pp x dp layout, SP at tp > 1, the experts over ep = dp, ZeRO-1 at dp > 1."""
+    for tp, pp, dp in layouts(world.Get_size()):
+        config = cfg(pp + 1, n_kv_head=1, **MOE)
+        ref_losses, ref = serial(config, dp * 2 * B)
+        ep = dp if dp <= MOE["moe_experts"] else 1
+        topo = Topology.create(world, tp=tp, pp=pp, dp=dp, ep=ep)
+        losses, stage, _ = pipelined(config, topo, "1f1b", 2, sp=tp > 1, zero=dp > 1)
+        what = f"llama MoE tp={tp} pp={pp} dp={dp} ep={ep}"
+        assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")
+        assert_close(losses, ref_losses, 1e-8, f"losses, {what}")
+        assert any("/experts/" in p.name and p.name.endswith("/gate/weight") for p in stage.parameters()) or \
+            not any(b.moe for b in stage.h)
+        for p in stage.parameters():
+            assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-8, f"{p.name}, {what}", comm=topo.tp.comm)
+        topo.free()

@@ -4,8 +4,8 @@
 
 A tiny LlamaForCausalLM with random weights (float64, grouped-query attention, tied and untied), its
 weights copied into the serial model by the table (transposing the linear layers): the same logits
-and loss, to float32's rounding (transformers computes its norms and angles in float32). So the rotary layout, the head order and grouping, the norms and the MLP are transformers'.
-No MPI.
+and loss, to float32's rounding (transformers computes its norms and angles in float32). So the
+rotary layout, the head order and grouping, the norms and the MLP are transformers'. No MPI.
 """
 import numpy as np
 import pytest
@@ -35,8 +35,8 @@ def hf_name(name: str) -> tuple[str, bool]:
 def test_logits_equal_transformers(tied):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    V, C, H, K, F, L, S = 41, 32, 4, 2, 40, 2, 9
-    hf_cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=C, num_attention_heads=H, num_key_value_heads=K,
+    V, C, H, H_kv, F, L, S = 41, 32, 4, 2, 40, 2, 9
+    hf_cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=C, num_attention_heads=H, num_key_value_heads=H_kv,
                                       intermediate_size=F, num_hidden_layers=L, rope_theta=1000.0,
                                       rms_norm_eps=1e-6, max_position_embeddings=S, tie_word_embeddings=tied,
                                       attention_bias=False, mlp_bias=False)
@@ -48,7 +48,7 @@ def test_logits_equal_transformers(tied):
         if "norm" in k:
             state[k] = 1.0 + 0.1 * rng.standard_normal(state[k].shape)
     hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
-    cfg = GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=H, n_embd=C, arch="llama", n_kv_head=K,
+    cfg = GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=H, n_embd=C, arch="llama", n_kv_head=H_kv,
                     intermediate_size=F, rope_theta=1000.0, norm_eps=1e-6, tie_word_embeddings=tied)
     model = GPT(cfg, Topology.serial(), dtype="float64").eval()
     assert {p.name: p.global_shape for p in model.parameters()} == parameter_shapes(cfg)

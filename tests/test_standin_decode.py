@@ -36,11 +36,15 @@ def standin_env(monkeypatch):
     backend.use("numpy")
 
 
-def decode(name: str, n_layer: int = 2):
+LLAMA = dict(arch="llama", n_kv_head=1, intermediate_size=44)        # at tp = 2: the kv head replicated
+
+
+def decode(name: str, n_layer: int = 2, arch: str = "gpt2"):
     """On backend `name`: (logits of the prefill and of 14 steps, generated texts, counters of the plain
     decode steps, counters of the prefill and of the window's refills)."""
     backend.use(name, WORLD)
-    cfg = GPTConfig(vocab_size=37, block_size=12, n_layer=n_layer, n_head=5, n_embd=20)
+    cfg = GPTConfig(vocab_size=37, block_size=12, n_layer=n_layer, n_head=5, n_embd=20,
+                    **(LLAMA if arch == "llama" else {}))
     model = GPT(cfg, Topology.create(WORLD, tp=WORLD.Get_size()), dtype="float64", seed=3).eval()
     dec = Decoder(model, 3)
     standin.counters.reset()
@@ -65,17 +69,19 @@ def traffic(counted: list) -> tuple:
     return syncs, uploads
 
 
-def test_cached_decoding_on_the_standin_equals_numpy(standin_env):
-    want, want_text, _, _ = decode("numpy")
-    got, text, steps, refills = decode("cupy")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cached_decoding_on_the_standin_equals_numpy(standin_env, arch):
+    want, want_text, _, _ = decode("numpy", arch=arch)
+    got, text, steps, refills = decode("cupy", arch=arch)
     err = max(float(numpy.abs(g - w).max()) for g, w in zip(got, want))
     assert all(type(g) is numpy.ndarray for g in got)                 # the decoder hands back host logits
     assert len(steps) > 5 and len(refills) > 2                         # the window slid and refilled
     assert all_true(err <= 1e-12 and text == want_text, WORLD), (err, text, want_text)
 
 
-def test_host_traffic_per_decoded_token_does_not_grow_with_the_layers(standin_env):
-    per_layers = {L: traffic(decode("cupy", L)[2]) for L in (2, 4)}
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_host_traffic_per_decoded_token_does_not_grow_with_the_layers(standin_env, arch):
+    per_layers = {L: traffic(decode("cupy", L, arch)[2]) for L in (2, 4)}
     syncs, uploads = per_layers[2]
     ok = per_layers[4] == per_layers[2] and max(syncs) <= 1 + (WORLD.Get_size() > 1) and max(uploads) <= 2
     assert all_true(ok, WORLD), f"syncs and uploads per decoded token at L = 2 and 4: {per_layers}"

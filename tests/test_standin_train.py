@@ -36,10 +36,12 @@ if WORLD.Get_size() > 2:
 BASE = dict(n_layer=2, n_head=5, n_embd=20, block_size=8, batch_size=2, dtype="float64", dropout=0.1, steps=3,
             sample_len=0, warmup=0, lr=1e-2, bucket_mb=0.001, eval_batches=1)     # tiny buckets: several per step
 MOE = dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0)
-LAYOUTS = {1: {"serial": {}, "moe": MOE},
+LLAMA = dict(arch="llama", n_kv_head=1, intermediate_size=44)        # at tp = 2: the kv head replicated
+LAYOUTS = {1: {"serial": {}, "moe": MOE, "llama": LLAMA},
            2: {"tp2-sp": dict(tp=2, sequence_parallel=True), "dp2-overlap": dict(dp=2),
                "dp2-zero1": dict(dp=2, zero=1), "pp2-1f1b": dict(pp=2, micro_batches=2),
-               "moe-ep2": dict(dp=2, ep=2, **MOE)}}.get(WORLD.Get_size(), {})
+               "moe-ep2": dict(dp=2, ep=2, **MOE), "llama-tp2-sp": dict(tp=2, sequence_parallel=True, **LLAMA)}
+           }.get(WORLD.Get_size(), {})
 STAGING = ("core/gpu.py", "parallel/buffers.py", "parallel/collectives.py")   # syncs MPI staging needs
 
 
@@ -119,10 +121,11 @@ def step_syncs(where, layout, n_layer) -> tuple[int, dict]:
     return sum(sites.values()), sites
 
 
-def test_host_syncs_per_step_do_not_grow_with_the_layers(out):
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_host_syncs_per_step_do_not_grow_with_the_layers(out, arch):
     """Syncs outside MPI staging at L and 2L blocks: the same count (staging syncs once per collective).
     Issue 21, finding 7: the gradient norm read one float per parameter storage back."""
-    layout = LAYOUTS.get("tp2-sp", {})
+    layout = {**LAYOUTS.get("tp2-sp", {}), **(LLAMA if arch == "llama" else {})}
     (few, at_l), (many, at_2l) = step_syncs(out, layout, 2), step_syncs(out, layout, 4)
     assert all_true(many == few, WORLD), f"{few} syncs at L = 2 ({at_l}), {many} at L = 4 ({at_2l})"
 

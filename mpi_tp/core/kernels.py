@@ -177,7 +177,7 @@ def _causal_bias(S, dtype, xp):
 
 def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0):
     """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
-    (Any leading axes broadcast: grouped-query attention passes q (B, K, G, S, hs), k and v (B, K, 1, S, hs).)
+    (Any leading axes broadcast: grouped-query attention passes q (B, H_kv, R, S, hs), k and v (B, H_kv, 1, S, hs).)
 
     Attention dropout: drop_mask, if given, is bool and broadcastable to (B, H, S, S), True
     where a probability is kept; the kept probabilities are scaled by drop_scale, 1/(1-p):
@@ -226,7 +226,7 @@ def attention_backward(dout, cache):
     dk = datt.swapaxes(-1, -2) @ q                     # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
     dk *= scale
     # grouped-query attention broadcasts k and v over the query heads that share them (a size-1 axis:
-    # kernels_llama.group_heads): their gradients are the sums over those heads
+    # ParallelAttention.grouped): their gradients are the sums over those heads
     return dq, _sum_to(dk, k.shape), _sum_to(dv, v.shape)
 
 

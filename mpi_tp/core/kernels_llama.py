@@ -116,13 +116,3 @@ def swiglu_backward(dout, cache):
     dgate *= dout
     return dgate, dup
 
-
-# ---------------------------------------------------------------- grouped-query attention
-
-def group_heads(q, kv_heads: int):
-    """(B, H, S, hs) -> (B, K, H/K, S, hs): the query heads of each key/value head side by side (query head h
-    reads key/value head h // (H/K)); a key/value array (B, K, S, hs) becomes (B, K, 1, S, hs) by [:, :, None].
-    The attention kernels broadcast over the group axis; the backward sums k's and v's gradients over it."""
-    B, H, S, hs = q.shape
-    return q.reshape(B, kv_heads, H // kv_heads, S, hs)
-

@@ -15,7 +15,7 @@ position, nothing to split; a checkpoint saved at any layout, pipelines
 included, loads as plain TP at the world size of the job). Llama models
 decode alike: no position table, but q and k rotated to each row's own
 position, the cache holding the key/value heads only (grouped-query
-attention: K/H of the multi-head cache). Each row has its
+attention: H_kv/H of the multi-head cache). Each row has its
 own columns and positions from 0 (mpi_tp.inference.kv_cache), so a row
 computes what it would alone, in whatever company and whenever it joined.
 Mixture-of-experts blocks run dropless (GPT.moe_dropless), every token
@@ -133,7 +133,7 @@ class Decoder:
             ids[b, :len(p)] = p                                              # right padding
         last = numpy.array([len(p) - 1 for p in prompts])
         where = rows if isinstance(rows, slice) else backend.asarray(rows)  # the cache rows, on the device
-        x = model.embedding.at(backend.asarray(ids), slice(0, t))           # host -> device: the ids
+        x = model.embedding.lookup(backend.asarray(ids), slice(0, t))           # host -> device: the ids
         with model.moe_dropless():      # experts: exact one position at a time only without capacity
             for j, block in enumerate(model.h):
                 x = x + attend_prefill(block.attn, block.ln_1.forward(x), cache, j, where)
@@ -147,9 +147,9 @@ class Decoder:
         model, cache = self.model, self.cache
         ids = backend.asarray(numpy.stack([next_ids, cache.lengths[:self.rows]]))   # host -> device, once
         mask = cache.step_mask(ids[1])                                      # (the positions are the columns)
-        x = model.embedding.at(ids[0][:, None], ids[1][:, None])
+        x = model.embedding.lookup(ids[0][:, None], ids[1][:, None])
         rope = model.h[0].attn.rope if model.h else None                    # llama: each row's rotation,
-        angles = rope.at(ids[1], mask[0]) if rope is not None else None     # once for every block
+        angles = rope.angles(ids[1], cache.size) if rope is not None else None  # once for every block
         with model.moe_dropless():
             for j, block in enumerate(model.h):
                 x = x + attend_step(block.attn, block.ln_1.forward(x), cache, j, mask, angles)

@@ -1,14 +1,14 @@
 """The attention cache of tensor-parallel decoding: each rank keeps the keys and values of its own heads.
 
-    cache = KVCache(model, slots=4)          # (slots, K_i, block_size, hs) keys and values per block
+    cache = KVCache(model, slots=4)          # (slots, H_kv_i, block_size, hs) keys and values per block
     y = attend_prefill(block.attn, x, cache, j, rows)          # t new positions of some rows, from column 0
     y = attend_step(block.attn, x, cache, j, mask, angles)     # one new position of every running row
 
-Rank i holds K_i of the K key/value heads (K = H, the query heads, but for
+Rank i holds H_kv_i of the H_kv key/value heads (H_kv = H, the query heads, but for
 grouped-query attention; uneven splits included; mpi_tp.model.heads), so its
-cache is 2 x L x slots x K_i x S x hs values, allocated once for S = block_size
-positions: K_i / K of the whole, and with grouped-query attention K / H of a
-multi-head model's (when K < T each rank keeps the one key/value head its
+cache is 2 x L x slots x H_kv_i x S x hs values, allocated once for S = block_size
+positions: H_kv_i / H_kv of the whole, and with grouped-query attention H_kv / H of a
+multi-head model's (when H_kv < T each rank keeps the one key/value head its
 query heads read, a replica of the other holders'). Llama's keys are kept
 rotated to their positions (mpi_tp.model.rope): a query rotated to its own
 position then attends to them as in the training forward. A row is one sequence; rows 0 .. cache.rows - 1 are
@@ -44,7 +44,7 @@ class KVCache:
     def __init__(self, model, slots: int):
         xp, cfg = backend.xp(), model.cfg
         attn = model.h[0].attn
-        shape = (slots, attn.K_i, cfg.block_size, attn.hs)
+        shape = (slots, attn.H_kv_i, cfg.block_size, attn.hs)
         self.k = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.v = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.slots, self.size, self.dtype = slots, cfg.block_size, model.dtype
@@ -90,7 +90,7 @@ class KVCache:
 
 def _softmax_times_v(att, v):
     """Softmax over the last axis of the masked scores (B, H, t, n), in place, then times v (B, H, n, hs)
-    (grouped: (B, K, G, t, n) times (B, K, 1, n, hs))."""
+    (grouped: (B, H_kv, R, t, n) times (B, H_kv, 1, n, hs))."""
     xp = array_module(att)
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
@@ -99,34 +99,34 @@ def _softmax_times_v(att, v):
 
 
 def _project(attn, y):
-    """(B, K_i, G_i, t, hs) or (B, H_i, t, hs) -> the output projection's (B, t, C), all-reduced."""
+    """(B, H_kv_i, R_i, t, hs) or (B, H_i, t, hs) -> the output projection's (B, t, C), all-reduced."""
     y = attn.ungroup(y)
     B, _, t, _ = y.shape
     return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.hs))
 
 
 def _scores(attn, q, k):
-    """q (B, H_i, t, hs) against keys (B, K_i, n, hs): scaled scores (B, H_i, t, n), grouped as
-    (B, K_i, G_i, t, n) under grouped-query attention (each key/value head serves G_i query heads)."""
+    """q (B, H_i, t, hs) against keys (B, H_kv_i, n, hs): scaled scores (B, H_i, t, n), grouped as
+    (B, H_kv_i, R_i, t, n) under grouped-query attention (each key/value head serves R_i query heads)."""
     q, k, _ = attn.grouped(q, k, k)
     return (q * (1.0 / math.sqrt(attn.hs))) @ k.swapaxes(-1, -2)
 
 
 def _values(attn, v):
-    return v if attn.K_i == attn.H_i else v[:, :, None]
+    return v if attn.H_kv_i == attn.H_i else v[:, :, None]
 
 
 def attend_prefill(attn, x, cache: KVCache, j: int, rows):
     """Block j's attention (a model.attention.ParallelAttention) for rows starting empty: x (J, t, C),
     their positions 0 .. t - 1 (right-padded), `rows` the J cache rows (a slice, or host indices). Their
     keys and values go into the cache; the queries attend causally to their own: (J, t, C), every rank."""
-    q, k, v = attn.project_qkv(x)                                    # (J, H_i, t, hs), (J, K_i, t, hs) x 2
+    q, k, v = attn.project_qkv(x)                                    # (J, H_i, t, hs), (J, H_kv_i, t, hs) x 2
     t = x.shape[1]
     if t > cache.size:
         raise ValueError(f"the cache holds {cache.size} positions: {t} do not fit")
     cache.k[j][rows, :, :t] = k
     cache.v[j][rows, :, :t] = v
-    att = _scores(attn, q, k)                                        # (J, H_i, t, t) or (J, K_i, G_i, t, t)
+    att = _scores(attn, q, k)                                        # (J, H_i, t, t) or (J, H_kv_i, R_i, t, t)
     att += cache.causal_bias(t)
     return _project(attn, _softmax_times_v(att, _values(attn, v)))
 
@@ -134,9 +134,9 @@ def attend_prefill(attn, x, cache: KVCache, j: int, rows):
 def attend_step(attn, x, cache: KVCache, j: int, mask, angles=None):
     """Block j's attention for one new position of every running row: x (rows, 1, C), row b's at
     column lengths[b] (written there), attending to its columns 0 .. lengths[b]; mask: the step's
-    (KVCache.step_mask); angles: llama's rotations to each row's position (Rope.at), None for GPT-2.
+    (KVCache.step_mask); angles: llama's rotations to each row's position (Rope.angles), None for GPT-2.
     -> (rows, 1, C) on every rank."""
-    q, k, v = attn.project_qkv(x, angles)                            # (A, H_i, 1, hs), (A, K_i, 1, hs) x 2
+    q, k, v = attn.project_qkv(x, angles)                            # (A, H_i, 1, hs), (A, H_kv_i, 1, hs) x 2
     A, (n, bias, index) = x.shape[0], mask
     if index is None:                                                       # every row at column n - 1
         cache.k[j][:A, :, n - 1] = k[:, :, 0]
@@ -144,7 +144,7 @@ def attend_step(attn, x, cache: KVCache, j: int, mask, angles=None):
     else:
         cache.k[j][index[0], :, index[1]] = k[:, :, 0]
         cache.v[j][index[0], :, index[1]] = v[:, :, 0]
-    att = _scores(attn, q, cache.k[j][:A, :, :n])                    # (A, H_i, 1, n) or (A, K_i, G_i, 1, n)
+    att = _scores(attn, q, cache.k[j][:A, :, :n])                    # (A, H_i, 1, n) or (A, H_kv_i, R_i, 1, n)
     if bias is not None:
         att += bias if att.ndim == 4 else bias[:, None]                     # (rows, 1, 1, n) (, 1)
     return _project(attn, _softmax_times_v(att, _values(attn, cache.v[j][:A, :, :n])))

@@ -1,13 +1,13 @@
 """Causal self-attention split by heads: q/k/v column-parallel, the output projection row-parallel.
 
-Legend (docs/notation.md): B = batch, S = sequence, C = channels, hs = head size, H query heads, K
-key/value heads, G = H/K; rank i holds H_i query heads and the K_i key/value heads they read
-(mpi_tp.model.heads), G_i = H_i / K_i of its query heads per key/value head.
+Legend (docs/notation.md): B = batch, S = sequence, C = channels, hs = head size, H query heads, H_kv
+key/value heads, R = H/H_kv; rank i holds H_i query heads and the H_kv_i key/value heads they read
+(mpi_tp.model.heads), R_i = H_i / H_kv_i of its query heads per key/value head.
 
     q, k, v = x W_q, x W_k, x W_v       QKVParallelLinear: f, one GEMM (GPT-2: + biases)
     q, k = rope(q), rope(k)             llama: rotary positions 0 ... S-1, per head (mpi_tp.model.rope)
-    y = softmax(q k^T / sqrt(hs)) v     causal, per query head; with K < H each key/value head serves
-                                        its G_i query heads (a broadcast, no copies)
+    y = softmax(q k^T / sqrt(hs)) v     causal, per query head; with H_kv < H each key/value head serves
+                                        its R_i query heads (a broadcast, no copies)
     out = y W_o                         row-parallel, g (GPT-2: + bias, added once after the reduce)
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ParallelAttention(Module):
         self.hs = C // H
         self.layout = head_layout(H, cfg.kv_heads, tp.size)
         self.heads, self.kv_heads = self.layout.q[tp.rank], self.layout.kv[tp.rank]
-        self.H_i, self.K_i = len(self.heads), len(self.kv_heads)
+        self.H_i, self.H_kv_i = len(self.heads), len(self.kv_heads)
         bias = not cfg.llama
         self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias, seed=seed, sp=sp)
         self.rope = Rope(self.hs, cfg.rope_theta, dtype) if cfg.llama else None
@@ -52,9 +52,9 @@ class ParallelAttention(Module):
                                       std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
     def project_qkv(self, x, angles=None):
-        """x -> q (B, H_i, S, hs), k and v (B, K_i, S, hs), head-major and contiguous; llama: q and k rotated
-        to positions 0 ... S-1, or by `angles` (Rope.at: one position per row, for cached decoding)."""
-        q, k, v = self.qkv.forward(x)                                    # (B, S, H_i, hs), (B, S, K_i, hs) x 2
+        """x -> q (B, H_i, S, hs), k and v (B, H_kv_i, S, hs), head-major and contiguous; llama: q and k rotated
+        to positions 0 ... S-1, or by `angles` (Rope.angles: one position per row, for cached decoding)."""
+        q, k, v = self.qkv.forward(x)                                    # (B, S, H_i, hs), (B, S, H_kv_i, hs) x 2
         xp = backend.xp()
         # one copy into head-major order, so that the batched attention products see contiguous heads
         q, k, v = (xp.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v))
@@ -63,15 +63,15 @@ class ParallelAttention(Module):
         return q, k, v
 
     def grouped(self, q, k, v):
-        """Grouped-query attention as a broadcast: q (B, K_i, G_i, S, hs), k and v (B, K_i, 1, S, hs);
-        plain multi-head attention (K_i = H_i) is left as it is."""
-        if self.K_i == self.H_i:
+        """Grouped-query attention as a broadcast: q (B, H_kv_i, R_i, S, hs), k and v (B, H_kv_i, 1, S, hs);
+        plain multi-head attention (H_kv_i = H_i) is left as it is."""
+        if self.H_kv_i == self.H_i:
             return q, k, v
         B, _, S, hs = q.shape
-        return q.reshape(B, self.K_i, self.H_i // self.K_i, S, hs), k[:, :, None], v[:, :, None]
+        return q.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, hs), k[:, :, None], v[:, :, None]
 
     def ungroup(self, y):
-        """(B, K_i, G_i, S, hs) or (B, H_i, S, hs) -> (B, H_i, S, hs)."""
+        """(B, H_kv_i, R_i, S, hs) or (B, H_i, S, hs) -> (B, H_i, S, hs)."""
         return y.reshape(y.shape[0], self.H_i, *y.shape[-2:])
 
     def forward(self, x):
@@ -89,9 +89,9 @@ class ParallelAttention(Module):
                                                                          # (sp: reduce-scatter -> (B, S_i, C))
 
     def _grouped_mask(self, mask):
-        if mask is None or self.K_i == self.H_i:
+        if mask is None or self.H_kv_i == self.H_i:
             return mask
-        return mask.reshape(mask.shape[0], self.K_i, self.H_i // self.K_i, *mask.shape[-2:])
+        return mask.reshape(mask.shape[0], self.H_kv_i, self.H_i // self.H_kv_i, *mask.shape[-2:])
 
     def backward(self, dout):
         dy = self.proj.backward(dout)                                    # (B, S, H_i hs)
@@ -105,13 +105,13 @@ class ParallelAttention(Module):
                 with self.dropout.replay(key):
                     mask = self.dropout.head_masks(B, S, self.heads, self.layer)
             _, cache = kern.attention_forward(q, k, v, self._grouped_mask(mask), self.dropout.scale)
-        if self.K_i != self.H_i:
-            dy = dy.reshape(B, self.K_i, self.H_i // self.K_i, S, self.hs)
+        if self.H_kv_i != self.H_i:
+            dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
         dq, dk, dv = kern.attention_backward(dy, cache)                  # dq like q, dk and dv like k and v
-        dq, dk, dv = self.ungroup(dq), dk.reshape(B, self.K_i, S, self.hs), dv.reshape(B, self.K_i, S, self.hs)
+        dq, dk, dv = self.ungroup(dq), dk.reshape(B, self.H_kv_i, S, self.hs), dv.reshape(B, self.H_kv_i, S, self.hs)
         if self.rope is not None:
             dq, dk = self.rope.backward(dq, dk)
-        n_q, n_kv = self.H_i * self.hs, self.K_i * self.hs
+        n_q, n_kv = self.H_i * self.hs, self.H_kv_i * self.hs
         dqkv = backend.xp().empty((B, S, n_q + 2 * n_kv), dtype=dout.dtype)
         for at, n, d in ((0, n_q, dq), (n_q, n_kv, dk), (n_q + n_kv, n_kv, dv)):   # (B, heads, S, hs) each
             dqkv[:, :, at:at + n] = d.transpose(0, 2, 1, 3).reshape(B, S, n)

@@ -28,7 +28,7 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     arch: str = "gpt2"            # "gpt2" or "llama"
-    n_kv_head: int | None = None  # K key/value heads (llama: grouped-query attention when K < n_head); None: n_head
+    n_kv_head: int | None = None  # H_kv key/value heads (llama; < n_head: grouped-query attention); None: n_head
     intermediate_size: int | None = None   # F, the MLP width; None: 4C (gpt2), llama_width(C) (llama)
     rope_theta: float = 10000.0   # llama: the rotary embeddings' base
     norm_eps: float = 1e-5        # the LayerNorms' (gpt2) or RMSNorms' (llama) epsilon
@@ -47,7 +47,7 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
-        """K: key/value heads (n_head unless grouped-query attention)."""
+        """H_kv: key/value heads (n_head unless grouped-query attention)."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
@@ -93,9 +93,9 @@ class GPTConfig:
     def _validate_arch(self, tp: int) -> None:
         if self.arch not in ARCHS:
             raise ConfigError(f"arch {self.arch!r}: use one of {', '.join(ARCHS)}")
-        K, F = self.n_kv_head, self.intermediate_size
-        if K is not None and (not _is_int(K) or K < 1 or self.n_head % K):
-            raise ConfigError(f"n_kv_head = {K!r} must be a positive integer dividing n_head = {self.n_head} "
+        H_kv, F = self.n_kv_head, self.intermediate_size
+        if H_kv is not None and (not _is_int(H_kv) or H_kv < 1 or self.n_head % H_kv):
+            raise ConfigError(f"n_kv_head = {H_kv!r} must be a positive integer dividing n_head = {self.n_head} "
                               "(each key/value head serves n_head / n_kv_head query heads)")
         if F is not None and (not _is_int(F) or F < 1):
             raise ConfigError(f"intermediate_size = {F!r} must be a positive integer (the MLP width)")
@@ -112,12 +112,9 @@ class GPTConfig:
             if (self.n_embd // self.n_head) % 2:
                 raise ConfigError(f"rotary embeddings rotate pairs of a head's dimensions: the head size "
                                   f"n_embd / n_head = {self.n_embd // self.n_head} must be even")
-            if self.moe_experts:
-                raise ConfigError("mixture of experts has GELU experts, a GPT-2 block's: arch llama has no "
-                                  "SwiGLU experts; use arch gpt2 for --moe-experts, or a dense llama")
             return
         if self.kv_heads != self.n_head:
-            raise ConfigError(f"n_kv_head = {K} with arch gpt2: grouped-query attention is a llama option "
+            raise ConfigError(f"n_kv_head = {H_kv} with arch gpt2: grouped-query attention is a llama option "
                               "(use --arch llama, or drop --n-kv-head)")
         if not self.tied:
             raise ConfigError("arch gpt2 always ties its output layer to wte: --untie-embeddings "

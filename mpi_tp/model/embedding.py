@@ -60,7 +60,7 @@ class GPTEmbedding(Module):
             self.wpe.fresh = False
         self.wte.backward(dx)
 
-    def at(self, ids, positions):
+    def lookup(self, ids, positions):
         """Inference (cached decoding): ids (B, t) at positions (t,) (every row alike) or (B, 1) (one per row),
         on the device -> (B, t, C), without dropout or sequence parallelism."""
         x = self.wte.forward(ids)

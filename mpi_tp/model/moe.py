@@ -11,8 +11,9 @@ as in the dense MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.
     g = prob_top     (k = 1)        (N, k)   Switch: the gate is the probability, so the router
         prob_top / sum prob_top (k > 1)      learns from the loss (a renormalised top-1 is always 1)
     a = admitted(top)               (N, k)   0/1: the capacity (below); all 1 when dropless
-    y_j = sum_q a_jq g_jq FFN_{top_jq}(x_j)  token j, its q-th choice; FFN_e: fc C -> F, GELU,
-                                             proj F -> C, as the dense MLP
+    y_j = sum_q a_jq g_jq FFN_{top_jq}(x_j)  token j, its q-th choice; FFN_e: the block's MLP
+                                             (mpi_tp.model.experts): fc C -> F, GELU, proj F -> C
+                                             (gpt2), or gate/up C -> F, SwiGLU, down F -> C (llama)
 
 Capacity (moe_capacity > 0): each sequence may send at most cap = ceil(moe_capacity * S * k / E)
 assignments to an expert; they are admitted in order of choice rank, then position (every first
@@ -49,11 +50,11 @@ from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
+from mpi_tp.model.experts import Expert, SwiGLUExpert
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
 from mpi_tp.parallel.sequence_parallel import (gather_positions, gather_positions_backward, keep_positions,
                                                keep_positions_backward)
 from mpi_tp.parallel.tensor_parallel import copy_to_tp_backward, reduce_from_tp
-from mpi_tp.parallel.topology import shard_range
 
 
 # ---------------------------------------------------------------- routing (pure functions)
@@ -124,38 +125,6 @@ def z_loss(z_lse):
 
 # ---------------------------------------------------------------- layers
 
-class Expert(Module):
-    """One expert: the dense MLP's parameters and split (fc column-parallel, proj row-parallel), without
-    its communication: MoEMLP does f and g once for all its experts. forward returns this rank's
-    partial sum X_e A_fc,i -> gelu -> @ A_proj,i, before the all-reduce and the proj bias."""
-
-    def __init__(self, name, cfg, tp, dtype, seed):
-        C, F = cfg.n_embd, cfg.ffn
-        _, start, stop = shard_range(F, tp, None, f"{name}: expert width")
-        self.fc_weight = make_param(f"{name}/fc/weight", (C, F), dtype, seed=seed, axis=1, start=start,
-                                    stop=stop, decay=True)                                  # (C, F_i)
-        self.fc_bias = make_param(f"{name}/fc/bias", (F,), dtype, init="zeros", axis=0, start=start, stop=stop)
-        self.proj_weight = make_param(f"{name}/proj/weight", (F, C), dtype, std=0.02 / math.sqrt(2 * cfg.n_layer),
-                                      seed=seed, axis=0, start=start, stop=stop, decay=True)  # (F_i, C)
-        self.proj_bias = make_param(f"{name}/proj/bias", (C,), dtype, init="zeros")      # replicated
-
-    def forward(self, x):
-        h, fc = kern.linear_forward(x, self.fc_weight.data, self.fc_bias.data)   # (R_e, C) -> (R_e, F_i)
-        h, act = kern.gelu_forward(h)
-        y, proj = kern.linear_forward(h, self.proj_weight.data)                 # (R_e, F_i) -> (R_e, C) partial
-        self.save_cache(fc, act, proj)
-        return y
-
-    def backward(self, dout):
-        fc, act, proj = self.take_cache()
-        dh, dw, _ = kern.linear_backward(dout, proj)
-        self.proj_weight.accumulate(dw)
-        dx, dw, db = kern.linear_backward(kern.gelu_backward(dh, act), fc)
-        self.fc_weight.accumulate(dw)
-        self.fc_bias.accumulate(db)
-        return dx                                                            # (R_e, C), partial over tp
-
-
 class MoEMLP(Module):
     """The mixture-of-experts MLP of block i (see the module docstring): (B, S, C) -> (B, S, C).
 
@@ -182,7 +151,8 @@ class MoEMLP(Module):
         self.router = make_param(f"{name}/router/weight", (cfg.n_embd, self.E), dtype, seed=seed,
                                  decay=True)                                          # W_r (C, E)
         self.dispatcher = ExpertDispatcher(self.E, topo.ep)
-        self.experts = [Expert(f"{name}/experts/{e}", cfg, topo.tp, dtype, seed) for e in self.dispatcher.local]
+        expert = SwiGLUExpert if cfg.llama else Expert
+        self.experts = [expert(f"{name}/experts/{e}", cfg, topo.tp, dtype, seed) for e in self.dispatcher.local]
         for e, expert in zip(self.dispatcher.local, self.experts):
             mark_expert(expert.parameters(), e, topo)
         self.stats, self.routing, self.loss_term = {}, None, 0.0
@@ -271,7 +241,8 @@ class MoEMLP(Module):
         y = reduce_from_tp(y, self.tp)                                       # g: the partial sums
         at = 0
         for expert, n in zip(self.experts, rows):
-            y[at:at + n] += expert.proj_bias.data                             # once, after the reduce
+            if expert.proj_bias is not None:
+                y[at:at + n] += expert.proj_bias.data                         # once, after the reduce
             at += n
         return y
 
@@ -280,7 +251,8 @@ class MoEMLP(Module):
         dx = backend.array_module(dy).empty_like(dy)
         at = 0
         for expert, n in zip(self.experts, rows):
-            expert.proj_bias.accumulate(dy[at:at + n].sum(axis=0))
+            if expert.proj_bias is not None:
+                expert.proj_bias.accumulate(dy[at:at + n].sum(axis=0))
             dx[at:at + n] = expert.backward(dy[at:at + n])
             at += n
         return copy_to_tp_backward(dx, self.tp)

@@ -60,7 +60,7 @@ def column_backward(dout, cache, group: Group, dw_out=None):
     return reducing.wait(), dw, db
 
 
-def _accumulate_weight(weights, backward):
+def accumulate_weight(weights, backward):
     """Run backward(dw_out) and accumulate its dW into the weights' (shared) gradient: while that still
     holds zeros, the GEMM writes straight into it (no new array, no extra pass). Returns the rest."""
     grad = weights[0].grad_base
@@ -133,7 +133,7 @@ class ColumnParallelLinear(Module):
         if self.gather_output:
             dout = gather_from_tp_backward(dout, self.group, self.sizes)
         (cache,) = self.take_cache()
-        dx, db = _accumulate_weight(self.weights, lambda dw_out: column_backward(dout, cache, self.group, dw_out))
+        dx, db = accumulate_weight(self.weights, lambda dw_out: column_backward(dout, cache, self.group, dw_out))
         if self.biases:
             accumulate_base(self.biases, db)
         return dx
@@ -181,7 +181,7 @@ class RowParallelLinear(Module):
             self.bias.accumulate(dout.reshape(-1, dout.shape[-1]).sum(axis=0))
         cache, seq = self.take_cache()
         dout = leave_tp_backward(dout, self.group, seq)
-        dx, _ = _accumulate_weight([self.weight], lambda dw_out: kern.linear_backward(dout, cache, dw_out))
+        dx, _ = accumulate_weight([self.weight], lambda dw_out: kern.linear_backward(dout, cache, dw_out))
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)
         return dx

@@ -1,8 +1,8 @@
 """Attention's q, k and v: three column-parallel layers behind one f, split by heads (mpi_tp.model.heads).
 
 Legend (docs/notation.md): B = batch, S = sequence, C = channels, hs = head size, H query heads and
-K key/value heads (K = H but for grouped-query attention), T = tensor-parallel size; rank i holds
-H_i query heads and K_i key/value heads (mpi_tp.model.heads: K_i = 1 when K < T).
+H_kv key/value heads (H_kv = H but for grouped-query attention), T = tensor-parallel size; rank i holds
+H_i query heads and H_kv_i key/value heads (mpi_tp.model.heads: H_kv_i = 1 when H_kv < T).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.model.heads import HeadLayout
-from mpi_tp.model.parallel_linear import _accumulate_weight, column_backward, column_forward
+from mpi_tp.model.parallel_linear import accumulate_weight, column_backward, column_forward
 from mpi_tp.parallel.topology import Topology
 
 
@@ -18,17 +18,17 @@ class QKVParallelLinear(Module):
     """[q | k | v] = X [W_q | W_k | W_v] (+ [b_q | b_k | b_v]), each W split by columns, head by head:
 
         W_q = [W_q,0 | ... | W_q,T-1]  (C, H hs)     rank i: its query heads' columns   (C, H_i hs)
-        W_k = [W_k,0 | ... | W_k,T-1]  (C, K hs)     rank i: its key/value heads'       (C, K_i hs)
+        W_k = [W_k,0 | ... | W_k,T-1]  (C, H_kv hs)     rank i: its key/value heads'       (C, H_kv_i hs)
         W_v  likewise
 
                X (B, S, C), whole on every rank (sp: all-gathered from (B, S_i, C))
                |
                f        forward: identity     backward: all-reduce dX (sp: reduce-scatter)
                |
-        X [W_q,i | W_k,i | W_v,i]   one GEMM -> (B, S, (H_i + 2 K_i) hs): rank i's q, k and v
+        X [W_q,i | W_k,i | W_v,i]   one GEMM -> (B, S, (H_i + 2 H_kv_i) hs): rank i's q, k and v
 
-    The three shards sit side by side in one (C, (H_i + 2 K_i) hs) array (fuse_last_axis), which the
-    GEMM reads as it is. When key/value heads are replicated (K < T), W_k,i and W_v,i are the same
+    The three shards sit side by side in one (C, (H_i + 2 H_kv_i) hs) array (fuse_last_axis), which the
+    GEMM reads as it is. When key/value heads are replicated (H_kv < T), W_k,i and W_v,i are the same
     slices on several ranks: they get a storage of their own, (C, 2 hs), marked `replicas` (their
     gradients are summed over the replica group after the backward pass: Param.replicas), and the
     forward concatenates [W_q,i | W_kv,i] first, a copy of C (H_i + 2) hs weights, small beside the GEMM
@@ -40,7 +40,7 @@ class QKVParallelLinear(Module):
         tp = topo.tp
         self.group, self.sp, self.hs = tp, sp, hs
         q, kv = layout.q[tp.rank], layout.kv[tp.rank]
-        self.H_i, self.K_i = len(q), len(kv)
+        self.H_i, self.H_kv_i = len(q), len(kv)
         replicas = None
         if layout.replicated:                       # the ranks holding my key/value head, as a Group
             replicas = topo.tp_subgroup("kv", [layout.kv[r].start for r in range(tp.size)])
@@ -52,14 +52,14 @@ class QKVParallelLinear(Module):
             return make_param(f"{name}/{part}/{kind}", shape, dtype, std=std, seed=seed, init="normal" if
                               kind == "weight" else "zeros", axis=len(shape) - 1, start=heads.start * hs,
                               stop=heads.stop * hs, decay=kind == "weight", replicas=rep)
-        parts = (("q", q, layout.H, None), ("k", kv, layout.K, replicas), ("v", kv, layout.K, replicas))
-        self.weights = [param(p, "weight", *rest) for p, *rest in parts]             # (C, H_i hs), (C, K_i hs) x 2
+        parts = (("q", q, layout.H, None), ("k", kv, layout.H_kv, replicas), ("v", kv, layout.H_kv, replicas))
+        self.weights = [param(p, "weight", *rest) for p, *rest in parts]             # (C, H_i hs), (C, H_kv_i hs) x 2
         self.biases = [param(p, "bias", *rest) for p, *rest in parts] if bias else []
         self.split = replicas is not None
         if self.split:
             fuse_last_axis(self.weights[1:])                                           # (C, 2 hs)
         else:
-            fuse_last_axis(self.weights)                                               # (C, (H_i + 2 K_i) hs)
+            fuse_last_axis(self.weights)                                               # (C, (H_i + 2 H_kv_i) hs)
             if bias:
                 fuse_last_axis(self.biases)
 
@@ -69,7 +69,7 @@ class QKVParallelLinear(Module):
 
     @property
     def out_features(self) -> int:
-        return (self.H_i + 2 * self.K_i) * self.hs
+        return (self.H_i + 2 * self.H_kv_i) * self.hs
 
     def _fused_weight(self):
         if not self.split:
@@ -77,24 +77,24 @@ class QKVParallelLinear(Module):
         return backend.xp().concatenate([self.weights[0].base, self.weights[1].base], axis=1)
 
     def forward(self, x):
-        """x (B, S, C) (sp: (B, S_i, C)) -> q (B, S, H_i, hs), k and v (B, S, K_i, hs): views of one array."""
+        """x (B, S, C) (sp: (B, S_i, C)) -> q (B, S, H_i, hs), k and v (B, S, H_kv_i, hs): views of one array."""
         b = self.biases[0].base if self.biases else None
-        y, cache = column_forward(x, self._fused_weight(), b, self.group, self.sp)    # (B, S, (H_i + 2 K_i) hs)
+        y, cache = column_forward(x, self._fused_weight(), b, self.group, self.sp)    # (B, S, (H_i + 2 H_kv_i) hs)
         if self.split:               # the concatenated weights are made again for the backward, not kept
             cache = (cache[0], None, *cache[2:])
         self.save_cache(cache)
         B, S = y.shape[:2]
-        n_q, n_kv = self.H_i * self.hs, self.K_i * self.hs
+        n_q, n_kv = self.H_i * self.hs, self.H_kv_i * self.hs
         return (y[..., :n_q].reshape(B, S, self.H_i, self.hs),
-                y[..., n_q:n_q + n_kv].reshape(B, S, self.K_i, self.hs),
-                y[..., n_q + n_kv:].reshape(B, S, self.K_i, self.hs))
+                y[..., n_q:n_q + n_kv].reshape(B, S, self.H_kv_i, self.hs),
+                y[..., n_q + n_kv:].reshape(B, S, self.H_kv_i, self.hs))
 
     def backward(self, dqkv):
-        """dqkv (B, S, (H_i + 2 K_i) hs), the gradients of [q | k | v] side by side -> dX (B, S, C) (sp: its
+        """dqkv (B, S, (H_i + 2 H_kv_i) hs), the gradients of [q | k | v] side by side -> dX (B, S, C) (sp: its
         positions), after f's all-reduce; the weights' and biases' gradients accumulated."""
         (cache,) = self.take_cache()
         if not self.split:
-            dx, db = _accumulate_weight(self.weights, lambda dw_out: column_backward(dqkv, cache, self.group, dw_out))
+            dx, db = accumulate_weight(self.weights, lambda dw_out: column_backward(dqkv, cache, self.group, dw_out))
         else:
             cache = (cache[0], self._fused_weight(), *cache[2:])
             dx, dw, db = column_backward(dqkv, cache, self.group)                     # dw (C, (H_i + 2) hs)

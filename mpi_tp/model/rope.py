@@ -37,14 +37,14 @@ class Rope(Module):
     def __init__(self, hs: int, theta: float, dtype):
         self.hs, self.theta, self.dtype = hs, theta, dtype
 
-    def at(self, positions, n: int):
+    def angles(self, positions, n: int):
         """cos, sin (B, 1, 1, hs) for one position per row: positions (B,) on the device, each below n (a host
         bound: no copy to the host). Cached decoding makes them once per step for every block."""
         cos, sin = rope_table(n, self.hs, self.theta, self.dtype)
         return cos[positions][:, None, None, :], sin[positions][:, None, None, :]
 
     def forward(self, q, k, angles=None):
-        """Rotate q and k: to positions 0 ... S-1 (angles None), or by the given (cos, sin) (Rope.at)."""
+        """Rotate q and k: to positions 0 ... S-1 (angles None), or by the given (cos, sin) (Rope.angles)."""
         S = q.shape[-2]
         cos, sin = rope_table(S, self.hs, self.theta, self.dtype) if angles is None else angles
         q, _ = kl.rope_forward(q, cos, sin)

@@ -138,7 +138,7 @@ def step_bytes(model, B, n) -> dict:
     if wpe is not None:
         weights += B * wpe.data[0].nbytes - wpe.data.nbytes
     attn = model.h[0].attn
-    kv = 2 * len(model.h) * B * attn.K_i * n * attn.hs * model.dtype.itemsize     # the key/value heads
+    kv = 2 * len(model.h) * B * attn.H_kv_i * n * attn.hs * model.dtype.itemsize     # the key/value heads
     return {"weights": int(weights), "kv_cache": int(kv)}
 
 

@@ -52,10 +52,10 @@ SP_LESSONS = {
              "its own positions. Every activation the block keeps is 1/T of the serial block's.",
 }
 # With --kv-heads K < H (grouped-query attention, a Llama attention: rotary q and k, no biases), after LESSONS'.
-GQA_LESSON = ("Grouped-query attention: K = {K} key/value heads serve the H = {H} query heads, G = {G} each "
-              "(query head h reads key/value head h // G), so k and v have K hs columns, not H hs. The query "
-              "heads go with the key/value heads they read: when K >= T the key/value heads are divided "
-              "among the ranks and rank i takes the G query heads of each of its own; when K < T the ranks "
+GQA_LESSON = ("Grouped-query attention: H_kv = {H_kv} key/value heads serve the H = {H} query heads, R = {R} "
+              "each (query head h reads key/value head h // R), so k and v have H_kv hs columns, not H hs. The "
+              "query heads go with the key/value heads they read: when H_kv >= T the key/value heads are divided "
+              "among the ranks and rank i takes the R query heads of each of its own; when H_kv < T the ranks "
               "are divided among the key/value heads and every rank holds a replica of the one its query "
               "heads read. A replica's gradient is its own query heads' part: after the backward pass the "
               "replicas sum theirs (kv_grad_all_reduce, once per step), so they stay equal. The rotary "

@@ -14,7 +14,7 @@ how far the result is from the same layer on one rank (built from the same seed 
 names, so the weights agree slice for slice). Exit status 0 when every rank of
 every layer equals the serial layer.
 
---kv-heads K shows grouped-query attention (a Llama attention and block): which key/value heads
+--kv-heads H_kv shows grouped-query attention (a Llama attention and block): which key/value heads
 each rank holds, its own or a replica (mpi_tp.model.heads), and the replicas' gradient sum.
 
 Under --sequence-parallel a last line sets the wire bytes of the all-gathers and
@@ -22,7 +22,7 @@ reduce-scatters beside those of the plain layer's all-reduces: the same traffic.
 
 Legend (docs/notation.md): B = batch, S = sequence, C = channels, H = heads, O = K = 2C + 1
 (the column layer's output features O, the row layer's input features K: odd on
-purpose, so shards can differ by one), F = 4C (the MLP's width); S_i, O_i, K_i,
+purpose, so shards can differ by one), F = 4C (the MLP's width); S_i, O_i, H_kv_i,
 F_i, H_i = rank i's share.
 """
 from __future__ import annotations
@@ -69,12 +69,12 @@ def plan(args, T: int) -> dict:
     if H < T or C % H:
         raise UserError(f"--heads {H} does not fit: every one of the {T} ranks needs a head, and the heads "
                          f"must divide --features {C}; use --heads between {T} and {C} that divides {C}")
-    K = args.kv_heads
-    if K is not None and (K < 1 or H % K or (C // H) % 2):
-        raise UserError(f"--kv-heads {K} does not fit: the key/value heads must divide the {H} heads, and the "
+    H_kv = args.kv_heads
+    if H_kv is not None and (H_kv < 1 or H % H_kv or (C // H) % 2):
+        raise UserError(f"--kv-heads {H_kv} does not fit: the key/value heads must divide the {H} heads, and the "
                         f"rotary embedding needs an even head size (C / H = {C // H}); use --features and "
                         "--heads that give one, e.g. --features 16 --heads 4 --kv-heads 2")
-    llama = dict(arch="llama", n_kv_head=K, intermediate_size=4 * C) if K is not None else {}
+    llama = dict(arch="llama", n_kv_head=H_kv, intermediate_size=4 * C) if H_kv is not None else {}
     cfg = GPTConfig(vocab_size=T, block_size=S, n_layer=1, n_head=H, n_embd=C, **llama)  # vocabulary unused
     cfg.validate(T)
     if args.sequence_parallel and S < T:
@@ -166,8 +166,8 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
                      f"(H_i = {attn.H_i}, head size hs = {attn.hs}: {attn.H_i * attn.hs} columns of q, k and v)")
     elif attn is not None:                       # grouped-query attention: which key/value heads, split or not
         sizes["kv"] = len(attn.layout.replicas(topo.tp.rank))
-        lines.append(f"  {attn.layout.describe(topo.tp.rank)}; H_i = {attn.H_i}, K_i = {attn.K_i}, head size "
-                     f"hs = {attn.hs}: {attn.H_i * attn.hs} columns of q, {attn.K_i * attn.hs} of k and of v")
+        lines.append(f"  {attn.layout.describe(topo.tp.rank)}; H_i = {attn.H_i}, H_kv_i = {attn.H_kv_i}, head size "
+                     f"hs = {attn.hs}: {attn.H_i * attn.hs} columns of q, {attn.H_kv_i * attn.hs} of k and of v")
     lines.append(f"  input {x_i.shape} -> output {y.shape}")
     lines += phase_lines("forward", fwd, topo.tp.size, sizes) + phase_lines("backward", bwd, topo.tp.size, sizes)
     lines.append(f"  vs serial: output {err_out:.1e}, dinp {err_in:.1e}, param grads {grads[worst]:.1e} "
@@ -230,7 +230,7 @@ def run(args, comm) -> bool:
     if set(kinds) & set(explain_vocab.LAYERS):        # before anything is printed
         collective_setup(explain_vocab.plan, args, T, comm=comm)
     odd = f"O = K = 2C + 1 = {p['K']}, " if {"column", "row"} & set(kinds) else ""   # only those layers use it
-    kv = f"key/value heads K = {cfg.kv_heads} (llama attention), " if cfg.llama else ""
+    kv = f"key/value heads H_kv = {cfg.kv_heads} (llama attention), " if cfg.llama else ""
     rank0_print(f"tensor-parallel size T = {T} (the world size), float64; global sizes: batch B = {p['B']}, "
                 f"sequence S = {p['S']}, channels C = {p['C']}, heads H = {cfg.n_head}, {kv}{odd}"
                 f"F = 4C = {4 * p['C']}" + (", sequence-parallel" if args.sequence_parallel else ""), comm=comm)
@@ -243,7 +243,7 @@ def run(args, comm) -> bool:
         texts = comm.gather(text, root=0)          # a lesson, not a hot path: pickled once
         lesson = (SP_LESSONS if args.sequence_parallel else LESSONS)[kind]
         if cfg.llama and kind in ("attention", "block"):
-            lesson += " " + GQA_LESSON.format(K=cfg.kv_heads, H=cfg.n_head, G=cfg.n_head // cfg.kv_heads)
+            lesson += " " + GQA_LESSON.format(H_kv=cfg.kv_heads, H=cfg.n_head, R=cfg.n_head // cfg.kv_heads)
         same = ""
         if args.sequence_parallel and T > 1:
             equal, same, kept_plain = sp_versus_tp(kind, p, comm, counted)
@@ -269,7 +269,7 @@ def add_parser(sub) -> None:
     e.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
     e.add_argument("--kv-heads", type=int, default=None,
-                   help="key/value heads K dividing the heads: grouped-query attention, the attention (and "
+                   help="key/value heads H_kv dividing the heads: grouped-query attention, the attention (and "
                         "block) of a Llama model; shows which key/value heads each rank holds, split or "
                         "replicated (default: none, GPT-2's multi-head attention)")
     e.add_argument("--batch", type=int, default=2, help="batch B (default 2)")
