@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -38,9 +35,9 @@ from pathlib import Path
 
 import h5py
 import numpy
+from gpu_check_runner import ROOT, Check, must, write_report
+from serve_harness import Server
 
-ROOT = Path(__file__).resolve().parent.parent
-PY, MPIEXEC = os.environ.get("PYTHON", sys.executable), os.environ.get("MPIEXEC", "mpiexec")
 MODEL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--block-size", "32", "--batch-size", "4",
          "--dtype", "float64", "--dropout", "0.1", "--steps", "6", "--save-every", "3", "--log-every", "1",
          "--eval-every", "100", "--sample-len", "0", "--seed", "3"]
@@ -48,67 +45,6 @@ LAYOUTS = {"tp2-sp": ["--tp", "2", "--sequence-parallel"], "dp2-overlap": ["--dp
            "dp2-zero1": ["--dp", "2", "--zero", "1"], "pp2-1f1b": ["--pp", "2", "--micro-batches", "2"],
            "moe-ep2": ["--dp", "2", "--ep", "2", "--moe-experts", "4", "--moe-top-k", "2"]}
 TOLERANCE = 1e-8
-
-
-class Check:
-    """Runs the commands of the checks, each logged, timed and bounded; collects the report's rows."""
-
-    def __init__(self, out: Path, standin: bool, budget_s: float):
-        self.out, self.standin, self.rows = out, standin, []
-        self.deadline = time.monotonic() + budget_s
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-
-    def env(self, aware: str | None = "0", **extra):
-        """The jobs' environment: MPI_TP_CUDA_AWARE=aware (None: MPI's own answer), the stand-in if asked."""
-        env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
-        for name in ("MPI_TP_CUPY_STANDIN", "MPI_TP_CUDA_AWARE"):
-            env.pop(name, None)
-        if aware is not None:
-            env["MPI_TP_CUDA_AWARE"] = aware
-        if self.standin:
-            env["MPI_TP_CUPY_STANDIN"] = "1"
-        return env
-
-    def run(self, log: str, n: int, args: list[str], env: dict, timeout=240) -> tuple[int, str]:
-        """Run `mpi-tp ARGS` (`python ARGS` when args[0] is -m or -c) on n ranks; (exit status, output)."""
-        py = [PY, "-m", "mpi4py"] + (args if args[0] in ("-m", "-c") else ["-m", "mpi_tp"] + args)
-        cmd = [MPIEXEC, "-n", str(n)] + py
-        with open(self.out / "logs" / f"{log}.log", "a") as f:
-            f.write(f"$ MPI_TP_CUDA_AWARE={env.get('MPI_TP_CUDA_AWARE', '')} {' '.join(cmd)}\n")
-            f.flush()
-            try:
-                p = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, timeout=timeout, start_new_session=True)
-                rc, text = p.returncode, p.stdout
-            except subprocess.TimeoutExpired as e:
-                rc, text = 124, (e.stdout or b"").decode(errors="replace") + f"\n(killed after {timeout} s)"
-            f.write(text + f"\n(exit {rc})\n")
-        return rc, text
-
-    def row(self, name: str, fn, *args) -> None:
-        """Run one check (fn returns what it compared, or raises AssertionError saying what failed)."""
-        if time.monotonic() > self.deadline:
-            result, detail, seconds = "NOT RUN", "out of time (--budget)", 0.0
-        else:
-            t = time.perf_counter()
-            try:
-                result, detail = "ok", fn(name, self, *args)
-            except Exception as e:  # noqa: BLE001 (a check's failure is a row of the report, not the end of the run)
-                what = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-                result, detail = "FAILED", (what if isinstance(e, AssertionError) else f"{type(e).__name__}: {what}")[:300]
-            seconds = time.perf_counter() - t
-        self.rows.append({"check": name, "result": result, "seconds": round(seconds, 1), "detail": detail})
-        print(f"{result:>8}  {name:<40} {seconds:6.1f} s  {detail}", flush=True)
-
-    def na(self, name: str, why: str) -> None:
-        self.rows.append({"check": name, "result": "n/a", "seconds": 0.0, "detail": why})
-        print(f"{'n/a':>8}  {name:<40} {0:6.1f} s  {why}", flush=True)
-
-
-def must(rc: int, text: str, what: str) -> None:
-    """Assert exit status 0, else say what failed with the output's last line that is not MPI's abort notice."""
-    said = [line for line in text.strip().splitlines() if line.strip() and not line.startswith(("Abort(", "("))]
-    assert rc == 0, f"{what}: exit {rc}: {said[-1] if said else ''}"
 
 
 def machine(c: Check) -> dict:
@@ -236,31 +172,18 @@ def decode_check(name: str, c: Check, n: int, aware: str) -> str:
 
 def served(c: Check, name: str, ckpt: Path, backend: str, aware: str) -> list[str]:
     """A 2-rank server's answers to a greedy and a seeded sampled request; it must stop at SIGTERM with status 0."""
-    path = c.out / "logs" / f"{name}.log"
-    with open(path, "a") as log:
-        start = log.tell()                                       # this server's lines come after
-        p = subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "mpi4py", "-m", "mpi_tp", "serve", "--checkpoint",
-                              str(ckpt), "--port", "0", "--dtype", "float64", "--backend", backend], cwd=ROOT,
-                             env=c.env(aware), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(str(ckpt), ["--dtype", "float64", "--backend", backend], c.out / "logs", env=c.env(aware))
     try:
-        deadline, url = time.monotonic() + 180, None
-        while url is None:
-            m = re.search(r"^serving .* on (http://[\d.]+:\d+)", path.read_text()[start:], re.MULTILINE)
-            url = m and m.group(1)
-            assert p.poll() is None and time.monotonic() < deadline, f"the {backend} server did not start"
-            time.sleep(0.2)
         texts = []
         for how in ({"temperature": 0}, {"temperature": 1, "seed": 5}):
             body = json.dumps({"prompt": "The ", "max_tokens": 24, **how}).encode()
-            with urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=body), timeout=120) as r:
+            url = f"http://{server.host}:{server.port}/v1/completions"
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=120) as r:
                 texts.append(json.loads(r.read())["choices"][0]["text"])
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 0, f"the {backend} server's exit status after SIGTERM: {p.returncode}"
-        return texts
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        status = server.stop(timeout=60)
+    assert status == 0, f"the {backend} server's exit status after SIGTERM: {status}\n{server.log_tail()}"
+    return texts
 
 
 def serve_check(name: str, c: Check, aware: str) -> str:
@@ -322,17 +245,6 @@ def main(argv=None) -> int:
           f"{': ' + '; '.join(failed) if failed else ''}; report {out / 'report.md'}")
     shutil.rmtree(out / "runs", ignore_errors=True)
     return 1 if failed else 0
-
-
-def write_report(out: Path, info: dict, rows: list, args) -> None:
-    (out / "report.json").write_text(json.dumps({"machine": info, "checks": rows, "argv": sys.argv}, indent=1))
-    lines = [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M %Z')}", "",
-             f"`{' '.join(['python', 'experiments/gpu_check.py'] + sys.argv[1:])}`"
-             + (" (on the CuPy stand-in, no GPU)" if args.standin else ""), ""]
-    lines += [f"- {k}: {v}" for k, v in info.items()] + ["", "| check | result | s | what was compared |",
-                                                         "|---|---|---|---|"]
-    lines += [f"| {r['check']} | {r['result']} | {r['seconds']} | {r['detail']} |".replace("\n", " ") for r in rows]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

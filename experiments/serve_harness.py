@@ -82,15 +82,16 @@ def status_kib(pid, field):
 
 
 class Server:
-    """One `mpiexec -n 2 ... serve --port 0` job: its address, its ranks' RSS, a stop that always ends it."""
+    """One `mpiexec -n 2 ... serve --port 0` job: its address, its ranks' RSS, a stop that always ends it
+    (env: the job's environment, default child_env())."""
 
-    def __init__(self, checkpoint, flags, logs, start_timeout=180.0):
+    def __init__(self, checkpoint, flags, logs, start_timeout=180.0, env=None):
         self.flags, self.ranks = list(flags), []
         fd, self.log = tempfile.mkstemp(prefix="serve-", suffix=".log", dir=logs)
         with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(mpi_tp_command() + ["serve", "--checkpoint", checkpoint, "--port", "0",
                                                              *self.flags], stdout=subprocess.PIPE, stderr=log,
-                                         cwd=ROOT, env=child_env(), start_new_session=True, text=True)
+                                         cwd=ROOT, env=env or child_env(), start_new_session=True, text=True)
         lines, reader = [], threading.Thread(target=lambda: lines.extend(self.proc.stdout), daemon=True)
         reader.start()                 # reads stdout to its end: the server's later lines never block it
         deadline = time.monotonic() + start_timeout
