@@ -39,7 +39,7 @@ def rope_case(rng, dtype, shape=(2, 3, 5, 4), theta=10000.0, per_row=False):
 def swiglu_case(rng, dtype, shape=(2, 3, 4)):
     inputs = dict(gate=(rng.standard_normal(shape) * 3).astype(dtype), up=rng.standard_normal(shape).astype(dtype))
     return Case(inputs, lambda i: kl.swiglu_forward(i["gate"], i["up"]),
-                lambda d, c: dict(zip(("gate", "up"), kl.swiglu_backward(d, c))), ("gate", "up"))
+                lambda d, c: dict(zip(("gate", "up"), np.split(kl.swiglu_backward(d, c), 2, axis=-1))), ("gate", "up"))
 
 
 def gqa_case(rng, dtype, B=2, H_kv=2, R=3, S=5, hs=3, mask=False):

@@ -43,16 +43,19 @@ def import_folder(folder: str, out: str, comm, dtype: str | None = None, overwri
     def publish():                    # the new checkpoint takes OUT's place only once it is complete
         if comm.Get_rank() != 0:
             return
-        if os.path.lexists(out):
-            old = out.rstrip(os.sep) + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-            os.rename(staging, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, out)
-    collective_setup(publish, comm=comm)
-    comm.Barrier()
+        try:                          # rank 0 alone, between collectives: a failure is a message to all
+            if os.path.lexists(out):
+                old = out.rstrip(os.sep) + ".old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(out, old)
+                os.rename(staging, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(staging, out)
+        except OSError as e:
+            raise UserError(f"import-hf: cannot put the checkpoint at {out} ({e.strerror or e}); it is "
+                            f"complete at {staging}") from None
+    collective_setup(publish, comm=comm)      # (ends in an allgather: every rank waits for the rename)
     return os.path.join(out, ckpt_io.step_dir_name(0))
 
 

@@ -100,9 +100,10 @@ def cmd_eval(args, comm) -> int:
     tokens, V = corpus.data, model.cfg.vocab_size
     # ids of a larger vocabulary than the model's (bytes into a model of fewer than 256 tokens, a token file of
     # another tokenizer): refused if any is past it (every rank sees the same data: the same answer everywhere)
-    if corpus.vocab_size > V and int(tokens.max()) >= V:
+    top = int(tokens.max()) if corpus.vocab_size > V else 0                   # (one pass over the data)
+    if top >= V:
         raise DataError(f"--data {args.data} holds ids of a vocabulary of {corpus.vocab_size} (up to "
-                        f"{int(tokens.max())}); the model at {args.checkpoint} has {V} tokens: evaluate it on "
+                        f"{top}); the model at {args.checkpoint} has {V} tokens: evaluate it on "
                         "data of its own tokenizer")
     loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
     result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,

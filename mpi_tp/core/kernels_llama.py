@@ -105,14 +105,19 @@ def swiglu_forward(gate, up):
 
 
 def swiglu_backward(dout, cache):
-    """dgate, dup (..., F). silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))."""
+    """[dgate | dup] (..., 2F): the gradient of the fused gate|up GEMM's output, written in place (no
+    concatenation). silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))."""
     gate, up, s, silu = cache
-    dup = dout * silu
-    dgate = 1.0 - s
+    xp = array_module(dout)
+    F = gate.shape[-1]
+    dgu = xp.empty(gate.shape[:-1] + (2 * F,), dtype=dout.dtype)
+    dgate, dup = dgu[..., :F], dgu[..., F:]
+    xp.multiply(dout, silu, out=dup)
+    xp.subtract(1.0, s, out=dgate)
     dgate *= gate
     dgate += 1.0
     dgate *= s
     dgate *= up
     dgate *= dout
-    return dgate, dup
+    return dgu
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.core import backend
+
 from mpi_tp.core import kernels as kern
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.core.module import Module
@@ -81,7 +81,6 @@ class SwiGLUExpert(Module):
         fc, act, down = self.take_cache()
         dh, dw, _ = kern.linear_backward(dout, down)
         self.down_weight.accumulate(dw)
-        dgate, dup = kl.swiglu_backward(dh, act)
-        dx, dw, _ = kern.linear_backward(backend.xp().concatenate([dgate, dup], axis=-1), fc)
+        dx, dw, _ = kern.linear_backward(kl.swiglu_backward(dh, act), fc)      # [dgate | dup] (R_e, 2 F_i)
         accumulate_base(self.gate_up, dw)
         return dx                                                            # (R_e, C), partial over tp

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.core import backend
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
@@ -38,6 +37,4 @@ class ParallelSwiGLU(Module):
 
     def backward(self, dout):
         dh = self.down.backward(dout)              # (B, S, F_i)
-        dgate, dup = kl.swiglu_backward(dh, *self.take_cache())
-        dgu = backend.xp().concatenate([dgate, dup], axis=-1)          # (B, S, 2 F_i), as fc's output
-        return self.fc.backward(dgu)
+        return self.fc.backward(kl.swiglu_backward(dh, *self.take_cache()))   # (B, S, 2 F_i), as fc's output

@@ -30,14 +30,12 @@ from __future__ import annotations
 from mpi_tp.core import backend
 
 
-def sum_sp_partial_grads(params, group) -> None:
-    """Every sp_partial gradient summed over the tensor-parallel group, in one packed all-reduce."""
-    params = [p for p in params if p.sp_partial]
+def sum_packed(params, group, kind: str) -> None:
+    """These parameters' gradients summed over `group` in one packed all-reduce (a no-op for one rank)."""
     if group.size == 1 or not params:
         return
-    xp = backend.xp()
-    buf = xp.concatenate([p.grad.reshape(-1) for p in params])       # this rank's positions' parts
-    group.all_reduce(buf, kind="sp_grad_all_reduce")
+    buf = backend.xp().concatenate([p.grad.reshape(-1) for p in params])
+    group.all_reduce(buf, kind=kind)
     at = 0
     for p in params:
         p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
@@ -45,22 +43,21 @@ def sum_sp_partial_grads(params, group) -> None:
         at += p.grad.size
 
 
+def sum_sp_partial_grads(params, group) -> None:
+    """Every sp_partial gradient (this rank's positions' parts) summed over the tensor-parallel group."""
+    sum_packed([p for p in params if p.sp_partial], group, "sp_grad_all_reduce")
+
+
 def sum_replica_grads(params) -> None:
-    """Every replicated shard's gradient (Param.replicas) summed over its replica group, one packed
-    all-reduce per group (a rank's key/value heads are the same in every block: one group)."""
+    """Every replicated shard's gradient (Param.replicas: this rank's query heads' parts) summed over its
+    replica group, one packed all-reduce per group (a rank's key/value heads are the same in every
+    block: one group)."""
     groups = {}
     for p in params:
-        if p.replicas is not None and p.replicas.size > 1:
+        if p.replicas is not None:
             groups.setdefault(id(p.replicas), (p.replicas, []))[1].append(p)
-    xp = backend.xp()
     for group, members in groups.values():
-        buf = xp.concatenate([p.grad.reshape(-1) for p in members])    # this rank's query heads' parts
-        group.all_reduce(buf, kind="kv_grad_all_reduce")
-        at = 0
-        for p in members:
-            p.grad[...] = buf[at:at + p.grad.size].reshape(p.grad.shape)
-            p.fresh = False
-            at += p.grad.size
+        sum_packed(members, group, "kv_grad_all_reduce")
 
 
 def finalize_grads(model, reducer=None) -> None:

@@ -69,9 +69,10 @@ def _load_data(cfg: TrainConfig, comm):
         collective_setup(lambda: load_corpus(cfg.data) if comm.Get_rank() == 0 else None, comm=comm)
     corpus = load_corpus(cfg.data)
     V = cfg.vocab_size or corpus.vocab_size      # the model's (a Hugging Face folder's, with --init-from)
-    if corpus.vocab_size > V and int(corpus.data.max()) >= V:
+    top = int(corpus.data.max()) if corpus.vocab_size > V else 0      # (one pass over the data)
+    if top >= V:
         raise DataError(f"--data {cfg.data} holds ids of a vocabulary of {corpus.vocab_size} (up to "
-                        f"{int(corpus.data.max())}), but the model's has {V} tokens: train it on data of its own "
+                        f"{top}), but the model's has {V} tokens: train it on data of its own "
                         "tokenizer")
     train_tokens, val_tokens = split(corpus, cfg.val_fraction)
     global_batch = cfg.batch_size * cfg.micro_batches * cfg.dp
@@ -137,7 +138,7 @@ def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
 def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
     """Validate, load the data, lay out the ranks, build the model and optimizer, and restore a checkpoint."""
     collective_setup(cfg.validate, comm.Get_size(), comm=comm)
-    collective_setup(backend.use, cfg.backend, comm, comm=comm)
+    backend.use(cfg.backend, comm)              # collective itself: one message on every rank if a GPU fails
     corpus, sampler, val_batches, val_tokens = collective_setup(_load_data, cfg, comm, comm=comm)
     out, lock, notes = collective_setup(_claim_out_dir, cfg, comm, comm=comm)
     for note in notes:

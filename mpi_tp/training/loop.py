@@ -236,5 +236,7 @@ def final_sample(model, cfg: TrainConfig, corpus) -> str:
         tok = load_tokenizer(corpus.tokenizer.get("path"))       # (every rank: the same file, the same answer)
     except TokenizerError as e:
         return f"(no sample: the token file's tokenizer cannot be loaded: {e})"
+    if getattr(tok, "sha256", None) != corpus.tokenizer.get("sha256"):
+        return f"(no sample: {corpus.tokenizer.get('path')} changed since the data was tokenized)"
     ids = sample(model, tok.encode(cfg.prompt) or [0], cfg.sample_len, cfg.temperature, seed=cfg.seed)
     return printable(tok.decode(ids).encode())

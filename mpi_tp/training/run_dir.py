@@ -52,7 +52,10 @@ def stale_after() -> float:
 def new_run_dir(root: str = "runs") -> str:
     """runs/<date-time>, or runs/<date-time>-2, -3 ... when another job made it first (exclusive mkdir)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make {root}/ for the run ({e.strerror or e}): give --out a folder you can write") from None
     for n in range(1, 1000):
         path = os.path.join(root, stamp if n == 1 else f"{stamp}-{n}")
         try:
@@ -97,6 +100,7 @@ class RunLock:
         """Stop the heartbeat and remove the lock, if it is still this job's."""
         if self._stop.is_set():
             return
+        atexit.unregister(self.release)
         self._stop.set()
         holder = read_lock(self.path)
         if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
