@@ -129,8 +129,8 @@ def test_sampling_rules():
 
 
 @pytest.mark.parametrize("bad, says", [
-    (dict(prompt=b""), "prompt must hold 1 to 12 bytes"),
-    (dict(prompt=bytes(13)), "prompt must hold 1 to 12 bytes"),
+    (dict(prompt=b""), "prompt must hold 1 to 12 tokens"),
+    (dict(prompt=bytes(13)), "prompt must hold 1 to 12 tokens"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_k=-2), "top_k"),

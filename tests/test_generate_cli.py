@@ -46,5 +46,5 @@ def test_long_prompt_is_cropped_and_bad_prompt_refused(checkpoint):
     assert r.returncode == 0, r.stderr
     assert "keep their last 16" in r.stderr and r.stdout.startswith("x" * 16) and not r.stdout.startswith("x" * 17)
     bad = mpirun(2, "generate", "--checkpoint", str(checkpoint), "--prompt", "")
-    assert bad.returncode == 2 and "the prompt must hold 1 to 16 bytes" in bad.stderr
+    assert bad.returncode == 2 and "the prompt must hold 1 to 16 tokens" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -175,7 +175,7 @@ def test_dense_and_moe_checkpoints_do_not_mix(tmp_path, reference):
     into_moe = "a dense checkpoint into a mixture-of-experts model"
     into_dense = "a mixture-of-experts checkpoint into a dense model"
     for args, message in (([*MOE, "--init-from", str(dense / "checkpoints")], into_moe),
-                          ([*plain, "--init-from", str(reference / "checkpoints")], into_dense)):
+                          ([*plain, "--moe-experts", "0", "--init-from", str(reference / "checkpoints")], into_dense)):
         r = mpirun(2, "train", *args, "--steps", "4", "--out", str(tmp_path / "x"), timeout=60)
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert r.stderr.count("mpi-tp: error:") == 1 and message in r.stderr and "moe_experts" in r.stderr

@@ -112,8 +112,8 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, serial):
     served = server.call("/health")[1]["requests_served"]
     for raw, says in [(b"{bad", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
                       (json.dumps({"prompt": "x", "max_tokens": "5"}).encode(), "max_tokens must be an integer"),
-                      (json.dumps({"prompt": "a" * (BLOCK + 1)}).encode(), f"1 to {BLOCK} bytes"),
-                      (json.dumps({"prompt": ""}).encode(), f"1 to {BLOCK} bytes"),
+                      (json.dumps({"prompt": "a" * (BLOCK + 1)}).encode(), f"1 to {BLOCK} tokens"),
+                      (json.dumps({"prompt": ""}).encode(), f"1 to {BLOCK} tokens"),
                       (json.dumps({"max_tokens": 4}).encode(), "prompt is required"),
                       (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature")]:
         status, got = server.call("/v1/completions", raw=raw)
@@ -164,7 +164,7 @@ def test_sigterm_finishes_the_batch_in_flight_and_exits_0(checkpoint, tmp_path):
 def test_text_pieces_join_into_the_whole_text():
     whole = "é€😀 ok".encode()
     t = TextOut(b"")
-    pieces = [t.add(b) for b in whole] + [t.finish()]
+    pieces = [t.add(bytes([b])) for b in whole] + [t.finish()]
     assert "".join(pieces) == whole.decode() and "\ufffd" not in "".join(pieces)   # no character torn apart
     rng = random.Random(0)
     for _ in range(200):                                                 # any bytes, any stop: as one decode
@@ -173,7 +173,7 @@ def test_text_pieces_join_into_the_whole_text():
                      for _ in range(rng.randint(0, 3)))              # up to three stop sequences
         t, pieces = TextOut(stop), []
         for i, b in enumerate(out):
-            pieces.append(t.add(b))
+            pieces.append(t.add(bytes([b])))
             if t.stopped:
                 out = out[:i + 1]                                        # generate stops there too
                 break
@@ -181,6 +181,10 @@ def test_text_pieces_join_into_the_whole_text():
         ended = [len(s) for s in stop if out.endswith(s)]
         cut = out[:-max(ended)] if ended else out                        # the one that began first is cut
         assert "".join(pieces) == cut.decode("utf-8", "replace") and t.stopped == (cut != out), (out, stop)
+        cuts = sorted(rng.sample(range(1, len(out)), min(len(out) - 1, 3))) if len(out) > 1 else []
+        t = TextOut(stop)                                                # a token's text: several bytes at once
+        chunked = [t.add(out[a:b]) for a, b in zip([0] + cuts, cuts + [len(out)])] + [t.finish()]
+        assert "".join(chunked) == "".join(pieces) and t.stopped == (cut != out), (out, stop, cuts)
 
 
 def test_parse_completion_defaults_and_errors():

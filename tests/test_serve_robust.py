@@ -34,7 +34,7 @@ def serial(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    """Continuous batching of 4 rows; rank 0's sampling fails at the third byte of requests with seed 7."""
+    """Continuous batching of 4 rows; rank 0's sampling fails at the third token of requests with seed 7."""
     s = Server(checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4", "--read-timeout", "1",
                env={"MPI_TP_FAILPOINT": "sample-error:7"})
     yield s
@@ -66,10 +66,10 @@ def test_generate_with_an_underflowing_temperature(checkpoint):
 
 
 def test_a_failure_on_rank_0_is_that_requests_error_and_the_next_one_succeeds(server, serial):
-    """A RuntimeError in rank 0's sampling (a failpoint, at the third byte of requests with seed 7): a
+    """A RuntimeError in rank 0's sampling (a failpoint, at the third token of requests with seed 7): a
     500 saying what failed, or an error event in a stream; the batch and the job go on."""
     status, got = answer(server, {"prompt": "The ", "max_tokens": 20, "seed": 7})
-    assert status == 500 and "generation failed after 2 bytes: RuntimeError: failpoint" in got["error"]["message"]
+    assert status == 500 and "generation failed after 2 tokens: RuntimeError: failpoint" in got["error"]["message"]
     events = list(server.stream({"prompt": "The ", "max_tokens": 20, "seed": 7}))
     assert events[-1] == "[DONE]" and "failpoint" in events[-2]["error"]["message"], events
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) != "" or len(events) == 2

@@ -69,6 +69,16 @@ class Checkpoint:
         self.tensors = self.layout["tensors"]
         self._check_shards_present()
 
+    def tokenizer(self):
+        """What the model reads text with (mpi_tp.text.tokenizer): the tokenizer.json saved with it, or bytes."""
+        from mpi_tp.text.tokenizer import from_record
+        text = None
+        if self.meta.get("tokenizer", {}).get("kind", "bytes") != "bytes":
+            with h5py.File(self.index_path, "r") as f:
+                if "meta/tokenizer.json" in f:
+                    text = f["meta/tokenizer.json"][()].tobytes().decode()
+        return from_record(self.meta.get("tokenizer"), text, f"checkpoint {self.dir}")
+
     @property
     def has_optimizer(self) -> bool:
         """Whether the optimizer's state was saved with the model (a training save; not an import)."""

@@ -108,8 +108,9 @@ def _write_shard(path, tensors, step, fault=None):
     return pieces
 
 
-def _write_index(path, shards, tensors, meta, fault=None):
-    """The index: metadata, the layout table, and a virtual dataset per full tensor.
+def _write_index(path, shards, tensors, meta, fault=None, tokenizer_json=None):
+    """The index: metadata, the layout table, a virtual dataset per full tensor, and the tokenizer.json
+    the model reads text with (if any: meta/tokenizer.json, its text as UTF-8 bytes).
 
     tensors: (name, global shape, dtype, split axis) of every tensor of every stage."""
     layout = {"shards": shards, "tensors": {}}
@@ -136,9 +137,12 @@ def _write_index(path, shards, tensors, meta, fault=None):
             if disk.error is not None:
                 break
         f.create_dataset("meta/layout", data=json.dumps(layout))
+        if tokenizer_json is not None:
+            f.create_dataset("meta/tokenizer.json", data=numpy.frombuffer(tokenizer_json.encode(), numpy.uint8))
 
 
-def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, keep: int = 0) -> str:
+def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, keep: int = 0,
+         tokenizer=None) -> str:
     """Save model (and optimizer) state as ROOT/step-N; collective over every rank of the model's topology.
 
     The first data-parallel replica's tensor-parallel ranks write the shards (the
@@ -148,7 +152,8 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     CheckpointError on all of them together.
 
     meta: JSON-able entries stored as index attributes (config, train_config, rng, data ...).
-    keep: keep only the newest `keep` complete steps (0 = keep all). Returns the step directory.
+    keep: keep only the newest `keep` complete steps (0 = keep all). tokenizer: what the model reads text
+    with (mpi_tp.text.tokenizer; default bytes), kept in the index. Returns the step directory.
     """
     topo = model.topo
     group, comm, ep = topo.tp, topo.world, topo.ep
@@ -189,9 +194,12 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
             return
         info = dict(meta or {})
         info.update(step=step, layout=model.topo.describe(), dtypes=str(model.dtype))
+        if tokenizer is not None:
+            info["tokenizer"] = tokenizer.describe()
         with _full_disk_reported(root, step, "the checkpoint", total_bytes, free_at_start):
             index = os.path.join(tmp, "index.h5")
-            _write_index(index, shards, described, info, lambda: no_space("save-enospc-index", step, index))
+            _write_index(index, shards, described, info, lambda: no_space("save-enospc-index", step, index),
+                         getattr(tokenizer, "json_text", None))
             fsync_path(tmp)
             failpoint("save-before-rename", step)
             if os.path.exists(final):           # re-saving a step: move the old copy aside first

@@ -7,8 +7,9 @@
 
 eval, generate, serve and `train --init-from` also take the folder itself (each rank
 reads its slices from the safetensors files: mpi_tp.checkpoint.hf.read). The
-vocabulary stays the folder's (50257 for GPT-2): token ids in, logits out; text
-through a tokenizer is not here yet.
+vocabulary stays the folder's (50257 for GPT-2), and text goes through the
+folder's tokenizer.json (mpi_tp.text.tokenizer), which an import keeps in its
+checkpoint and an export writes back with the eos ids.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def import_folder(folder: str, out: str, comm, dtype: str | None = None, overwri
     collective_setup(check, comm=comm)
     model, ck = load_model(folder, comm, dtype)
     meta = {"config": model.cfg.to_dict(), "source": ck.meta["source"]}
-    ckpt_io.save(staging, 0, model, None, meta)
+    tokenizer = collective_setup(ck.tokenizer, comm=comm)          # the folder's tokenizer.json, kept in the index
+    ckpt_io.save(staging, 0, model, None, meta, tokenizer=tokenizer)
 
     def publish():                    # the new checkpoint takes OUT's place only once it is complete
         if comm.Get_rank() != 0:

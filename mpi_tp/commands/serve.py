@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mpi_tp.commands.tools import add_backend_argument, load_model, use_backend
+from mpi_tp.commands.tools import add_backend_argument, add_tokenizer_argument, load_model, model_tokenizer, use_backend
 from mpi_tp.inference.serving.server import Stop, serve
 
 
@@ -43,10 +43,12 @@ def _seconds(value: str) -> float:
 def cmd_serve(args, comm) -> int:
     stop = Stop().install()          # before the (slow) load: a Ctrl-C then still ends the job cleanly
     use_backend(args, comm)          # before any array is made
-    model, _ = load_model(args.checkpoint, comm, args.dtype)
+    model, ck = load_model(args.checkpoint, comm, args.dtype)
+    tokenizer = model_tokenizer(args.tokenizer, ck, comm)
     return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
                  max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop, batching=args.batching,
-                 max_queue=args.max_queue, max_connections=args.max_connections, read_timeout=args.read_timeout)
+                 max_queue=args.max_queue, max_connections=args.max_connections, read_timeout=args.read_timeout,
+                 tokenizer=tokenizer)
 
 
 def add_parser(sub) -> None:
@@ -56,7 +58,7 @@ def add_parser(sub) -> None:
                                    "/v1/completions, GET /v1/models and GET /health; every rank computes. "
                                    "SIGTERM or Ctrl-C finishes the batch in flight and exits 0.")
     s.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
-                   "GPT-2 folder")
+                   "GPT-2 or Llama folder")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     s.add_argument("--port", type=_integer(0, 65535), default=8000, help="TCP port (default 8000; 0: any free port, printed)")
     s.add_argument("--max-batch", type=_integer(1, 1024), default=8,
@@ -73,5 +75,6 @@ def add_parser(sub) -> None:
     s.add_argument("--read-timeout", type=_seconds, default=30.0,
                    help="seconds a client has to send its whole request, headers and body (default 30)")
     s.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    add_tokenizer_argument(s)
     add_backend_argument(s)
     s.set_defaults(run=cmd_serve)

@@ -8,8 +8,11 @@
     mpi-tp export runs/X/checkpoints gpt2-folder --format hf    # a folder transformers loads
 
 eval and generate rebuild the saved model at tensor-parallel size = world size,
-whatever size saved it (or read a Hugging Face GPT-2 folder: mpi_tp.commands.hf), on the array backend of --backend (numpy, or cupy: one GPU
-per rank, chosen before any array is made); inspect and export work on rank 0.
+whatever size saved it (or read a Hugging Face folder: mpi_tp.commands.hf), on the
+array backend of --backend (numpy, or cupy: one GPU per rank, chosen before any
+array is made), and read text with the model's own tokenizer (the folder's
+tokenizer.json, or the one the checkpoint keeps; bytes when it has none;
+--tokenizer to choose another); inspect and export work on rank 0.
 """
 from __future__ import annotations
 
@@ -58,6 +61,19 @@ def load_model(path: str, comm, dtype: str | None = None):
     return model.eval(), ck
 
 
+def add_tokenizer_argument(parser) -> None:
+    parser.add_argument("--tokenizer", default="auto", help="what the text is as ids: 'auto' (the default: the "
+                        "model's own, its folder's tokenizer.json or the one its checkpoint keeps, else bytes), "
+                        "'bytes', a tokenizer.json, or a folder holding one")
+
+
+def model_tokenizer(spec: str, ck, comm):
+    """The tokenizer of --tokenizer spec ('auto': ck's own); collective (every rank loads it: one message if
+    any cannot)."""
+    from mpi_tp.text.tokenizer import load_tokenizer
+    return collective_setup(lambda: ck.tokenizer() if spec == "auto" else load_tokenizer(spec), comm=comm)
+
+
 def eval_windows(tokens: numpy.ndarray, S: int, batch_size: int):
     """Batches (x, y) of the windows starting at 0, S, 2S, ... that hold S + 1 bytes."""
     starts = numpy.arange(0, tokens.size - S, S)       # start + S + 1 <= size
@@ -97,6 +113,10 @@ def cmd_eval(args, comm) -> int:
     use_backend(args, comm)
     corpus = collective_setup(load_corpus, args.data, comm=comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
+    tok = model_tokenizer(args.tokenizer, ck, comm)
+    if corpus.tokenizer is None and tok.kind != "bytes":          # a text: through the model's tokenizer
+        corpus.data = numpy.asarray(tok.encode(corpus.data.tobytes()), dtype=numpy.int64)
+        corpus.vocab_size = tok.vocab_size
     tokens, V = corpus.data, model.cfg.vocab_size
     # ids of a larger vocabulary than the model's (bytes into a model of fewer than 256 tokens, a token file of
     # another tokenizer): refused if any is past it (every rank sees the same data: the same answer everywhere)
@@ -107,7 +127,7 @@ def cmd_eval(args, comm) -> int:
                         "data of its own tokenizer")
     loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
     result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,
-              "data_sha256": corpus.sha256, "tp": model.topo.tp.size, "dtype": str(model.dtype)}
+              "data_sha256": corpus.sha256, "tokenizer": tok.kind, "tp": model.topo.tp.size, "dtype": str(model.dtype)}
     if args.json:
         rank0_print(json.dumps(result), comm=comm)
     else:
@@ -119,19 +139,21 @@ def cmd_eval(args, comm) -> int:
 
 def cmd_generate(args, comm) -> int:
     """Every prompt continued, in one batch, with a KV cache (mpi_tp.inference.generate); a prompt
-    longer than block_size keeps its last block_size bytes (said on stderr)."""
+    longer than block_size keeps its last block_size tokens (said on stderr)."""
     use_backend(args, comm)
     model, ck = load_model(args.checkpoint, comm, args.dtype)
+    tok = model_tokenizer(args.tokenizer, ck, comm)
     S = model.cfg.block_size
-    prompts = [p.encode() for p in (args.prompt or ["The "])]
+    prompts = [tok.encode(p) for p in (args.prompt or ["The "])]
     if any(len(p) > S for p in prompts):
-        rank0_print(f"generate: prompts longer than block_size = {S} bytes keep their last {S}", comm=comm,
+        rank0_print(f"generate: prompts longer than block_size = {S} tokens keep their last {S}", comm=comm,
                     file=sys.stderr)
     requests = [Request(p[-S:], args.max_new_tokens, 0.0 if args.greedy else args.temperature, args.top_k,
                         args.top_p, args.seed + i) for i, p in enumerate(prompts)]
     collective_setup(lambda: [r.check(S, model.cfg.vocab_size) for r in requests], comm=comm)
-    for r, new in zip(requests, generate(model, requests)):
-        rank0_print(printable(r.prompt + new), comm=comm)
+    for r, new in zip(requests, generate(model, requests, tokenizer=tok)):
+        shown = bytes(r.prompt) if tok.kind == "bytes" else tok.decode(r.prompt).encode()
+        rank0_print(printable(shown + new), comm=comm)
     return 0
 
 
@@ -204,26 +226,28 @@ def add_parsers(sub) -> None:
                        description="Mean next-token cross-entropy (nats per token) of a saved model on a "
                                    "text: windows of block_size + 1 bytes starting at 0, S, 2S, ...")
     e.add_argument("--checkpoint", required=True, help="checkpoint folder (its latest step), a step-N folder, or a "
-                   "Hugging Face GPT-2 folder")
+                   "Hugging Face GPT-2 or Llama folder")
     e.add_argument("--data", required=True, help="text file (or 'pydoc' / 'shakespeare')")
     e.add_argument("--json", action="store_true", help="print one JSON line")
     e.add_argument("--batch-size", type=_positive, default=16, help="windows per forward pass (default 16)")
     e.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    add_tokenizer_argument(e)
     add_backend_argument(e)
     e.set_defaults(run=cmd_eval)
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
-                   "GPT-2 folder")
+                   "GPT-2 or Llama folder")
     g.add_argument("--prompt", action="append", help="text to continue (default 'The '); repeat it for a "
                    "batch of prompts, generated together")
-    g.add_argument("--max-new-tokens", type=_positive, default=200, help="bytes to generate (default 200)")
+    g.add_argument("--max-new-tokens", type=_positive, default=200, help="tokens to generate (default 200)")
     g.add_argument("--temperature", type=_positive_float, default=0.8, help="sampling temperature (default 0.8)")
-    g.add_argument("--greedy", action="store_true", help="always the likeliest byte (the same as --top-k 1)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest bytes whose probability "
+    g.add_argument("--greedy", action="store_true", help="always the likeliest token (the same as --top-k 1)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens whose probability "
                    "reaches p (default 1: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (the i-th: seed + i)")
     g.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    add_tokenizer_argument(g)
     add_backend_argument(g)
     g.set_defaults(run=cmd_generate)
     i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")

@@ -1,8 +1,10 @@
 """The completions API's requests and answers, without HTTP: a JSON body to a Request, bytes to text.
 
 `parse_completion` turns a /v1/completions body (OpenAI's field names) into a
-generate.Request, or raises BadRequest with what is wrong; `TextOut` turns the
-bytes a request gets into text pieces that join into exactly the whole answer.
+generate.Request (the prompt through the model's tokenizer), or raises
+BadRequest with what is wrong; `TextOut` turns the text a request gets, as
+UTF-8 bytes token by token, into text pieces that join into exactly the whole
+answer.
 The server (mpi_tp.inference.serving.http) uses both; neither needs MPI.
 """
 from __future__ import annotations
@@ -31,8 +33,9 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256) -> tuple[Request, bool]:
-    """(request, stream) from a /v1/completions body, or BadRequest saying what is wrong."""
+def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256, tokenizer=None) -> tuple[Request, bool]:
+    """(request, stream) from a /v1/completions body, or BadRequest saying what is wrong. tokenizer:
+    the prompt's (default bytes: mpi_tp.text.tokenizer)."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)             # NaN, Infinity: refused
     except (ValueError, RecursionError) as e:
@@ -59,7 +62,8 @@ def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256) -> tupl
         if max(map(len, stop), default=0) > MAX_STOP_BYTES:
             raise BadRequest(f"a stop sequence may hold at most {MAX_STOP_BYTES} bytes (UTF-8), not "
                              f"{max(map(len, stop))}")
-        req = Request(**{**v, "prompt": v["prompt"].encode(), "stop": stop,
+        prompt = v["prompt"].encode() if tokenizer is None else tuple(tokenizer.encode(v["prompt"].encode()))
+        req = Request(**{**v, "prompt": prompt, "stop": stop,
                          "temperature": float(v["temperature"]), "top_p": float(v["top_p"])})
         req.check(block_size, vocab_size)
     except UnicodeEncodeError:
@@ -83,7 +87,13 @@ class TextOut:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.ends = [{b: [k + 1 for k in range(len(s) - 1) if s[k] == b] for b in set(s)} for s in stop]
 
-    def add(self, byte: int) -> str:
+    def add(self, piece: bytes) -> str:
+        """The text to send after these bytes (a token's text: one byte or several)."""
+        return "".join(self._add(b) for b in piece) if not self.stopped else ""
+
+    def _add(self, byte: int) -> str:
+        if self.stopped:
+            return ""
         self.out.append(byte)
         ended = [len(s) for s in self.stop if self.out.endswith(s)]
         if ended:                                          # the longest: the one that began first

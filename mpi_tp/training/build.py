@@ -24,6 +24,7 @@ from mpi_tp.training import run_dir
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import BatchSampler, Corpus, DataError, eval_batches, load_corpus, split
 from mpi_tp.training.optim import SGD, AdamW
+from mpi_tp.text.tokenizer import of_token_file
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Run:
     rows: slice                  # this replica's rows of the global batch (its micro-batches, one after another)
     first: int                   # the first step to run (1, or the checkpoint's step + 1)
     lock: run_dir.RunLock | None = None    # rank 0's hold on `out` (mpi_tp.training.run_dir)
+    tokenizer: object = None     # what the data's ids are (saved with each checkpoint); None: unknown,
+    no_tokenizer: str = ""       # and why
 
     def close(self) -> None:
         """Give the run folder back (rank 0 removes its lock); the run may still be read."""
@@ -180,5 +183,9 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
         changed = changed_options(start, cfg) if cfg.resume else []
         rank0_print(f"continuing from {start.dir} (step {first - 1})" +
                     (f"; changed since: {', '.join(changed)}" if changed else ""), comm=comm)
+    tokenizer, why = of_token_file(corpus.tokenizer)       # (every rank: the same file, the same answer)
+    if corpus.tokenizer is None and model.cfg.vocab_size != 256:
+        tokenizer, why = None, (f"the model's vocabulary has {model.cfg.vocab_size} tokens, not the 256 bytes, "
+                                "and the data names no tokenizer")
     return Run(cfg, comm, topo, model, opt, reducer, corpus, sampler, val_batches, val_tokens, out, rows, first,
-               lock)
+               lock, tokenizer, why)

@@ -259,21 +259,24 @@ def add_arguments(parser) -> None:
                             help=f"{f.metadata['help']} (default: {default!r})")
 
 
-def folder_defaults(cfg: GPTConfig) -> dict:
-    """The model options of a Hugging Face folder's configuration (--init-from FOLDER: the run's defaults)."""
+def model_defaults(cfg: GPTConfig) -> dict:
+    """The model options of a saved model's configuration (--init-from: the run's defaults)."""
     out = {"vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
            "n_embd": cfg.n_embd, "arch": cfg.arch, "norm_eps": cfg.norm_eps,
            "intermediate_size": cfg.intermediate_size or 0}
     if cfg.llama:
         out.update(n_kv_head=cfg.n_kv_head or 0, rope_theta=cfg.rope_theta, tie_embeddings=cfg.tied,
                    untie_embeddings=not cfg.tied)
+    if cfg.moe_experts:
+        out.update(moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
+                   moe_capacity=cfg.moe_capacity)
     return out
 
 
 def resolve(args) -> TrainConfig:
-    """Defaults, then (--init-from a Hugging Face folder) the folder's model (folder_defaults), then the
-    --config file, then the options given on the command line. A model option given that differs from the
-    folder's is refused when the weights load (checkpoint.check_model_config)."""
+    """Defaults, then (--init-from a checkpoint or a Hugging Face folder) its model (model_defaults), then
+    the --config file, then the options given on the command line. A model option given that differs from
+    the saved model's is refused when the weights load (checkpoint.check_model_config)."""
     values = load_json(args.config) if args.config else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name, None)
@@ -281,11 +284,12 @@ def resolve(args) -> TrainConfig:
             values[f.name] = given
     init_from = values.get("init_from", "")
     if init_from:
-        from mpi_tp.checkpoint.hf import HFFolder, is_hf_folder
-        if is_hf_folder(init_from):
-            with HFFolder(init_from) as folder:
-                defaults = folder_defaults(folder.cfg)
-            if {"tie_embeddings", "untie_embeddings"} & set(values):     # one of the pair given: it decides
-                defaults = {k: v for k, v in defaults.items() if k not in ("tie_embeddings", "untie_embeddings")}
-            values = {**defaults, **values}
+        from mpi_tp.checkpoint import open_checkpoint
+        with open_checkpoint(init_from) as saved:
+            defaults = model_defaults(GPTConfig(**saved.meta["config"]))
+        if {"tie_embeddings", "untie_embeddings"} & set(values):     # one of the pair given: it decides
+            defaults = {k: v for k, v in defaults.items() if k not in ("tie_embeddings", "untie_embeddings")}
+        if "moe_experts" in values:                                    # given: the experts are the options'
+            defaults = {k: v for k, v in defaults.items() if not k.startswith("moe_")}
+        values = {**defaults, **values}
     return TrainConfig(**values)

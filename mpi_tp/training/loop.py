@@ -123,7 +123,7 @@ def save(run: Run, step: int, progress: Progress) -> None:
             "data": {"name": run.corpus.name, "sha256": run.corpus.sha256, "position": step,
                      "sampler": "batch(step) is a pure function of (seed, step)"}}
     t = time.perf_counter()
-    path = ckpt_io.save(run.ckpt_root, step, run.model, run.opt, meta, keep=run.cfg.keep)
+    path = ckpt_io.save(run.ckpt_root, step, run.model, run.opt, meta, keep=run.cfg.keep, tokenizer=run.tokenizer)
     progress.say(f"saved {path} in {time.perf_counter() - t:.2f} s")
 
 
@@ -217,26 +217,16 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     progress.say(f"done in {fmt_time(train_s)}: validation loss {val_loss:.4f} nats/{corpus.unit} "
                  f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s")
     if cfg.sample_len:
-        record["sample"] = final_sample(model, cfg, corpus)
+        record["sample"] = final_sample(run, cfg)
         progress.say("--- sample ---\n" + record["sample"] + "\n--------------")
     progress.close(record)
     return record
 
 
-def final_sample(model, cfg: TrainConfig, corpus) -> str:
+def final_sample(run, cfg: TrainConfig) -> str:
     """The end-of-run sample, as text: bytes, or the token file's tokenizer's ids decoded by it."""
-    V = model.cfg.vocab_size
-    if corpus.tokenizer is None and V != 256:      # bytes into a model of another vocabulary (--init-from a
-        return f"(no sample: the model's vocabulary has {V} tokens, not the 256 bytes, and the data names no " \
-               "tokenizer)"                                                                           # folder)
-    if corpus.tokenizer is None:
-        return printable(sample(model, cfg.prompt.encode(), cfg.sample_len, cfg.temperature, seed=cfg.seed))
-    from mpi_tp.text.tokenizer import TokenizerError, load_tokenizer
-    try:
-        tok = load_tokenizer(corpus.tokenizer.get("path"))       # (every rank: the same file, the same answer)
-    except TokenizerError as e:
-        return f"(no sample: the token file's tokenizer cannot be loaded: {e})"
-    if getattr(tok, "sha256", None) != corpus.tokenizer.get("sha256"):
-        return f"(no sample: {corpus.tokenizer.get('path')} changed since the data was tokenized)"
-    ids = sample(model, tok.encode(cfg.prompt) or [0], cfg.sample_len, cfg.temperature, seed=cfg.seed)
-    return printable(tok.decode(ids).encode())
+    tok, model = run.tokenizer, run.model
+    if tok is None:
+        return f"(no sample: {run.no_tokenizer})"
+    ids = sample(model, tok.encode(cfg.prompt), cfg.sample_len, cfg.temperature, seed=cfg.seed)
+    return printable(tok.decode(ids).encode() if tok.kind != "bytes" else bytes(ids))

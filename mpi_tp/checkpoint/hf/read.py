@@ -151,6 +151,12 @@ class HFFolder:
             dtypes[name] = dtype
         return dtypes
 
+    def tokenizer(self):
+        """The folder's tokenizer.json (and its eos ids) if it has one, else bytes (mpi_tp.text.tokenizer)."""
+        from mpi_tp.text.tokenizer import load_tokenizer
+        has = os.path.isfile(os.path.join(self.dir, "tokenizer.json"))
+        return load_tokenizer(self.dir if has else "bytes")
+
     # ------------------------------------------------------------ reading, as Checkpoint does
 
     def read(self, name: str, axis=None, start: int = 0, stop: int | None = None):

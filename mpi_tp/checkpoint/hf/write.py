@@ -7,6 +7,8 @@
     OUT/model.safetensors                         every tensor under its Hugging Face name (names.py), or, past
     OUT/model-0000i-of-0000n.safetensors          max_shard_bytes, shards and their
     OUT/model.safetensors.index.json              weight_map
+    OUT/tokenizer.json                            the tokenizer the checkpoint keeps (if any; its eos ids
+                                                  go into config.json)
 
 Runs on one rank: each Hugging Face tensor is assembled from the checkpoint's full tensors
 (GPT-2's c_attn from q, k and v; Llama's linear weights transposed), and one shard's tensors
@@ -90,8 +92,15 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         files.append(INDEX)
+    config, tokenizer = hf_config(cfg, dtype.name), ckpt.tokenizer()
+    if tokenizer.kind != "bytes":          # the tokenizer.json the checkpoint keeps, and the ids that end a text
+        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8", newline="") as f:
+            f.write(tokenizer.json_text)
+        files.append("tokenizer.json")
+        if tokenizer.eos_ids:
+            config["eos_token_id"] = tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else list(tokenizer.eos_ids)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, dtype.name), f, indent=2)
+        json.dump(config, f, indent=2)
     files.append("config.json")
     if os.path.exists(out):              # asked to replace it: the old one goes only once the new is whole
         old = out.rstrip(os.sep) + ".old"

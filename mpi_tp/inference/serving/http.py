@@ -146,7 +146,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(raw) < n:
             return None                                  # cut off (the deadline, or the client left)
         try:
-            job = Job(*parse_completion(raw, app.block_size, app.vocab_size))
+            job = Job(*parse_completion(raw, app.block_size, app.vocab_size, app.tokenizer))
         except BadRequest as e:
             return self._error(400, str(e))
         said = app.scheduler.submit(job)
@@ -199,10 +199,10 @@ class Handler(BaseHTTPRequestHandler):
             pieces.append(piece)
             item = self._next(job)
         if isinstance(item, tuple):                      # ("error", message): this request failed on rank 0
-            log(f"request {cid} failed after {n} bytes: {item[1]}")
+            log(f"request {cid} failed after {n} tokens: {item[1]}")
             if not job.stream:
-                return self._error(500, f"generation failed after {n} bytes: {item[1]}", "server_error")
-            self._event({"error": {"message": f"generation failed after {n} bytes: {item[1]}",
+                return self._error(500, f"generation failed after {n} tokens: {item[1]}", "server_error")
+            self._event({"error": {"message": f"generation failed after {n} tokens: {item[1]}",
                                    "type": "server_error"}})
             return self._event("[DONE]")
         pieces.append(text.finish())

@@ -5,14 +5,14 @@ decode step rank 0 broadcasts one command, and every rank applies it to its
 `Batch` (the running rows of one Decoder) in the same order:
 
     {"cmd": "step",
-     "bytes": [b_0, ..., b_{A-1}],     the byte rank 0 chose for each running row (-1: none)
+     "tokens": [t_0, ..., t_{A-1}],    the token rank 0 chose for each running row (-1: none)
      "leave": [i, ...],                rows that are done: finished, cancelled or failed
-     "join":  [[id, prompt], ...],     new requests (prompts as latin-1 text: every byte round-trips)
+     "join":  [[id, [ids]], ...],      new requests and their prompts' token ids
      "errors": {id: message}}          requests that failed on rank 0 (they are in "leave")
     {"cmd": "stop"}
 
 Applying it: the leaving rows go (the last rows take their slots:
-decode.compaction), every remaining row steps with its byte, the joining rows
+decode.compaction), every remaining row steps with its token, the joining rows
 are prefilled after them; the logits of every running row come back on every
 rank, in row order, for rank 0's next choice. A command is JSON (no pickle):
 its length in one broadcast, its bytes in a second. While no row runs, the
@@ -45,10 +45,6 @@ def broadcast_command(comm, command: dict | None = None, idle: bool = False) -> 
     return json.loads(buf.tobytes())
 
 
-def wire(prompt: bytes) -> str:
-    return prompt.decode("latin-1")
-
-
 class Batch:
     """Every rank: the running rows (ids, in row order) of one Decoder, moved by rank 0's commands."""
 
@@ -59,21 +55,21 @@ class Batch:
     def rows(self) -> int:
         return len(self.ids)
 
-    def apply(self, cmd: dict, on_byte=None) -> numpy.ndarray:
+    def apply(self, cmd: dict, on_token=None) -> numpy.ndarray:
         """Run one step command: (rows, V) logits of the running rows after it, on every rank.
-        on_byte(id, byte), if given, is called for each chosen byte, leaving rows' included."""
-        chosen = cmd["bytes"]
+        on_token(id, token), if given, is called for each chosen token, leaving rows' included."""
+        chosen = cmd["tokens"]
         if len(chosen) != self.rows:
-            raise ValueError(f"a command with {len(chosen)} bytes for {self.rows} running rows")
-        if on_byte is not None:
-            for ident, byte in zip(self.ids, chosen):
-                if byte >= 0:
-                    on_byte(ident, byte)
+            raise ValueError(f"a command with {len(chosen)} tokens for {self.rows} running rows")
+        if on_token is not None:
+            for ident, token in zip(self.ids, chosen):
+                if token >= 0:
+                    on_token(ident, token)
         order = self.decoder.leave(cmd["leave"]) if cmd["leave"] else list(range(self.rows))
         self.ids = [self.ids[i] for i in order]
         parts = [self.decoder.step([chosen[i] for i in order])] if order else []
         if cmd["join"]:
-            parts.append(self.decoder.join([p.encode("latin-1") for _, p in cmd["join"]]))
+            parts.append(self.decoder.join([p for _, p in cmd["join"]]))
             self.ids += [ident for ident, _ in cmd["join"]]
         return numpy.concatenate(parts) if parts else numpy.zeros((0, 0))
 

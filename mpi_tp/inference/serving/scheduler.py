@@ -4,9 +4,9 @@ HTTP threads `submit` checked requests as Jobs: into a bounded queue ("full"
 past --max-queue: the client gets 429 with Retry-After), or refused while
 stopping. The scheduler's loop then runs one decode step per iteration:
 
-1. every running row gets its next byte from the last logits (rank 0 samples
-   it: generate.Row), which goes to its Job's items for the HTTP thread to
-   send; a row that is done (max_tokens, a stop sequence, an error in its
+1. every running row gets its next token from the last logits (rank 0 samples
+   it: generate.Row), whose text goes to its Job's items for the HTTP thread
+   to send; a row that is done (max_tokens, a stop sequence, an error in its
    sampling) or whose client went away (Job.cancelled) leaves the batch;
 2. waiting Jobs join in the freed rows: at every step ("continuous", the
    default: a request's prefill runs beside the others' decoding, and nobody
@@ -45,14 +45,14 @@ class Job:
 
     def __init__(self, request, stream: bool):
         self.request, self.stream = request, stream
-        self.items = queue.SimpleQueue()      # bytes (ints), then DONE, ("error", message) or CLOSED
+        self.items = queue.SimpleQueue()      # each token's text (bytes), then DONE, ("error", message) or CLOSED
         self.cancelled = False                # set by the HTTP thread when the client goes away
         self.arrived, self.last = time.monotonic(), None
 
 
 class ServedRow(Row):
-    def __init__(self, ident, job: Job):
-        super().__init__(ident, job.request)
+    def __init__(self, ident, job: Job, tokenizer):
+        super().__init__(ident, job.request, tokenizer)
         self.job = job
 
     @property
@@ -64,8 +64,8 @@ class Scheduler:
     """Rank 0: the queue of checked requests, the running rows, and the loop that steps them."""
 
     def __init__(self, model, comm, metrics, stop, max_batch: int = 8, max_queue: int = 64,
-                 batching: str = "continuous", batch_wait_ms: float = 20.0):
-        self.comm, self.metrics, self.stop = comm, metrics, stop
+                 batching: str = "continuous", batch_wait_ms: float = 20.0, tokenizer=None):
+        self.comm, self.metrics, self.stop, self.tokenizer = comm, metrics, stop, tokenizer
         self.max_batch, self.max_queue, self.batching, self.wait = max_batch, max_queue, batching, batch_wait_ms / 1e3
         self.batch, self.rows, self.ids = Batch(model, max_batch), [], itertools.count()
         self.waiting, self.cond = collections.deque(), threading.Condition()
@@ -121,23 +121,23 @@ class Scheduler:
         for row in self.rows:
             if row.job.cancelled:
                 self.metrics.count("cancelled")
-        cmd = step_command(self.rows, logits)              # each row's byte; those done leave
+        cmd = step_command(self.rows, logits)              # each row's token; those done leave
         now, ended = time.monotonic(), []
-        for row, byte in zip(self.rows, cmd["bytes"]):
+        for row, token in zip(self.rows, cmd["tokens"]):
             job = row.job
-            if byte >= 0:
-                self.metrics.byte(job.last is None, now - (job.last or job.arrived))
+            if token >= 0:
+                self.metrics.token(job.last is None, now - (job.last or job.arrived))
                 job.last = now
-                job.items.put(byte)
+                job.items.put(row.piece)
             if row.done and not job.cancelled:
                 ended.append((job, ("error", row.error) if row.error else DONE))
                 self.stats["requests_served"] += row.error is None
         self.rows = [self.rows[i] for i in compaction(len(self.rows), cmd["leave"])]
         for job, last in ended:                            # after the rows are updated: a client that
             job.items.put(last)                            # reads /metrics next sees its row gone
-        joins = [ServedRow(next(self.ids), job) for job in self._admit(self.max_batch - len(self.rows),
+        joins = [ServedRow(next(self.ids), job, self.tokenizer) for job in self._admit(self.max_batch - len(self.rows),
                                                                        bool(self.rows))]
-        if not cmd["bytes"] and not joins:
+        if not cmd["tokens"] and not joins:
             return None
         cmd["join"] = step_command([], None, joins)["join"]
         self.rows += joins

@@ -18,6 +18,7 @@ from mpi_tp.inference.serving.http import HTTPServer
 from mpi_tp.inference.serving.metrics import Metrics
 from mpi_tp.inference.serving.protocol import follow
 from mpi_tp.inference.serving.scheduler import Scheduler, log
+from mpi_tp.text.tokenizer import ByteTokenizer
 
 
 class Stop:
@@ -35,14 +36,14 @@ class App:
 
     def __init__(self, model, comm, name: str, scheduler: Scheduler, metrics: Metrics, stop: Stop):
         self.name, self.block_size, self.tp, self.created = name, model.cfg.block_size, comm.Get_size(), int(time.time())
-        self.vocab_size = model.cfg.vocab_size
+        self.vocab_size, self.tokenizer = model.cfg.vocab_size, scheduler.tokenizer
         self.scheduler, self.metrics, self.stop = scheduler, metrics, stop
 
     def health(self) -> tuple[int, dict]:
         s = self.scheduler
         up = s.accepting and not self.stop.requested
         return 200 if up else 503, {"status": "ok" if up else "stopping", "tp": self.tp, "model": self.name,
-                                    "block_size": self.block_size, "in_progress": s.active, **s.gauges(),
+                                    "block_size": self.block_size, "tokenizer": self.tokenizer.kind, "in_progress": s.active, **s.gauges(),
                                     "batching": s.batching, **s.stats}
 
     def models(self) -> tuple[int, dict]:
@@ -55,12 +56,14 @@ class App:
 
 def serve(model, comm, name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           batch_wait_ms: float = 20.0, stop: Stop | None = None, batching: str = "continuous",
-          max_queue: int = 64, max_connections: int = 256, read_timeout: float = 30.0) -> int:
-    """Serve until SIGTERM / SIGINT; collective over comm (the model's tensor-parallel group)."""
+          max_queue: int = 64, max_connections: int = 256, read_timeout: float = 30.0, tokenizer=None) -> int:
+    """Serve until SIGTERM / SIGINT; collective over comm (the model's tensor-parallel group).
+    tokenizer: the prompts' and answers' (default bytes: mpi_tp.text.tokenizer)."""
     stop = stop or Stop().install()
     collective_setup(Decoder, model, 1, comm=comm)     # a model the decoder cannot run: say so now
     metrics = Metrics()
-    scheduler = Scheduler(model, comm, metrics, stop, max_batch, max_queue, batching, batch_wait_ms)
+    scheduler = Scheduler(model, comm, metrics, stop, max_batch, max_queue, batching, batch_wait_ms,
+                          tokenizer or ByteTokenizer())
     app = App(model, comm, name, scheduler, metrics, stop)
 
     def bind():
