@@ -21,7 +21,8 @@ pytest.importorskip("safetensors", reason="safetensors not installed (pip instal
 pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install tokenizers)")
 from serving import Server  # noqa: E402
 from test_cli import mpirun  # noqa: E402
-from test_hf import CFG, LLAMA, loaded, needs_mpiexec, needs_oracle, numpy_folder, shared_dir, transformers_folder  # noqa: E402,F401
+from test_hf import (CFG, LLAMA, loaded, needs_mpiexec, needs_oracle, numpy_folder,  # noqa: E402,F401
+                     shared_dir, transformers_folder)
 
 from mpi_tp.checkpoint import open_checkpoint  # noqa: E402
 from mpi_tp.inference.api import TextOut  # noqa: E402
@@ -192,7 +193,8 @@ def test_the_tokenizer_through_import_eval_train_and_export(tmp_path):
         assert r.returncode == 0 and r.stdout.startswith("Café"), r.stderr
         out = str(tmp_path / f"hf-{os.path.basename(source)}")
         assert mpirun(1, "export", source, out, "--format", "hf").returncode == 0
-        with open(os.path.join(out, "tokenizer.json"), "rb") as a, open(os.path.join(folder, "tokenizer.json"), "rb") as b:
+        with open(os.path.join(out, "tokenizer.json"), "rb") as a, open(os.path.join(folder, "tokenizer.json"),
+                                                                        "rb") as b:
             assert a.read() == b.read()
         with open(os.path.join(out, "config.json")) as f:
             assert json.load(f)["eos_token_id"] == V - 1

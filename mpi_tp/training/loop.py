@@ -40,7 +40,7 @@ from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
 from mpi_tp.training.faults import Preemption
 from mpi_tp.training.optim import clip_coefficient, lr_at
-from mpi_tp.training.progress import MoEMeter, Progress, environment, fmt_time
+from mpi_tp.training.progress import MoEMeter, Progress, environment, fmt_time, held_memory
 
 
 def evaluate(model: GPT, batches) -> float:
@@ -213,9 +213,14 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     record.update({"steps": cfg.steps, "first_step": run.first, "final_train_loss": sum(tail) / len(tail),
                    "final_val_loss": val_loss, "unigram_entropy": entropy, "train_seconds": train_s,
                    "tokens_per_s": len(losses) * run.tokens_per_step / train_s,
-                   "communication": topo.stats.snapshot()})
+                   "communication": topo.stats.snapshot(),
+                   "memory_mib": held_memory(model, run.opt, comm)})
+    mem = record["memory_mib"]
+    state = max(mem["weights"][r] + mem["gradients"][r] + mem["optimizer"][r] for r in range(comm.Get_size()))
     progress.say(f"done in {fmt_time(train_s)}: validation loss {val_loss:.4f} nats/{corpus.unit} "
                  f"(unigram entropy {entropy:.4f}), {record['tokens_per_s']:,.0f} tok/s")
+    progress.say(f"memory per rank: at most {state:,.1f} MiB of model state (weights, gradients, optimizer), "
+                 f"{max(mem['peak_rss']):,.0f} MiB resident at peak")
     if cfg.sample_len:
         record["sample"] = final_sample(run, cfg)
         progress.say("--- sample ---\n" + record["sample"] + "\n--------------")

@@ -2,7 +2,8 @@
 
     config.json      the resolved configuration
     metrics.jsonl    one JSON object per logged step, per validation estimate and per skipped step
-    run.json         summary: data hash, layout, final losses, timings, communication, sample
+    run.json         summary: data hash, layout, final losses, timings, communication, memory per
+                     rank (held_memory), sample
 
 A mixture-of-experts run's logged steps also hold (MoEMeter) cross_entropy, aux_loss and
 z_loss, means over the same steps as `loss`, which is the loss trained on and printed:
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import platform
+import resource
 import time
 
 import numpy
@@ -31,6 +33,27 @@ from mpi4py import MPI
 
 from mpi_tp import __version__
 from mpi_tp.core import backend
+
+
+def held_memory(model, opt, comm) -> dict:
+    """Memory per rank, in MiB, every rank's (collective): the model state this rank holds (weights,
+    gradients and optimizer state: each buffer once, the buckets they are views of counted whole) and
+    the process's peak resident size (on GPUs the host side only)."""
+    def root(a):
+        while getattr(a, "base", None) is not None:
+            a = a.base
+        return a
+    params = model.unique_parameters()
+    kinds = {"weights": [p.data for p in params], "gradients": [p.grad for p in params if p.grad is not None],
+             "optimizer": [a for arrays in getattr(opt, "state", {}).values() for a in arrays]}
+    seen, mine = set(), {}
+    for kind, arrays in kinds.items():
+        bases = [root(a) for a in arrays]
+        mine[kind] = sum(b.nbytes for b in {id(b): b for b in bases if id(b) not in seen}.values()) / 2**20
+        seen.update(id(b) for b in bases)
+    mine["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024       # KiB on Linux
+    every = comm.allgather(mine)                       # a few floats per rank, once, at the end
+    return {k: [r[k] for r in every] for k in mine}
 
 
 def environment(comm) -> dict:

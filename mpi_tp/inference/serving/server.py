@@ -43,7 +43,8 @@ class App:
         s = self.scheduler
         up = s.accepting and not self.stop.requested
         return 200 if up else 503, {"status": "ok" if up else "stopping", "tp": self.tp, "model": self.name,
-                                    "block_size": self.block_size, "tokenizer": self.tokenizer.kind, "in_progress": s.active, **s.gauges(),
+                                    "block_size": self.block_size, "tokenizer": self.tokenizer.kind,
+                                    "in_progress": s.active, **s.gauges(),
                                     "batching": s.batching, **s.stats}
 
     def models(self) -> tuple[int, dict]:
