@@ -1,10 +1,14 @@
 """Who holds what: the process grid and the rule that cuts a dimension into shards.
 
-The world is laid out as a Cartesian grid of shape (dp, pp, tp): tensor-parallel
+The world is laid out as a Cartesian grid of shape (dp, pp, cp, tp): tensor-parallel
 groups are consecutive ranks (ranks 0..tp-1 form the first group), so they sit
 on one node when ranks are placed by node, which is where tensor parallelism's
-frequent all-reduces belong; pipeline stages come next and data-parallel
-replicas outermost. Layers only ever see `topo.tp`, so adding a dimension does
+frequent all-reduces belong; context-parallel groups come next (their ring
+passes every layer's keys and values, forward and backward: the next-heaviest
+traffic, so the next-nearest ranks, as in Megatron's tp-cp-...-dp-pp order),
+then pipeline stages (one activation per micro-batch between neighbours), and
+data-parallel replicas outermost (one gradient reduction per step). Layers
+only ever see `topo.tp` (and attention `topo.cp`), so adding a dimension does
 not touch them.
 
     topo = Topology.create(MPI.COMM_WORLD, tp=2)      # dp = world size / tp
@@ -88,35 +92,46 @@ class Topology:
     edp: Group
     stats: CommStats
     subgroups: dict = field(default_factory=dict)     # tp_subgroup's groups, made once each
+    cp: Group | None = None     # its context-parallel group (size 1 without context parallelism)
+    dpcp: Group | None = None   # the ranks holding the same weights: dp x cp (the gradient reducer's group)
+
+    def __post_init__(self):
+        if self.cp is None:
+            self.cp, self.dpcp = Group(MPI.COMM_SELF, "cp", self.stats), self.dp
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1,
-               ep: int = 1) -> "Topology":
-        """world = dp x pp x tp ranks: tensor-parallel groups are consecutive ranks (inside a node),
-        pipeline stages come next, data-parallel replicas outermost (Narayanan et al.'s PTD-P order).
+               ep: int = 1, cp: int = 1) -> "Topology":
+        """world = dp x pp x cp x tp ranks: tensor-parallel groups are consecutive ranks (inside a node),
+        context-parallel groups next, then pipeline stages, data-parallel replicas outermost (Narayanan
+        et al.'s PTD-P order with cp inside it; see the module docstring).
         ep (dividing dp): the data-parallel group is cut into expert-parallel groups of ep
         consecutive members (Megatron's and DeepSpeed's placement: experts split where the
         dense model is replicated)."""
         comm = MPI.COMM_WORLD if comm is None else comm
         n = comm.Get_size()
         if tp is None:
-            if pp < 1 or dp < 1 or n % (dp * pp):
-                raise TopologyError(f"world size {n} is not divisible by dp x pp = {dp} x {pp}")
-            tp = n // (dp * pp)
-        if tp < 1 or dp < 1 or pp < 1 or tp * pp * dp != n:
+            if pp < 1 or dp < 1 or cp < 1 or n % (dp * pp * cp):
+                raise TopologyError(f"world size {n} is not divisible by dp x pp x cp = {dp} x {pp} x {cp}")
+            tp = n // (dp * pp * cp)
+        if tp < 1 or dp < 1 or pp < 1 or cp < 1 or tp * cp * pp * dp != n:
             raise TopologyError(
-                f"layout tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} ranks but the job has {n}; "
-                f"launch with mpiexec -n {tp * pp * dp} or change --tp/--pp/--dp"
+                f"layout tp={tp} x cp={cp} x pp={pp} x dp={dp} needs {tp * cp * pp * dp} ranks but the job has "
+                f"{n}; launch with mpiexec -n {tp * cp * pp * dp} or change --tp/--cp/--pp/--dp"
             )
         if ep < 1 or dp % ep:
             raise TopologyError(f"expert parallelism ep={ep} must divide the data-parallel size dp={dp}: "
                                 "experts are split among replicas of the dense model")
         stats = CommStats()
         # Rank order is kept (reorder=False) so that tp groups are consecutive world ranks.
-        cart = comm.Create_cart(dims=[dp, pp, tp], periods=[False, False, False], reorder=False)
-        tp_comm = cart.Sub([False, False, True])
-        pp_comm = cart.Sub([False, True, False])
-        dp_comm = cart.Sub([True, False, False])
+        cart = comm.Create_cart(dims=[dp, pp, cp, tp], periods=[False] * 4, reorder=False)
+        tp_comm = cart.Sub([False, False, False, True])
+        pp_comm = cart.Sub([False, True, False, False])
+        dp_comm = cart.Sub([True, False, False, False])
+        cp_group = dpcp_group = None
+        if cp > 1:
+            cp_group = Group(cart.Sub([False, False, True, False]), "cp", stats)
+            dpcp_group = Group(cart.Sub([True, False, True, False]), "dpcp", stats)
         cart.Free()
         dp_group = Group(dp_comm, "dp", stats)
         if ep == 1:            # no new communicators (an MPI process has a few thousand): one rank, and dp
@@ -126,7 +141,7 @@ class Topology:
             ep_group = Group(dp_comm.Split(r // ep, key=r), "ep", stats)
             edp_group = Group(dp_comm.Split(r % ep, key=r), "edp", stats)
         return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats), dp=dp_group,
-                   ep=ep_group, edp=edp_group, stats=stats)
+                   ep=ep_group, edp=edp_group, stats=stats, cp=cp_group, dpcp=dpcp_group)
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -150,11 +165,13 @@ class Topology:
         out = {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
         if self.ep.size > 1:
             out["ep"] = self.ep.size
+        if self.cp.size > 1:
+            out["cp"] = self.cp.size
         return out
 
     def free(self) -> None:
         """Release the layout's communicators (collective over its ranks); a second call does nothing."""
-        groups = (self.tp, self.pp, self.dp, self.ep, self.edp, *self.subgroups.values())
+        groups = (self.tp, self.pp, self.dp, self.ep, self.edp, self.cp, self.dpcp, *self.subgroups.values())
         for comm in {id(g.comm): g.comm for g in groups}.values():
             if comm not in (MPI.COMM_SELF, MPI.COMM_NULL):      # mpi4py sets a freed handle to COMM_NULL
                 comm.Free()

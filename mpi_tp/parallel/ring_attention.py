@@ -1,0 +1,136 @@
+"""Ring attention: causal attention over a sequence split by context parallelism (mpi_tp.parallel.context_parallel).
+
+Legend (docs/notation.md): N = cp ranks, r = this rank, S_r its positions (two chunks), hs head size.
+
+Each rank keeps its queries; the keys and values travel. At step s = 0 ... N-1 rank r holds the keys
+and values of rank r - s (mod N): it starts sending them on to rank r + 1 and receiving the next
+ones from rank r - 1 (Isend / Irecv), then computes the attention of its queries against the block it
+holds while the next one is in flight. A query's softmax is over every key it sees, in blocks that
+arrive one by one, so each block's scores are merged into a running maximum m, sum l and output o
+(the online softmax of Milakov and Gimelshein 2018, FlashAttention's merge):
+
+    m' = max(m, max_j s_j)      l' = l e^(m - m') + sum_j e^(s_j - m')      o' = o e^(m - m') + e^(s - m') v
+
+and at the end out = o / l, with lse = m + log l kept for the backward pass. Which (query chunk, key
+chunk) pairs are computed follows from the chunk order alone: a later key chunk than the query
+chunk is skipped, the same chunk is causal (the triangle), an earlier one is whole.
+
+Backward (FlashAttention's, block by block): p = e^(s - lse) again from q, k and lse (no (S, S) array
+is kept), D = rowsum(dout * out), ds = p (dp - D). The keys and values go around the ring once more,
+now with their gradients dK and dV beside them: each rank adds its queries' contributions to the
+block it holds and passes block and gradients on, and after the N-th hop the gradients are back with
+the rank that owns them. Messages per layer and rank (counted on the group "cp"): forward N - 1
+sends of K and V; backward N - 1 of K and V and N of dK and dV, each 2 B H_kv S_r hs values
+(tests/test_context_parallel.py checks the counts against this closed form).
+
+Dropout: a block's mask is the part of the serial model's (B, H, S, S) mask at its (query, key)
+positions (mpi_tp.model.dropout keys every element by its global position), drawn by the caller.
+"""
+from __future__ import annotations
+
+import math
+
+from mpi_tp.core.kernels import _causal_bias, _sum_to, array_module
+
+TAG = 31
+
+
+def _blocks(split, src: int):
+    """(query rows, key rows, diagonal) of every computed pair of this rank's queries and src's keys."""
+    for qa, qb, _, cq in split.runs():
+        for ka, kb, _, ck in split.runs(src):
+            if ck <= cq:
+                yield slice(qa, qb), slice(ka, kb), ck == cq
+
+
+def _pass_on(group, kv, src_next: int, split, xp):
+    """Start sending kv to rank r + 1 and receiving rank src_next's block (from r - 1) into a new array."""
+    n, r = group.size, group.rank
+    nxt = xp.empty(kv.shape[:-2] + (split.length(src_next), kv.shape[-1]), dtype=kv.dtype)
+    return nxt, [group.isend(kv, (r + 1) % n, TAG), group.irecv(nxt, (r - 1) % n, TAG)]
+
+
+def _scores(qs, k, rows, cols, diag, xp):
+    s = qs[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2)
+    if diag:
+        s += _causal_bias(s.shape[-1], s.dtype, xp)
+    return s
+
+
+def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
+    """Causal attention of this rank's queries over the whole sequence. q (..., S_r, hs), k and v
+    (..., S_r, hs) (leading axes broadcast: grouped-query attention). mask_of(src, rows, cols), if
+    given, is the bool dropout mask of this rank's query rows against rank src's key rows.
+    Returns out (like q) and the cache for ring_backward."""
+    xp, group = array_module(q), split.group
+    n, r, scale = group.size, group.rank, 1.0 / math.sqrt(q.shape[-1])
+    qs = q * scale
+    m = xp.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    l, o = xp.zeros(q.shape[:-1], dtype=q.dtype), xp.zeros(q.shape, dtype=q.dtype)
+    kv = xp.ascontiguousarray(xp.stack(xp.broadcast_arrays(k, v)))
+    for s in range(n):
+        src = (r - s) % n
+        pending = []
+        if s < n - 1:
+            nxt, pending = _pass_on(group, kv, (src - 1) % n, split, xp)
+        for rows, cols, diag in _blocks(split, src):
+            sc = _scores(qs, kv[0], rows, cols, diag, xp)
+            m_new = xp.maximum(m[..., rows], sc.max(axis=-1))
+            p = xp.exp(sc - m_new[..., None])
+            corr = xp.exp(m[..., rows] - m_new)
+            l[..., rows] = l[..., rows] * corr + p.sum(axis=-1)
+            if mask_of is not None:
+                p *= mask_of(src, rows, cols)
+                p *= drop_scale
+            o[..., rows, :] = o[..., rows, :] * corr[..., None] + p @ kv[1][..., cols, :]
+            m[..., rows] = m_new
+        for req in pending:
+            req.wait()
+        if pending:
+            kv = nxt
+    out = o / l[..., None]
+    return out, (q, k, v, out, m + xp.log(l), split, mask_of, drop_scale)
+
+
+def ring_backward(dout, cache):
+    """dq, dk, dv (like q, k and v) of ring_forward's output gradient dout."""
+    q, k, v, out, lse, split, mask_of, drop_scale = cache
+    xp, group = array_module(q), split.group
+    n, r, scale = group.size, group.rank, 1.0 / math.sqrt(q.shape[-1])
+    qs = q * scale
+    D = xp.einsum("...td,...td->...t", dout, out)            # rowsum(dout * out)
+    dq = xp.zeros(q.shape, dtype=q.dtype)
+    kv = xp.ascontiguousarray(xp.stack(xp.broadcast_arrays(k, v)))
+    dkv = xp.zeros(kv.shape, dtype=kv.dtype)
+    for s in range(n):
+        src = (r - s) % n
+        pending = []
+        if s < n - 1:
+            nxt, pending = _pass_on(group, kv, (src - 1) % n, split, xp)
+        for rows, cols, diag in _blocks(split, src):
+            p = xp.exp(_scores(qs, kv[0], rows, cols, diag, xp) - lse[..., rows, None])
+            g = dout[..., rows, :]
+            dp = g @ kv[1][..., cols, :].swapaxes(-1, -2)
+            kept = p
+            if mask_of is not None:
+                mask = mask_of(src, rows, cols)
+                kept = p * mask * drop_scale
+                dp *= mask
+                dp *= drop_scale
+            dkv[1][..., cols, :] += _sum_to(kept.swapaxes(-1, -2) @ g, dkv.shape[1:-2] + (cols.stop - cols.start,
+                                                                                 dkv.shape[-1]))
+            dp -= D[..., rows, None]
+            dp *= p                                           # ds
+            dq[..., rows, :] += (dp @ kv[0][..., cols, :]) * scale
+            dk = _sum_to(dp.swapaxes(-1, -2) @ q[..., rows, :], dkv.shape[1:-2] + (cols.stop - cols.start,
+                                                                                    dkv.shape[-1]))
+            dk *= scale
+            dkv[0][..., cols, :] += dk
+        if n > 1:                                             # this block's gradients go on with it
+            back = xp.empty(dkv.shape[:-2] + (split.length((src - 1) % n), dkv.shape[-1]), dtype=dkv.dtype)
+            pending += [group.isend(dkv, (r + 1) % n, TAG + 1), group.irecv(back, (r - 1) % n, TAG + 1)]
+        for req in pending:
+            req.wait()
+        if n > 1:
+            kv, dkv = (nxt if s < n - 1 else kv), back
+    return dq, _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)
