@@ -157,7 +157,8 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     """
     topo = model.topo
     group, comm, ep = topo.tp, topo.world, topo.ep
-    writer = topo.edp.rank == 0                       # dp rank 0, and the rest of its ep group (experts)
+    writer = topo.edp.rank == 0 and topo.cp.rank == 0     # dp rank 0 (and the rest of its ep group: experts),
+    #                                                     cp rank 0 (the cp ranks hold the same weights)
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, "." + step_dir_name(step) + ".tmp")
     pointer = os.path.join(root, "latest.tmp")
@@ -249,7 +250,7 @@ def _writes(p, topo) -> bool:
     """Whether this rank writes tensor p: its replica is the first to hold p (dp rank 0 for a dense
     tensor, edp rank 0 for an expert's), and p is a shard or this is tensor-parallel rank 0; a shard
     that several tensor-parallel ranks hold (Param.replicas) is written by the first of them."""
-    first = topo.dp.rank == 0 if expert_of(p) is None else topo.edp.rank == 0
+    first = (topo.dp.rank == 0 if expert_of(p) is None else topo.edp.rank == 0) and topo.cp.rank == 0
     if p.replicas is not None:
         return first and p.replicas.rank == 0
     return first and (p.sharded or topo.tp.rank == 0)

@@ -9,20 +9,27 @@ key/value heads, R = H/H_kv; rank i holds H_i query heads and the H_kv_i key/val
     y = softmax(q k^T / sqrt(hs)) v     causal, per query head; with H_kv < H each key/value head serves
                                         its R_i query heads (a broadcast, no copies)
     out = y W_o                         row-parallel, g (GPT-2: + bias, added once after the reduce)
+
+Under context parallelism (cp) each rank holds its two chunks of the sequence, S_r positions: q, k
+and v are computed for those, rotated to their global positions, and the softmax runs as ring
+attention over the cp group (mpi_tp.parallel.ring_attention), keeping no (S, S) array.
 """
 from __future__ import annotations
 
 import math
 
+import numpy
+
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.dropout import Dropout, context_head_masks
 from mpi_tp.model.heads import head_layout
 from mpi_tp.model.parallel_linear import RowParallelLinear
 from mpi_tp.model.qkv import QKVParallelLinear
-from mpi_tp.model.rope import Rope
+from mpi_tp.model.rope import Rope, rope_table
+from mpi_tp.parallel.ring_attention import ring_backward, ring_forward
 from mpi_tp.parallel.topology import Topology
 
 
@@ -36,9 +43,10 @@ class ParallelAttention(Module):
 
     recompute = False
 
-    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int, sp=None):
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int, sp=None,
+                 cp=None):
         tp = topo.tp
-        self.group, self.dropout, self.layer = tp, dropout, layer
+        self.group, self.dropout, self.layer, self.cp = tp, dropout, layer, cp
         C, H = cfg.n_embd, cfg.n_head
         self.hs = C // H
         self.layout = head_layout(H, cfg.kv_heads, tp.size)
@@ -75,6 +83,8 @@ class ParallelAttention(Module):
         return y.reshape(y.shape[0], self.H_i, *y.shape[-2:])
 
     def forward(self, x):
+        if self.cp is not None:
+            return self._ring_forward(x)
         q, k, v = self.project_qkv(x)                                    # S: the whole sequence, also under sp
         B, _, S, _ = q.shape
         mask = (self.dropout.head_masks(B, S, self.heads, self.layer)     # bool (B, H_i, S, S): this
@@ -88,6 +98,37 @@ class ParallelAttention(Module):
         return self.proj.forward(y)                                      # row split + g -> (B, S, C)
                                                                          # (sp: reduce-scatter -> (B, S_i, C))
 
+    def _ring_forward(self, x):
+        """Context parallelism: this rank's positions' q, k, v (rotated to their global positions), the
+        softmax over every rank's keys by ring attention."""
+        angles = None
+        if self.rope is not None:
+            cos, sin = rope_table(self.cp.S, self.hs, self.rope.theta, self.rope.dtype)
+            at = backend.asarray(self.cp.positions)
+            angles = (cos[at], sin[at])
+        q, k, v = self.project_qkv(x, angles)                            # (B, heads, S_r, hs)
+        B, _, S, _ = q.shape
+        gq, gk, gv = self.grouped(q, k, v)
+        y, cache = ring_forward(gq, gk, gv, self.cp, self._ring_masks(B), self.dropout.scale)
+        self.save_cache(cache[:6] + (self.dropout.key(),))                # the masks are drawn again
+        y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)
+        return self.proj.forward(y)
+
+    def _ring_masks(self, B):
+        """mask_of(src, rows, cols) for ring attention: this rank's rows of the serial model's masks, at
+        rank src's key positions; None without dropout."""
+        if not self.dropout.active:
+            return None
+        rows = self._grouped_mask(context_head_masks(self.dropout, B, self.heads, self.layer, self.cp))
+        keys = {}
+
+        def mask_of(src, r, c):
+            if src not in keys:
+                keys[src] = backend.asarray(numpy.concatenate([numpy.arange(g, g + b - a)
+                                                               for a, b, g, _ in self.cp.runs(src)]))
+            return rows[..., r, :][..., keys[src][c]]
+        return mask_of
+
     def _grouped_mask(self, mask):
         if mask is None or self.H_kv_i == self.H_i:
             return mask
@@ -98,6 +139,12 @@ class ParallelAttention(Module):
         B, S = dy.shape[:2]
         dy = dy.reshape(B, S, self.H_i, self.hs).transpose(0, 2, 1, 3)  # (B, H_i, S, hs)
         (cache,) = self.take_cache()
+        if self.cp is not None:      # ring attention's backward, with the forward's masks drawn again
+            if self.H_kv_i != self.H_i:
+                dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
+            with self.dropout.replay(cache[-1]):
+                masks = self._ring_masks(B)
+            return self._qkv_backward(*ring_backward(dy, cache[:6] + (masks, self.dropout.scale)), B, S, dout.dtype)
         if self.recompute:           # the attention core again, with the same dropout masks (keyed, redrawn)
             q, k, v, masked, key = cache
             mask = None
@@ -108,11 +155,15 @@ class ParallelAttention(Module):
         if self.H_kv_i != self.H_i:
             dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
         dq, dk, dv = kern.attention_backward(dy, cache)                  # dq like q, dk and dv like k and v
+        return self._qkv_backward(dq, dk, dv, B, S, dout.dtype)
+
+    def _qkv_backward(self, dq, dk, dv, B, S, dtype):
+        """The attention core's gradients (grouped or not) through the rotation and the q/k/v GEMM."""
         dq, dk, dv = self.ungroup(dq), dk.reshape(B, self.H_kv_i, S, self.hs), dv.reshape(B, self.H_kv_i, S, self.hs)
         if self.rope is not None:
             dq, dk = self.rope.backward(dq, dk)
         n_q, n_kv = self.H_i * self.hs, self.H_kv_i * self.hs
-        dqkv = backend.xp().empty((B, S, n_q + 2 * n_kv), dtype=dout.dtype)
+        dqkv = backend.xp().empty((B, S, n_q + 2 * n_kv), dtype=dtype)
         for at, n, d in ((0, n_q, dq), (n_q, n_kv, dk), (n_q + n_kv, n_kv, dv)):   # (B, heads, S, hs) each
             dqkv[:, :, at:at + n] = d.transpose(0, 2, 1, 3).reshape(B, S, n)
         return self.qkv.backward(dqkv)                                   # one GEMM, f's all-reduce

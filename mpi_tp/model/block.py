@@ -33,11 +33,11 @@ class Block(Module):
 
     recompute = False
 
-    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None):
+    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None, cp=None):
         name = f"h/{i}"
-        self.i, self.dropout, self.sp = i, dropout, sp
+        self.i, self.dropout, self.sp, self.cp = i, dropout, sp, cp
         self.ln_1 = make_norm(f"{name}/ln_1", cfg, dtype, sp=sp)
-        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp)
+        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp, cp)
         self.ln_2 = make_norm(f"{name}/ln_2", cfg, dtype, sp=sp)
         self.moe = cfg.is_moe_block(i)
         mlp = ParallelSwiGLU if cfg.llama else ParallelMLP
@@ -49,7 +49,7 @@ class Block(Module):
         # under sequence parallelism each rank keeps its positions of the whole sequence's mask).
         if not self.dropout.active:
             return y, None
-        m = region_mask(self.dropout, y, self.sp, self.i, site)
+        m = region_mask(self.dropout, y, self.sp, self.i, site, self.cp)
         return self.dropout.apply(y, m), m
 
     def forward(self, x):

@@ -23,10 +23,11 @@ from mpi_tp.parallel.topology import Topology
 
 class GPTEmbedding(Module):
     """(B, S) token ids -> drop(wte[idx] + wpe[0:S]): (B, S, C), or this rank's positions (B, S_i, C)
-    under sequence parallelism (wpe's gradient is then a partial sum: Param.sp_partial)."""
+    under sequence parallelism (wpe's gradient is then a partial sum: Param.sp_partial); under context
+    parallelism (cp) the ids of this rank's chunks, at their global positions (B, S_r, C)."""
 
-    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, seed: int, dropout: Dropout, sp=None):
-        self.block_size, self.dropout, self.sp = cfg.block_size, dropout, sp
+    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, seed: int, dropout: Dropout, sp=None, cp=None):
+        self.block_size, self.dropout, self.sp, self.cp = cfg.block_size, dropout, sp, cp
         self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, dtype, seed=seed, sp=sp)
         self.wpe = None if cfg.llama else make_param("wpe", (cfg.block_size, cfg.n_embd), dtype, seed=seed,
                                                      sp_partial=sp is not None and topo.tp.size > 1)
@@ -37,15 +38,19 @@ class GPTEmbedding(Module):
             raise ConfigError(f"sequence length {S} exceeds block_size {self.block_size}")
         idx = backend.asarray(idx)
         positions = slice(0, S)
+        if self.cp is not None:      # context parallelism: this rank's chunks, at their global positions
+            self.cp.set(S)
+            idx = self.cp.take(idx)
+            positions = backend.asarray(self.cp.positions)
         if self.sp is not None:
-            self.sp.set(S)
-            positions = self.sp.positions
+            self.sp.set(idx.shape[1])
+            positions = self.sp.positions if self.cp is None else positions[self.sp.positions]
         x = self.wte.forward(idx)                                       # (B, S, C) or (B, S_i, C)
         if self.wpe is not None:
             x += self.wpe.data[positions]
         m = None
         if self.dropout.active:
-            m = region_mask(self.dropout, x, self.sp, -1, 0)
+            m = region_mask(self.dropout, x, self.sp, -1, 0, self.cp)
             x = self.dropout.apply(x, m)
         self.save_cache(positions, m)
         return x

@@ -24,6 +24,10 @@ nothing here knows whether it is pipelined. The backward pass leaves each rank's
 what the layout needs after the last micro-batch (sums over the sequence-parallel positions, the
 tied table's copies, the data-parallel buckets) is mpi_tp.parallel.finalize.finalize_grads.
 
+Context parallelism (topo.cp larger than one rank): the model takes whole sequences and each rank
+keeps its two chunks of them (mpi_tp.parallel.context_parallel) from the embedding to the loss;
+attention is ring attention over topo.cp; the loss returned is the whole sequence's.
+
 Mixture of experts (cfg.moe_experts > 0): the MLP of every moe_every-th block is an
 MoEMLP (mpi_tp.model.moe), its experts divided over topo.ep; the loss then adds the
 blocks' load-balancing and router z-losses (moe_stats() keeps the parts).
@@ -42,6 +46,7 @@ from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.embedding import GPTEmbedding
 from mpi_tp.model.head import GPTHead
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
+from mpi_tp.parallel.context_parallel import ContextSplit, loss_weight
 from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.tensor_parallel import gather_from_tp
 from mpi_tp.parallel.topology import Topology
@@ -74,9 +79,15 @@ class GPT(Module):
         self.dropout = Dropout(cfg.dropout, seed)
         # Sequence parallelism: between the parallel regions each rank holds its positions only.
         self.sp = SequenceSplit(topo.tp) if sequence_parallel else None
-        self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, self.dropout, self.sp) if first else None
+        # Context parallelism: every layer on this rank's chunks of the sequence only.
+        self.cp = ContextSplit(topo.cp) if topo.cp.size > 1 else None
+        if self.cp is not None and (cfg.moe_experts or not (first and last)):
+            raise ConfigError("context parallelism (cp > 1) runs dense models without pipeline stages: use "
+                              "--cp 1 with --moe-experts or --pp")
+        self._loss_scale = 1.0
+        self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, self.dropout, self.sp, self.cp) if first else None
         blocks = range(cfg.n_layer) if blocks is None else blocks
-        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp) for i in blocks]
+        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp, self.cp) for i in blocks]
         for block in self.h:         # activation recomputation (Korthikanti et al. 2022)
             block.recompute = recompute == "full"
             block.attn.recompute = recompute == "selective"
@@ -113,7 +124,12 @@ class GPT(Module):
             return x
         if targets is None:
             return self.head.forward(x)
-        loss = self.head.forward(x, targets)
+        if self.cp is None:
+            loss = self.head.forward(x, targets)
+        else:        # this rank's mean, weighted for the reducer (loss_weight); the whole sequence's mean
+            self._loss_scale = loss_weight(self.cp, self.cp.length())
+            mine = self.head.forward(x, self.cp.take(targets)) * self._loss_scale
+            loss = float(self.cp.group.all_reduce(numpy.array([mine]))[0]) / self.cp.group.size
         self._cross_entropy = loss
         loss = loss + self.moe_loss()
         if self.dropout.training:
@@ -141,7 +157,7 @@ class GPT(Module):
         scale = (float(dout) if self.last else 1.0) if loss_scale is None else loss_scale
         for m in self.moe_layers():
             m.loss_scale = scale            # their aux and z-losses are part of the loss it scales
-        dx = self.head.backward(dout) if self.last else backend.asarray(dout)
+        dx = self.head.backward(dout * self._loss_scale) if self.last else backend.asarray(dout)
         for i in reversed(range(len(self.h))):
             dx = self.h[i].backward(dx)
             if reducer is not None:
@@ -154,6 +170,9 @@ class GPT(Module):
     def last_logits(self, idx):
         """The whole vocabulary's logits at the last position of one sequence idx (1, S): (V,) float64,
         the same on every rank (what sampling needs: V numbers gathered, not S V)."""
+        if self.cp is not None:
+            raise ConfigError("sampling needs the whole sequence on every rank: load the checkpoint without "
+                              "context parallelism (mpi-tp generate)")
         logits_i = self.forward(idx)                                                  # (1, S, V_i)
         last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
         return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.head.table.sizes))[0].astype(numpy.float64)
