@@ -156,7 +156,7 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
 
 def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out, lock) -> Run:
     tp, pp, dp = cfg.layout(comm.Get_size())
-    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep)      # ep inside dp (checked by validate)
+    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep, cp=cfg.cp)   # ep inside dp (checked by validate)
     if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
         model = build_stage(cfg.model_config(corpus.vocab_size), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
                               cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
@@ -165,7 +165,7 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
                     sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
     # the reducer moves the gradients (and, for the distributed optimizer, the parameters) into buckets:
     # before the optimizer reads them
-    reducer = GradReducer(model, topo.dp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical",
+    reducer = GradReducer(model, topo.dpcp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical",
                           distributed=bool(cfg.zero))
     per_replica = cfg.batch_size * cfg.micro_batches
     rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)

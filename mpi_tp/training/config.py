@@ -46,7 +46,9 @@ class TrainConfig:
     moe_aux_weight: float = opt(0.01, "weight of the load-balancing loss (Switch / GShard)")
     moe_z_weight: float = opt(0.0, "weight of the router z-loss (ST-MoE)")
     # parallel layout
-    tp: int = opt(0, "tensor-parallel size; 0 = world size / (pp * dp)")
+    tp: int = opt(0, "tensor-parallel size; 0 = world size / (cp * pp * dp)")
+    cp: int = opt(1, "context-parallel size: each sequence cut into 2 cp chunks, two per rank, for the whole "
+                  "model; attention by ring attention (world size = tp * cp * pp * dp)")
     pp: int = opt(1, "pipeline stages (consecutive runs of blocks on different ranks); world size = "
                   "tp * pp * dp")
     schedule: str = opt("1f1b", "pipeline schedule: 'gpipe' (all forwards, then all backwards), '1f1b' "
@@ -167,13 +169,28 @@ class TrainConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         tp, pp, dp = self.layout(world_size)
-        if tp * pp * dp != world_size:
-            raise ConfigError(f"the layout tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} MPI ranks but the "
-                              f"job has {world_size}: launch with mpiexec -n {tp * pp * dp}, or change "
-                              "--tp/--pp/--dp")
+        self._validate_cp(pp)
+        if tp * self.cp * pp * dp != world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
+            raise ConfigError(f"the layout tp={tp}{cp} x pp={pp} x dp={dp} needs {tp * self.cp * pp * dp} MPI ranks "
+                              f"but the job has {world_size}: launch with mpiexec -n {tp * self.cp * pp * dp}, or "
+                              "change --tp/--cp/--pp/--dp")
         self._validate_moe(dp)
         self._validate_arch()
         self.model_config().validate(tp, self.ep)
+
+    def _validate_cp(self, pp: int) -> None:
+        """Context parallelism, in CLI terms."""
+        if self.cp < 1:
+            raise ConfigError(f"--cp must be at least 1, got {self.cp}")
+        if self.cp == 1:
+            return
+        if pp > 1 or self.moe_experts:
+            raise ConfigError(f"--cp {self.cp} runs dense models without pipeline stages for now: drop --pp "
+                              "and --moe-experts, or use --cp 1")
+        if self.block_size < 2 * self.cp:
+            raise ConfigError(f"--cp {self.cp} cuts each sequence into {2 * self.cp} chunks: --block-size "
+                              f"{self.block_size} is too short (at least {2 * self.cp})")
 
     def _validate_arch(self) -> None:
         """The architecture's options, in CLI terms (the model's own checks follow: GPTConfig.validate)."""
@@ -211,7 +228,7 @@ class TrainConfig:
 
     def layout(self, world_size: int) -> tuple[int, int, int]:
         """(tp, pp, dp) for a job of world_size ranks."""
-        return (self.tp or max(1, world_size // (self.dp * self.pp))), self.pp, self.dp
+        return (self.tp or max(1, world_size // (self.dp * self.pp * max(self.cp, 1)))), self.pp, self.dp
 
     def to_dict(self) -> dict:
         return asdict(self)

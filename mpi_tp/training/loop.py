@@ -161,7 +161,8 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     arch = (f" (llama: {mc.n_head} heads, {mc.kv_heads} key/value, MLP {mc.ffn}, "
             f"{'tied' if mc.tied else 'untied'} output layer)") if mc.llama else ""
     progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters{arch}, tp={topo.tp.size}{pipeline} x "
-                 f"dp={topo.dp.size}{experts}{' +sp' if cfg.sequence_parallel else ''}"
+                 f"dp={topo.dp.size}{experts}{f' x cp={topo.cp.size}' if topo.cp.size > 1 else ''}"
+                 f"{' +sp' if cfg.sequence_parallel else ''}"
                  f"{' +zero1' if cfg.zero else ''}, "
                  f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} {corpus.unit}s, "
                  f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/{corpus.unit}; out {run.out}")
@@ -233,5 +234,7 @@ def final_sample(run, cfg: TrainConfig) -> str:
     tok, model = run.tokenizer, run.model
     if tok is None:
         return f"(no sample: {run.no_tokenizer})"
+    if run.topo.cp.size > 1:
+        return "(no sample under context parallelism: mpi-tp generate --checkpoint OUT/checkpoints)"
     ids = sample(model, tok.encode(cfg.prompt), cfg.sample_len, cfg.temperature, seed=cfg.seed)
     return printable(tok.decode(ids).encode() if tok.kind != "bytes" else bytes(ids))
