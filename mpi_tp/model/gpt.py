@@ -81,9 +81,8 @@ class GPT(Module):
         self.sp = SequenceSplit(topo.tp) if sequence_parallel else None
         # Context parallelism: every layer on this rank's chunks of the sequence only.
         self.cp = ContextSplit(topo.cp) if topo.cp.size > 1 else None
-        if self.cp is not None and (cfg.moe_experts or not (first and last)):
-            raise ConfigError("context parallelism (cp > 1) runs dense models without pipeline stages: use "
-                              "--cp 1 with --moe-experts or --pp")
+        if self.cp is not None and cfg.moe_experts:
+            raise ConfigError("context parallelism (cp > 1) runs dense models: use --cp 1 with --moe-experts")
         self._loss_scale = 1.0
         self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, self.dropout, self.sp, self.cp) if first else None
         blocks = range(cfg.n_layer) if blocks is None else blocks

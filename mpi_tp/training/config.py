@@ -185,9 +185,8 @@ class TrainConfig:
             raise ConfigError(f"--cp must be at least 1, got {self.cp}")
         if self.cp == 1:
             return
-        if pp > 1 or self.moe_experts:
-            raise ConfigError(f"--cp {self.cp} runs dense models without pipeline stages for now: drop --pp "
-                              "and --moe-experts, or use --cp 1")
+        if self.moe_experts:
+            raise ConfigError(f"--cp {self.cp} runs dense models for now: drop --moe-experts, or use --cp 1")
         if self.block_size < 2 * self.cp:
             raise ConfigError(f"--cp {self.cp} cuts each sequence into {2 * self.cp} chunks: --block-size "
                               f"{self.block_size} is too short (at least {2 * self.cp})")

@@ -111,7 +111,19 @@ class PipelineStage:
         return self
 
     def _wire(self, B: int, S: int):
+        cp = self.chunks[0].cp                    # context parallelism: this rank's S_r positions travel
+        if cp is not None:
+            cp.set(S)
+            S = cp.length()
         return wire_format(self.topo, self.sp, B, S, self.cfg.n_embd)
+
+    @staticmethod
+    def _set_length(chunk, S: int) -> None:
+        """A chunk's cut of the sequence for this micro-batch (context, then sequence parallelism)."""
+        if chunk.cp is not None:
+            chunk.cp.set(S)
+        if chunk.sp is not None:
+            chunk.sp.set(S if chunk.cp is None else chunk.cp.length())
 
     def _forward_only(self, x, y=None):
         """x (B, S) through every stage, one micro-batch: the loss (y given) or the last position's
@@ -123,8 +135,7 @@ class PipelineStage:
 
         def forward(m, j, inp):
             chunk = self.chunks[j]
-            if chunk.sp is not None:
-                chunk.sp.set(S)
+            self._set_length(chunk, S)
             inp = x if chunk.first else from_wire(inp)
             if chunk.last:
                 out["value"] = out.get("value", 0.0) + (chunk.forward(inp, y) if y is not None
@@ -179,8 +190,7 @@ class PipelineStage:
             chunk = self.chunks[j]
             chunk.dropout.seed, chunk.dropout.step = seed, step             # the serial model's masks
             chunk.dropout.row0 = parts[m].start
-            if chunk.sp is not None:
-                chunk.sp.set(S)
+            self._set_length(chunk, S)
             inp = x[parts[m]] if chunk.first else from_wire(inp)
             out = chunk.forward(inp, y[parts[m]] if chunk.last else None)
             if not chunk.last:
