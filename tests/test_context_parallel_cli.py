@@ -42,3 +42,9 @@ def test_train_at_cp_2_equals_the_serial_run(tmp_path):
 def test_what_cp_does_not_run_is_one_line(tmp_path, args, says):
     r = mpirun(2, "train", *TINY, *args, "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1 and says in r.stderr, r.stderr
+
+
+def test_explain_draws_the_ring_and_checks_it():
+    r = mpirun(3, "explain", "--layer", "cp", "--seq", "11")
+    assert r.returncode == 0 and "PASS" in r.stdout and r.stdout.count(": equal") == 3, r.stdout + r.stderr
+    assert "plain split [" in r.stdout and "query  10 (rank 0)" in r.stdout

@@ -245,3 +245,24 @@ def test_receives_posted_ahead_hide_all_but_the_fill_and_the_drain():
     M = 32
     assert hidden == pytest.approx(full / M)            # transfers only: 2 (P-1)/P of M 2 (P-1)/P
     assert step_time(cpu(pp_overlap=0.5), w, lay)["pp_comm"] < step_time(cpu(), w, lay)["pp_comm"]
+
+
+def test_context_parallelism_priced_and_planned():
+    """cp = N: the ring's 3N - 2 messages of 2 B (S/N) C / T values per layer and micro-batch on the link its
+    T N consecutive ranks cross, compute and activations per rank over S / N, the gradient reduction over N D;
+    and the planner takes cp > 1 for a sequence too long for one rank's memory (from LONG positions on)."""
+    from mpi_tp.planning.memory import memory_per_rank
+    from mpi_tp.planning.planner import LONG
+    m = cpu(pp_overlap=0.0)
+    w = Workload(n_layer=3, n_embd=64, n_head=4, seq=64, global_batch=4)
+    one, two = (step_time(m, w, Layout(tp=2, cp=c, micro_batch=2)) for c in (1, 2))
+    kv = 2 * 2 * 32 * 64 / 2 * 4
+    assert one["cp_comm"] == 0 and two["cp_comm"] == pytest.approx(2 * 3 * (4 * 1e-5 + 4 * kv / 1e10))
+    assert two["tp_comm"] < one["tp_comm"] and two["compute"] < one["compute"]
+    mem1, mem2 = (memory_per_rank(m, w, Layout(cp=c)) for c in (1, 2))
+    assert mem2["activations"] < 0.5 * mem1["activations"] and mem2["logits"] == mem1["logits"] / 2
+    long = Workload(n_layer=8, n_embd=1024, n_head=16, seq=LONG * 4, global_batch=8)
+    r = plan(PRESETS["dgx-a100"], long, nodes=1, top=3)
+    assert r["ranked"] and r["ranked"][0]["layout"].cp > 1
+    assert not any(x["fits"] for x in r["all"] if x["layout"].cp == 1 and x["layout"].tp == 1 and not x["layout"].recompute
+                   and x["layout"].pp == 1)

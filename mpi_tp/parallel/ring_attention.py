@@ -21,7 +21,8 @@ now with their gradients dK and dV beside them: each rank adds its queries' cont
 block it holds and passes block and gradients on, and after the N-th hop the gradients are back with
 the rank that owns them. Messages per layer and rank (counted on the group "cp"): forward N - 1
 sends of K and V; backward N - 1 of K and V and N of dK and dV, each 2 B H_kv S_r hs values
-(tests/test_context_parallel.py checks the counts against this closed form).
+(tests/test_context_parallel.py checks the counts against this closed form). The time a rank spends
+blocked in the waits is counted as "cp/ring_wait" (what the overlap did not hide).
 
 Dropout: a block's mask is the part of the serial model's (B, H, S, S) mask at its (query, key)
 positions (mpi_tp.model.dropout keys every element by its global position), drawn by the caller.
@@ -29,6 +30,7 @@ positions (mpi_tp.model.dropout keys every element by its global position), draw
 from __future__ import annotations
 
 import math
+import time
 
 from mpi_tp.core.kernels import _causal_bias, _sum_to, array_module
 
@@ -48,6 +50,15 @@ def _pass_on(group, kv, src_next: int, split, xp):
     n, r = group.size, group.rank
     nxt = xp.empty(kv.shape[:-2] + (split.length(src_next), kv.shape[-1]), dtype=kv.dtype)
     return nxt, [group.isend(kv, (r + 1) % n, TAG), group.irecv(nxt, (r - 1) % n, TAG)]
+
+
+def _wait(group, pending) -> None:
+    """Wait for a step's messages; the time blocked here is counted (cp/ring_wait)."""
+    if pending:
+        t0 = time.perf_counter()
+        for req in pending:
+            req.wait()
+        group.stats.record(f"{group.name}/ring_wait", 0, time.perf_counter() - t0)
 
 
 def _scores(qs, k, rows, cols, diag, xp):
@@ -84,8 +95,7 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
                 p *= drop_scale
             o[..., rows, :] = o[..., rows, :] * corr[..., None] + p @ kv[1][..., cols, :]
             m[..., rows] = m_new
-        for req in pending:
-            req.wait()
+        _wait(group, pending)
         if pending:
             kv = nxt
     out = o / l[..., None]
@@ -129,8 +139,7 @@ def ring_backward(dout, cache):
         if n > 1:                                             # this block's gradients go on with it
             back = xp.empty(dkv.shape[:-2] + (split.length((src - 1) % n), dkv.shape[-1]), dtype=dkv.dtype)
             pending += [group.isend(dkv, (r + 1) % n, TAG + 1), group.irecv(back, (r - 1) % n, TAG + 1)]
-        for req in pending:
-            req.wait()
+        _wait(group, pending)
         if n > 1:
             kv, dkv = (nxt if s < n - 1 else kv), back
     return dq, _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)

@@ -17,6 +17,13 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
     pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages (receives are
                  posted ahead: pp_overlap of a transfer hides behind compute, but in the fill
                  and the drain)
+    context par. (cp = N > 1) each rank computes S / N positions (the GEMMs, the attention's
+                 S^2 / N score entries, the elementwise work and the tensor-parallel messages all
+                 shrink by N) and its ring passes 3N - 2 messages of K and V per layer and micro-
+                 batch, 2 B (S / N) C / T values each (mpi_tp.parallel.ring_attention): the forward's
+                 and the backward's N - 1 K/V messages hide behind the block computed meanwhile
+                 (pp_overlap of them), the backward's N dK/dV messages do not; the gradient
+                 reduction runs over N D ranks (the cp and dp ranks hold the same weights)
     data par.    one all-reduce of the rank's gradients (params / (T P) values) over D; the
                  engine starts it during the last micro-batch's backward pass, which hides
                  dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides).
@@ -66,16 +73,18 @@ class Layout:
     recompute: bool = False
     virtual: int = 1             # model chunks per pipeline stage (the interleaved schedule)
     overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
+    cp: int = 1                  # context-parallel size (ring attention)
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
         extra = "".join([f" v{self.virtual}" if self.virtual > 1 else "", " +sp" if self.sp else "",
                          " +zero1" if self.zero else "", " +recompute" if self.recompute else "",
                          "" if self.overlap_dp or self.dp == 1 else " -overlap"])
-        return f"tp{self.tp} pp{self.pp} dp{self.dp} b{self.micro_batch}{extra}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} b{self.micro_batch}{extra}"
 
 
 def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:
@@ -119,18 +128,19 @@ def gemm_rate(m: Machine, rows: float) -> float:
 def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = False) -> dict:
     """Seconds per training step and their parts, per rank (dp_hidden: the part of the data-parallel
     all-reduce that the backward pass hides; not in the total)."""
-    L, h, a, s, V = w.n_layer, w.n_embd, w.n_head, w.seq, w.vocab
-    t, p, d, b = lay.tp, lay.pp, lay.dp, lay.micro_batch
+    L, h, a, V = w.n_layer, w.n_embd, w.n_head, w.vocab
+    t, p, d, b, c = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.cp
+    s = w.seq / c                                              # positions per rank (context parallelism)
     micro = w.global_batch / (d * b)                           # micro-batches per replica and step
     layers = math.ceil(L / p)                                  # the largest stage sets the pace
     fwd_bwd = 4 if lay.recompute else 3                        # forward counted again when recomputing
     # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t
     att_share, mlp_share = math.ceil(a / t) / a, math.ceil(4 * h / t) / (4 * h)
     gemm = fwd_bwd * 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers   # 2 FLOPs per MAC
-    gemm += fwd_bwd * 2 * b * s * s * h * 2 * att_share * layers                           # QK^T and AV
+    gemm += fwd_bwd * 2 * b * s * w.seq * h * 2 * att_share * layers                       # QK^T and AV
     gemm += 3 * 2 * b * s * h * V / t / p                      # the tied head, on one stage's share
     elem = layers * (m.ew_rep * s * b * h / (t if lay.sp else 1) + m.ew_par * s * b * h / t
-                     + m.ew_att * a * s * s * b / t) * (fwd_bwd / 3)
+                     + m.ew_att * a * s * w.seq * b / t) * (fwd_bwd / 3)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
     compute = micro * (gemm / gemm_rate(m, b * s) + elem / m.elem_rate + overhead)
     alpha, bw = _link(t, m)
@@ -139,9 +149,14 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     if lay.sp:
         per_layer += 2 * ring_all_gather(n, t, alpha, bw)         # the column layers' inputs, again
     tp_comm = micro * layers * per_layer
+    cp_comm = 0.0
+    if c > 1:                       # the ring: 3N - 2 messages of K and V (or their gradients) per layer
+        ca, cbw = _link(t * c, m)
+        kv = 2 * b * s * h / t * m.bytes_per_value
+        cp_comm = micro * layers * ((3 * c - 2) * ca + (2 * (c - 1) * (1 - m.pp_overlap) + c) * kv / cbw)
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
-        pa, pbw = _link(t * p, m)
+        pa, pbw = _link(t * c * p, m)
         v = lay.virtual                                        # v chunks: more messages, 1/v the bubble
         # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp);
         # per step a stage sends, on average, 2 (P v - 1) / P messages per micro-batch
@@ -151,11 +166,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         # and the drain's: 2 (P v - 1) / P of them, nothing computing yet (or any more) to hide behind
         exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * (p * v - 1) / p)
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
-        bubble = (p - 1) / (v * micro) * (compute + tp_comm)
+        bubble = (p - 1) / (v * micro) * (compute + tp_comm + cp_comm)
     params_rank = w.params / (t * p)
     grad_bytes = params_rank * 4
     overlaps = lay.overlap_dp and not hierarchical_dp
-    da, dbw = _link(t * p * d, m)
+    da, dbw = _link(t * c * p * d, m)
+    d = d * c                                                  # the reducer's group: cp x dp
     # ZeRO-1: the parameters' all-gather after the update (not hidden)
     gather = ring_all_gather(grad_bytes, d, da, dbw) if lay.zero and d > 1 else 0.0
     if d > 1 and hierarchical_dp:
@@ -169,12 +185,13 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         # the last micro-batch's backward pass (2 of its 3 passes, 3 of 4 when recomputing) hides
         # dp_overlap of its time; the last bucket (the embeddings, ready when the pass ends) never hides
         backward = (compute + tp_comm) / micro * (fwd_bwd - 1) / fwd_bwd
-        last_bucket = min(1.0, (V * h / t + s * h + 2 * h) / params_rank)
+        last_bucket = min(1.0, (V * h / t + w.seq * h + 2 * h) / params_rank)
         dp_hidden = min(dp_comm * (1 - last_bucket), m.dp_overlap * backward)
     opt = params_rank * m.opt_traffic_per_param / m.mem_bw / (d if lay.zero else 1)
     dp_comm += gather
-    total = compute + tp_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
-    return {"total": total, "compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "bubble": bubble,
+    total = compute + tp_comm + cp_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
+    return {"total": total, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "pp_comm": pp_comm,
+            "bubble": bubble,
             "dp_comm": dp_comm - dp_hidden, "dp_hidden": dp_hidden, "optimizer": opt, "micro_batches": micro}
 
 

@@ -7,7 +7,9 @@ code's count (float32, 1-byte dropout masks) or Korthikanti et al.'s for
 Megatron-style 16-bit training (mpi_tp.planning.activations), times the
 micro-batches in flight (at most P under 1F1B on the first stage, which holds
 the most); with recomputation only each layer's input and one layer's full
-activations.
+activations. Context parallelism (cp = N) leaves S / N positions on a rank,
+and its ring attention keeps q, k and v but no (S, S) array (the terms of
+selective recomputation at S / N); the optimizer state is shared over N D.
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from mpi_tp.planning.machines import Machine
 def activation_bytes_per_layer(m: Machine, w: Workload, lay: Layout) -> float:
     """One layer's activations on the rank that keeps the most (mpi_tp.planning.activations: this code's
     count, or Korthikanti et al.'s for 16-bit Megatron-style training)."""
-    S, B, C, H, T = w.seq, lay.micro_batch, w.n_embd, w.n_head, lay.tp
+    S, B, C, H, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, w.n_head, lay.tp
+    ring = "selective" if lay.cp > 1 else "none"        # ring attention keeps no (S, S) array
     if m.activations == "korthikanti":
-        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, paper=True)
-    return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, value_bytes=m.bytes_per_value)
+        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=ring, paper=True)
+    return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=ring,
+                                                  value_bytes=m.bytes_per_value)
 
 
 def params_per_rank(w: Workload, lay: Layout) -> float:
@@ -42,18 +46,19 @@ def memory_per_rank(m: Machine, w: Workload, lay: Layout) -> dict:
     params_rank = params_per_rank(w, lay)
     weights_grads = params_rank * 8 if m.state_bytes_per_param >= 16 else params_rank * 4
     optimizer = params_rank * (m.state_bytes_per_param - (8 if m.state_bytes_per_param >= 16 else 4))
-    if lay.zero and lay.dp > 1:      # the distributed optimizer: its share of the state, and of the gradients
-        optimizer /= lay.dp
-        weights_grads += params_rank * 4 / lay.dp
+    shares = lay.dp * lay.cp         # the ranks holding the same weights (the reducer's group)
+    if lay.zero and shares > 1:      # the distributed optimizer: its share of the state, and of the gradients
+        optimizer /= shares
+        weights_grads += params_rank * 4 / shares
     layers = math.ceil(w.n_layer / lay.pp)
     in_flight = min(lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch)))
     per_layer = activation_bytes_per_layer(m, w, lay)
     if lay.recompute:
-        layer_inputs = w.seq * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
+        layer_inputs = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
         acts = in_flight * layers * layer_inputs + per_layer
     else:
         acts = in_flight * layers * per_layer
-    logits = lay.micro_batch * w.seq * w.vocab / lay.tp * 4 * 2          # logits and softmax, float32
+    logits = lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * 4 * 2    # logits and softmax, float32
     total = weights_grads + optimizer + acts + logits
     return {"total": total, "weights_grads": weights_grads, "optimizer": optimizer, "activations": acts,
             "logits": logits}

@@ -34,22 +34,28 @@ from mpi_tp.planning.plan_table import legend, size_text, table
 MODEL_FLAGS = ("--layers", "--hidden", "--heads", "--seq", "--global-batch")     # the model: required
 
 
+LONG = 8192        # context parallelism is considered from this sequence length on (or asked for: --cp)
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
                pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1),
-               recomputes=(False, True)):
-    """Layouts to price: tp up to the heads (and max_tp), pp dividing the layers, dp the rest
-    (tp_only / pp_only / micro_only: just that size; sp, zeros, recomputes: the settings allowed)."""
+               recomputes=(False, True), cp_only: int | None = None):
+    """Layouts to price: tp up to the heads (and max_tp), cp > 1 for sequences of LONG positions or more
+    (what context parallelism is for; at least 4 positions per rank), pp dividing the layers, dp the rest (tp_only / cp_only / pp_only / micro_only: just that
+    size; sp, zeros, recomputes: the settings allowed)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
-        for pp in divisors(ranks // tp):
+        for cp, pp in ((c, p) for c in divisors(ranks // tp) for p in divisors(ranks // (tp * c))):
+            if (cp_only and cp != cp_only) or (not cp_only and cp > 1 and (w.seq < LONG or w.seq < 4 * cp)):
+                continue
             if w.n_layer % pp or (pp_only and pp != pp_only):
                 continue
-            dp = ranks // (tp * pp)
+            dp = ranks // (tp * cp * pp)
             if w.global_batch % dp:
                 continue
             for b in divisors(w.global_batch // dp):
@@ -63,7 +69,7 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                     for zero in (zeros if dp > 1 else (0,)):
                         for recompute in recomputes:
                             for virtual in chunks:          # the interleaved schedule where it applies
-                                yield Layout(tp, pp, dp, b, seq, zero, recompute, virtual)
+                                yield Layout(tp, pp, dp, b, seq, zero, recompute, virtual, cp=cp)
 
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
@@ -135,6 +141,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
     p.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")
     p.add_argument("--pp", type=int, default=None, help="consider only this number of pipeline stages")
+    p.add_argument("--cp", type=int, default=None, help="consider only this context-parallel size (default: 1 "
+                   f"below {LONG} positions, else any that leaves a rank at least 4 of each sequence)")
     p.add_argument("--micro-batch", type=int, default=None, help="consider only this micro-batch size")
     p.add_argument("--no-sp", action="store_true", help="leave out sequence parallelism")
     p.add_argument("--no-zero", action="store_true", help="leave out ZeRO-1")
@@ -166,7 +174,7 @@ def train_config(w: Workload, lay: Layout) -> dict:
     """The options of `mpi-tp train` that run layout `lay` of workload `w` (JSON for --config)."""
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "batch_size": lay.micro_batch,
+            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "batch_size": lay.micro_batch,
             "micro_batches": micro_batches, "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
             "recompute": "full" if lay.recompute else "none"}
@@ -202,6 +210,7 @@ def cmd_plan(args, comm) -> int:
     if comm.Get_rank():
         return 0
     result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp, micro_only=args.micro_batch,
+                  cp_only=args.cp,
                   sp=(False,) if args.no_sp else (False, True), zeros=(0,) if args.no_zero else (0, 1),
                   recomputes=(False,) if args.no_recompute else (False, True))
     if args.emit_config:

@@ -1,0 +1,121 @@
+"""`mpi-tp explain --layer cp`: a live lesson in context parallelism, the ring attention of N = world size ranks.
+
+    mpiexec -n 2 mpi-tp explain --layer cp                  # S = 4N positions, two chunks per rank
+    mpiexec -n 4 mpi-tp explain --layer cp --seq 11         # uneven chunks
+
+Every rank holds two chunks of the sequence (chunk r and chunk 2N - 1 - r: mpi_tp.parallel.context_parallel)
+and runs one causal attention (float64, random q, k, v of B sequences, H heads) as ring attention. Rank 0
+draws the causal (query, key) grid with, at each entry, the ring step at which the rank holding that query
+computes it (rows grouped by rank), the entries each rank computes at each step beside what a plain split
+into N runs would give (the idle ranks it leaves), and the ring's messages counted on the group "cp" beside
+the closed form: N - 1 sends of K and V forward, N - 1 of K and V and N of dK and dV backward, each
+2 B H S_r hs values. The output and the gradients are checked against the serial attention kernel.
+"""
+from __future__ import annotations
+
+import numpy
+from mpi4py import MPI
+
+from mpi_tp.core import kernels as kern
+from mpi_tp.core.runtime import rank0_print
+from mpi_tp.parallel.context_parallel import ContextSplit
+from mpi_tp.parallel.ring_attention import ring_backward, ring_forward
+from mpi_tp.parallel.topology import Topology
+
+B, H, HS = 2, 2, 4
+MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _grid(split, N: int, S: int) -> list[str]:
+    """The causal grid: entry (query t, key s <= t) marked with the ring step at which t's rank computes it."""
+    step = numpy.full((S, S), -1)
+    for r in range(N):
+        mine = numpy.concatenate([numpy.arange(g, g + b - a) for a, b, g, _ in split.runs(r)])
+        for s in range(N):
+            src = (r - s) % N
+            keys = numpy.concatenate([numpy.arange(g, g + b - a) for a, b, g, _ in split.runs(src)])
+            for rows, cols, diag in _blocks_of(split, r, src):
+                for i in range(rows.start, rows.stop):
+                    for j in range(cols.start, cols.stop):
+                        if keys[j] <= mine[i]:
+                            step[mine[i], keys[j]] = s
+    owner = {int(p): r for r in range(N) for a, b, g, _ in split.runs(r) for p in range(g, g + b - a)}
+    lines = []
+    for t in range(S):
+        cells = "".join(MARKS[step[t, s]] if s <= t else "." for s in range(S))
+        lines.append(f"  query {t:>3} (rank {owner[t]}): {cells}")
+    return lines
+
+
+def _blocks_of(split, r: int, src: int):
+    """_blocks as rank r sees them (the split answers for this rank: ask with r's runs)."""
+    for qa, qb, _, cq in split.runs(r):
+        for ka, kb, _, ck in split.runs(src):
+            if ck <= cq:
+                yield slice(qa, qb), slice(ka, kb), ck == cq
+
+
+def _work(split, N: int) -> list[list[int]]:
+    """Score entries each rank computes at each ring step, (N, N)."""
+    return [[sum((rw.stop - rw.start) * (c.stop - c.start) for rw, c, _ in _blocks_of(split, r, (r - s) % N))
+             for s in range(N)] for r in range(N)]
+
+
+def _plain_work(N: int, S: int) -> list[list[int]]:
+    """The same for a plain split (rank r the r-th run of S/N positions, whole blocks below the diagonal)."""
+    sizes = [S // N + (1 if i < S % N else 0) for i in range(N)]
+    return [[sizes[r] * sizes[(r - s) % N] if (r - s) % N <= r else 0 for s in range(N)] for r in range(N)]
+
+
+def lesson(args, comm) -> bool:
+    N = comm.Get_size()
+    S = args.seq if args.seq >= 2 * N else 4 * N
+    topo = Topology.create(comm, tp=1, cp=N)
+    split = ContextSplit(topo.cp)
+    split.set(S)
+    rng = numpy.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((B, H, S, HS)) for _ in range(4))
+    ref, cache = kern.attention_forward(q, k, v)
+    dq, dk, dv = kern.attention_backward(dout, cache)
+    mine = split.take
+    topo.stats.reset()
+    out, c = ring_forward(mine(q, 2), mine(k, 2), mine(v, 2), split)
+    forward = topo.stats.snapshot()
+    got = ring_backward(mine(dout, 2), c)
+    both = topo.stats.snapshot()
+    err = max(float(numpy.abs(a - mine(b, 2)).max()) for a, b in zip((out, *got), (ref, dq, dk, dv)))
+    ok = bool(comm.allreduce(int(err <= 1e-12), op=MPI.MIN))
+    sends = comm.gather((forward.get("cp/send", {}).get("calls", 0), both.get("cp/send", {}).get("calls", 0),
+                         both.get("cp/send", {}).get("bytes", 0), split.length()), root=0)
+    if comm.Get_rank() == 0:
+        print(f"context parallelism over N = {N} ranks (the world), float64: B = {B}, H = {H} heads of hs = {HS}, "
+              f"S = {S} positions in 2N = {2 * N} chunks of {split.sizes}")
+        for r in range(N):
+            pos = [p for a, b, g, _ in split.runs(r) for p in range(g, g + b - a)]
+            print(f"  rank {r}: chunks {split.chunks(r)}: positions {pos}")
+        print("\nthe causal grid (row: a query, column: a key; the mark: the ring step at which the query's rank "
+              "computes that score;\nstep 0 with its own keys, step s with rank r - s's, passed along the ring "
+              "r -> r + 1):")
+        print("\n".join(_grid(split, N, S)))
+        work, plain = _work(split, N), _plain_work(N, S)
+        print("\nscores computed per ring step (the ring moves at the pace of the busiest rank at each step):")
+        for r in range(N):
+            print(f"  rank {r}: two ends {work[r]}   plain split {plain[r]}")
+        ring = sum(max(w[s] for w in work) for s in range(N))
+        flat = sum(max(w[s] for w in plain) for s in range(N))
+        print(f"  busiest-rank total: two ends {ring}, plain split {flat} (every score once: {S * (S + 1) // 2}; "
+              f"ideal per rank {S * (S + 1) / 2 / N:.1f})")
+        print("\nmessages of one layer (counted on the group cp; a message: K and V, or dK and dV, 2 B H S_r hs "
+              "float64 values):")
+        unit = 2 * B * H * HS * 8                         # bytes of K and V (or dK and dV) per position held
+        for r, (f, total, nbytes, length) in enumerate(sends):
+            held = [split.length((r - s) % N) for s in range(N)]           # the block held at step s
+            closed = unit * (2 * sum(held[:N - 1]) + S)
+            print(f"  rank {r}: {f} sends forward (N - 1 = {N - 1}), {total} in all (3N - 2 = {3 * N - 2}); "
+                  f"{nbytes} bytes, closed form 2 B H hs 8 (2 sum_(s<N-1) S_(r-s) + S) = {closed}: "
+                  f"{'equal' if nbytes == closed else 'DIFFERENT'}")
+            ok &= nbytes == closed
+        print(f"\noutput, dq, dk, dv against the serial attention: max |difference| {err:.2e}: "
+              f"{'PASS' if ok else 'FAIL'}")
+    topo.free()
+    return ok
