@@ -54,16 +54,17 @@ SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
 
 
 def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, dp=1, dp_mode="overlap",
-              sequence_parallel=False, zero=False) -> dict:
+              sequence_parallel=False, zero=False, cp=1) -> dict:
     """Time training steps at one shape. dp > 1: data parallelism with B sequences per replica;
     dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
     (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
-    zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather)."""
-    topo = Topology.create(comm, dp=dp)
+    zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather).
+    cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp)."""
+    topo = Topology.create(comm, dp=dp, cp=cp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
                 sequence_parallel=sequence_parallel)
     params = model.parameters()
-    reducer = (GradReducer(model, topo.dp, overlap=dp_mode == "overlap", distributed=zero)
+    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero)
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
     acts = 0
@@ -104,6 +105,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     med = float(numpy.median(step))
     result = {
         "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": topo.tp.size,
+        "cp": topo.cp.size,
         "dp": topo.dp.size, "dp_mode": dp_mode if dp > 1 else None, "sequence_parallel": sequence_parallel,
         "dtype": dtype, "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
                                                    "max": 1e3 * step.max()},
@@ -120,14 +122,16 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "optimizer_state_mb_per_rank": sum(a.nbytes for arrays in opt.state.values() for a in arrays) / 2**20,
         "zero": zero and topo.dp.size > 1,
         "activation_bytes_per_layer": acts,                 # block 0's caches after a forward, largest rank
-        "activation_bytes_per_layer_formula": activation_bytes_per_layer(S, B, C, H, topo.tp.size, sequence_parallel,
-                                                                         value_bytes=numpy.dtype(dtype).itemsize),
+        "activation_bytes_per_layer_formula": activation_bytes_per_layer(
+            S / cp, B, C, H, topo.tp.size, sequence_parallel, recompute="selective" if cp > 1 else "none",
+            value_bytes=numpy.dtype(dtype).itemsize),          # cp: S / cp positions, no (S, S) array
         "comm_per_step": {k: {"calls": v["calls"], "bytes": v["bytes"], "wire_bytes": v["wire_bytes"]}
                           for k, v in topo.stats.snapshot().items()},       # the last step's, by group/kind
     }
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
     result["phases_ms"]["compute"] = (result["phases_ms"]["forward"] + result["phases_ms"]["backward"]
-                                      - sum(result["comm_ms"].values()))
+                                      - sum(v for k, v in result["comm_ms"].items()       # a send's or receive's
+                                            if not k.endswith(("/send", "/recv"))))     # span overlaps compute
     return result
 
 
@@ -138,7 +142,7 @@ def print_table(r: dict, comm) -> None:
     ar = r["allreduce_BSC_ms"]
     ar_txt = (f"; one (B,S,C) all-reduce {ar['mpi_tp']:.2f} ms vs bare Allreduce {ar['bare']:.2f} ms"
               if ar else "")
-    layout = f"tp={r['tp']}" + (f" dp={r['dp']} ({r['dp_mode']})" if r["dp"] > 1 else "") + \
+    layout = f"tp={r['tp']}" + (f" cp={r['cp']}" if r.get("cp", 1) > 1 else "") + (f" dp={r['dp']} ({r['dp_mode']})" if r["dp"] > 1 else "") + \
         (" +sp" if r["sequence_parallel"] else "") + (" +zero1" if r["zero"] else "")
     rank0_print(
         f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} {layout} "
@@ -173,6 +177,8 @@ def add_parser(sub) -> None:
                    help="with --dp > 1: run each shape three times, gradient all-reduce during the backward "
                         "(overlap), after it, and not at all (baseline), to show what it adds to a step")
     b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
+    b.add_argument("--cp", type=int, default=1, help="context-parallel size (tp = ranks / (cp * pp * dp)): each "
+                   "sequence split over cp ranks, ring attention")
     b.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: with --dp > 1, the distributed optimizer (ZeRO-1)")
     b.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = ranks / (pp * dp)); with "
@@ -205,14 +211,18 @@ def _shapes(args, ranks: int) -> list[tuple]:
         shapes = [SHAPES[s] for s in presets] + custom
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    if args.dp < 1 or args.pp < 1 or ranks % (args.dp * args.pp):
-        raise UserError(f"--dp {args.dp} x --pp {args.pp} must divide the {ranks} ranks of this job")
+    if args.dp < 1 or args.pp < 1 or args.cp < 1 or ranks % (args.dp * args.pp * args.cp):
+        raise UserError(f"--dp {args.dp} x --pp {args.pp} x --cp {args.cp} must divide the {ranks} ranks of this job")
+    if args.cp > 1 and (args.pp > 1 or args.inference or args.moe):
+        raise UserError("--cp times training steps without pipeline stages (drop --pp, --inference, --moe)")
     if args.pp > 1:
         if args.micro_batches < 1 or args.virtual_stages < 1:
             raise UserError("--micro-batches and --virtual-stages must be at least 1")
         schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages)     # checks the combination
-    tp = ranks // (args.dp * args.pp)
+    tp = ranks // (args.dp * args.pp * args.cp)
     for C, H, L, S, B in shapes:
+        if S < 2 * args.cp:
+            raise UserError(f"--cp {args.cp} cuts each sequence into {2 * args.cp} chunks: S = {S} is too short")
         if B < 1:
             raise UserError(f"batch must be at least 1, got {B}")
         GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S).validate(tp)
@@ -254,7 +264,7 @@ def cmd_bench(args, comm) -> int:
             continue
         for mode in modes:
             r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype, dp=args.dp, dp_mode=mode,
-                          sequence_parallel=args.sequence_parallel, zero=bool(args.zero))
+                          sequence_parallel=args.sequence_parallel, zero=bool(args.zero), cp=args.cp)
             r["environment"] = env
             print_table(r, comm)
             if args.json and comm.Get_rank() == 0:
