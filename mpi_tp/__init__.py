@@ -3,7 +3,8 @@
 The folders import only downward, from the ground up:
 
     core/        array backend and GPU staging, kernels, parameter shards, layer base, MPI runtime
-    parallel/    process grid, counted collectives, tensor- / sequence- / data-parallel regions
+    text/        tokenizers (bytes, tokenizer.json), token files, ids to text as they come
+    parallel/    process grid, counted collectives, tensor- / sequence- / context- / data-parallel regions
     model/       the parallel layers (column and row split: parallel_linear.py) and the GPT
     checkpoint/  sharded HDF5 checkpoints: write, read
     inference/   sampling
