@@ -167,8 +167,8 @@ def plot(rows, summ, figure, command, raw):
                         fontsize=6, color="white", rotation=90)
     ax.set_xticks(range(len(keys)), [f"config {c}\n{n}, M = {M}" for c, n, M in keys], fontsize=8)
     ax.set_ylabel("step ms (median over rounds; dots: each round)")
-    ax.set_title(f"P = 2 stages, float32, 1 thread per rank; in mpi_tp's bars: bubble = "
-                 f"idle / busiest stage's busy time", fontsize=9)
+    ax.set_title("P = 2 stages, float32, 1 thread per rank; in mpi_tp's bars: bubble = "
+                 "idle / busiest stage's busy time", fontsize=9)
     ax.set_ylim(0, 1.3 * top)                                   # room for the legend above the bars
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.grid(axis="y", alpha=0.3)

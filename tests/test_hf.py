@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 pytest.importorskip("safetensors", reason="safetensors not installed (pip install -e '.[hf]')")
 from safetensors.numpy import save_file  # noqa: E402

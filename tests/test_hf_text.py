@@ -117,7 +117,7 @@ def eos_folder(folder, arch, prompts):
 @needs_oracle
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("cfg", [CFG, replace(LLAMA, n_kv_head=2)], ids=["gpt2", "llama-gqa"])
-def test_greedy_text_equals_transformers(world, shared_dir, cfg):
+def test_greedy_text_equals_transformers(world, shared_dir, cfg):  # noqa: F811 (the fixture)
     folder = os.path.join(shared_dir, cfg.arch)
     eos, ref = world.bcast(eos_folder(folder, cfg.arch, PROMPTS) if world.Get_rank() == 0 else None)
     model = loaded(folder, Topology.create(world))

@@ -52,6 +52,24 @@ def _pass_on(group, kv, src_next: int, split, xp):
     return nxt, [group.isend(kv, (r + 1) % n, TAG), group.irecv(nxt, (r - 1) % n, TAG)]
 
 
+def _around(split, kv, xp, after=None):
+    """The ring's steps: yields (src, the K/V block of rank src held now); the next block's messages start
+    before each step's body and are waited for after it, with the messages after(src) starts then."""
+    group = split.group
+    n, r = group.size, group.rank
+    for s in range(n):
+        src = (r - s) % n
+        pending = []
+        if s < n - 1:
+            nxt, pending = _pass_on(group, kv, (src - 1) % n, split, xp)
+        yield src, kv
+        if after is not None:
+            pending += after(src)
+        _wait(group, pending)
+        if s < n - 1:
+            kv = nxt
+
+
 def _wait(group, pending) -> None:
     """Wait for a step's messages; the time blocked here is counted (cp/ring_wait)."""
     if pending:
@@ -73,17 +91,12 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
     (..., S_r, hs) (leading axes broadcast: grouped-query attention). mask_of(src, rows, cols), if
     given, is the bool dropout mask of this rank's query rows against rank src's key rows.
     Returns out (like q) and the cache for ring_backward."""
-    xp, group = array_module(q), split.group
-    n, r, scale = group.size, group.rank, 1.0 / math.sqrt(q.shape[-1])
+    xp, scale = array_module(q), 1.0 / math.sqrt(q.shape[-1])
     qs = q * scale
     m = xp.full(q.shape[:-1], -math.inf, dtype=q.dtype)
     l, o = xp.zeros(q.shape[:-1], dtype=q.dtype), xp.zeros(q.shape, dtype=q.dtype)
     kv = xp.ascontiguousarray(xp.stack(xp.broadcast_arrays(k, v)))
-    for s in range(n):
-        src = (r - s) % n
-        pending = []
-        if s < n - 1:
-            nxt, pending = _pass_on(group, kv, (src - 1) % n, split, xp)
+    for src, kv in _around(split, kv, xp):
         for rows, cols, diag in _blocks(split, src):
             sc = _scores(qs, kv[0], rows, cols, diag, xp)
             m_new = xp.maximum(m[..., rows], sc.max(axis=-1))
@@ -95,9 +108,6 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
                 p *= drop_scale
             o[..., rows, :] = o[..., rows, :] * corr[..., None] + p @ kv[1][..., cols, :]
             m[..., rows] = m_new
-        _wait(group, pending)
-        if pending:
-            kv = nxt
     out = o / l[..., None]
     return out, (q, k, v, out, m + xp.log(l), split, mask_of, drop_scale)
 
@@ -111,12 +121,16 @@ def ring_backward(dout, cache):
     D = xp.einsum("...td,...td->...t", dout, out)            # rowsum(dout * out)
     dq = xp.zeros(q.shape, dtype=q.dtype)
     kv = xp.ascontiguousarray(xp.stack(xp.broadcast_arrays(k, v)))
-    dkv = xp.zeros(kv.shape, dtype=kv.dtype)
-    for s in range(n):
-        src = (r - s) % n
-        pending = []
-        if s < n - 1:
-            nxt, pending = _pass_on(group, kv, (src - 1) % n, split, xp)
+    grads = {"held": xp.zeros(kv.shape, dtype=kv.dtype)}       # dK, dV of the block held, travelling with it
+
+    def hand_on(src):                                           # this block's gradients go on with it
+        if n == 1:
+            return []
+        dkv = grads["held"]
+        grads["held"] = xp.empty(dkv.shape[:-2] + (split.length((src - 1) % n), dkv.shape[-1]), dtype=dkv.dtype)
+        return [group.isend(dkv, (r + 1) % n, TAG + 1), group.irecv(grads["held"], (r - 1) % n, TAG + 1)]
+    for src, kv in _around(split, kv, xp, hand_on):
+        dkv = grads["held"]
         for rows, cols, diag in _blocks(split, src):
             p = xp.exp(_scores(qs, kv[0], rows, cols, diag, xp) - lse[..., rows, None])
             g = dout[..., rows, :]
@@ -136,10 +150,5 @@ def ring_backward(dout, cache):
                                                                                     dkv.shape[-1]))
             dk *= scale
             dkv[0][..., cols, :] += dk
-        if n > 1:                                             # this block's gradients go on with it
-            back = xp.empty(dkv.shape[:-2] + (split.length((src - 1) % n), dkv.shape[-1]), dtype=dkv.dtype)
-            pending += [group.isend(dkv, (r + 1) % n, TAG + 1), group.irecv(back, (r - 1) % n, TAG + 1)]
-        _wait(group, pending)
-        if n > 1:
-            kv, dkv = (nxt if s < n - 1 else kv), back
+    dkv = grads["held"]                                         # this rank's own, home after the N-th hop
     return dq, _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)

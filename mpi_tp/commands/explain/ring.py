@@ -17,7 +17,6 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import kernels as kern
-from mpi_tp.core.runtime import rank0_print
 from mpi_tp.parallel.context_parallel import ContextSplit
 from mpi_tp.parallel.ring_attention import ring_backward, ring_forward
 from mpi_tp.parallel.topology import Topology
