@@ -2,7 +2,8 @@
 first loss < 1e-10, the rest and every weight < 1e-8), GPT-2 and Llama (grouped-query, untied), in every
 tp x cp x dp layout of the pass with cp > 1: cp alone, tp x cp, cp x dp; sequence parallelism on and off
 at tp > 1, ZeRO-1 at dp > 1, selective and full recomputation. S = 9 is cut into 2 cp chunks unevenly at
-every cp (2, 3, 4). And a checkpoint saved at cp > 1 loads at cp 1 (the serial tensors).
+every cp (2, 3, 4). And a checkpoint saved at cp > 1 loads at cp 1 (the serial tensors), and back at cp > 1
+(the serial model's loss).
 """
 import numpy as np
 import pytest
@@ -120,6 +121,12 @@ def test_a_checkpoint_saved_at_cp_loads_without_it(world, tmp_path_factory):
     with ck.Checkpoint(root) as c:
         for p in serial.parameters():
             assert_close(p.data, c.read(f"model/{p.name}"), 0.0, p.name, comm=world)
+    again = GPT(config, topo, dtype="float64")               # and back: into a model at cp = world
+    with ck.Checkpoint(root) as c:
+        ck.load_into(c, again)
+    x, y = global_batch(7, B)
+    serial.eval(), again.eval()
+    assert_close(np.array([again.forward(x, y)]), np.array([serial.forward(x, y)]), 1e-12, "loss at cp", comm=world)
     topo.free()
 
 
