@@ -53,7 +53,8 @@ def compare(m=PRESETS["dgx-a100"], rank_layouts=True) -> list[dict]:
              "memory_gb": memory_per_rank(m, w, lay)["total"] / 1e9, "rank": None, "planner_pairs": []}
         if rank_layouts:
             pairs = []
-            for x in plan(m, w, row["gpus"] // m.ranks_per_node, top=10**9)["ranked"]:
+            # the paper's search space: stage counts that divide the layers (mpi_tp also searches uneven ones)
+            for x in plan(m, w, row["gpus"] // m.ranks_per_node, top=10**9, even_stages=True)["ranked"]:
                 pair = (x["layout"].tp, x["layout"].pp)
                 if pair not in pairs:
                     pairs.append(pair)

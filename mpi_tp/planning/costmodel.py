@@ -31,8 +31,10 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  alike) and, after the update, an all-gather of the parameters: the same bytes
     optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO-1: / D, its share)
 
-A link is intra-node when the group fits in a node (tensor-parallel groups are
-consecutive ranks, data-parallel groups stride over them), else the network.
+Each group is priced on the slowest link its members cross, under the engine's rank order
+(tp fastest, then cp, pp, dp: mpi_tp.parallel.topology) and the machine's ranks per node:
+a group whose members all share a node uses the node's links, one that straddles two nodes
+anywhere (tp 6 on 8-GPU nodes: ranks 6-11) waits on the network (`placement`).
 The machine's constants: mpi_tp.planning.machines; memory per rank:
 mpi_tp.planning.memory.
 """
@@ -105,9 +107,34 @@ def hierarchical_all_reduce(n_bytes: float, p: int, per_node: int, m: Machine) -
     return inside + ring_all_reduce(n_bytes, nodes, m.inter_alpha, m.inter_bw)
 
 
-def _link(group_span: int, m: Machine):
-    """(alpha, bw) for a group whose members span group_span consecutive ranks."""
-    return (m.intra_alpha, m.intra_bw) if group_span <= m.ranks_per_node else (m.inter_alpha, m.inter_bw)
+def crosses(stride: int, size: int, per_node: int, world: int) -> bool:
+    """Whether some group of `size` members `stride` ranks apart (every group of that dimension of a world
+    of `world` ranks, placed per_node ranks a node) has members on two nodes."""
+    if size <= 1:
+        return False
+    span = (size - 1) * stride + 1
+    if span > per_node:
+        return True
+    period = stride * size                   # the bases of the groups: q period + r, r < stride
+    for q in range(min(per_node // math.gcd(period, per_node), max(1, world // period))):
+        if any((q * period + r) % per_node + span > per_node for r in range(stride)):
+            return True
+    return False
+
+
+def placement(lay: Layout, per_node: int) -> dict:
+    """{"tp" | "cp" | "pp" | "dp": "node" or "network"}: the link each group's collectives cross (dp: the
+    gradient reducer's group, cp x dp)."""
+    t, c, p, d, W = lay.tp, lay.cp, lay.pp, lay.dp, lay.ranks
+    on = {"tp": crosses(1, t, per_node, W), "cp": crosses(t, c, per_node, W), "pp": crosses(t * c, p, per_node, W)}
+    on["dp"] = crosses(t * c * p, d, per_node, W) or on["cp"] or (
+        d > 1 and c > 1 and (d - 1) * t * c * p + (c - 1) * t + 1 > per_node)
+    return {k: "network" if v else "node" for k, v in on.items()}
+
+
+def _link(where: str, m: Machine):
+    """(alpha, bw) of a group's link: "node" or "network"."""
+    return (m.intra_alpha, m.intra_bw) if where == "node" else (m.inter_alpha, m.inter_bw)
 
 
 def gemm_rate(m: Machine, rows: float) -> float:
@@ -125,9 +152,12 @@ def gemm_rate(m: Machine, rows: float) -> float:
     return points[-1][1]
 
 
-def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = False) -> dict:
+def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = False,
+              per_node: int | None = None) -> dict:
     """Seconds per training step and their parts, per rank (dp_hidden: the part of the data-parallel
-    all-reduce that the backward pass hides; not in the total)."""
+    all-reduce that the backward pass hides; not in the total), and `links`: where each group's traffic
+    goes (placement; per_node: the machine's ranks per node unless given)."""
+    links = placement(lay, per_node or m.ranks_per_node)
     L, h, a, V = w.n_layer, w.n_embd, w.n_head, w.vocab
     t, p, d, b, c = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.cp
     s = w.seq / c                                              # positions per rank (context parallelism)
@@ -143,7 +173,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
                      + m.ew_att * a * s * w.seq * b / t) * (fwd_bwd / 3)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
     compute = micro * (gemm / gemm_rate(m, b * s) + elem / m.elem_rate + overhead)
-    alpha, bw = _link(t, m)
+    alpha, bw = _link(links["tp"], m)
     n = b * s * h * m.bytes_per_value
     per_layer = (6 if lay.recompute else 4) * ring_all_reduce(n, t, alpha, bw)   # SP: same bytes (RS + AG)
     if lay.sp:
@@ -151,12 +181,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     tp_comm = micro * layers * per_layer
     cp_comm = 0.0
     if c > 1:                       # the ring: 3N - 2 messages of K and V (or their gradients) per layer
-        ca, cbw = _link(t * c, m)
+        ca, cbw = _link(links["cp"], m)
         kv = 2 * b * s * h / t * m.bytes_per_value
         cp_comm = micro * layers * ((3 * c - 2) * ca + (2 * (c - 1) * (1 - m.pp_overlap) + c) * kv / cbw)
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
-        pa, pbw = _link(t * c * p, m)
+        pa, pbw = _link(links["pp"], m)
         v = lay.virtual                                        # v chunks: more messages, 1/v the bubble
         # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp);
         # per step a stage sends, on average, 2 (P v - 1) / P messages per micro-batch
@@ -170,7 +200,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     params_rank = w.params / (t * p)
     grad_bytes = params_rank * 4
     overlaps = lay.overlap_dp and not hierarchical_dp
-    da, dbw = _link(t * c * p * d, m)
+    da, dbw = _link(links["dp"], m)
     d = d * c                                                  # the reducer's group: cp x dp
     # ZeRO-1: the parameters' all-gather after the update (not hidden)
     gather = ring_all_gather(grad_bytes, d, da, dbw) if lay.zero and d > 1 else 0.0
@@ -191,7 +221,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     dp_comm += gather
     total = compute + tp_comm + cp_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
     return {"total": total, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "pp_comm": pp_comm,
-            "bubble": bubble,
+            "bubble": bubble, "links": links,
             "dp_comm": dp_comm - dp_hidden, "dp_hidden": dp_hidden, "optimizer": opt, "micro_batches": micro}
 
 

@@ -7,7 +7,8 @@ published figures, each named in its `source`) or from `mpi-tp calibrate`
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from mpi_tp.core.errors import UserError
 
@@ -49,15 +50,35 @@ class Machine:
 
     @classmethod
     def load(cls, path: str) -> Machine:
+        if os.path.isdir(path):
+            raise UserError(f"--machine {path!r} is a folder: give a preset ({', '.join(PRESETS)}) or the JSON "
+                            "file `mpi-tp calibrate` writes")
         try:
             with open(path) as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
             raise UserError(f"machine file {path!r} is not JSON ({e}): write it with `mpi-tp calibrate`") from None
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise UserError(f"machine file {path!r} cannot be read ({e.strerror or e})") from None
+        if not isinstance(data, dict):
+            raise UserError(f"machine file {path!r} must hold a JSON object of the Machine's fields (as `mpi-tp "
+                            "calibrate` writes it)")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise UserError(f"machine file {path!r}: unknown keys {sorted(unknown)}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise UserError(f"machine file {path!r} lacks {', '.join(missing)}: write it with `mpi-tp calibrate`, "
+                            "or copy a preset's fields (docs/costmodel.md)")
+        bad = [k for k in required if k != "name" and (k == "ranks_per_node" and not isinstance(data[k], int)) or k != "name" and (not isinstance(data[k], (int, float)) or isinstance(data[k], bool)
+                                                       or data[k] <= 0) and k not in ("intra_alpha", "inter_alpha")]
+        bad += [k for k in ("intra_alpha", "inter_alpha") if not isinstance(data[k], (int, float)) or data[k] < 0]
+        if bad:
+            raise UserError(f"machine file {path!r}: {', '.join(bad)} must be positive numbers (alphas: >= 0)")
         m = cls(**data)
         if not all(isinstance(pt, list) and len(pt) == 2 and min(pt) > 0 for pt in m.gemm_curve):
             raise UserError(f"machine file {path!r}: gemm_curve must be [[rows, FLOP/s], ...] with positive "

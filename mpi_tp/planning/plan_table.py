@@ -92,13 +92,14 @@ def table(m, w: Workload, nodes: int, result: dict) -> str:
     header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
               f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
               f"V={w.vocab}), global batch {w.global_batch} sequences")
-    columns = (f"{'#':>3} {'layout':<28} {step:>8} {'compute':>8} {'tp comm':>8} {'cp comm':>8} {'pp comm':>8} {'bubble':>8} "
+    wide = max([28] + [len(r["layout"].describe()) for r in result["ranked"]])
+    columns = (f"{'#':>3} {'layout':<{wide}} {step:>8} {'compute':>8} {'tp comm':>8} {'cp comm':>8} {'pp comm':>8} {'bubble':>8} "
                f"{'dp comm':>8} {'optim':>7} {mem_unit:>8} {unit:>8} {'of peak':>7}")
     lines = [header, columns]
     for i, r in enumerate(result["ranked"], 1):
         t, mem, a = r["time"], r["memory"], r["achieved"]
         u = {k: v / sec for k, v in t.items() if isinstance(v, (int, float))}
-        lines.append(f"{i:>3} {r['layout'].describe():<28} {u['total']:>8.3f} {u['compute']:>8.3f} "
+        lines.append(f"{i:>3} {r['layout'].describe():<{wide}} {u['total']:>8.3f} {u['compute']:>8.3f} "
                      f"{u['tp_comm']:>8.3f} {u['cp_comm']:>8.3f} {u['pp_comm']:>8.3f} {u['bubble']:>8.3f} {u['dp_comm']:>8.3f} "
                      f"{u['optimizer']:>7.3f} {mem['total'] / mem_scale:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
                      f"{100 * a['fraction_of_peak']:>6.0f}%")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from mpi_tp.core.errors import UserError, refuse_to_replace
@@ -38,22 +39,29 @@ LONG = 8192        # context parallelism is considered from this sequence length
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n, ascending, in O(sqrt n) (a global batch of 4e8 sequences included)."""
+    small = [k for k in range(1, int(n ** 0.5) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
                pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1),
-               recomputes=(False, True), cp_only: int | None = None):
-    """Layouts to price: tp up to the heads (and max_tp), cp > 1 for sequences of LONG positions or more
-    (what context parallelism is for; at least 4 positions per rank), pp dividing the layers, dp the rest (tp_only / cp_only / pp_only / micro_only: just that
-    size; sp, zeros, recomputes: the settings allowed)."""
+               recomputes=(False, True), cp_only: int | None = None, schedule: str | None = None,
+               virtual: int | None = None, even_stages: bool = False):
+    """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
+    uneven), cp > 1 for sequences of LONG positions or more (at least 4 positions per rank), pp up to the
+    layers (stages need not divide them: the largest sets the pace), interleaving (2 chunks a stage, or
+    `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, dp the
+    rest; micro-batches up to 16 sequences. Pins: tp_only, cp_only, pp_only, micro_only, schedule
+    ("1f1b" or "interleaved"), virtual; sp, zeros, recomputes: the settings allowed; even_stages: only stage
+    counts that divide the layers (the search space of papers that had only those)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
         for cp, pp in ((c, p) for c in divisors(ranks // tp) for p in divisors(ranks // (tp * c))):
             if (cp_only and cp != cp_only) or (not cp_only and cp > 1 and (w.seq < LONG or w.seq < 4 * cp)):
                 continue
-            if w.n_layer % pp or (pp_only and pp != pp_only):
+            if pp > w.n_layer or (pp_only and pp != pp_only) or cp > w.seq // 2 or (even_stages and w.n_layer % pp):
                 continue
             dp = ranks // (tp * cp * pp)
             if w.global_batch % dp:
@@ -64,27 +72,66 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                 if micro_only and b != micro_only:
                     continue
                 micro = w.global_batch // (dp * b)
-                chunks = [1, 2] if pp > 1 and micro % pp == 0 and w.n_layer % (2 * pp) == 0 else [1]
-                for seq in (sp if tp > 1 else (False,)):
-                    for zero in (zeros if dp > 1 else (0,)):
-                        for recompute in recomputes:
-                            for virtual in chunks:          # the interleaved schedule where it applies
-                                yield Layout(tp, pp, dp, b, seq, zero, recompute, virtual, cp=cp)
+                for v in _chunks(w, pp, micro, schedule, virtual):
+                    for seq in (sp if tp > 1 else (False,)):
+                        for zero in (zeros if dp * cp > 1 else (0,)):
+                            for recompute in recomputes:
+                                yield Layout(tp, pp, dp, b, seq, zero, recompute, v, cp=cp)
+
+
+def _chunks(w: Workload, pp: int, micro: int, schedule: str | None, virtual: int | None) -> list[int]:
+    """Model chunks per stage to try: 1 (1F1B), and v (interleaved: 2, or `virtual`) where it runs."""
+    v = virtual or 2
+    interleaves = pp > 1 and micro % pp == 0 and w.n_layer >= v * pp
+    if schedule == "interleaved" or virtual:
+        return [v] if interleaves else []
+    if schedule == "1f1b":
+        return [1]
+    return [1, v] if interleaves else [1]
 
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
          pp: int | None = None, **allowed) -> dict:
-    """allowed: candidates()'s micro_only, sp, zeros, recomputes."""
+    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedule, virtual, even_stages."""
     ranks = nodes * m.ranks_per_node
-    rows = []
-    for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed):
-        mem = memory_per_rank(m, w, lay)
-        t = step_time(m, w, lay)
-        rows.append({"layout": lay, "time": t, "memory": mem, "fits": mem["total"] <= m.mem_bytes,
-                     "achieved": achieved(m, w, lay, t["total"])})
+    rows = [price(m, w, lay) for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed)]
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
     return {"machine": m.name, "ranks": ranks, "workload": w, "ranked": fitting[:top], "all": rows,
             "why": explain(fitting, rows, m)}
+
+
+def price(m, w: Workload, lay: Layout) -> dict:
+    """One layout's row: its step time and parts, memory per rank, whether it fits, the FLOP/s it achieves."""
+    mem = memory_per_rank(m, w, lay)
+    t = step_time(m, w, lay)
+    return {"layout": lay, "time": t, "memory": mem, "fits": mem["total"] <= m.mem_bytes,
+            "achieved": achieved(m, w, lay, t["total"])}
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' * (n != 1)}"
+
+
+def _where(t: dict, lay: Layout) -> str:
+    """Which links the layout's groups cross, in words."""
+    links = t["links"]
+    sizes = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp}
+    names = {"tp": "tensor-parallel groups", "cp": "context-parallel rings", "pp": "pipeline hops",
+             "dp": "gradient reductions"}
+    used = [k for k in ("tp", "cp", "pp", "dp") if sizes[k] > 1]
+    inside = [names[k] for k in used if links[k] == "node"]
+    across = [names[k] for k in used if links[k] == "network"]
+    parts = []
+    if "tp" in used or lay.tp == 1:
+        parts.append(f"its tensor-parallel groups ({_ranks(lay.tp)}) " + (
+            "stay inside a node" if links["tp"] == "node" else "straddle nodes: their all-reduces cross the network"))
+    rest = [x for x in inside if x != names["tp"]]
+    if rest:
+        parts.append(f"{', '.join(rest)} stay inside a node")
+    rest = [x for x in across if x != names["tp"]]
+    if rest:
+        parts.append(f"{', '.join(rest)} cross the network")
+    return "; ".join(parts) + "."
 
 
 def explain(fitting, rows, m) -> str:
@@ -95,15 +142,15 @@ def explain(fitting, rows, m) -> str:
                 "use more nodes, or a machine with more memory")
     best = fitting[0]
     lay, t = best["layout"], best["time"]
-    parts = sorted(((k, v) for k, v in t.items() if k not in ("total", "micro_batches", "dp_hidden")), key=lambda kv: -kv[1])
+    parts = sorted(((k, v) for k, v in t.items() if isinstance(v, float | int) and k not in
+                    ("total", "micro_batches", "dp_hidden")), key=lambda kv: -kv[1])
 
     def sec(x: float) -> str:       # seconds, or ms for a laptop-sized step, as the table's time columns
         return f"{x:.3f} s" if t["total"] >= 0.1 else f"{1e3 * x:.3f} ms"
 
     lines = [f"best: {lay.describe()}, {sec(t['total'])} per step, {size_text(best['memory']['total'])} per rank; "
              "time goes to " + ", ".join(f"{k} {sec(v)}" for k, v in parts if v > 0)]
-    lines.append(f"its tensor-parallel groups ({lay.tp} ranks) " + ("stay inside a node." if lay.tp <= m.ranks_per_node
-                 else "span nodes: their all-reduces cross the network."))
+    lines.append(_where(t, lay))
     others = [r for r in fitting if r["layout"].tp != lay.tp]
     if others:
         o = others[0]
@@ -111,7 +158,7 @@ def explain(fitting, rows, m) -> str:
         diff = ot["total"] - t["total"]
         reason = []
         if ot["tp_comm"] > t["tp_comm"]:
-            crossing = " (its groups cross the network)" if ol.tp > m.ranks_per_node else ""
+            crossing = " (its groups cross the network)" if ot["links"]["tp"] == "network" else ""
             reason.append(f"tensor-parallel all-reduces take {sec(ot['tp_comm'])} instead of {sec(t['tp_comm'])}"
                           + crossing)
         if ot["bubble"] > t["bubble"]:
@@ -147,6 +194,18 @@ def add_parser(sub) -> None:
     p.add_argument("--no-sp", action="store_true", help="leave out sequence parallelism")
     p.add_argument("--no-zero", action="store_true", help="leave out ZeRO-1")
     p.add_argument("--no-recompute", action="store_true", help="leave out activation recomputation")
+    p.add_argument("--sp", action="store_true", help="only layouts with sequence parallelism (where tp > 1)")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=None, help="only ZeRO-1 (1) or only without it (0)")
+    p.add_argument("--recompute", action="store_true", help="only layouts with full activation recomputation")
+    p.add_argument("--schedule", choices=["1f1b", "interleaved"], default=None,
+                   help="only this pipeline schedule (interleaved: chunks of --virtual-stages, default 2)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="only the interleaved schedule with this "
+                   "many chunks per stage")
+    p.add_argument("--ep", type=int, default=None, help="expert parallelism (not priced by the cost model yet: "
+                   "refused with a line)")
+    p.add_argument("--explain", metavar="LAYOUT", default=None,
+                   help="price one layout and print its terms, e.g. 'tp4 pp12 dp8 b2 +recompute' (as the table "
+                        "writes layouts), whether or not it is among the top rows")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--legend", action="store_true",
                    help="explain every column of the table under it (alone, without the model: just the legend)")
@@ -163,11 +222,79 @@ def _missing(args) -> list[str]:
 
 
 def _check(args):
-    m = machine(args.machine)
     for key in ("nodes", "layers", "hidden", "heads", "seq", "global_batch", "vocab", "top"):
         if getattr(args, key) < 1:
             raise UserError(f"--{key.replace('_', '-')} must be at least 1")
+    for key in ("tp", "pp", "cp", "max_tp", "micro_batch", "virtual_stages"):       # pins: None is no pin
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    if args.hidden % args.heads:
+        raise UserError(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}: every head has "
+                        "hidden / heads channels")
+    if args.ep is not None:
+        raise UserError("--ep: the cost model does not price mixture-of-experts layers yet (plan the dense model)")
+    if args.sp and args.no_sp or args.recompute and args.no_recompute or args.zero is not None and args.no_zero:
+        raise UserError("a pin and its --no- form together (--sp / --no-sp, --zero / --no-zero, --recompute / "
+                        "--no-recompute): give one")
+    if args.virtual_stages and args.schedule == "1f1b":
+        raise UserError("--virtual-stages needs the interleaved schedule (--schedule interleaved)")
+    m = machine(args.machine)
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
+
+
+def _allowed(args) -> dict:
+    """candidates()'s settings from the command line's pins."""
+    return dict(micro_only=args.micro_batch, cp_only=args.cp, schedule=args.schedule, virtual=args.virtual_stages,
+                sp=(True,) if args.sp else (False,) if args.no_sp else (False, True),
+                zeros=(args.zero,) if args.zero is not None else (0,) if args.no_zero else (0, 1),
+                recomputes=(True,) if args.recompute else (False,) if args.no_recompute else (False, True))
+
+
+def _empty(w: Workload, ranks: int, args) -> str:
+    """Why no layout can be expressed."""
+    pins = [f"--{k.replace('_', '-')} {v}" for k, v in (("tp", args.tp), ("cp", args.cp), ("pp", args.pp),
+                                                         ("max_tp", args.max_tp), ("micro_batch", args.micro_batch),
+                                                         ("virtual_stages", args.virtual_stages)) if v]
+    return (f"no layout of {ranks} ranks can be expressed: tp x cp x pp x dp = {ranks} with tp at most the "
+            f"{w.n_head} heads, pp at most the {w.n_layer} layers and dp dividing the global batch of "
+            f"{w.global_batch}" + (f", under {' '.join(pins)}" if pins else "") + ": change the nodes, the "
+            "batch or the pins")
+
+
+LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+) b(\d+)((?: v\d+| \+sp| \+zero1| \+recompute| -overlap)*)")
+
+
+def parse_layout(text: str, ranks: int) -> Layout:
+    """A Layout from the table's way of writing it ('tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute')."""
+    got = LAYOUT_RE.fullmatch(" ".join(text.split()))
+    if got is None:
+        raise UserError(f"--explain {text!r}: write a layout as the table does, e.g. 'tp4 pp12 dp8 b2' or "
+                        "'tp2 cp4 pp1 dp2 b1 v2 +sp +zero1 +recompute'")
+    t, c, p, d, b = (int(x) if x else 1 for x in got.groups()[:5])
+    flags = got.group(6).split()
+    v = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+    lay = Layout(t, p, d, b, "+sp" in flags, int("+zero1" in flags), "+recompute" in flags, v,
+                 "-overlap" not in flags, cp=c)
+    if lay.ranks != ranks:
+        raise UserError(f"--explain {text!r} has {lay.ranks} ranks, but the machine's {ranks}: pass --nodes "
+                        "to match, or another layout")
+    return lay
+
+
+def explain_one(m, w: Workload, lay: Layout, result: dict) -> str:
+    """One layout's terms: its row, each part of the step, memory, links, and where it ranks."""
+    r = price(m, w, lay)
+    t, mem = r["time"], r["memory"]
+    ranked = [x["layout"] for x in sorted((x for x in result["all"] if x["fits"]), key=lambda x: x["time"]["total"])]
+    where = (f"rank {ranked.index(lay) + 1} of the {len(ranked)} that fit" if lay in ranked else
+             "not among the layouts searched (it is priced all the same)" if r["fits"] else "does not fit")
+    lines = [f"{lay.describe()}: {t['total']:.4g} s per step, {size_text(mem['total'])} per rank "
+             f"({'fits' if r['fits'] else 'over'} {m.mem_bytes / 1e9:.0f} GB); {where}; "
+             f"{r['achieved']['flops_per_rank'] / 1e12:.1f} TFLOP/s per rank"]
+    lines += [f"  {k:<13} {v:.4g} s" for k, v in t.items() if isinstance(v, float | int) and k != "total"]
+    lines += [f"  memory {k:<10} {size_text(v)}" for k, v in mem.items() if k != "total"]
+    lines.append("  " + _where(t, lay))
+    return "\n".join(lines)
 
 
 def train_config(w: Workload, lay: Layout) -> dict:
@@ -209,10 +336,14 @@ def cmd_plan(args, comm) -> int:
         collective_setup(refuse_to_replace, args.emit_config, args.overwrite, "plan --emit-config", comm=comm)
     if comm.Get_rank():
         return 0
-    result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp, micro_only=args.micro_batch,
-                  cp_only=args.cp,
-                  sp=(False,) if args.no_sp else (False, True), zeros=(0,) if args.no_zero else (0, 1),
-                  recomputes=(False,) if args.no_recompute else (False, True))
+    result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp, **_allowed(args))
+    if args.explain:
+        print(explain_one(m, w, parse_layout(args.explain, result["ranks"]), result))
+        return 0
+    if not result["all"]:
+        raise UserError(_empty(w, result["ranks"], args))
+    if not result["ranked"]:
+        raise UserError(result["why"])
     if args.emit_config:
         if not result["ranked"]:
             raise UserError(f"no layout fits, so there is no config to write: {result['why']}")
