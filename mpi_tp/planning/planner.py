@@ -28,7 +28,7 @@ import sys
 
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
-from mpi_tp.planning.machines import machine
+from mpi_tp.planning.machines import PRESETS, machine
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.plan_table import legend, size_text, table
 
@@ -239,6 +239,10 @@ def _check(args):
     if args.virtual_stages and args.schedule == "1f1b":
         raise UserError("--virtual-stages needs the interleaved schedule (--schedule interleaved)")
     m = machine(args.machine)
+    if args.nodes > 1 and args.machine not in PRESETS and (m.inter_alpha, m.inter_bw) == (m.intra_alpha, m.intra_bw):
+        raise UserError(f"--nodes {args.nodes} with {args.machine}, whose network figures are its node's "
+                        "(calibrated on one node: inter_alpha and inter_bw copied): calibrate across two nodes, or "
+                        "write the network's alpha and bandwidth into inter_alpha and inter_bw")
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
 
 
