@@ -1,7 +1,6 @@
 """`mpi-tp plan` on the inputs a new user gives it (issue 25): every bad one is one line and exit 2, an empty
 search says why, any input ends (a huge batch included), every choice can be pinned, one layout can be
 explained, uneven stages are searched, and groups are priced by the links their members cross."""
-import json
 import subprocess
 import sys
 
