@@ -113,3 +113,29 @@ def test_groups_are_priced_by_the_links_they_cross():
     text = run_plan("--machine", "dgx-a100", "--nodes", "3", "--layers", "4", "--hidden", "1536", "--heads", "12",
                     "--seq", "512", "--global-batch", "48", "--tp", "6", "--top", "1")
     assert text.returncode == 0 and "stay inside a node" not in text.stdout and "cross" in text.stdout, text.stdout
+
+
+def test_experts_are_priced_and_planned(tmp_path):
+    """A mixture of experts: the experts' GEMMs k times, 4 all-to-alls per MoE block and micro-batch over the
+    ep group (k B S C (ep-1)/ep values from a rank), E / ep experts' parameters per rank; the planner searches
+    ep over the divisors of dp and emits a config `mpi-tp train` accepts."""
+    from mpi_tp.planning.memory import params_per_rank
+    m = Machine(name="t", ranks_per_node=8, gemm_flops=1e11, elem_rate=1e9, mem_bw=1e10, mem_bytes=1e12,
+                intra_alpha=1e-5, intra_bw=1e10, inter_alpha=1e-4, inter_bw=1e9)
+    w = Workload(n_layer=4, n_embd=64, n_head=4, seq=32, global_batch=8, experts=4, top_k=2, moe_every=2)
+    dense = Workload(n_layer=4, n_embd=64, n_head=4, seq=32, global_batch=8)
+    one, two = (step_time(m, w, Layout(dp=4, ep=e, micro_batch=2)) for e in (1, 2))
+    assert one["ep_comm"] == 0 and two["ep_comm"] == pytest.approx(1 * 2 * 4 * (1e-5 + 2 * 2 * 32 * 64 * 4 / 2 / 1e10))
+    assert one["compute"] > step_time(m, dense, Layout(dp=4, micro_batch=2))["compute"]      # k = 2 expert passes
+    assert params_per_rank(w, Layout(dp=4, ep=2)) < params_per_rank(w, Layout(dp=4, ep=1))
+    assert w.params > dense.params
+    r = plan(m, w, 1, top=100)
+    assert {x["layout"].ep for x in r["all"]} >= {1, 2, 4} and all(x["layout"].dp % x["layout"].ep == 0 for x in r["all"])
+    out = tmp_path / "moe.json"
+    text = run_plan("--machine", "dgx-a100", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128",
+                    "--global-batch", "8", "--experts", "4", "--top-k", "2", "--moe-every", "2", "--ep", "2",
+                    "--emit-config", str(out))
+    assert text.returncode == 0 and " ep2 " in text.stdout, text.stderr
+    import json
+    assert json.loads(out.read_text())["ep"] == 2 and json.loads(out.read_text())["moe_experts"] == 4
+    one_line_error(run_plan(*MODEL, "--ep", "2"), "--ep needs a mixture of experts")

@@ -17,6 +17,11 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
     pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages (receives are
                  posted ahead: pp_overlap of a transfer hides behind compute, but in the fill
                  and the drain)
+    experts      (E experts, top-k, every moe_every-th block) each token's MLP runs k times (the
+                 experts' GEMMs times k); per MoE block and micro-batch 4 all-to-alls (dispatch and
+                 combine, forward and backward) over the ep group, each sending k B S C values x
+                 (ep - 1)/ep from a rank (tp ranks send their own copies), ep - 1 steps of alpha;
+                 an expert's gradients are reduced over the dp / ep replicas holding it
     context par. (cp = N > 1) each rank computes S / N positions (the GEMMs, the attention's
                  S^2 / N score entries, the elementwise work and the tensor-parallel messages all
                  shrink by N) and its ring passes 3N - 2 messages of K and V per layer and micro-
@@ -56,12 +61,25 @@ class Workload:
     global_batch: int
     vocab: int = 256
     dropout: bool = False        # 1-byte masks among the activations (mpi_tp.planning.activations)
+    experts: int = 0             # E experts in each MoE block (0: dense); block i is one when i % every = every - 1
+    top_k: int = 1               # k experts per token
+    moe_every: int = 1
+
+    @property
+    def moe_layers(self) -> int:
+        return self.n_layer // self.moe_every if self.experts else 0
+
+    @property
+    def expert_params(self) -> float:
+        """One expert's MLP: 8 C^2 + 5 C (fc, proj and their biases)."""
+        return 8 * self.n_embd ** 2 + 5 * self.n_embd
 
     @property
     def params(self) -> float:
         """Parameters: 12 L C^2 (+ biases, LayerNorms) + V C + S C (tied embedding, positions)."""
         L, h = self.n_layer, self.n_embd
-        return L * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h
+        moe = self.moe_layers * ((self.experts - 1) * self.expert_params + h * self.experts)   # + the routers
+        return L * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h + moe
 
 
 @dataclass
@@ -76,6 +94,7 @@ class Layout:
     virtual: int = 1             # model chunks per pipeline stage (the interleaved schedule)
     overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
     cp: int = 1                  # context-parallel size (ring attention)
+    ep: int = 1                  # expert-parallel size (dividing dp): each MoE block's experts over ep replicas
 
     @property
     def ranks(self) -> int:
@@ -86,7 +105,8 @@ class Layout:
                          " +zero1" if self.zero else "", " +recompute" if self.recompute else "",
                          "" if self.overlap_dp or self.dp == 1 else " -overlap"])
         cp = f" cp{self.cp}" if self.cp > 1 else ""
-        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} b{self.micro_batch}{extra}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} b{self.micro_batch}{extra}"
 
 
 def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:
@@ -129,6 +149,7 @@ def placement(lay: Layout, per_node: int) -> dict:
     on = {"tp": crosses(1, t, per_node, W), "cp": crosses(t, c, per_node, W), "pp": crosses(t * c, p, per_node, W)}
     on["dp"] = crosses(t * c * p, d, per_node, W) or on["cp"] or (
         d > 1 and c > 1 and (d - 1) * t * c * p + (c - 1) * t + 1 > per_node)
+    on["ep"] = crosses(t * c * p, lay.ep, per_node, W)          # ep consecutive members of dp
     return {k: "network" if v else "node" for k, v in on.items()}
 
 
@@ -179,6 +200,14 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     if lay.sp:
         per_layer += 2 * ring_all_gather(n, t, alpha, bw)         # the column layers' inputs, again
     tp_comm = micro * layers * per_layer
+    moe = math.ceil(w.moe_layers / p)                          # this stage's MoE blocks (at most)
+    if moe:                          # each token's MLP runs k times in an MoE block (one GEMM pass already counted)
+        compute += micro * (w.top_k - 1) * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe / gemm_rate(m, b * s)
+    ep_comm = 0.0
+    if moe and lay.ep > 1:          # dispatch and combine, forward and backward: 4 all-to-alls per block
+        ea, ebw = _link(links["ep"], m)
+        rows = w.top_k * b * s * h * m.bytes_per_value * (lay.ep - 1) / lay.ep
+        ep_comm = micro * moe * 4 * ((lay.ep - 1) * ea + rows / ebw)
     cp_comm = 0.0
     if c > 1:                       # the ring: 3N - 2 messages of K and V (or their gradients) per layer
         ca, cbw = _link(links["cp"], m)
@@ -196,8 +225,10 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         # and the drain's: 2 (P v - 1) / P of them, nothing computing yet (or any more) to hide behind
         exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * (p * v - 1) / p)
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
-        bubble = (p - 1) / (v * micro) * (compute + tp_comm + cp_comm)
+        bubble = (p - 1) / (v * micro) * (compute + tp_comm + cp_comm + ep_comm)
     params_rank = w.params / (t * p)
+    if w.moe_layers and lay.ep > 1:  # the experts a rank holds: E / ep of them
+        params_rank -= w.moe_layers * w.experts * w.expert_params * (1 - 1 / lay.ep) / (t * p)
     grad_bytes = params_rank * 4
     overlaps = lay.overlap_dp and not hierarchical_dp
     da, dbw = _link(links["dp"], m)
@@ -219,8 +250,9 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         dp_hidden = min(dp_comm * (1 - last_bucket), m.dp_overlap * backward)
     opt = params_rank * m.opt_traffic_per_param / m.mem_bw / (d if lay.zero else 1)
     dp_comm += gather
-    total = compute + tp_comm + cp_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
-    return {"total": total, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "pp_comm": pp_comm,
+    total = compute + tp_comm + cp_comm + ep_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
+    return {"total": total, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm,
+            "pp_comm": pp_comm,
             "bubble": bubble, "links": links,
             "dp_comm": dp_comm - dp_hidden, "dp_hidden": dp_hidden, "optimizer": opt, "micro_batches": micro}
 

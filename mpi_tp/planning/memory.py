@@ -38,6 +38,10 @@ def params_per_rank(w: Workload, lay: Layout) -> float:
     T, C, layers = lay.tp, w.n_embd, math.ceil(w.n_layer / lay.pp)
     sharded = layers * (12 * C * C + 7 * C) / T + math.ceil(w.vocab / T) * C
     replicated = layers * 6 * C + w.seq * C + (2 * C if lay.pp == 1 else 0)
+    moe = math.ceil(w.moe_layers / lay.pp)            # an MoE block: E / ep experts instead of one MLP, a router
+    if moe:
+        sharded += moe * (math.ceil(w.experts / lay.ep) - 1) * w.expert_params / T
+        replicated += moe * C * w.experts
     return sharded + replicated
 
 

@@ -15,10 +15,11 @@ from mpi_tp.planning.costmodel import Workload
 LEGEND = (
     ("#", "rank of the layout, fastest first (only layouts that fit in memory)"),
     ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
-               "sequences; cpN: N context-parallel ranks (each sequence split over them, ring attention); vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
+               "sequences; cpN: N context-parallel ranks (each sequence split over them, ring attention); epN: a "
+               "mixture of experts' experts over N of the D replicas; vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
                "+zero1 ZeRO-1; +recompute full activation recomputation")),
     ("step s", "predicted seconds per training step (step ms: milliseconds, when every row is under 0.1 s; "
-               "the next seven columns in the same unit): the sum of the next seven columns"),
+               "the next eight columns in the same unit): the sum of the next eight columns"),
     ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
                 "overhead, on the largest stage and the rank with the most heads")),
     ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
@@ -27,6 +28,8 @@ LEGEND = (
     ("cp comm", ("context parallelism's ring: 3N - 2 messages of K and V (or their gradients) per layer and "
                 "micro-batch, 2 B (S/N) C / T values each; the machine's pp_overlap of the K/V messages hidden "
                 "behind the attention computed meanwhile")),
+    ("ep comm", ("a mixture of experts' all-to-alls: 4 per MoE block and micro-batch (dispatch and combine, "
+                "forward and backward), each sending k B S C (ep-1)/ep values from a rank")),
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
                 "without +sp; the machine's pp_overlap of each transfer hidden, but in the fill and drain)")),
     ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
@@ -93,14 +96,14 @@ def table(m, w: Workload, nodes: int, result: dict) -> str:
               f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
               f"V={w.vocab}), global batch {w.global_batch} sequences")
     wide = max([28] + [len(r["layout"].describe()) for r in result["ranked"]])
-    columns = (f"{'#':>3} {'layout':<{wide}} {step:>8} {'compute':>8} {'tp comm':>8} {'cp comm':>8} {'pp comm':>8} {'bubble':>8} "
+    columns = (f"{'#':>3} {'layout':<{wide}} {step:>8} {'compute':>8} {'tp comm':>8} {'cp comm':>8} {'ep comm':>8} {'pp comm':>8} {'bubble':>8} "
                f"{'dp comm':>8} {'optim':>7} {mem_unit:>8} {unit:>8} {'of peak':>7}")
     lines = [header, columns]
     for i, r in enumerate(result["ranked"], 1):
         t, mem, a = r["time"], r["memory"], r["achieved"]
         u = {k: v / sec for k, v in t.items() if isinstance(v, (int, float))}
         lines.append(f"{i:>3} {r['layout'].describe():<{wide}} {u['total']:>8.3f} {u['compute']:>8.3f} "
-                     f"{u['tp_comm']:>8.3f} {u['cp_comm']:>8.3f} {u['pp_comm']:>8.3f} {u['bubble']:>8.3f} {u['dp_comm']:>8.3f} "
+                     f"{u['tp_comm']:>8.3f} {u['cp_comm']:>8.3f} {u['ep_comm']:>8.3f} {u['pp_comm']:>8.3f} {u['bubble']:>8.3f} {u['dp_comm']:>8.3f} "
                      f"{u['optimizer']:>7.3f} {mem['total'] / mem_scale:>8.1f} {a['flops_per_rank'] / scale:>8.1f} "
                      f"{100 * a['fraction_of_peak']:>6.0f}%")
     return "\n".join(lines)

@@ -47,13 +47,14 @@ def divisors(n: int) -> list[int]:
 def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
                pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1),
                recomputes=(False, True), cp_only: int | None = None, schedule: str | None = None,
-               virtual: int | None = None, even_stages: bool = False):
+               virtual: int | None = None, even_stages: bool = False, ep_only: int | None = None):
     """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
     uneven), cp > 1 for sequences of LONG positions or more (at least 4 positions per rank), pp up to the
     layers (stages need not divide them: the largest sets the pace), interleaving (2 chunks a stage, or
     `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, dp the
     rest; micro-batches up to 16 sequences. Pins: tp_only, cp_only, pp_only, micro_only, schedule
-    ("1f1b" or "interleaved"), virtual; sp, zeros, recomputes: the settings allowed; even_stages: only stage
+    ("1f1b" or "interleaved"), virtual, ep_only (a mixture of experts: ep divides dp, at most the experts);
+    sp, zeros, recomputes: the settings allowed; even_stages: only stage
     counts that divide the layers (the search space of papers that had only those)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
@@ -72,11 +73,18 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                 if micro_only and b != micro_only:
                     continue
                 micro = w.global_batch // (dp * b)
-                for v in _chunks(w, pp, micro, schedule, virtual):
+                for v, ep in ((v, ep) for v in _chunks(w, pp, micro, schedule, virtual) for ep in _eps(w, dp, ep_only)):
                     for seq in (sp if tp > 1 else (False,)):
                         for zero in (zeros if dp * cp > 1 else (0,)):
                             for recompute in recomputes:
-                                yield Layout(tp, pp, dp, b, seq, zero, recompute, v, cp=cp)
+                                yield Layout(tp, pp, dp, b, seq, zero, recompute, v, cp=cp, ep=ep)
+
+
+def _eps(w: Workload, dp: int, ep_only: int | None) -> list[int]:
+    """Expert-parallel sizes to try: divisors of dp up to the experts (1 for a dense model)."""
+    if not w.experts:
+        return [1]
+    return [e for e in divisors(dp) if e <= w.experts and (not ep_only or e == ep_only)]
 
 
 def _chunks(w: Workload, pp: int, micro: int, schedule: str | None, virtual: int | None) -> list[int]:
@@ -92,7 +100,7 @@ def _chunks(w: Workload, pp: int, micro: int, schedule: str | None, virtual: int
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
          pp: int | None = None, **allowed) -> dict:
-    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedule, virtual, even_stages."""
+    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedule, virtual, even_stages, ep_only."""
     ranks = nodes * m.ranks_per_node
     rows = [price(m, w, lay) for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed)]
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
@@ -201,8 +209,11 @@ def add_parser(sub) -> None:
                    help="only this pipeline schedule (interleaved: chunks of --virtual-stages, default 2)")
     p.add_argument("--virtual-stages", type=int, default=None, help="only the interleaved schedule with this "
                    "many chunks per stage")
-    p.add_argument("--ep", type=int, default=None, help="expert parallelism (not priced by the cost model yet: "
-                   "refused with a line)")
+    p.add_argument("--experts", type=int, default=0, help="a mixture of experts: E experts in every --moe-every-th "
+                   "block (default 0: dense)")
+    p.add_argument("--top-k", type=int, default=1, help="with --experts: experts per token (default 1)")
+    p.add_argument("--moe-every", type=int, default=1, help="with --experts: every N-th block is an MoE block")
+    p.add_argument("--ep", type=int, default=None, help="with --experts: only this expert-parallel size (dividing dp)")
     p.add_argument("--explain", metavar="LAYOUT", default=None,
                    help="price one layout and print its terms, e.g. 'tp4 pp12 dp8 b2 +recompute' (as the table "
                         "writes layouts), whether or not it is among the top rows")
@@ -231,8 +242,13 @@ def _check(args):
     if args.hidden % args.heads:
         raise UserError(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}: every head has "
                         "hidden / heads channels")
-    if args.ep is not None:
-        raise UserError("--ep: the cost model does not price mixture-of-experts layers yet (plan the dense model)")
+    if args.experts < 0 or args.top_k < 1 or args.moe_every < 1:
+        raise UserError("--experts must be >= 0, --top-k and --moe-every at least 1")
+    if args.experts and (args.top_k > args.experts or args.moe_every > args.layers):
+        raise UserError(f"--top-k {args.top_k} must be at most --experts {args.experts}, and --moe-every "
+                        f"{args.moe_every} at most --layers {args.layers}")
+    if args.ep is not None and (args.ep < 1 or not args.experts):
+        raise UserError("--ep needs a mixture of experts (--experts E) and must be at least 1")
     if args.sp and args.no_sp or args.recompute and args.no_recompute or args.zero is not None and args.no_zero:
         raise UserError("a pin and its --no- form together (--sp / --no-sp, --zero / --no-zero, --recompute / "
                         "--no-recompute): give one")
@@ -243,12 +259,14 @@ def _check(args):
         raise UserError(f"--nodes {args.nodes} with {args.machine}, whose network figures are its node's "
                         "(calibrated on one node: inter_alpha and inter_bw copied): calibrate across two nodes, or "
                         "write the network's alpha and bandwidth into inter_alpha and inter_bw")
-    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
+    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab,
+                       experts=args.experts, top_k=args.top_k, moe_every=args.moe_every)
 
 
 def _allowed(args) -> dict:
     """candidates()'s settings from the command line's pins."""
     return dict(micro_only=args.micro_batch, cp_only=args.cp, schedule=args.schedule, virtual=args.virtual_stages,
+                ep_only=args.ep,
                 sp=(True,) if args.sp else (False,) if args.no_sp else (False, True),
                 zeros=(args.zero,) if args.zero is not None else (0,) if args.no_zero else (0, 1),
                 recomputes=(True,) if args.recompute else (False,) if args.no_recompute else (False, True))
@@ -265,7 +283,7 @@ def _empty(w: Workload, ranks: int, args) -> str:
             "batch or the pins")
 
 
-LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+) b(\d+)((?: v\d+| \+sp| \+zero1| \+recompute| -overlap)*)")
+LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))? b(\d+)((?: v\d+| \+sp| \+zero1| \+recompute| -overlap)*)")
 
 
 def parse_layout(text: str, ranks: int) -> Layout:
@@ -274,11 +292,11 @@ def parse_layout(text: str, ranks: int) -> Layout:
     if got is None:
         raise UserError(f"--explain {text!r}: write a layout as the table does, e.g. 'tp4 pp12 dp8 b2' or "
                         "'tp2 cp4 pp1 dp2 b1 v2 +sp +zero1 +recompute'")
-    t, c, p, d, b = (int(x) if x else 1 for x in got.groups()[:5])
-    flags = got.group(6).split()
+    t, c, p, d, e, b = (int(x) if x else 1 for x in got.groups()[:6])
+    flags = got.group(7).split()
     v = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
     lay = Layout(t, p, d, b, "+sp" in flags, int("+zero1" in flags), "+recompute" in flags, v,
-                 "-overlap" not in flags, cp=c)
+                 "-overlap" not in flags, cp=c, ep=e)
     if lay.ranks != ranks:
         raise UserError(f"--explain {text!r} has {lay.ranks} ranks, but the machine's {ranks}: pass --nodes "
                         "to match, or another layout")
@@ -305,10 +323,11 @@ def train_config(w: Workload, lay: Layout) -> dict:
     """The options of `mpi-tp train` that run layout `lay` of workload `w` (JSON for --config)."""
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
-            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "batch_size": lay.micro_batch,
+            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "batch_size": lay.micro_batch,
             "micro_batches": micro_batches, "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
-            "recompute": "full" if lay.recompute else "none"}
+            "recompute": "full" if lay.recompute else "none",
+            **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every} if w.experts else {})}
 
 
 def emit_config(path: str, w: Workload, lay: Layout) -> dict:
