@@ -205,7 +205,7 @@ def test_worked_example_matches_the_code(capsys):
     from mpi4py import MPI
 
     from mpi_tp.planning.machines import machine
-    from mpi_tp.planning.planner import add_parser
+    from mpi_tp.commands.plan import add_parser
     with open(os.path.join(os.path.dirname(HERE), "docs", "costmodel.md")) as f:
         doc = f.read()
     section = doc.split("## 2. A worked example", 1)[1].split("## 3.", 1)[0]

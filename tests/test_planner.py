@@ -57,7 +57,7 @@ def test_the_docs_show_the_printed_legend():
 
 
 def test_plan_command_prints_the_legend_on_request(capsys):
-    from mpi_tp.planning.planner import add_parser
+    from mpi_tp.commands.plan import add_parser
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
     base = ["plan", "--machine", "dgx-a100", "--layers", "4", "--hidden", "512", "--heads", "8", "--seq", "128",
@@ -70,7 +70,7 @@ def test_plan_command_prints_the_legend_on_request(capsys):
 
 
 def _plan_parser():
-    from mpi_tp.planning.planner import add_parser
+    from mpi_tp.commands.plan import add_parser
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
     return ap

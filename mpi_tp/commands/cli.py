@@ -65,7 +65,7 @@ def build_parser() -> Parser:
     add_serve(sub)
     from mpi_tp.commands.bench import add_parser as add_bench
     add_bench(sub)
-    from mpi_tp.planning.planner import add_parser as add_plan
+    from mpi_tp.commands.plan import add_parser as add_plan
     add_plan(sub)
     from mpi_tp.planning.calibrate import add_parser as add_calibrate
     add_calibrate(sub)
