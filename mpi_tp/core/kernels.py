@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core.backend import array_module
+from mpi_tp.core.kernels_attention import _causal_bias, _sum_to, attention_backward, attention_forward  # noqa: F401
 from mpi_tp.core.segment import segment_sum
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)  # Python float: never upcasts float32
@@ -160,83 +161,7 @@ def gelu_backward(dout, cache):
     return dx
 
 
-# ---------------------------------------------------------------- attention
-
-_BIAS = {}
-
-
-def _causal_bias(S, dtype, xp):
-    """(S, S): 0 where key s <= query t, -inf above the diagonal (made once per size and dtype)."""
-    key = (S, str(dtype), xp.__name__)
-    if key not in _BIAS:
-        bias = xp.zeros((S, S), dtype=dtype)
-        bias[xp.arange(S)[None, :] > xp.arange(S)[:, None]] = -math.inf
-        _BIAS[key] = bias
-    return _BIAS[key]
-
-
-def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0):
-    """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
-    (Any leading axes broadcast: grouped-query attention passes q (B, H_kv, R, S, hs), k and v (B, H_kv, 1, S, hs).)
-
-    Attention dropout: drop_mask, if given, is bool and broadcastable to (B, H, S, S), True
-    where a probability is kept; the kept probabilities are scaled by drop_scale, 1/(1-p):
-    out = ((probs * drop_mask) @ v) * drop_scale (the scale on the (S, hs) product, not the
-    (S, S) probabilities; nothing scaled is kept).
-    """
-    xp = array_module(q)
-    S, hs = q.shape[-2:]
-    scale = 1.0 / math.sqrt(hs)
-    att = (q * scale) @ k.swapaxes(-1, -2)             # (B, H, S, hs) @ (B, H, hs, S) -> (B, H, S, S)
-    # (scaling q, (S, hs), is cheaper than scaling the (S, S) scores; the scaled copy is not kept)
-    att += _causal_bias(S, att.dtype, xp)              # position t sees keys s <= t only
-    # stable softmax over keys, in place; the diagonal is never masked so the max is finite
-    att -= att.max(axis=-1, keepdims=True)
-    xp.exp(att, out=att)
-    att *= 1.0 / (att @ xp.ones(S, dtype=att.dtype))[..., None]   # row sums by BLAS
-    probs = att                                        # (B, H, S, S)
-    drop_scale = float(drop_scale)                     # a Python float: a float64 scalar must not upcast
-    probs_kept = probs if drop_mask is None else probs * drop_mask    # (B, H, S, S), bool -> probs' dtype
-    out = probs_kept @ v                               # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
-    if drop_mask is not None:
-        out *= drop_scale
-    return out, (q, k, v, probs, drop_mask, drop_scale, scale)
-
-
-def attention_backward(dout, cache):
-    """dq, dk, dv, each (B, H, S, hs)."""
-    q, k, v, probs, drop_mask, drop_scale, scale = cache
-    xp = array_module(dout)
-    probs_kept = probs
-    if drop_mask is not None:
-        probs_kept = probs * drop_mask                 # recomputed, not cached
-        dout = dout * drop_scale                       # out = (probs_kept @ v) * drop_scale, on (S, hs)
-    # out = probs_kept @ v
-    dv = probs_kept.swapaxes(-1, -2) @ dout            # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
-    datt = dout @ v.swapaxes(-1, -2)                   # (B, H, S, hs) @ (B, H, hs, S) -> (B, H, S, S)
-    if drop_mask is not None:
-        datt *= drop_mask                              # probs_kept = probs * drop_mask
-    # softmax: datt = probs * (dprobs - sum_s dprobs * probs); masked entries have probs = 0
-    rowdot = xp.einsum("...ts,...ts->...t", datt, probs)[..., None]   # (B, H, S, 1), no (S, S) temporary
-    datt -= rowdot
-    datt *= probs
-    # att = (q * scale) @ k^T: the scale goes on the (S, hs) results, not on (S, S)
-    dq = datt @ k                                      # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
-    dq *= scale
-    dk = datt.swapaxes(-1, -2) @ q                     # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
-    dk *= scale
-    # grouped-query attention broadcasts k and v over the query heads that share them (a size-1 axis:
-    # ParallelAttention.grouped): their gradients are the sums over those heads
-    return dq, _sum_to(dk, k.shape), _sum_to(dv, v.shape)
-
-
-def _sum_to(d, shape):
-    """d summed over the axes where `shape` has 1 and d does not (the axes a product broadcast)."""
-    axes = tuple(i for i, (a, b) in enumerate(zip(d.shape, shape)) if b == 1 and a != 1)
-    return d.sum(axis=axes, keepdims=True) if axes else d
-
-
-# ---------------------------------------------------------------- embedding
+# ---------------------------------------------------------------- attention: kernels_attention.py
 
 def embedding_forward(ids, table):
     """out = table[ids]. ids integer (B, S) (any shape), table (V, C) -> out (B, S, C)."""
