@@ -3,7 +3,7 @@
 GPT-2: the same logits (float64, < 1e-9) from the folder and from its import at every tensor-parallel
 size of the pass (5 heads and vocabulary 97: uneven at 2, 3 and 4 ranks; the MLP's 80 columns at 3, a
 50-wide n_inner at 3 and 4), the same greedy tokens, a checkpoint trained at tp 2 x dp 2 and exported
-that transformers loads with mpi_tp's loss. Llama (grouped-query attention: 6 query heads over 3 or 2
+that transformers loads with mpi_tp's loss (tests/test_hf_cli.py, with the other commands). Llama (grouped-query attention: 6 query heads over 3 or 2
 key/value heads, split at 2 and 3 ranks, replicated at 4; tied and untied): each rank's shard is its
 slice of the folder's (transposed) tensor, the logits equal the serial model's (< 1e-10) and
 transformers' to float32's rounding (< 1e-6: transformers computes RMSNorm and the rotary angles in
@@ -22,17 +22,16 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
 pytest.importorskip("safetensors", reason="safetensors not installed (pip install -e '.[hf]')")
 from safetensors.numpy import save_file  # noqa: E402
-from test_cli import MPIEXEC, mpirun  # noqa: E402
+from test_cli import MPIEXEC  # noqa: E402
 
 from mpi_tp import checkpoint as ck  # noqa: E402
-from mpi_tp.checkpoint.hf import HFConfigError, HFFolder, export, hf_config  # noqa: E402
+from mpi_tp.checkpoint.hf import hf_config  # noqa: E402
 from mpi_tp.checkpoint.hf.names import hf_shapes  # noqa: E402
 from mpi_tp.commands.hf import import_folder  # noqa: E402
 from mpi_tp.core.errors import UserError  # noqa: E402
@@ -255,223 +254,3 @@ def test_greedy_generation_equals_transformers(world, shared_dir):
     model = loaded(folder, Topology.create(world))
     got = generate(model, [Request(bytes(p.tolist()), new, temperature=0.0) for p in prompts])
     assert [list(g) for g in got] == ref
-
-
-# ---------------------------------------------------------------- with safetensors alone
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("cfg", [CFG, LLAMA, replace(LLAMA, n_kv_head=1, tie_word_embeddings=True)],
-                         ids=["gpt2", "llama", "llama-K1-tied"])
-def test_numpy_folder_round_trip(world, shared_dir, cfg):
-    """A folder -> an import at this size -> export -> the same tensors, bit for bit (one file and shards);
-    with K = 1 every rank holds a replica of the key/value head, written once."""
-    folder, out = os.path.join(shared_dir, "np"), os.path.join(shared_dir, "imported")
-    values = world.bcast(numpy_folder(folder, cfg) if world.Get_rank() == 0 else None)
-    world.Barrier()
-    import_folder(folder, out, world)
-    ok = True
-    if world.Get_rank() == 0:
-        for limit, files in ((10**9, ["config.json", "model.safetensors"]), (20_000, None)):
-            back = os.path.join(shared_dir, f"back-{limit}")
-            with ck.Checkpoint(out) as c:
-                written = export(c, back, max_shard_bytes=limit)
-            assert files is None or sorted(written) == files
-            assert files is not None or "model.safetensors.index.json" in written and len(written) > 3
-            with HFFolder(back) as f:
-                assert f.cfg == HFFolder(folder).cfg
-                from safetensors import safe_open
-                for name, v in values.items():
-                    with safe_open(os.path.join(back, f.files[name].split(os.sep)[-1]), "np") as g:
-                        ok &= np.array_equal(g.get_tensor(name), v)
-    assert all_true(ok, world), "an exported tensor differs from the folder's"
-
-
-def test_bfloat16_read_exactly(tmp_path):
-    folder = str(tmp_path / "bf16")
-    numpy_folder(folder, dtype=np.float32)
-    rng = np.random.default_rng(1)
-    arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in hf_shapes(CFG).items()}
-    exact = write_bf16(os.path.join(folder, "model.safetensors"), arrays)
-    with HFFolder(folder) as f:
-        assert f.meta["dtypes"] == "float32"
-        q = f.read("model/h/1/attn/k/weight", 1, 4, 12)               # columns [C + 4, C + 12) of c_attn
-        assert np.array_equal(q, exact["transformer.h.1.attn.c_attn.weight"][:, 24:32])
-        assert np.array_equal(f.read("model/wte", 0, 50, 97), exact["transformer.wte.weight"][50:])
-
-
-def test_original_gpt2_names_and_buffers(tmp_path):
-    """The original gpt2 release's model.safetensors: no 'transformer.' prefix, and the attention's
-    causal-mask buffers h.N.attn.bias saved beside the weights (not parameters: ignored)."""
-    folder = str(tmp_path / "gpt2")
-    values = numpy_folder(folder)
-    bare = {k[len("transformer."):]: v for k, v in values.items()}
-    bare.update({f"h.{n}.attn.bias": np.tril(np.ones((1, 1, 32, 32))) for n in range(2)})
-    save_file(bare, os.path.join(folder, "model.safetensors"))
-    with HFFolder(folder) as f:
-        assert f.prefix == ""
-        assert np.array_equal(f.read("model/h/0/attn/v/bias"), values["transformer.h.0.attn.c_attn.bias"][40:])
-        assert np.array_equal(f.read("model/h/1/mlp/proj/weight", 0, 3, 9),
-                              values["transformer.h.1.mlp.c_proj.weight"][3:9])
-
-
-REFUSED_CONFIGS = [
-    ({"model_type": "mistral"}, "model_type 'mistral'"),
-    ({"activation_function": "relu"}, "activation_function 'relu'"),
-    ({"activation_function": "gelu"}, "activation_function 'gelu'"),
-    ({"layer_norm_epsilon": -1}, "layer_norm_epsilon = -1"),
-    ({"scale_attn_weights": False}, "scale_attn_weights = false"),
-    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = true"),
-    ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn = true"),
-    ({"add_cross_attention": True}, "add_cross_attention = true"),
-    ({"tie_word_embeddings": False}, "tie_word_embeddings = false"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"architectures": ["GPT2DoubleHeadsModel"]}, "GPT2DoubleHeadsModel"),
-    ({"n_head": 3}, "n_head = 3 must divide n_embd = 20"),
-]
-REFUSED_LLAMA = [
-    ({"hidden_act": "gelu"}, "hidden_act = \"gelu\""),
-    ({"attention_bias": True}, "attention_bias = true"),
-    ({"mlp_bias": True}, "mlp_bias = true"),
-    ({"pretraining_tp": 2}, "pretraining_tp = 2"),
-    ({"head_dim": 8}, "head_dim = 8"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_parameters"),
-    ({"num_key_value_heads": 4}, "n_kv_head = 4 must be a positive integer dividing n_head = 6"),
-    ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
-]
-REFUSED_TENSORS = [
-    ({"transformer.h.0.mlp.c_fc.extra_bias": np.zeros(80)}, "holds transformer.h.0.mlp.c_fc.extra_bias"),
-    ({"transformer.ln_f.bias": None}, "lacks transformer.ln_f.bias"),
-    ({"transformer.wpe.weight": np.zeros((16, 20))}, "transformer.wpe.weight is (16, 20)"),
-    ({"transformer.wte.weight": np.zeros((97, 20), dtype=np.int32)}, "is I32"),
-]
-
-
-@pytest.mark.parametrize("config, message", REFUSED_CONFIGS, ids=[m for _, m in REFUSED_CONFIGS])
-def test_unsupported_config_is_one_line(tmp_path, config, message):
-    numpy_folder(str(tmp_path / "m"), config=config)
-    with pytest.raises(UserError) as e:
-        HFFolder(str(tmp_path / "m"))
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-@pytest.mark.parametrize("config, message", REFUSED_LLAMA, ids=[m for _, m in REFUSED_LLAMA])
-def test_unsupported_llama_config_is_one_line(tmp_path, config, message):
-    numpy_folder(str(tmp_path / "m"), LLAMA, config=config)
-    with pytest.raises(UserError) as e:
-        HFFolder(str(tmp_path / "m"))
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_llama_bias_where_none_is_expected(tmp_path):
-    numpy_folder(str(tmp_path / "m"), LLAMA, tensors={"model.layers.1.self_attn.q_proj.bias": np.zeros(24)})
-    with pytest.raises(HFConfigError, match="holds model.layers.1.self_attn.q_proj.bias, which mpi_tp's llama "
-                                            "model has no place for"):
-        HFFolder(str(tmp_path / "m"))
-
-
-@pytest.mark.parametrize("tensors, message", REFUSED_TENSORS, ids=[m for _, m in REFUSED_TENSORS])
-def test_unexpected_tensors_are_one_line(tmp_path, tensors, message):
-    numpy_folder(str(tmp_path / "m"), tensors=tensors)
-    with pytest.raises(HFConfigError) as e:
-        HFFolder(str(tmp_path / "m"))
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_pytorch_bin_only_is_one_line(tmp_path):
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(hf_config(CFG, "float32")))
-    (folder / "pytorch_model.bin").write_bytes(b"\0" * 16)
-    with pytest.raises(UserError, match="pytorch_model.bin: mpi_tp reads only safetensors"):
-        ck.open_checkpoint(str(folder))
-
-
-# ---------------------------------------------------------------- the commands (they start their own jobs)
-
-def text_below(tmp_path, vocab=97, n=3000):
-    path = tmp_path / "text.txt"
-    path.write_bytes(bytes(32 + (i * 7919) % (vocab - 32) for i in range(n)))
-    return str(path)
-
-
-@needs_mpiexec
-def test_import_hf_eval_generate_and_init_from(tmp_path):
-    folder, out, text = str(tmp_path / "gpt2"), str(tmp_path / "imported"), text_below(tmp_path)
-    numpy_folder(folder)
-    r = mpirun(3, "import-hf", folder, out)
-    assert r.returncode == 0 and "step-00000000" in r.stdout, r.stderr
-    evals = []
-    for n, source in ((1, folder), (2, out)):
-        r = mpirun(n, "eval", "--checkpoint", source, "--data", text, "--json")
-        assert r.returncode == 0, r.stderr
-        evals.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    assert abs(evals[0]["loss"] - evals[1]["loss"]) < 1e-12 and evals[0]["dtype"] == "float64"
-    r = mpirun(2, "eval", "--checkpoint", folder, "--data", "pydoc")           # bytes past the vocabulary
-    assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1 and "97 tokens" in r.stderr
-    r = mpirun(2, "generate", "--checkpoint", out, "--prompt", "AB", "--greedy", "--max-new-tokens", "4")
-    assert r.returncode == 0, r.stderr
-    r = mpirun(2, "train", "--init-from", folder, "--data", text, "--steps", "2", "--batch-size", "2",
-               "--eval-batches", "1", "--dtype", "float64", "--out", str(tmp_path / "run"))
-    assert r.returncode == 0 and "continuing from" in r.stdout, r.stderr
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert {k: saved[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")} == \
-        dict(vocab_size=97, block_size=32, n_layer=2, n_head=5, n_embd=20)
-    r = mpirun(1, "import-hf", str(tmp_path), str(tmp_path / "x"))             # not a model folder
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a Hugging Face model folder" in r.stderr
-    numpy_folder(str(tmp_path / "bad"), config={"activation_function": "relu"})
-    r = mpirun(2, "eval", "--checkpoint", str(tmp_path / "bad"), "--data", text)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "activation_function 'relu'" in r.stderr
-
-
-TRAINED = {"gpt2": (["--n-head", "3"], "GPT2LMHeadModel", TOL),
-           "llama": (["--arch", "llama", "--n-head", "4", "--n-kv-head", "1"], "LlamaForCausalLM", TOL)}
-
-
-@needs_mpiexec
-def test_train_init_from_a_llama_folder(tmp_path):
-    """The folder's model becomes the run's (arch, grouped-query heads, width, rope, eps, untied head)."""
-    folder = str(tmp_path / "llama")
-    numpy_folder(folder, LLAMA)
-    r = mpirun(2, "train", "--init-from", folder, "--data", text_below(tmp_path), "--steps", "1", "--batch-size", "2",
-               "--eval-batches", "1", "--dtype", "float64", "--out", str(tmp_path / "run"))
-    assert r.returncode == 0 and "continuing from" in r.stdout and "no sample" in r.stdout, r.stderr
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert {k: saved[k] for k in ("arch", "n_kv_head", "intermediate_size", "rope_theta", "norm_eps",
-                                  "untie_embeddings")} == dict(arch="llama", n_kv_head=3, intermediate_size=40,
-                                                               rope_theta=500.0, norm_eps=1e-6, untie_embeddings=True)
-    r = mpirun(1, "train", "--init-from", folder, "--n-kv-head", "2", "--data", text_below(tmp_path), "--steps",
-               "1", "--out", str(tmp_path / "run2"))
-    assert r.returncode == 2 and "n_kv_head: checkpoint 3 vs model 2" in r.stderr, r.stderr
-
-
-@needs_oracle
-@needs_mpiexec
-@pytest.mark.parametrize("arch", list(TRAINED))
-def test_trained_tp2_dp2_exported_loads_in_transformers(tmp_path, arch):
-    """Llama: one key/value head, a replica on each tensor-parallel rank (written once)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    options, kind, tol = TRAINED[arch]
-    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
-    r = mpirun(4, "train", "--tp", "2", "--dp", "2", "--dtype", "float64", "--steps", "3", "--n-layer", "2",
-               *options, "--n-embd", "24", "--block-size", "16", "--batch-size", "2", "--eval-batches", "1",
-               "--sample-len", "0", "--out", run)
-    assert r.returncode == 0, r.stderr
-    root = os.path.join(run, "checkpoints")
-    r = mpirun(1, "export", root, out, "--format", "hf")
-    assert r.returncode == 0 and "model.safetensors" in r.stdout and kind in r.stdout, r.stderr
-    r = mpirun(1, "export", root, out, "--format", "hf")
-    assert r.returncode == 2 and "exists already: pass --overwrite" in r.stderr
-    assert mpirun(1, "export", root, out, "--format", "hf", "--overwrite").returncode == 0
-    hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert hf.dtype == torch.float64 and type(hf).__name__ == kind
-    x = np.random.default_rng(0).integers(0, 256, (4, 16))
-    with torch.no_grad(), float64_llama():
-        out = hf(torch.tensor(x), labels=torch.tensor(x))                      # mean over the targets x[:, 1:]
-        logits = out.logits[:, :-1]                                            # float64
-        theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), torch.tensor(x[:, 1:]).reshape(-1))
-    ours = loaded(root, Topology.serial()).forward(x[:, :-1], x[:, 1:])
-    assert abs(theirs.item() - ours) <= tol * abs(ours), (theirs.item(), ours)
-    # transformers' own loss takes the logits to float32 first (ForCausalLMLoss): equal to float32's rounding
-    assert abs(out.loss.item() - ours) <= 1e-6 * abs(ours), (out.loss.item(), ours)
