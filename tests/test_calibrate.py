@@ -82,7 +82,7 @@ def test_fit_ring_keeps_the_small_messages():
         assert 0.2 < model / t < 5, (n, t, model)
 
 
-def test_planning_several_nodes_with_a_one_node_calibration_is_refused(tmp_path):
+def test_planning_several_nodes_with_a_one_node_calibration_says_so(tmp_path):
     import subprocess
     import sys
     path = tmp_path / "one-node.json"
@@ -91,4 +91,5 @@ def test_planning_several_nodes_with_a_one_node_calibration_is_refused(tmp_path)
     r = subprocess.run([sys.executable, "-m", "mpi_tp", "plan", "--machine", str(path), "--nodes", "2", "--layers",
                         "4", "--hidden", "64", "--heads", "4", "--seq", "64", "--global-batch", "8"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "calibrate across two nodes" in r.stderr, r.stderr
+    assert r.returncode == 0 and "calibrated on one node" in r.stderr and "calibrate across two nodes" in r.stderr, \
+        r.stderr

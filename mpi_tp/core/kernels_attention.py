@@ -102,7 +102,7 @@ def attention_backward(dout, cache):
         datt = g @ v[..., keys, :].swapaxes(-1, -2)    # (B, H, rows, hs) @ (B, H, hs, b) -> (B, H, rows, b)
         if mask is not None:
             datt *= mask                               # kept = probs * drop_mask
-        # softmax: datt = p * (dp - sum_s dp * p); masked entries have p = 0
+        # softmax: datt = p * (dp - sum_s dp * p); a masked entry's probability is 0
         datt -= xp.einsum("...ts,...ts->...t", datt, p)[..., None]   # (B, H, rows, 1), no (S, S) temporary
         datt *= p
         # att = (q * scale) @ k^T: the scale goes on the (S, hs) results, not on (S, S)
