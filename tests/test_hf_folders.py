@@ -108,20 +108,23 @@ REFUSED_TENSORS = [
 ]
 
 
-@pytest.mark.parametrize("config, message", REFUSED_CONFIGS, ids=[m for _, m in REFUSED_CONFIGS])
-def test_unsupported_config_is_one_line(tmp_path, config, message):
-    numpy_folder(str(tmp_path / "m"), config=config)
-    with pytest.raises(UserError) as e:
+def refused(tmp_path, message, cfg=CFG, error=UserError, **folder):
+    """A folder of cfg's model with `folder`'s changes (numpy_folder's config or tensors) is refused: one
+    line holding message."""
+    numpy_folder(str(tmp_path / "m"), cfg, **folder)
+    with pytest.raises(error) as e:
         HFFolder(str(tmp_path / "m"))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("config, message", REFUSED_CONFIGS, ids=[m for _, m in REFUSED_CONFIGS])
+def test_unsupported_config_is_one_line(tmp_path, config, message):
+    refused(tmp_path, message, config=config)
 
 
 @pytest.mark.parametrize("config, message", REFUSED_LLAMA, ids=[m for _, m in REFUSED_LLAMA])
 def test_unsupported_llama_config_is_one_line(tmp_path, config, message):
-    numpy_folder(str(tmp_path / "m"), LLAMA, config=config)
-    with pytest.raises(UserError) as e:
-        HFFolder(str(tmp_path / "m"))
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    refused(tmp_path, message, LLAMA, config=config)
 
 
 def test_llama_bias_where_none_is_expected(tmp_path):
@@ -133,10 +136,7 @@ def test_llama_bias_where_none_is_expected(tmp_path):
 
 @pytest.mark.parametrize("tensors, message", REFUSED_TENSORS, ids=[m for _, m in REFUSED_TENSORS])
 def test_unexpected_tensors_are_one_line(tmp_path, tensors, message):
-    numpy_folder(str(tmp_path / "m"), tensors=tensors)
-    with pytest.raises(HFConfigError) as e:
-        HFFolder(str(tmp_path / "m"))
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    refused(tmp_path, message, error=HFConfigError, tensors=tensors)
 
 
 def test_pytorch_bin_only_is_one_line(tmp_path):
