@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import time
 
-from mpi_tp.core.kernels import _causal_bias, _sum_to, array_module
+from mpi_tp.core.backend import array_module
+from mpi_tp.core.kernels_attention import _causal_bias, _sum_to
 
 TAG = 31
 
