@@ -248,7 +248,7 @@ def test_presets_are_valid(tmp_path):
     """Every preset in experiments/configs loads and validates at the world size it names."""
     import argparse
 
-    from mpi_tp.training.config import add_arguments, resolve
+    from mpi_tp.training.config_sources import add_arguments, resolve
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs")
     presets = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
     assert presets

@@ -40,7 +40,7 @@ def test_ring_attention_equals_the_serial_kernel(world, grouped, dropout):
     pos = split.positions
 
     def mask_of(src, rows, cols):
-        keys = np.concatenate([np.arange(g, g + b - a) for a, b, g, _ in split.runs(src)])
+        keys = split.positions_of(src)
         return mask[..., pos[rows], :][..., keys[cols]]
     before = dict(topo.stats.calls)
     out, c = ring_forward(mine(q), mine(k), mine(v), split, mask_of if dropout else None, 1.4)
@@ -58,7 +58,7 @@ def test_ring_attention_equals_the_serial_kernel(world, grouped, dropout):
 def test_the_chunks_hold_every_position_once_and_balance_the_work(world):
     """Every position on one rank; at each ring step after the first every rank computes the same number
     of scores (S a multiple of 2N: chunks alike), where a plain split into N runs would leave rank 0 idle."""
-    from mpi_tp.parallel.ring_attention import _blocks
+    from mpi_tp.parallel.ring_attention import blocks
     n = world.Get_size()
     topo = Topology.create(world, tp=1, cp=n)
     split = ContextSplit(topo.cp)
@@ -66,7 +66,7 @@ def test_the_chunks_hold_every_position_once_and_balance_the_work(world):
     every = np.concatenate(world.allgather(split.positions))
     assert sorted(every) == list(range(S))
     split.set(6 * n)
-    work = [sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in _blocks(split, (world.Get_rank() - s) % n))
+    work = [sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in blocks(split, (world.Get_rank() - s) % n))
             for s in range(n)]
     steps = world.allgather(work)
     assert all(len({w[s] for w in steps}) == 1 for s in range(n)), steps

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 from mpi_tp.core.errors import UserError
 
@@ -28,6 +29,19 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def put_in_place(new: str, final: str) -> None:
+    """Rename the complete folder `new` to `final`. A `final` already there is moved aside to final.old
+    first and removed only once the new one is in place, so a failure never leaves neither."""
+    if os.path.lexists(final):
+        old = final.rstrip(os.sep) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(new, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(new, final)
 
 
 def sha256_file(path: str) -> str:

@@ -48,8 +48,8 @@ import h5py
 import numpy
 
 from mpi_tp.checkpoint.diskfile import DiskFile
-from mpi_tp.checkpoint.format import (FORMAT, VERSION, CheckpointError, complete_steps, fsync_path, sha256_file,
-                                      shard_name, state_tensors, step_dir_name)
+from mpi_tp.checkpoint.format import (FORMAT, VERSION, CheckpointError, complete_steps, fsync_path, put_in_place,
+                                      sha256_file, shard_name, state_tensors, step_dir_name)
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import failpoint, no_space
@@ -203,14 +203,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
                          getattr(tokenizer, "json_text", None))
             fsync_path(tmp)
             failpoint("save-before-rename", step)
-            if os.path.exists(final):           # re-saving a step: move the old copy aside first
-                old = final + ".old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            put_in_place(tmp, final)            # re-saving a step: the old copy goes once the new is there
             fsync_path(root)
             failpoint("save-before-latest", step)
             with open(pointer, "w") as f:

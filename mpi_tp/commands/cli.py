@@ -38,7 +38,7 @@ from mpi_tp.core.runtime import (  # noqa: E402
     collective_setup,
     install_abort_hook,
 )
-from mpi_tp.training.config import add_arguments, resolve  # noqa: E402
+from mpi_tp.training.config_sources import add_arguments, resolve  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):

@@ -17,6 +17,7 @@ import os
 import shutil
 
 from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.checkpoint.format import put_in_place
 from mpi_tp.checkpoint.hf import is_hf_folder
 from mpi_tp.checkpoint.hf.write import DEFAULT_SHARD_BYTES, export
 from mpi_tp.core.errors import UserError, refuse_to_replace
@@ -46,14 +47,7 @@ def import_folder(folder: str, out: str, comm, dtype: str | None = None, overwri
         if comm.Get_rank() != 0:
             return
         try:                          # rank 0 alone, between collectives: a failure is a message to all
-            if os.path.lexists(out):
-                old = out.rstrip(os.sep) + ".old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(out, old)
-                os.rename(staging, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(staging, out)
+            put_in_place(staging, out)
         except OSError as e:
             raise UserError(f"import-hf: cannot put the checkpoint at {out} ({e.strerror or e}); it is "
                             f"complete at {staging}") from None

@@ -122,11 +122,8 @@ def attention_backward(dout, cache):
 
 
 def _lead(q, k) -> tuple:
-    """The leading axes of q's and k's broadcast (B, H) or (B, H_kv, R)."""
-    out = []
-    for x, y in zip(q.shape[:-2], k.shape[:-2]):
-        out.append(max(x, y))
-    return tuple(out)
+    """The leading axes of q's and k's broadcast (B, H) or (B, H_kv, R) (each a size or 1)."""
+    return tuple(map(max, q.shape[:-2], k.shape[:-2]))
 
 
 def _sum_to(d, shape):

@@ -89,7 +89,7 @@ class TextOut:
 
     def add(self, piece: bytes) -> str:
         """The text to send after these bytes (a token's text: one byte or several)."""
-        return "".join(self._add(b) for b in piece) if not self.stopped else ""
+        return "".join(self._add(b) for b in piece)      # (once stopped, every byte adds "")
 
     def _add(self, byte: int) -> str:
         if self.stopped:

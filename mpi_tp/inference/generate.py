@@ -141,11 +141,13 @@ class Row:
 
     def _cut(self, piece: bytes) -> bytes:
         """piece, cut after the first stop sequence it completes (self.ended then)."""
-        start, self.out = len(self.out), self.out + piece
+        start = len(self.out)
+        self.out += piece                                  # in place: no copy of the text so far per token
         ends = [self.out.find(s, max(0, start - len(s) + 1)) for s in self.request.stop]
         ends = [i + len(s) for i, s in zip(ends, self.request.stop) if i >= 0]
         if ends:
-            self.ended, self.out = True, self.out[:min(ends)]
+            self.ended = True
+            del self.out[min(ends):]
         return bytes(self.out[start:])
 
     @property

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 
-import numpy
-
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
@@ -124,8 +122,7 @@ class ParallelAttention(Module):
 
         def mask_of(src, r, c):
             if src not in keys:
-                keys[src] = backend.asarray(numpy.concatenate([numpy.arange(g, g + b - a)
-                                                               for a, b, g, _ in self.cp.runs(src)]))
+                keys[src] = backend.asarray(self.cp.positions_of(src))
             return rows[..., r, :][..., keys[src][c]]
         return mask_of
 

@@ -73,7 +73,11 @@ class ContextSplit:
     @property
     def positions(self) -> numpy.ndarray:
         """This rank's global positions, in local order (host int64)."""
-        return numpy.concatenate([numpy.arange(g, g + b - a) for a, b, g, _ in self.runs()])
+        return self.positions_of(None)
+
+    def positions_of(self, rank: int | None) -> numpy.ndarray:
+        """`rank`'s global positions (default this rank's), in its local order (host int64)."""
+        return numpy.concatenate([numpy.arange(g, g + b - a) for a, b, g, _ in self.runs(rank)])
 
     def take(self, a, axis: int = 1):
         """This rank's positions of a whole-sequence array (its two chunks, joined along axis)."""

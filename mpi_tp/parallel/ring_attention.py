@@ -38,9 +38,10 @@ from mpi_tp.core.kernels_attention import _causal_bias, _sum_to
 TAG = 31
 
 
-def _blocks(split, src: int):
-    """(query rows, key rows, diagonal) of every computed pair of this rank's queries and src's keys."""
-    for qa, qb, _, cq in split.runs():
+def blocks(split, src: int, rank: int | None = None):
+    """(query rows, key rows, diagonal) of every computed pair of `rank`'s queries (default this rank's) and
+    rank src's keys."""
+    for qa, qb, _, cq in split.runs(rank):
         for ka, kb, _, ck in split.runs(src):
             if ck <= cq:
                 yield slice(qa, qb), slice(ka, kb), ck == cq
@@ -96,9 +97,9 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
     qs = q * scale
     m = xp.full(q.shape[:-1], -math.inf, dtype=q.dtype)
     l, o = xp.zeros(q.shape[:-1], dtype=q.dtype), xp.zeros(q.shape, dtype=q.dtype)
-    kv = xp.ascontiguousarray(xp.stack(xp.broadcast_arrays(k, v)))
+    kv = xp.stack((k, v))                                    # (2, ..., S_r, hs): one message
     for src, kv in _around(split, kv, xp):
-        for rows, cols, diag in _blocks(split, src):
+        for rows, cols, diag in blocks(split, src):
             sc = _scores(qs, kv[0], rows, cols, diag, xp)
             m_new = xp.maximum(m[..., rows], sc.max(axis=-1))
             p = xp.exp(sc - m_new[..., None])
@@ -121,7 +122,7 @@ def ring_backward(dout, cache):
     qs = q * scale
     D = xp.einsum("...td,...td->...t", dout, out)            # rowsum(dout * out)
     dq = xp.zeros(q.shape, dtype=q.dtype)
-    kv = xp.ascontiguousarray(xp.stack(xp.broadcast_arrays(k, v)))
+    kv = xp.stack((k, v))                                    # (2, ..., S_r, hs): one message
     grads = {"held": xp.zeros(kv.shape, dtype=kv.dtype)}       # dK, dV of the block held, travelling with it
 
     def hand_on(src):                                           # this block's gradients go on with it
@@ -132,7 +133,7 @@ def ring_backward(dout, cache):
         return [group.isend(dkv, (r + 1) % n, TAG + 1), group.irecv(grads["held"], (r - 1) % n, TAG + 1)]
     for src, kv in _around(split, kv, xp, hand_on):
         dkv = grads["held"]
-        for rows, cols, diag in _blocks(split, src):
+        for rows, cols, diag in blocks(split, src):
             p = xp.exp(_scores(qs, kv[0], rows, cols, diag, xp) - lse[..., rows, None])
             g = dout[..., rows, :]
             dp = g @ kv[1][..., cols, :].swapaxes(-1, -2)

@@ -37,19 +37,25 @@ class TextStream:
 
     def __init__(self, decode):
         self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
+        self.before = ""                  # the text of ids[prefix:read], decoded once each time they move
 
     def add(self, token: int) -> bytes:
         self.ids.append(token)
-        before = self.decode(self.ids[self.prefix:self.read])
         after = self.decode(self.ids[self.prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):     # nothing new yet, or half a character
+        if len(after) <= len(self.before) or after.endswith("\ufffd"):   # nothing new yet, or half a character
             return b""
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):].encode()
+        piece = after[len(self.before):]
+        self._move(len(self.ids))
+        return piece.encode()
 
     def finish(self) -> bytes:
         """What the last ids hold that was waiting for the rest of a character (as U+FFFD)."""
-        before = self.decode(self.ids[self.prefix:self.read])
         after = self.decode(self.ids[self.prefix:])
+        piece = after[len(self.before):] if len(after) > len(self.before) else ""
         self.prefix = self.read = len(self.ids)
-        return after[len(before):].encode() if len(after) > len(before) else b""
+        self.before = ""
+        return piece.encode()
+
+    def _move(self, end: int) -> None:
+        self.prefix, self.read = self.read, end
+        self.before = self.decode(self.ids[self.prefix:self.read])

@@ -1,14 +1,13 @@
 """Run configuration as data: one dataclass, JSON files, and --key=value overrides.
 
-Precedence: defaults < --config FILE.json < command-line options. The resolved
-configuration is written into every run's output folder (config.json), so a
-run can be repeated with `mpi-tp train --config runs/X/config.json`.
+Precedence: defaults < --config FILE.json < command-line options (where a
+configuration comes from, and --init-from's model: mpi_tp.training.config_sources).
+The resolved configuration is written into every run's output folder
+(config.json), so a run can be repeated with `mpi-tp train --config runs/X/config.json`.
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.model.config import ConfigError, GPTConfig
 
@@ -231,81 +230,3 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def load_json(path: str) -> dict:
-    """The keys of a JSON config file, checked against TrainConfig's fields."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} not found")
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"config file {path!r} is not valid JSON ({e})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {path!r} must hold a JSON object of option: value")
-    known = {f.name: f for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"config file {path!r}: unknown option(s) {', '.join(unknown)}; "
-                          f"see mpi-tp train --help")
-    for k, v in values.items():
-        want = type(known[k].default)
-        if want is float and isinstance(v, int) and not isinstance(v, bool):
-            values[k] = float(v)
-        elif not isinstance(v, want) or isinstance(v, bool) != (want is bool):
-            raise ConfigError(f"config file {path!r}: {k} should be {want.__name__}, got {v!r}")
-    return values
-
-
-def add_arguments(parser) -> None:
-    """One --option per TrainConfig field (defaults shown in --help), plus --config FILE."""
-    parser.add_argument("--config", metavar="FILE.json",
-                        help="JSON file of options; options given on the command line win")
-    for f in fields(TrainConfig):
-        default = f.default if f.default is not MISSING else None
-        if isinstance(default, bool):          # --name sets it; --no-name clears a default of True
-            flag = f"--{f.name.replace('_', '-')}" if not default else f"--no-{f.name.replace('_', '-')}"
-            parser.add_argument(flag, dest=f.name, action="store_const", const=not default, default=None,
-                                help=f.metadata["help"])
-            continue
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default),
-                            default=None, choices=f.metadata.get("choices"), metavar=None
-                            if f.metadata.get("choices") else f.name.upper(),
-                            help=f"{f.metadata['help']} (default: {default!r})")
-
-
-def model_defaults(cfg: GPTConfig) -> dict:
-    """The model options of a saved model's configuration (--init-from: the run's defaults)."""
-    out = {"vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-           "n_embd": cfg.n_embd, "arch": cfg.arch, "norm_eps": cfg.norm_eps,
-           "intermediate_size": cfg.intermediate_size or 0}
-    if cfg.llama:
-        out.update(n_kv_head=cfg.n_kv_head or 0, rope_theta=cfg.rope_theta, tie_embeddings=cfg.tied,
-                   untie_embeddings=not cfg.tied)
-    if cfg.moe_experts:
-        out.update(moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
-                   moe_capacity=cfg.moe_capacity)
-    return out
-
-
-def resolve(args) -> TrainConfig:
-    """Defaults, then (--init-from a checkpoint or a Hugging Face folder) its model (model_defaults), then
-    the --config file, then the options given on the command line. A model option given that differs from
-    the saved model's is refused when the weights load (checkpoint.check_model_config)."""
-    values = load_json(args.config) if args.config else {}
-    for f in fields(TrainConfig):
-        given = getattr(args, f.name, None)
-        if given is not None:
-            values[f.name] = given
-    init_from = values.get("init_from", "")
-    if init_from:
-        from mpi_tp.checkpoint import open_checkpoint
-        with open_checkpoint(init_from) as saved:
-            defaults = model_defaults(GPTConfig(**saved.meta["config"]))
-        if {"tie_embeddings", "untie_embeddings"} & set(values):     # one of the pair given: it decides
-            defaults = {k: v for k, v in defaults.items() if k not in ("tie_embeddings", "untie_embeddings")}
-        if "moe_experts" in values:                                    # given: the experts are the options'
-            defaults = {k: v for k, v in defaults.items() if not k.startswith("moe_")}
-        values = {**defaults, **values}
-    return TrainConfig(**values)

@@ -23,7 +23,7 @@ import shutil
 
 import numpy
 
-from mpi_tp.checkpoint.format import CheckpointError
+from mpi_tp.checkpoint.format import CheckpointError, put_in_place
 from mpi_tp.checkpoint.hf.config import hf_config
 from mpi_tp.checkpoint.hf.names import hf_shapes, pieces, region
 from mpi_tp.checkpoint.hf.read import INDEX, SINGLE, require_safetensors
@@ -102,12 +102,5 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     files.append("config.json")
-    if os.path.exists(out):              # asked to replace it: the old one goes only once the new is whole
-        old = out.rstrip(os.sep) + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+    put_in_place(tmp, out)               # asked to replace it: the old one goes only once the new is whole
     return files

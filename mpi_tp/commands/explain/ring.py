@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from mpi_tp.core import kernels as kern
 from mpi_tp.parallel.context_parallel import ContextSplit
-from mpi_tp.parallel.ring_attention import ring_backward, ring_forward
+from mpi_tp.parallel.ring_attention import blocks, ring_backward, ring_forward
 from mpi_tp.parallel.topology import Topology
 
 B, H, HS = 2, 2, 4
@@ -29,16 +29,16 @@ def _grid(split, N: int, S: int) -> list[str]:
     """The causal grid: entry (query t, key s <= t) marked with the ring step at which t's rank computes it."""
     step = numpy.full((S, S), -1)
     for r in range(N):
-        mine = numpy.concatenate([numpy.arange(g, g + b - a) for a, b, g, _ in split.runs(r)])
+        mine = split.positions_of(r)
         for s in range(N):
             src = (r - s) % N
-            keys = numpy.concatenate([numpy.arange(g, g + b - a) for a, b, g, _ in split.runs(src)])
-            for rows, cols, diag in _blocks_of(split, r, src):
+            keys = split.positions_of(src)
+            for rows, cols, diag in blocks(split, src, r):
                 for i in range(rows.start, rows.stop):
                     for j in range(cols.start, cols.stop):
                         if keys[j] <= mine[i]:
                             step[mine[i], keys[j]] = s
-    owner = {int(p): r for r in range(N) for a, b, g, _ in split.runs(r) for p in range(g, g + b - a)}
+    owner = {int(p): r for r in range(N) for p in split.positions_of(r)}
     lines = []
     for t in range(S):
         cells = "".join(MARKS[step[t, s]] if s <= t else "." for s in range(S))
@@ -46,17 +46,9 @@ def _grid(split, N: int, S: int) -> list[str]:
     return lines
 
 
-def _blocks_of(split, r: int, src: int):
-    """_blocks as rank r sees them (the split answers for this rank: ask with r's runs)."""
-    for qa, qb, _, cq in split.runs(r):
-        for ka, kb, _, ck in split.runs(src):
-            if ck <= cq:
-                yield slice(qa, qb), slice(ka, kb), ck == cq
-
-
 def _work(split, N: int) -> list[list[int]]:
     """Score entries each rank computes at each ring step, (N, N)."""
-    return [[sum((rw.stop - rw.start) * (c.stop - c.start) for rw, c, _ in _blocks_of(split, r, (r - s) % N))
+    return [[sum((rw.stop - rw.start) * (c.stop - c.start) for rw, c, _ in blocks(split, (r - s) % N, r))
              for s in range(N)] for r in range(N)]
 
 
@@ -90,7 +82,7 @@ def lesson(args, comm) -> bool:
         print(f"context parallelism over N = {N} ranks (the world), float64: B = {B}, H = {H} heads of hs = {HS}, "
               f"S = {S} positions in 2N = {2 * N} chunks of {split.sizes}")
         for r in range(N):
-            pos = [p for a, b, g, _ in split.runs(r) for p in range(g, g + b - a)]
+            pos = split.positions_of(r).tolist()
             print(f"  rank {r}: chunks {split.chunks(r)}: positions {pos}")
         print("\nthe causal grid (row: a query, column: a key; the mark: the ring step at which the query's rank "
               "computes that score;\nstep 0 with its own keys, step s with rank r - s's, passed along the ring "
