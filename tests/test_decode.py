@@ -151,3 +151,25 @@ def test_decoder_refuses_sequence_parallel_models(world):
     with pytest.raises(UserError, match="plain tensor parallelism"):
         Decoder(GPT(CFG, topo, dtype="float64", sequence_parallel=True), 1)
     topo.free()
+
+
+def test_decoder_lays_the_linear_weights_out_out_in_and_the_model_is_not_trained_after():
+    """The Decoder stores each linear weight (out, in) (store_out_in): same values and shapes, fused q/k/v
+    still views of one storage, the embedding and LayerNorms untouched; an optimizer then refuses the model
+    (it updates flat views of C-ordered storages), rather than update copies."""
+    from mpi_tp.core.params import storages, store_out_in
+    from mpi_tp.training.optim import AdamW
+    model = GPT(CFG, Topology.serial(), dtype="float64", seed=2)
+    before, n_storages = {p.name: p.data.copy() for p in model.parameters()}, len(storages(model.parameters()))
+    Decoder(model, 2)
+    for p in model.parameters():
+        numpy.testing.assert_array_equal(p.data, before[p.name])
+        assert p.data.flags.c_contiguous == (p.name in ("wte", "wpe") or p.data.ndim == 1), p.name
+    qkv = [p for p in model.parameters() if p.name.startswith("h/0/attn/") and p.name.endswith("/weight")]
+    assert {id(p.base) for p in qkv[:3]} == {id(qkv[0].base)} and qkv[0].base.T.flags.c_contiguous
+    assert all(numpy.shares_memory(p.data, p.base) for p in qkv)
+    assert store_out_in(model.parameters()) == 0                 # once is all: nothing left to lay out
+    assert len(storages(model.parameters())) == n_storages
+    with pytest.raises(UserError, match="laid out .out, in. for decoding"):
+        AdamW(model.parameters(), lr=1e-3)
+

@@ -189,6 +189,21 @@ def test_linear_forward_matches_loops():
     assert kern.linear_backward(np.ones_like(out), cache)[2] is None
 
 
+@pytest.mark.parametrize("rows", [1, 4, kern.FEW_ROWS, kern.FEW_ROWS + 1])
+def test_linear_forward_with_the_weight_stored_out_in(rows):
+    """A weight stored (out, in) (w = w_t.T, a decoder's) gives x @ w + b whether the few-row form (w_t @ x^T)^T
+    or the plain GEMM computes it, C-ordered; the (in, out) weight's result is the reference."""
+    rng = np.random.default_rng(rows)
+    x, w, b = rng.standard_normal((rows, 1, 48)), rng.standard_normal((48, 40)), rng.standard_normal(40)
+    stored = np.ascontiguousarray(w.T).T
+    assert not stored.flags.c_contiguous and stored.T.flags.c_contiguous
+    want, _ = kern.linear_forward(x, w, b)
+    out, (_, w_cached, _) = kern.linear_forward(x, stored, b)
+    assert out.flags.c_contiguous and out.shape == (rows, 1, 40) and w_cached is stored
+    check("x @ w_t.T + b", out, want, 1e-12)
+    check("and its backward", kern.linear_backward_input(out, stored), kern.linear_backward_input(out, w), 1e-12)
+
+
 def test_layernorm_forward_matches_per_row_statistics():
     rng = np.random.default_rng(101)
     x = rng.standard_normal((3, 4, 6)) * 5 + 2

@@ -33,11 +33,24 @@ CHUNK = 1 << 15          # elements per chunk of multi-pass elementwise work on 
 
 # ---------------------------------------------------------------- linear
 
+FEW_ROWS = 128           # up to this many rows, a weight stored (out, in) is the GEMM's left operand (below)
+
+
 def linear_forward(x, w, b=None):
-    """out = x @ w + b. x (..., K), w (K, O) stored (in, out), b (O,) or None."""
+    """out = x @ w + b. x (..., K), w (K, O), b (O,) or None.
+
+    w is stored (in, out), or (out, in) as w = w_t.T with w_t contiguous (PyTorch's nn.Linear layout; a
+    decoder's weights, mpi_tp.core.params.store_out_in, and the tied output layer's wte). With few rows
+    (decoding: one position per sequence) the second is computed as (w_t @ x^T)^T: OpenBLAS's GEMM packs
+    its operands and its kernel is 16 rows tall, so x @ w with 4 rows runs at a fraction of the
+    weight-read speed, while w_t @ x^T puts the O rows where the kernel is tall (2x faster at 4-16 rows
+    on C 1024, docs/performance.md). Same product, other summation order: within float rounding."""
     K, O = w.shape
     x2 = x.reshape(-1, K)                              # (..., K) -> (N, K): one big GEMM
-    out = x2 @ w                                       # (N, K) @ (K, O) -> (N, O)
+    if x2.shape[0] <= FEW_ROWS and w.T.flags.c_contiguous and not w.flags.c_contiguous:
+        out = (w.T @ x2.T).T.copy()                    # (O, K) @ (K, N) -> (O, N) -> (N, O), N x O is small
+    else:
+        out = x2 @ w                                   # (N, K) @ (K, O) -> (N, O)
     if b is not None:
         out += b                                       # fresh temporary: safe in place
     out = out.reshape(*x.shape[:-1], O)                # (N, O) -> (..., O)

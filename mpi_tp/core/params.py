@@ -125,6 +125,24 @@ def storages(params: list[Param]) -> list[tuple]:
     return out
 
 
+def store_out_in(params: list[Param]) -> int:
+    """Lay the linear layers' weights out (out, in), as PyTorch's nn.Linear does: each storage that is a
+    matrix (decay), C-ordered and its own array becomes base = t.T with t = its transpose, C-ordered. The
+    values and shapes stay; mpi_tp.core.kernels.linear_forward then makes the weight the tall operand of a
+    few-row GEMM (a decoder's). Storages that are views into another array (a reducer's buckets) are left.
+    An optimizer refuses such storages (mpi_tp.training.optimizer_state.flat): a model laid out for
+    decoding is not trained. Returns how many storages were laid out."""
+    xp, done = backend.xp(), 0
+    for base, _, members in storages(params):
+        if base.ndim != 2 or not members[0].decay or not (base.flags.c_contiguous and base.flags.owndata):
+            continue
+        base = xp.ascontiguousarray(base.T).T             # (in, out) values, stored (out, in)
+        for p in members:
+            p.base, p.data = base, base[p.view] if p.view else base
+        done += 1
+    return done
+
+
 def _stream(seed: int, name: str) -> numpy.random.Generator:
     # crc32 is stable across runs and Python versions (str hash() is salted).
     return numpy.random.default_rng([seed, zlib.crc32(name.encode())])

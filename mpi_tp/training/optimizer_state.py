@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy
 
 from mpi_tp.core import backend
+from mpi_tp.core.errors import UserError
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.expert_parallel import expert_of
 
@@ -60,16 +61,27 @@ class Space:
     def params(self):
         if self.bucket is not None:
             return self.bucket.params[self.share]
-        return self.stores[0][2][0].base.reshape(-1)     # read now: the buckets may have moved it
+        return flat(self.stores[0][2][0].base)           # read now: the buckets may have moved it
 
     def grads(self):
         if self.bucket is not None:
             return self.bucket.grad_share
-        return self.stores[0][2][0].grad_base.reshape(-1)
+        return flat(self.stores[0][2][0].grad_base)
+
+
+def flat(base):
+    """A storage as one run of elements, a view: writing to it writes the parameter (or its gradient)."""
+    if not base.flags.c_contiguous:
+        raise UserError("a parameter's storage is laid out (out, in) for decoding (mpi_tp.core.params."
+                        "store_out_in, done by mpi_tp.inference.decode.Decoder): an optimizer cannot update "
+                        "it in place; train a model that no Decoder has run")
+    return base.reshape(-1)
 
 
 def storage_spaces(params) -> list[Space]:
     """One space per storage: every element on this rank."""
+    for base, _, _ in storages(params):
+        flat(base)
     return [Space([(0, base, members)], [Segment(0, base.size, members)]) for base, _, members in storages(params)]
 
 
