@@ -189,17 +189,18 @@ def test_linear_forward_matches_loops():
     assert kern.linear_backward(np.ones_like(out), cache)[2] is None
 
 
-@pytest.mark.parametrize("rows", [1, 4, kern.FEW_ROWS, kern.FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 8, kern.FEW_ROWS, kern.FEW_ROWS + 1])
 def test_linear_forward_with_the_weight_stored_out_in(rows):
-    """A weight stored (out, in) (w = w_t.T, a decoder's) gives x @ w + b whether the few-row form (w_t @ x^T)^T
-    or the plain GEMM computes it, C-ordered; the (in, out) weight's result is the reference."""
+    """A weight stored (out, in) (w = w_t.T, a decoder's) gives x @ w + b whether the few-row form computes it
+    (in panels of weight rows: K 2048 makes 3 panels of 300 rows at 4 rows, 1 at 8) or the plain GEMM does,
+    C-ordered; the (in, out) weight's result is the reference."""
     rng = np.random.default_rng(rows)
-    x, w, b = rng.standard_normal((rows, 1, 48)), rng.standard_normal((48, 40)), rng.standard_normal(40)
+    x, w, b = rng.standard_normal((rows, 1, 2048)), rng.standard_normal((2048, 300)), rng.standard_normal(300)
     stored = np.ascontiguousarray(w.T).T
     assert not stored.flags.c_contiguous and stored.T.flags.c_contiguous
     want, _ = kern.linear_forward(x, w, b)
     out, (_, w_cached, _) = kern.linear_forward(x, stored, b)
-    assert out.flags.c_contiguous and out.shape == (rows, 1, 40) and w_cached is stored
+    assert out.flags.c_contiguous and out.shape == (rows, 1, 300) and w_cached is stored
     check("x @ w_t.T + b", out, want, 1e-12)
     check("and its backward", kern.linear_backward_input(out, stored), kern.linear_backward_input(out, w), 1e-12)
 

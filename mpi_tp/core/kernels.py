@@ -34,6 +34,7 @@ CHUNK = 1 << 15          # elements per chunk of multi-pass elementwise work on 
 # ---------------------------------------------------------------- linear
 
 FEW_ROWS = 128           # up to this many rows, a weight stored (out, in) is the GEMM's left operand (below)
+SMALL_GEMM = 1_000_000   # multiply-adds of a product that OpenBLAS's small-matrix kernels take unpacked (SkylakeX)
 
 
 def linear_forward(x, w, b=None):
@@ -41,20 +42,39 @@ def linear_forward(x, w, b=None):
 
     w is stored (in, out), or (out, in) as w = w_t.T with w_t contiguous (PyTorch's nn.Linear layout; a
     decoder's weights, mpi_tp.core.params.store_out_in, and the tied output layer's wte). With few rows
-    (decoding: one position per sequence) the second is computed as (w_t @ x^T)^T: OpenBLAS's GEMM packs
-    its operands and its kernel is 16 rows tall, so x @ w with 4 rows runs at a fraction of the
-    weight-read speed, while w_t @ x^T puts the O rows where the kernel is tall (2x faster at 4-16 rows
-    on C 1024, docs/performance.md). Same product, other summation order: within float rounding."""
+    (decoding: one position per sequence) the second is computed as (w_t @ x^T)^T (_few_rows): OpenBLAS's
+    GEMM packs its operands and its kernel is 16 rows tall, so x @ w with 4 rows runs at a fraction of the
+    weight-read speed. Same product, other summation order: within float rounding."""
     K, O = w.shape
     x2 = x.reshape(-1, K)                              # (..., K) -> (N, K): one big GEMM
     if x2.shape[0] <= FEW_ROWS and w.T.flags.c_contiguous and not w.flags.c_contiguous:
-        out = (w.T @ x2.T).T.copy()                    # (O, K) @ (K, N) -> (O, N) -> (N, O), N x O is small
+        out = _few_rows(x2, w.T)
     else:
         out = x2 @ w                                   # (N, K) @ (K, O) -> (N, O)
     if b is not None:
         out += b                                       # fresh temporary: safe in place
     out = out.reshape(*x.shape[:-1], O)                # (N, O) -> (..., O)
     return out, (x, w, b is not None)
+
+
+def _few_rows(x2, w_t):
+    """x2 (N, K) @ w_t.T, w_t (O, K) contiguous, N small -> (N, O) C-ordered. The weight is the tall operand:
+    (O, K) @ (K, N). On the CPU, with 2 rows or more but few enough that panels of >= 32 weight rows stay
+    under SMALL_GEMM (up to 30 rows at K 1024, 7 at K 4096), the weight goes by panels: OpenBLAS's small-matrix kernels (SkylakeX builds) multiply
+    those without packing, close to the weight-read speed (C 1024, 4 rows: 1.0 ms for the (3C, C)
+    weight, 1.8 ms in one call, 0.6 ms for one row's GEMV; Intel Xeon, docs/inference.md). Elsewhere
+    (other kernels, a GPU) the panels are the same product, and one call is made on a GPU."""
+    xp = array_module(x2)
+    N, K = x2.shape
+    O = w_t.shape[0]
+    xt = xp.ascontiguousarray(x2.T)                    # (K, N)
+    panel = SMALL_GEMM // max(N * K, 1) // 16 * 16     # weight rows per panel (the kernel's 16-row unroll)
+    if N < 2 or panel < 32 or xp.__name__ != "numpy":
+        return (w_t @ xt).T.copy()                     # (O, K) @ (K, N) -> (O, N) -> (N, O)
+    out = xp.empty((O, N), dtype=xt.dtype)
+    for p in range(0, O, panel):
+        xp.matmul(w_t[p:p + panel], xt, out=out[p:p + panel])
+    return out.T.copy()
 
 
 def linear_backward(dout, cache, dw_out=None):
