@@ -7,22 +7,21 @@
 #   experiments/results/bench_t2.txt, .jsonl     the same under mpiexec -n 2 (T = 2)
 #   experiments/results/sweep_t1.jsonl           mpi-tp bench --sweep (hidden size x sequence length), T = 1
 #   experiments/results/malloc.jsonl             shapes a and c at T = 1, three times each way, alternating:
-#                                                glibc's defaults, and glibc told to keep freed memory
-#                                                (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)
+#                                                glibc's defaults (MPI_TP_MALLOC=system), and freed memory
+#                                                kept (what mpi-tp bench and train do unless told otherwise)
 # About 5 minutes on the 2-core build machine. One BLAS thread per rank; every figure is a median of
 # the timed steps, and each line records the machine, BLAS, MPI and malloc settings it ran with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=experiments/results
 export OMP_NUM_THREADS=1
-KEEP=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647)
 rm -f "$R"/bench_t1.jsonl "$R"/bench_t2.jsonl "$R"/sweep_t1.jsonl "$R"/malloc.jsonl
 mpi-tp bench --steps 10 --json "$R"/bench_t1.jsonl | tee "$R"/bench_t1.txt
 mpiexec -n 2 mpi-tp bench --steps 10 --json "$R"/bench_t2.jsonl | tee "$R"/bench_t2.txt
 mpi-tp bench --sweep --steps 3 --json "$R"/sweep_t1.jsonl
 for _ in 1 2 3; do
+  MPI_TP_MALLOC=system mpi-tp bench --shape a --shape c --steps 10 --json "$R"/malloc.jsonl
   mpi-tp bench --shape a --shape c --steps 10 --json "$R"/malloc.jsonl
-  env "${KEEP[@]}" mpi-tp bench --shape a --shape c --steps 10 --json "$R"/malloc.jsonl
 done
 python - "$R"/malloc.jsonl <<'EOF'
 import json, statistics, sys

@@ -72,3 +72,36 @@ def test_importing_the_command_leaves_malloc_alone():
     env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=131072"
     r = subprocess.run([sys.executable, "-c", MALLOC_PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"a 1 MiB malloc came from the heap: mpi_tp changed malloc's thresholds {r.stderr}"
+
+
+KEEP_PROBE = """
+import ctypes, json, sys
+from mpi_tp.core.runtime import keep_freed_memory
+said = keep_freed_memory()                       # what train and bench call when they start
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(16 << 20)                        # 16 MiB: mmapped under glibc's thresholds, kept under ours
+mmapped = ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2
+print(json.dumps({"said": said, "mmapped": bool(mmapped)}))
+"""
+
+
+@pytest.mark.parametrize("extra, kept", [({}, True), ({"MPI_TP_MALLOC": "system"}, False),
+                                         ({"MALLOC_TOP_PAD_": "0"}, False)])
+def test_the_training_commands_keep_freed_memory_unless_the_user_chose(extra, kept):
+    """keep_freed_memory (train and bench) raises glibc's thresholds, so a 16 MiB array's pages stay mapped
+    from step to step, and says so; MPI_TP_MALLOC=system, or any MALLOC_* of the user's, leaves glibc alone."""
+    import json
+    import os
+    import platform
+    import subprocess
+    import sys
+    if platform.system() != "Linux" or "glibc" not in " ".join(platform.libc_ver()):
+        pytest.skip("the probe reads glibc's chunk header")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "PMI", "HYDRA"))}
+    r = subprocess.run([sys.executable, "-c", KEEP_PROBE], env={**env, **extra}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mmapped"] is not kept
+    assert ("mpi-tp" in out["said"]) is kept and (out["said"] == {"MALLOC_TOP_PAD_": "0"}) is ("MALLOC_TOP_PAD_" in extra)

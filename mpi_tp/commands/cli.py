@@ -15,6 +15,10 @@
     mpiexec -n 2 mpi-tp explain --layer pipeline        the pipeline schedules, drawn from their own run
     mpiexec -n 2 mpi-tp exercise 1 --file exercise1.py  an exercise: fix a broken layer, checked (--list)
 
+The commands that run training steps (train, bench) ask glibc to keep freed memory
+(mpi_tp.core.runtime.keep_freed_memory; MPI_TP_MALLOC=system, or the user's own MALLOC_*
+settings, leave glibc as it is).
+
 Errors in the input (options, config files, data files, layouts) print one
 message from rank 0 and exit with status 2 on every rank; a crash on any rank
 aborts the whole job (see mpi_tp.core.runtime).
@@ -80,6 +84,7 @@ def build_parser() -> Parser:
 
 def _train(args, comm) -> int:
     from mpi_tp.training.loop import train
+    runtime.keep_freed_memory()           # the command's process, not the library's: see its docstring
     cfg = collective_setup(resolve, args, comm=comm)
     train(cfg, comm)
     return 0

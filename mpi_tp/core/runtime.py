@@ -124,3 +124,30 @@ def machine_text() -> str:
     """'AMD EPYC, 2 cores, MPICH 5.0.2': the machine and MPI library a figure's stamp names."""
     mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
     return f"{cpu_name()}, {os.cpu_count()} cores, {mpi}"
+
+
+def keep_freed_memory() -> dict:
+    """For a command that runs training steps (train, bench): glibc keeps freed memory for the process.
+
+    Each step allocates and frees the same activation-sized arrays (NumPy's fresh outputs, MBs each).
+    With glibc's defaults the freed top of the heap goes back to the kernel once it is larger than the
+    trim threshold, so the next step faults every 4 KiB page in again: 24,111 minor faults (94 MiB) per
+    step at bench shape a, a quarter of the step on the Intel KVM build machine (docs/performance.md).
+    Raising the mmap and trim thresholds keeps the pages mapped: the peak is the same, it is not given
+    back between steps. Called by the commands, never on import (a library leaves the process's
+    allocator alone: tests/test_runtime.py). The user's choice stands: with MALLOC_* or a
+    glibc.malloc tunable in the environment nothing is changed, and MPI_TP_MALLOC=system asks for
+    glibc's defaults. Returns what is in force, as bench records it ({} for glibc's defaults)."""
+    users = {k: v for k, v in os.environ.items()
+             if k.startswith("MALLOC_") or (k == "GLIBC_TUNABLES" and "malloc" in v)}
+    if users or os.environ.get("MPI_TP_MALLOC") == "system":
+        return users
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)          # the largest glibc accepts
+        ok &= libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    except (OSError, AttributeError):                            # not glibc: its own defaults stand
+        return {}
+    return {"mpi-tp": "freed memory kept (mallopt: mmap threshold 32 MiB, trim threshold 2 GiB)"} if ok else {}

@@ -36,7 +36,7 @@ from mpi_tp.commands.bench.yardsticks import (
 )
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
@@ -240,7 +240,7 @@ def cmd_bench(args, comm) -> int:
     if args.moe:
         collective_setup(bench_moe.check, args, comm.Get_size(), comm=comm)
     collective_setup(backend.use, args.backend, comm, comm=comm)
-    env = environment(comm)
+    env = environment(comm, keep_freed_memory())
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
                 f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; "
                 f"{' '.join(f'{k}={v}' for k, v in env['malloc'].items()) or 'malloc defaults'}; {env['date']}",

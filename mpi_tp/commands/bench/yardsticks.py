@@ -57,7 +57,8 @@ def allreduce_overhead(topo, shape, dtype, reps=30) -> dict:
     return out
 
 
-def environment(comm) -> dict:
+def environment(comm, malloc=None) -> dict:
+    """What a figure ran on. malloc: what keep_freed_memory put in force (None: the environment's MALLOC_*)."""
     blas = {}
     try:
         from threadpoolctl import threadpool_info
@@ -71,5 +72,6 @@ def environment(comm) -> dict:
             "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
             "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
-            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
+            "malloc": malloc if malloc is not None else
+            {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
             "date": time.strftime("%Y-%m-%d %H:%M")}
