@@ -24,7 +24,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mpi_tp.core.runtime import machine_text  # noqa: E402
+from mpi_tp.core.runtime import keep_freed_memory, machine_text  # noqa: E402
 from mpi_tp.model.config import GPTConfig  # noqa: E402
 from mpi_tp.model.gpt import GPT  # noqa: E402
 from mpi_tp.training.optim import AdamW, clip_coefficient  # noqa: E402
@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     C, H, L, S, B = (int(v) for v in args.shape.split(","))
+    keep_freed_memory()                                   # as mpi-tp train and bench do
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), dtype="float32", seed=0)
     opt = AdamW(model.parameters(), lr=1e-4)
     x = numpy.random.default_rng(0).integers(0, 256, (B, S + 1))

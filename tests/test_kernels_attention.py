@@ -44,3 +44,23 @@ def test_blocked_gradients_match_finite_differences():
             x[i] += 1e-6
             num[i] = (up - down) / 2e-6
         assert np.abs(num - g).max() < 1e-7, name
+
+
+@pytest.mark.parametrize("heads", list(SHAPES))
+@pytest.mark.parametrize("mask", [None, "full", "2d"])
+@pytest.mark.parametrize("block", [5, 64])
+def test_backward_by_batch_rows_is_the_same_bits(monkeypatch, heads, mask, block):
+    """The backward a batch row at a time (CHUNK_BYTES of 1: each row its own chunk) gives the bits of the
+    whole batch at once (the default, these arrays being small), dense and blocked, with every mask
+    shape (a 2-d mask broadcasts over the batch rows: every chunk takes it whole)."""
+    rng = np.random.default_rng(7)
+    qs, ks = SHAPES[heads]
+    q, k, v, dout = rng.standard_normal(qs), rng.standard_normal(ks), rng.standard_normal(ks), rng.standard_normal(qs)
+    m = None if mask is None else rng.random(qs[:-1] + (qs[-2],) if mask == "full" else (23, 23)) > 0.3
+    cache = ka.attention_forward(q, k, v, m, 1.4, block=block)[1]
+    assert len(ka._batch_rows(cache[3], q, k, v, dout)) == 1          # 2 x 3 x 23 x 23 doubles: one chunk
+    whole = ka.attention_backward(dout, cache)
+    monkeypatch.setattr(ka, "CHUNK_BYTES", 1)
+    assert len(ka._batch_rows(cache[3], q, k, v, dout)) == 2
+    for a, b in zip(ka.attention_backward(dout, cache), whole):
+        assert a.shape == b.shape and np.array_equal(a, b)
