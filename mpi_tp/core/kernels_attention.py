@@ -25,6 +25,9 @@ import math
 from mpi_tp.core.backend import array_module
 
 QUERY_BLOCK = 128        # query rows per block; at most this many rows, the dense (S, S) path
+ONLINE_FROM = 4096       # positions from which the model runs the online softmax (online_attention_*): the
+#                          probabilities would be 64 MiB per head and sequence, and both forms took about
+#                          the same time there (docs/performance.md)
 CHUNK_BYTES = 1 << 18    # probabilities per chunk of batch rows in the backward (_batch_rows): 256 KiB
 
 
@@ -157,3 +160,97 @@ def _sum_to(d, shape):
     """d summed over the axes where `shape` has 1 and d does not (the axes a product broadcast)."""
     axes = tuple(i for i, (a, b) in enumerate(zip(d.shape, shape)) if b == 1 and a != 1)
     return d.sum(axis=axes, keepdims=True) if axes else d
+
+
+# ---------------------------------------------------------------- the online softmax (no (S, S) array kept)
+
+def online_block(qs, k, v, rows, cols, diag, m, l, o, mask=None, drop_scale=1.0):
+    """One block of the online softmax (Milakov and Gimelshein 2018; FlashAttention's merge): the scores of
+    the queries `rows` (qs: q already scaled) against the keys `cols`, merged into the running maximum m,
+    sum l and output o of those rows, in place:
+
+        m' = max(m, max_j s_j)      l' = l e^(m - m') + sum_j e^(s_j - m')      o' = o e^(m - m') + e^(s - m') v
+
+    diag: the block straddles the diagonal (key j > query i masked). mask: the block's bool dropout mask,
+    the kept probabilities times drop_scale enter o (not l). At the end out = o / l, lse = m + log l."""
+    xp = array_module(qs)
+    s = qs[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2)
+    if diag:
+        s += _causal_bias(s.shape[-1], s.dtype, xp)
+    m_new = xp.maximum(m[..., rows], s.max(axis=-1))
+    s -= m_new[..., None]
+    p = xp.exp(s, out=s)
+    corr = xp.exp(m[..., rows] - m_new)
+    l[..., rows] = l[..., rows] * corr + p.sum(axis=-1)
+    if mask is not None:
+        p *= mask
+        p *= drop_scale
+    o[..., rows, :] = o[..., rows, :] * corr[..., None] + p @ v[..., cols, :]
+    m[..., rows] = m_new
+
+
+def online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, dv, mask=None, drop_scale=1.0):
+    """One block's share of the gradients (FlashAttention's backward): p = e^(s - lse) again from q and k,
+    dp = dout v^T, ds = p (dp - D) with D = rowsum(dout * out); dq[rows] += ds k scale, dk[cols] += ds^T q
+    scale, dv[cols] += p_kept^T dout, summed over broadcast (grouped-query) axes to dk's and dv's shapes."""
+    xp = array_module(qs)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = qs[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2)
+    if diag:
+        s += _causal_bias(s.shape[-1], s.dtype, xp)
+    s -= lse[..., rows, None]
+    p = xp.exp(s, out=s)
+    g = dout[..., rows, :]
+    dp = g @ v[..., cols, :].swapaxes(-1, -2)
+    kept = p
+    if mask is not None:
+        kept = p * mask * drop_scale
+        dp *= mask
+        dp *= drop_scale
+    n = cols.stop - cols.start
+    dv[..., cols, :] += _sum_to(kept.swapaxes(-1, -2) @ g, dv.shape[:-2] + (n, dv.shape[-1]))
+    dp -= D[..., rows, None]
+    dp *= p                                                          # ds
+    dq[..., rows, :] += (dp @ k[..., cols, :]) * scale
+    d = _sum_to(dp.swapaxes(-1, -2) @ q[..., rows, :], dk.shape[:-2] + (n, dk.shape[-1]))
+    d *= scale
+    dk[..., cols, :] += d
+
+
+def _tiles(S, block):
+    """(query rows, key cols, diagonal) of the causal tiles of one sequence: key blocks up to the query's."""
+    for a in range(0, S, block):
+        for c in range(0, a + 1, block):
+            yield slice(a, min(S, a + block)), slice(c, min(S, c + block)), c == a
+
+
+def online_attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None = None):
+    """attention_forward's result by the online softmax over tiles of block x block (default QUERY_BLOCK):
+    no (S, S) array is held, at most one tile of scores; the cache keeps out and lse (B, H, S) instead of
+    the probabilities. drop_mask as attention_forward's (each tile takes its part)."""
+    xp = array_module(q)
+    block = QUERY_BLOCK if block is None else block
+    S = q.shape[-2]
+    lead = _lead(q, k)
+    qs = q * (1.0 / math.sqrt(q.shape[-1]))
+    m = xp.full(lead + (S,), -math.inf, dtype=q.dtype)
+    l, o = xp.zeros(lead + (S,), dtype=q.dtype), xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
+    for rows, cols, diag in _tiles(S, block):
+        online_block(qs, k, v, rows, cols, diag, m, l, o,
+                     None if drop_mask is None else drop_mask[..., rows, cols], float(drop_scale))
+    o /= l[..., None]
+    return o, (q, k, v, o, m + xp.log(l), drop_mask, float(drop_scale), block)
+
+
+def online_attention_backward(dout, cache):
+    """dq, dk, dv of online_attention_forward, tile by tile, the probabilities recomputed from lse."""
+    q, k, v, out, lse, drop_mask, drop_scale, block = cache
+    xp = array_module(dout)
+    qs = q * (1.0 / math.sqrt(q.shape[-1]))
+    D = xp.einsum("...td,...td->...t", dout, out)                   # rowsum(dout * out)
+    dq = xp.zeros(_lead(q, k) + q.shape[-2:], dtype=q.dtype)
+    dk, dv = xp.zeros(k.shape, dtype=q.dtype), xp.zeros(v.shape, dtype=q.dtype)
+    for rows, cols, diag in _tiles(q.shape[-2], block):
+        online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, dv,
+                              None if drop_mask is None else drop_mask[..., rows, cols], drop_scale)
+    return dq, dk, dv

@@ -12,7 +12,10 @@ key/value heads, R = H/H_kv; rank i holds H_i query heads and the H_kv_i key/val
 
 Under context parallelism (cp) each rank holds its two chunks of the sequence, S_r positions: q, k
 and v are computed for those, rotated to their global positions, and the softmax runs as ring
-attention over the cp group (mpi_tp.parallel.ring_attention), keeping no (S, S) array.
+attention over the cp group (mpi_tp.parallel.ring_attention), keeping no (S, S) array. Without cp, a
+sequence of ONLINE_FROM positions or more runs the same online softmax on one rank, tile by tile
+(mpi_tp.core.kernels_attention.online_attention_forward): the cache keeps the output and the rows'
+log-sum-exp instead of the probabilities (selective recomputation has nothing left to drop there).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import math
 
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
+from mpi_tp.core import kernels_attention as ka
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.dropout import Dropout, context_head_masks
@@ -88,10 +92,12 @@ class ParallelAttention(Module):
         mask = (self.dropout.head_masks(B, S, self.heads, self.layer)     # bool (B, H_i, S, S): this
                 if self.dropout.active else None)                        # rank's heads only
         gq, gk, gv = self.grouped(q, k, v)
-        y, cache = kern.attention_forward(gq, gk, gv, self._grouped_mask(mask), self.dropout.scale)
-        if self.recompute:           # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
+        online = S >= ka.ONLINE_FROM     # long sequences: the online softmax, no (S, S) array kept
+        y, cache = (ka.online_attention_forward if online else kern.attention_forward)(
+            gq, gk, gv, self._grouped_mask(mask), self.dropout.scale)
+        if self.recompute and not online:   # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
             cache = (gq, gk, gv, mask is not None, self.dropout.key())
-        self.save_cache(cache)
+        self.save_cache(cache, online)
         y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)   # (B, S, H_i hs)
         return self.proj.forward(y)                                      # row split + g -> (B, S, C)
                                                                          # (sp: reduce-scatter -> (B, S_i, C))
@@ -135,7 +141,11 @@ class ParallelAttention(Module):
         dy = self.proj.backward(dout)                                    # (B, S, H_i hs)
         B, S = dy.shape[:2]
         dy = dy.reshape(B, S, self.H_i, self.hs).transpose(0, 2, 1, 3)  # (B, H_i, S, hs)
-        (cache,) = self.take_cache()
+        cache, *online = self.take_cache()
+        if online and online[0]:
+            if self.H_kv_i != self.H_i:
+                dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
+            return self._qkv_backward(*ka.online_attention_backward(dy, cache), B, S, dout.dtype)
         if self.cp is not None:      # ring attention's backward, with the forward's masks drawn again
             if self.H_kv_i != self.H_i:
                 dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)

@@ -7,7 +7,8 @@ and values of rank r - s (mod N): it starts sending them on to rank r + 1 and re
 ones from rank r - 1 (Isend / Irecv), then computes the attention of its queries against the block it
 holds while the next one is in flight. A query's softmax is over every key it sees, in blocks that
 arrive one by one, so each block's scores are merged into a running maximum m, sum l and output o
-(the online softmax of Milakov and Gimelshein 2018, FlashAttention's merge):
+(the online softmax of Milakov and Gimelshein 2018, FlashAttention's merge; the block's arithmetic is
+mpi_tp.core.kernels_attention.online_block, which one rank runs alone for long sequences):
 
     m' = max(m, max_j s_j)      l' = l e^(m - m') + sum_j e^(s_j - m')      o' = o e^(m - m') + e^(s - m') v
 
@@ -33,7 +34,7 @@ import math
 import time
 
 from mpi_tp.core.backend import array_module
-from mpi_tp.core.kernels_attention import _causal_bias, _sum_to
+from mpi_tp.core.kernels_attention import _sum_to, online_block, online_block_backward
 
 TAG = 31
 
@@ -81,13 +82,6 @@ def _wait(group, pending) -> None:
         group.stats.record(f"{group.name}/ring_wait", 0, time.perf_counter() - t0)
 
 
-def _scores(qs, k, rows, cols, diag, xp):
-    s = qs[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2)
-    if diag:
-        s += _causal_bias(s.shape[-1], s.dtype, xp)
-    return s
-
-
 def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
     """Causal attention of this rank's queries over the whole sequence. q (..., S_r, hs), k and v
     (..., S_r, hs) (leading axes broadcast: grouped-query attention). mask_of(src, rows, cols), if
@@ -100,16 +94,8 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
     kv = xp.stack((k, v))                                    # (2, ..., S_r, hs): one message
     for src, kv in _around(split, kv, xp):
         for rows, cols, diag in blocks(split, src):
-            sc = _scores(qs, kv[0], rows, cols, diag, xp)
-            m_new = xp.maximum(m[..., rows], sc.max(axis=-1))
-            p = xp.exp(sc - m_new[..., None])
-            corr = xp.exp(m[..., rows] - m_new)
-            l[..., rows] = l[..., rows] * corr + p.sum(axis=-1)
-            if mask_of is not None:
-                p *= mask_of(src, rows, cols)
-                p *= drop_scale
-            o[..., rows, :] = o[..., rows, :] * corr[..., None] + p @ kv[1][..., cols, :]
-            m[..., rows] = m_new
+            online_block(qs, kv[0], kv[1], rows, cols, diag, m, l, o,
+                         None if mask_of is None else mask_of(src, rows, cols), drop_scale)
     out = o / l[..., None]
     return out, (q, k, v, out, m + xp.log(l), split, mask_of, drop_scale)
 
@@ -134,23 +120,7 @@ def ring_backward(dout, cache):
     for src, kv in _around(split, kv, xp, hand_on):
         dkv = grads["held"]
         for rows, cols, diag in blocks(split, src):
-            p = xp.exp(_scores(qs, kv[0], rows, cols, diag, xp) - lse[..., rows, None])
-            g = dout[..., rows, :]
-            dp = g @ kv[1][..., cols, :].swapaxes(-1, -2)
-            kept = p
-            if mask_of is not None:
-                mask = mask_of(src, rows, cols)
-                kept = p * mask * drop_scale
-                dp *= mask
-                dp *= drop_scale
-            dkv[1][..., cols, :] += _sum_to(kept.swapaxes(-1, -2) @ g, dkv.shape[1:-2] + (cols.stop - cols.start,
-                                                                                 dkv.shape[-1]))
-            dp -= D[..., rows, None]
-            dp *= p                                           # ds
-            dq[..., rows, :] += (dp @ kv[0][..., cols, :]) * scale
-            dk = _sum_to(dp.swapaxes(-1, -2) @ q[..., rows, :], dkv.shape[1:-2] + (cols.stop - cols.start,
-                                                                                    dkv.shape[-1]))
-            dk *= scale
-            dkv[0][..., cols, :] += dk
+            online_block_backward(qs, q, kv[0], kv[1], rows, cols, diag, lse, D, dout, dq, dkv[0], dkv[1],
+                                  None if mask_of is None else mask_of(src, rows, cols), drop_scale)
     dkv = grads["held"]                                         # this rank's own, home after the N-th hop
     return dq, _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)

@@ -29,6 +29,9 @@ again in the backward pass). The paper's sum: S B C (34 + 5 H S / C) bytes at T 
 S B C (10 + 24/T + 5 H S / (C T)) with TP, S B C (34 + 5 H S / C) / T with TP + SP.
 Selective recomputation keeps neither the softmax output nor its dropout (the attention core
 is run again); full recomputation keeps only the block's input, S B C values (1/T under SP).
+From S = ONLINE_FROM positions attention runs the online softmax (mpi_tp.core.kernels_attention),
+which keeps the output (S B C / T) and each row's log-sum-exp (H S B / T) instead of the softmax
+output, and its dropout mask when there is one (under selective recomputation too).
 
 `activation_terms` gives either count term by term; `measured_terms` reads the same terms off a
 block's caches after a forward (mpi_tp.model.block.Block), for the experiment and the bench.
@@ -37,19 +40,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpi_tp.core.kernels_attention import ONLINE_FROM
+
 RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
 class Term:
     name: str
-    unit: str              # "SBC", "HSSB" (H S^2 B) or "SB"
+    unit: str              # "SBC", "HSSB" (H S^2 B), "HSB" or "SB"
     count: float           # how many units
     mask: bool             # a 1-byte dropout mask (else a value)
     split: bool            # divided by T under plain tensor parallelism (else kept whole)
     paper: bool            # in Korthikanti et al.'s count
     ours: bool             # kept by this implementation
     core: bool = False     # the attention core: not kept under selective recomputation
+    online: bool | None = None   # True: kept only by the online softmax (S >= ONLINE_FROM), False: only without it
 
 
 TERMS = (
@@ -57,7 +63,9 @@ TERMS = (
     Term("LayerNorm 1/std", "SB", 2, False, False, False, True),
     Term("q/k/v input", "SBC", 1, False, False, True, True),
     Term("q, k", "SBC", 2, False, True, True, True),
-    Term("softmax output", "HSSB", 1, False, True, True, True, core=True),
+    Term("softmax output", "HSSB", 1, False, True, True, True, core=True, online=False),
+    Term("attention output", "SBC", 1, False, True, False, True, online=True),
+    Term("attention log-sum-exp", "HSB", 1, False, True, False, True, online=True),
     Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True),
     Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True),
     Term("v", "SBC", 1, False, True, True, True),
@@ -81,12 +89,15 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
         raise ValueError(f"recompute {recompute!r}: one of {RECOMPUTE}")
     if paper:
         value_bytes, dropout = 2, True
-    units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B}
+    units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B, "HSB": H * S * B}
+    online = not paper and S >= ONLINE_FROM
     if recompute == "full":                           # the block's input alone
         return {"block input": S * B * C * value_bytes / (T if sp else 1)}
     out = {}
     for t in TERMS:
-        if not (t.paper if paper else t.ours) or (t.mask and not dropout) or (t.core and recompute == "selective"):
+        if not (t.paper if paper else t.ours) or (t.mask and not dropout) or t.online not in (None, online):
+            continue
+        if t.core and recompute == "selective" and not online:      # (the online cache is kept whole)
             continue
         n = t.count * units[t.unit] / (T if (t.split or sp) else 1)
         out[t.name] = n * (1 if t.mask else value_bytes)
@@ -123,7 +134,11 @@ def measured_terms(block) -> dict:
     attn = block.attn._cache[0]
     add("q, k", attn[0], attn[1])
     add("v", attn[2])
-    if not block.attn.recompute:
+    if block.attn._cache[1]:                            # the online softmax: output, lse, dropout mask
+        add("attention output", attn[3])
+        add("attention log-sum-exp", attn[4])
+        add("softmax dropout mask", attn[5])
+    elif not block.attn.recompute:
         add("softmax output", attn[3])
         add("softmax dropout mask", attn[4])
     add("attention projection input", block.attn.proj._cache[0][0])

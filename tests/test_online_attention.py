@@ -1,0 +1,114 @@
+"""The online softmax (mpi_tp.core.kernels_attention.online_attention_*): attention tile by tile without
+the (S, S) probabilities. The kernel equals the dense one (float64, 1e-12) with uneven tiles, grouped-query
+shapes and dropout masks of every broadcast shape, and matches finite differences; the model runs it from
+ONLINE_FROM positions (lowered to 8 here) and then equals the serial model run densely at every tensor-
+parallel size of the pass (1-4: 3 AdamW steps with dropout, sequence parallelism, selective
+recomputation; losses and weights < 1e-9), GPT-2 and Llama (grouped-query); its caches hold what
+mpi_tp.planning.activations counts.
+"""
+import numpy as np
+import pytest
+
+from mpi_tp.core import kernels_attention as ka
+from mpi_tp.core.testing import assert_close, gather_full
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.finalize import finalize_grads
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.planning import activations
+from mpi_tp.training.optim import AdamW, clip_coefficient
+
+SHAPES = {"mha": ((2, 3, 23, 4), (2, 3, 23, 4)), "gqa": ((2, 2, 3, 23, 4), (2, 2, 1, 23, 4))}
+ARCHS = {"gpt2": dict(), "llama": dict(arch="llama", n_kv_head=2, intermediate_size=22)}
+
+
+@pytest.mark.parametrize("heads", list(SHAPES))
+@pytest.mark.parametrize("mask", [None, "full", "2d"])
+@pytest.mark.parametrize("block", [1, 5, 8, 23, 64])
+def test_online_equals_dense(heads, mask, block):
+    rng = np.random.default_rng(block)
+    qs, ks = SHAPES[heads]
+    q, k, v, dout = rng.standard_normal(qs), rng.standard_normal(ks), rng.standard_normal(ks), rng.standard_normal(qs)
+    m = None if mask is None else rng.random(qs[:-1] + (qs[-2],) if mask == "full" else (23, 23)) > 0.3
+    dense, dc = ka.attention_forward(q, k, v, m, 1.4)
+    online, oc = ka.online_attention_forward(q, k, v, m, 1.4, block=block)
+    assert np.abs(online - dense).max() < 1e-12
+    assert not any(a is not None and getattr(a, "shape", ())[-2:] == (23, 23) and a.dtype != bool for a in oc)
+    for a, b in zip(ka.online_attention_backward(dout, oc), ka.attention_backward(dout, dc)):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-12
+
+
+def test_online_gradients_match_finite_differences():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 9, 3)) for _ in range(3))
+    dout = rng.standard_normal((1, 2, 9, 3))
+
+    def loss(q, k, v):
+        return float((ka.online_attention_forward(q, k, v, block=4)[0] * dout).sum())
+    grads = ka.online_attention_backward(dout, ka.online_attention_forward(q, k, v, block=4)[1])
+    for name, x, g in zip("qkv", (q, k, v), grads):
+        num = np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            x[i] += 1e-6
+            up = loss(q, k, v)
+            x[i] -= 2e-6
+            down = loss(q, k, v)
+            x[i] += 1e-6
+            num[i] = (up - down) / 2e-6
+        assert np.abs(num - g).max() < 1e-7, name
+
+
+def cfg(arch):
+    return GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=4, n_embd=16, dropout=0.1, **ARCHS[arch])
+
+
+def train(config, topo, sp=False, recompute="none", steps=3):
+    model = GPT(config, topo, dtype="float64", seed=5, sequence_parallel=sp, recompute=recompute)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        rng = np.random.default_rng([3, step])
+        x = rng.integers(0, 37, (2, 13))
+        model.zero_grad()
+        losses.append(model.forward(x[:, :-1], x[:, 1:]))
+        model.backward()
+        finalize_grads(model)                          # sequence parallelism's partial sums, once per step
+        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
+    return np.array(losses), model
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_model_online_equals_the_serial_model_dense(world, arch, monkeypatch):
+    ref_losses, ref = train(cfg(arch), Topology.serial())                # S 12 < ONLINE_FROM: dense
+    ref = {p.name: p.data for p in ref.parameters()}
+    monkeypatch.setattr(ka, "ONLINE_FROM", 8)
+    calls = []
+    backward = ka.online_attention_backward
+    monkeypatch.setattr(ka, "online_attention_backward", lambda *a: calls.append(1) or backward(*a))
+    T = world.Get_size()
+    for sp, recompute in ([(False, "none"), (True, "selective")] if T > 1 else [(False, "none"), (False, "selective")]):
+        topo = Topology.create(world, tp=T)
+        losses, model = train(cfg(arch), topo, sp, recompute)
+        what = f"{arch} tp={T} sp={sp} recompute={recompute}"
+        assert len(calls) == 3 * 2 and not calls.clear()                 # 3 steps x 2 blocks, online
+        assert_close(losses, ref_losses, 1e-9, f"losses, {what}")
+        for p in model.parameters():
+            if not p.name.endswith("attn/k/bias"):      # exact gradient 0: rounding noise (docs/tensor_parallelism.md)
+                assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-9, f"{p.name}, {what}")
+        topo.free()
+
+
+@pytest.mark.parametrize("dropout, recompute", [(0.0, "none"), (0.1, "none"), (0.1, "selective")])
+def test_the_online_caches_hold_what_the_formula_counts(monkeypatch, dropout, recompute):
+    """From ONLINE_FROM positions a block keeps the attention output and log-sum-exp, not the softmax output
+    (its dropout mask still, also under selective recomputation): measured = activation_terms, term by term."""
+    monkeypatch.setattr(ka, "ONLINE_FROM", 16)
+    monkeypatch.setattr(activations, "ONLINE_FROM", 16)
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=32, dropout=dropout), dtype="float64",
+                seed=0, recompute=recompute)
+    x = np.random.default_rng(0).integers(0, 256, (2, 33))
+    model.forward(x[:, :-1], x[:, 1:])
+    want = activations.activation_terms(32, 2, 32, 4, dropout=dropout > 0, recompute=recompute, value_bytes=8)
+    assert "softmax output" not in want and "attention log-sum-exp" in want
+    assert activations.measured_terms(model.h[0]) == want
