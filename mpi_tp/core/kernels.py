@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core.backend import array_module
+from mpi_tp.core.blas import matmul
 from mpi_tp.core.kernels_attention import _causal_bias, _sum_to, attention_backward, attention_forward  # noqa: F401
 from mpi_tp.core.segment import segment_sum
 
@@ -50,7 +51,7 @@ def linear_forward(x, w, b=None):
     if x2.shape[0] <= FEW_ROWS and w.T.flags.c_contiguous and not w.flags.c_contiguous:
         out = _few_rows(x2, w.T)
     else:
-        out = x2 @ w                                   # (N, K) @ (K, O) -> (N, O)
+        out = matmul(x2, w)                            # (N, K) @ (K, O) -> (N, O)
     if b is not None:
         out += b                                       # fresh temporary: safe in place
     out = out.reshape(*x.shape[:-1], O)                # (N, O) -> (..., O)
@@ -60,17 +61,20 @@ def linear_forward(x, w, b=None):
 def _few_rows(x2, w_t):
     """x2 (N, K) @ w_t.T, w_t (O, K) contiguous, N small -> (N, O) C-ordered. The weight is the tall operand:
     (O, K) @ (K, N). On the CPU, with 2 rows or more but few enough that panels of >= 32 weight rows stay
-    under SMALL_GEMM (up to 30 rows at K 1024, 7 at K 4096), the weight goes by panels: OpenBLAS's small-matrix kernels (SkylakeX builds) multiply
-    those without packing, close to the weight-read speed (C 1024, 4 rows: 1.0 ms for the (3C, C)
-    weight, 1.8 ms in one call, 0.6 ms for one row's GEMV; Intel Xeon, docs/inference.md). Elsewhere
-    (other kernels, a GPU) the panels are the same product, and one call is made on a GPU."""
+    under SMALL_GEMM (up to 30 rows at K 1024, 7 at K 4096), the weight goes by panels to NumPy's
+    OpenBLAS, whose small-matrix kernels (SkylakeX builds) multiply those without packing, close to the
+    weight-read speed (C 1024, 4 rows: 1.0 ms for the (3C, C) weight, 1.8 ms in one call, 0.6 ms for one
+    row's GEMV; Intel Xeon, docs/inference.md); elsewhere the panels are the same product. More rows:
+    one call (mpi_tp.core.blas: MKL's was the faster one there), as on a GPU."""
     xp = array_module(x2)
     N, K = x2.shape
     O = w_t.shape[0]
     xt = xp.ascontiguousarray(x2.T)                    # (K, N)
     panel = SMALL_GEMM // max(N * K, 1) // 16 * 16     # weight rows per panel (the kernel's 16-row unroll)
-    if N < 2 or panel < 32 or xp.__name__ != "numpy":
-        return (w_t @ xt).T.copy()                     # (O, K) @ (K, N) -> (O, N) -> (N, O)
+    if N < 2:
+        return (w_t @ xt).T.copy()                     # one row: NumPy's GEMV, at the weight-read speed
+    if panel < 32 or xp.__name__ != "numpy":
+        return matmul(w_t, xt).T.copy()                # (O, K) @ (K, N) -> (O, N) -> (N, O)
     out = xp.empty((O, N), dtype=xt.dtype)
     for p in range(0, O, panel):
         xp.matmul(w_t[p:p + panel], xt, out=out[p:p + panel])
@@ -94,15 +98,14 @@ def linear_backward_input(dout, w):
     Sequence parallelism runs it while the input is being all-gathered again."""
     K, O = w.shape
     lead = dout.shape[:-1]
-    return (dout.reshape(-1, O) @ w.T).reshape(*lead, K)   # (N, O) @ (O, K) -> (..., K)
+    return matmul(dout.reshape(-1, O), w.T).reshape(*lead, K)   # (N, O) @ (O, K) -> (..., K)
 
 
 def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
     """dw (K, O) = x^T dout and db (O,) or None: the half of linear_backward that needs the input."""
-    xp = array_module(dout)
     K, O = x.shape[-1], dout.shape[-1]
     x2, dout2 = x.reshape(-1, K), dout.reshape(-1, O)      # (..., K) -> (N, K), (..., O) -> (N, O)
-    dw = xp.matmul(x2.T, dout2, out=dw_out)            # (K, N) @ (N, O) -> (K, O)
+    dw = matmul(x2.T, dout2, out=dw_out)               # (K, N) @ (N, O) -> (K, O)
     db = dout2.sum(axis=0) if has_bias else None       # (N, O) -> (O,)
     return dw, db
 

@@ -241,7 +241,8 @@ def cmd_bench(args, comm) -> int:
         collective_setup(bench_moe.check, args, comm.Get_size(), comm=comm)
     collective_setup(backend.use, args.backend, comm, comm=comm)
     env = environment(comm, keep_freed_memory())
-    rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}; {env['threads_per_rank']} thread(s) "
+    rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}, linear layers' GEMMs by {env['gemm']}; "
+                f"{env['threads_per_rank']} thread(s) "
                 f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; "
                 f"{' '.join(f'{k}={v}' for k, v in env['malloc'].items()) or 'malloc defaults'}; {env['date']}",
                 comm=comm)

@@ -10,6 +10,7 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import backend
+from mpi_tp.core.blas import which as gemm_library
 from mpi_tp.core.runtime import cpu_name
 
 
@@ -68,7 +69,7 @@ def environment(comm, malloc=None) -> dict:
     except ImportError:
         cfg = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
         blas = {"internal_api": cfg.get("name"), "version": cfg.get("version")}
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "blas": blas,
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "blas": blas, "gemm": gemm_library(),
             "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
             "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
