@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 from mpi_tp import checkpoint as ck
-from mpi_tp.core import backend, standin
+from mpi_tp.core import backend, blas, standin
 from mpi_tp.core.testing import all_true, max_rel_diff
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -47,9 +47,14 @@ STAGING = ("core/gpu.py", "parallel/buffers.py", "parallel/collectives.py")   # 
 
 @pytest.fixture
 def out(tmp_path, monkeypatch, world):
-    """A folder every rank sees (rank 0's tmp_path); the stand-in on call, staging through host buffers."""
+    """A folder every rank sees (rank 0's tmp_path); the stand-in on call, staging through host buffers.
+    The NumPy runs multiply with NumPy's own BLAS (MPI_TP_BLAS=numpy), as the stand-in does, so that the
+    two sides do the same arithmetic and their bits can be compared (MKL, where mpi_tp.core.blas picks
+    it, sums in another order)."""
     monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
     monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
+    monkeypatch.setenv("MPI_TP_BLAS", "numpy")
+    monkeypatch.setattr(blas, "_mkl", None)
     yield world.bcast(str(tmp_path) if world.Get_rank() == 0 else None)
     backend.use("numpy")
 

@@ -17,6 +17,17 @@ recomputation, the dropout masks (bool, the same (S, S) positions) and the activ
 accumulate over the query blocks that see each key. At S <= Q one block is the whole sequence:
 the two paths are the same arithmetic there (tests/test_kernels_attention.py checks the blocked
 path against the dense one and against finite differences).
+
+    online (the model's from ONLINE_FROM positions)   tiles of Q x Q, the keys up to the query's:
+
+        each tile's scores merged into each row's running max m, sum l and output o (online_block),
+        out = o / l; kept for the backward: out and lse = m + log l (B, H, S), not the probabilities;
+        the backward recomputes each tile's p = e^(s - lse) (online_block_backward)
+
+The online softmax never holds more than one tile of scores: at S = 4096 the blocked form keeps 64
+MiB of probabilities per head and sequence, the online one 16 KiB of lse; it computes the scores twice
+(tests/test_online_attention.py). Ring attention (mpi_tp.parallel.ring_attention) runs the same two
+block functions over the blocks that travel around the context-parallel ring.
 """
 from __future__ import annotations
 
