@@ -70,7 +70,7 @@ def forms(rows):
             out, cache = fwd(q, k, v)
             kept = sum(a.nbytes for a in cache if isinstance(a, numpy.ndarray) and a is not q and a is not k
                        and a is not v)
-            got[name] = (ms(lambda: fwd(q, k, v), reps), ms(lambda: bwd(d, cache), reps), kept / 2 ** 20)
+            got[name] = (ms(lambda: fwd(q, k, v), reps), ms(lambda c=cache: bwd(d, c), reps), kept / 2 ** 20)
             del out, cache
         rows.append({"part": "forms", "B": B, "H": H, "S": S, "blocked": got["blocked"], "online": got["online"]})
         b, o = got["blocked"], got["online"]

@@ -46,26 +46,28 @@ V, F4 = 256, 4                      # byte vocabulary; float32
 
 
 def work(C, H, L, S, B, decode=0) -> dict:
-    """{kernel: (FLOPs, bytes moved)} per step. Training: N = B S rows; linear: 2 N (12 L C^2 + V C) per
-    pass (forward, dX, dW), the weights' bytes negligible; attention over the full S x S (S <= 128: the
-    dense path), 4 B S^2 C L forward and twice that backward, each (S, S) array written and read once
-    per pass; GELU (N, 4C) per block: forward reads x, writes y and tanh; backward reads dy, x, tanh,
-    writes dx; LayerNorm (N, C), 2L + 1 of them: read x, write x_hat and y / read dy and x_hat, write dx;
-    AdamW over P parameters reads w, g, m, v and writes w, m, v. Decoding (decode = rows): linear (the
-    few-row GEMMs, kernels._few_rows) reads every weight once, 2 rows (12 L C^2 + V C) FLOPs; attention
-    reads the rows' cached keys and values. The keys are the kernels' function names (attention's
-    backward is kernels_attention._backward_rows); NumPy's own reductions and einsums are listed apart."""
+    """{kernel: (FLOPs, bytes moved)} per step. Training: N = B S rows; the linear layers' three products
+    (forward, dX, dW: mpi_tp.core.blas.matmul; linear_forward keeps only the bias and reshapes) 2 N
+    (12 L C^2 + V C) FLOPs each, the weights' bytes negligible; attention over the full S x S (S <= 128:
+    the dense path), 4 B S^2 C L forward and twice that backward (kernels_attention._backward_rows), each
+    (S, S) array written and read once per pass; GELU (N, 4C) per block: forward reads x, writes y and
+    tanh; backward reads dy, x, tanh, writes dx; LayerNorm (N, C), 2L + 1 of them: read x, write x_hat
+    and y / read dy and x_hat, write dx; AdamW over P parameters reads w, g, m, v and writes w, m, v.
+    Decoding (decode = rows): the linear products (kernels._few_rows up to 8 rows, else one matmul) read
+    every weight once, 2 rows (12 L C^2 + V C) FLOPs; attention reads the rows' cached keys and values.
+    NumPy's own reductions and einsums are listed apart, without a limit."""
     P = 12 * L * C * C + V * C
     if decode:
         kv = 2 * L * decode * S * C * F4
-        return {"_few_rows": (2 * decode * P, P * F4), "_scores": (0, kv / 2), "_softmax_times_v": (0, kv / 2)}
+        weights = (2 * decode * P, P * F4)             # by panels (_few_rows) up to 8 rows, else one matmul
+        return {"_few_rows": weights, "matmul": weights, "_scores": (0, kv / 2), "_softmax_times_v": (0, kv / 2)}
     N, n_mm = B * S, 2 * B * S * P
-    att, hid = B * H * S * S * F4, N * 4 * C * F4
-    return {"linear_forward": (n_mm, 0), "linear_backward_input": (n_mm, 0), "linear_backward_weight": (n_mm, 0),
+    att, hid, ln = B * H * S * S * F4, N * 4 * C * F4, 3 * N * C * F4 * (2 * L + 1)
+    return {"matmul": (3 * n_mm, 0),
             "attention_forward": (4 * B * S * S * C * L, 3 * att * L), "_backward_rows": (8 * B * S * S * C * L,
                                                                                          5 * att * L),
             "gelu_forward": (0, 3 * hid * L), "gelu_backward": (0, 4 * hid * L),
-            "layernorm_forward": (0, 3 * N * C * F4 * (2 * L + 1)), "layernorm_backward": (0, 3 * N * C * F4 * (2 * L + 1)),
+            "layernorm_forward": (0, ln), "layernorm_backward": (0, ln),
             "step": (0, 7 * P * F4)}
 
 

@@ -3,7 +3,7 @@
     python experiments/validate_costmodel.py            # tables on stdout, plots into docs/figures/
     python experiments/validate_costmodel.py --out DIR  # plots somewhere else
 
-(a) Step times measured here (experiments/results/torch_compare.jsonl: `mpi-tp bench`
+(a) Step times measured here (experiments/results/intel-2026-11-30/torch_compare.jsonl: `mpi-tp bench`
     at shapes a, b, c, T = 1 and 2; dp_overlap.jsonl: T = 1 x D = 2) against the
     model with the constants from `mpi-tp calibrate` (machine_1rank.json for one-rank
     jobs, machine_2ranks.json for two-rank jobs: a rank's GEMM and memory speed
@@ -51,7 +51,7 @@ def measured_here(results=None):
     results = results or os.path.join(HERE, "results")
     machines = {n: Machine.load(os.path.join(results, f"machine_{n}.json")) for n in ("1rank", "2ranks")}
     runs = {}
-    with open(os.path.join(results, "torch_compare.jsonl")) as f:
+    with open(os.path.join(results, "intel-2026-11-30", "torch_compare.jsonl")) as f:   # the calibration's day
         for line in f:
             r = json.loads(line)
             if r["impl"] == "mpi_tp":
@@ -104,8 +104,8 @@ def plot_here(plt, rows, path):
     env = rows[0]["environment"]
     mpi = " ".join(env["mpi"].split())
     fig.text(0.01, 0.01, f"measured: {env['cpu']}, {env['cores']} cores; {mpi}; BLAS {env['blas']['internal_api']} "
-             f"{env['blas']['version']}; 1 thread/rank; {env['date']}\nsteps: experiments/results/torch_compare.jsonl, "
-             "dp_overlap.jsonl; constants: machine_1rank.json, machine_2ranks.json\n"
+             f"{env['blas']['version']}; 1 thread/rank; {env['date']}\nsteps: experiments/results/intel-2026-11-30/"
+             "torch_compare.jsonl, dp_overlap.jsonl; constants: machine_1rank.json, machine_2ranks.json\n"
              "python experiments/validate_costmodel.py", fontsize=6, va="bottom")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path)

@@ -50,7 +50,7 @@ def test_blocked_gradients_match_finite_differences():
 @pytest.mark.parametrize("mask", [None, "full", "2d"])
 @pytest.mark.parametrize("block", [5, 64])
 def test_backward_by_batch_rows_is_the_same_bits(monkeypatch, heads, mask, block):
-    """The backward a batch row at a time (CHUNK_BYTES of 1: each row its own chunk) gives the bits of the
+    """The backward a batch row at a time (CHUNK_BYTES of one row: each row its own chunk) gives the bits of the
     whole batch at once (the default, these arrays being small), dense and blocked, with every mask
     shape (a 2-d mask broadcasts over the batch rows: every chunk takes it whole)."""
     rng = np.random.default_rng(7)
@@ -60,7 +60,10 @@ def test_backward_by_batch_rows_is_the_same_bits(monkeypatch, heads, mask, block
     cache = ka.attention_forward(q, k, v, m, 1.4, block=block)[1]
     assert len(ka._batch_rows(cache[3], q, k, v, dout)) == 1          # 2 x 3 x 23 x 23 doubles: one chunk
     whole = ka.attention_backward(dout, cache)
-    monkeypatch.setattr(ka, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(ka, "CHUNK_BYTES", cache[3].nbytes // 2)              # one batch row per chunk
     assert len(ka._batch_rows(cache[3], q, k, v, dout)) == 2
+    monkeypatch.setattr(ka, "CHUNK_BYTES", cache[3].nbytes // 2 - 1)          # a row past the budget: whole
+    assert len(ka._batch_rows(cache[3], q, k, v, dout)) == 1
+    monkeypatch.setattr(ka, "CHUNK_BYTES", cache[3].nbytes // 2)
     for a, b in zip(ka.attention_backward(dout, cache), whole):
         assert a.shape == b.shape and np.array_equal(a, b)

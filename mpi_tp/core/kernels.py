@@ -36,6 +36,7 @@ CHUNK = 1 << 15          # elements per chunk of multi-pass elementwise work on 
 
 FEW_ROWS = 128           # up to this many rows, a weight stored (out, in) is the GEMM's left operand (below)
 SMALL_GEMM = 1_000_000   # multiply-adds of a product that OpenBLAS's small-matrix kernels take unpacked (SkylakeX)
+PANEL_ROWS = 8           # at most this many rows go by panels (_few_rows); more: one call (MKL's was faster)
 
 
 def linear_forward(x, w, b=None):
@@ -60,12 +61,13 @@ def linear_forward(x, w, b=None):
 
 def _few_rows(x2, w_t):
     """x2 (N, K) @ w_t.T, w_t (O, K) contiguous, N small -> (N, O) C-ordered. The weight is the tall operand:
-    (O, K) @ (K, N). On the CPU, with 2 rows or more but few enough that panels of >= 32 weight rows stay
-    under SMALL_GEMM (up to 30 rows at K 1024, 7 at K 4096), the weight goes by panels to NumPy's
+    (O, K) @ (K, N). On the CPU, with 2 to PANEL_ROWS rows, few enough that panels of >= 32 weight rows
+    stay under SMALL_GEMM (7 rows at K 4096), the weight goes by panels to NumPy's
     OpenBLAS, whose small-matrix kernels (SkylakeX builds) multiply those without packing, close to the
-    weight-read speed (C 1024, 4 rows: 1.0 ms for the (3C, C) weight, 1.8 ms in one call, 0.6 ms for one
-    row's GEMV; Intel Xeon, docs/inference.md); elsewhere the panels are the same product. More rows:
-    one call (mpi_tp.core.blas: MKL's was the faster one there), as on a GPU."""
+    weight-read speed (the (C, 3C) weight of C 1024 times 4 rows: 0.63 ms by panels, 1.20 in one call,
+    2.58 stored (in, out); one row's GEMV 0.55; Intel Xeon, experiments/gemm_shapes.py); elsewhere the
+    panels are the same product. More rows: one call (mpi_tp.core.blas: MKL's was the faster one there),
+    as on a GPU."""
     xp = array_module(x2)
     N, K = x2.shape
     O = w_t.shape[0]
@@ -73,7 +75,7 @@ def _few_rows(x2, w_t):
     panel = SMALL_GEMM // max(N * K, 1) // 16 * 16     # weight rows per panel (the kernel's 16-row unroll)
     if N < 2:
         return (w_t @ xt).T.copy()                     # one row: NumPy's GEMV, at the weight-read speed
-    if panel < 32 or xp.__name__ != "numpy":
+    if N > PANEL_ROWS or panel < 32 or xp.__name__ != "numpy":
         return matmul(w_t, xt).T.copy()                # (O, K) @ (K, N) -> (O, N) -> (N, O)
     out = xp.empty((O, N), dtype=xt.dtype)
     for p in range(0, O, panel):

@@ -118,16 +118,19 @@ def attention_backward(dout, cache):
 
 
 def _batch_rows(probs, *others):
-    """Slices of the first axis, each holding about CHUNK_BYTES of probabilities (at least one row), on the
-    CPU; one slice of everything on a GPU or where q, k, v or dout broadcasts that axis. The backward's
-    (S, S)-sized temporaries then stay in the core's cache: at (8, 4, 128, 128) float32, 1 row of 4 heads
-    per chunk took the backward from 8.5 to 4.4 ms (Intel Xeon, docs/performance.md). Each head's
-    arithmetic is unchanged, so the results are the same bits."""
+    """Slices of the first axis, each holding at most CHUNK_BYTES of probabilities, on the CPU; one slice of
+    everything on a GPU, where q, k, v or dout broadcasts that axis, or where one row alone holds more
+    (shape c's 16 heads: 1 MiB a row, 1.20x slower by rows). The backward's (S, S)-sized temporaries then
+    stay in the core's cache: (B, H, S) = (8, 4, 128) and (8, 8, 128) float32 took 0.84x and 0.86x the
+    time of the whole batch at once (Intel Xeon, experiments/attention_forms.py). Each head's arithmetic
+    is unchanged, so the results are the same bits."""
     n = probs.shape[0]
     per_row = probs.nbytes // max(n, 1)
     if array_module(probs).__name__ != "numpy" or any(a.shape[0] != n for a in others):
         return [slice(None)]
-    rows = max(1, CHUNK_BYTES // max(per_row, 1))
+    rows = CHUNK_BYTES // max(per_row, 1)
+    if rows < 1:                                       # one row alone is past the budget: no gain measured
+        return [slice(None)]
     return [slice(a, a + rows) for a in range(0, n, rows)]
 
 

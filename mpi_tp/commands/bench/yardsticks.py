@@ -10,6 +10,7 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import backend
+from mpi_tp.core.blas import matmul
 from mpi_tp.core.blas import which as gemm_library
 from mpi_tp.core.runtime import cpu_name
 
@@ -21,16 +22,17 @@ def model_flops(C, L, S, B, V=256) -> float:
 
 def gemm_peak(comm, n=2048, dtype="float32", reps=5) -> float:
     """GFLOP/s of one rank's n^3 GEMM while every rank runs the same GEMM (the fastest of reps: noise on
-    a shared machine only slows a GEMM down, and a peak is what the machine can do)."""
+    a shared machine only slows a GEMM down, and a peak is what the machine can do), by the library that
+    multiplies the model's matrices (mpi_tp.core.blas: MKL or NumPy's)."""
     xp = backend.xp()
     a = xp.asarray(numpy.random.default_rng(0).random((n, n), dtype=numpy.float32).astype(dtype))
     b = a.T.copy()
-    a @ b
+    matmul(a, b)
     times = []
     for _ in range(reps):
         comm.Barrier()
         t = time.perf_counter()
-        a @ b
+        matmul(a, b)
         backend.synchronize()
         times.append(time.perf_counter() - t)
     return 2 * n ** 3 / min(times) / 1e9
