@@ -12,9 +12,7 @@
 Medians of 5 runs (3 from S = 2048); one JSON line per measurement in
 experiments/results/attention_forms.jsonl (rewritten); Markdown tables printed with the machine.
 """
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -23,6 +21,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from gemm_shapes import median_s, write_rows  # noqa: E402
 from mpi_tp.core import kernels_attention as ka  # noqa: E402
 from mpi_tp.core.runtime import keep_freed_memory, machine_text  # noqa: E402
 
@@ -30,13 +29,7 @@ OUT = os.path.join(HERE, "results", "attention_forms.jsonl")
 
 
 def ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_s(fn, reps)
 
 
 def qkvd(B, H, S, seed=0):
@@ -84,11 +77,7 @@ def main():
           f"command: python experiments/attention_forms.py")
     chunked(rows)
     forms(rows)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        for r in rows:
-            f.write(json.dumps({"machine": machine_text(), "date": time.strftime("%Y-%m-%d %H:%M"), **r}) + "\n")
-    print(f"\nraw: {os.path.relpath(OUT)}")
+    write_rows(OUT, rows)
 
 
 if __name__ == "__main__":

@@ -102,11 +102,16 @@ def main():
           f"command: python experiments/gemm_shapes.py")
     training(libs, rows)
     decoding(libs, rows)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
+    write_rows(OUT, rows)
+
+
+def write_rows(path, rows):
+    """The measurements as JSON lines (the file rewritten), each with the machine and the date."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps({"machine": machine_text(), "date": time.strftime("%Y-%m-%d %H:%M"), **r}) + "\n")
-    print(f"\nraw: {os.path.relpath(OUT)}")
+    print(f"\nraw: {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

@@ -26,14 +26,21 @@ def test_blocked_equals_dense(heads, mask, block):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-12
 
 
-def test_blocked_gradients_match_finite_differences():
+FORMS = {"blocked": (ka.attention_forward, ka.attention_backward),
+         "online": (ka.online_attention_forward, ka.online_attention_backward)}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_gradients_match_finite_differences(form):
+    """The blocked form and the online softmax (tests/test_online_attention.py), blocks of 4 over 9 positions."""
+    forward, backward = FORMS[form]
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 9, 3)) for _ in range(3))
     dout = rng.standard_normal((1, 2, 9, 3))
 
     def loss(q, k, v):
-        return float((ka.attention_forward(q, k, v, block=4)[0] * dout).sum())
-    grads = ka.attention_backward(dout, ka.attention_forward(q, k, v, block=4)[1])
+        return float((forward(q, k, v, block=4)[0] * dout).sum())
+    grads = backward(dout, forward(q, k, v, block=4)[1])
     for name, x, g in zip("qkv", (q, k, v), grads):
         num = np.zeros_like(x)
         for i in np.ndindex(x.shape):
