@@ -138,10 +138,11 @@ def keep_freed_memory() -> dict:
     allocator alone: tests/test_runtime.py). The user's choice stands: with MALLOC_* or a
     glibc.malloc tunable in the environment nothing is changed, and MPI_TP_MALLOC=system asks for
     glibc's defaults. Returns what is in force, as bench records it ({} for glibc's defaults)."""
-    users = {k: v for k, v in os.environ.items()
-             if k.startswith("MALLOC_") or (k == "GLIBC_TUNABLES" and "malloc" in v)}
-    if users or os.environ.get("MPI_TP_MALLOC") == "system":
-        return users
+    global MALLOC
+    MALLOC = {k: v for k, v in os.environ.items()
+              if k.startswith("MALLOC_") or (k == "GLIBC_TUNABLES" and "malloc" in v)}
+    if MALLOC or os.environ.get("MPI_TP_MALLOC") == "system":
+        return MALLOC
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
@@ -149,5 +150,10 @@ def keep_freed_memory() -> dict:
         ok = libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)          # the largest glibc accepts
         ok &= libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
     except (OSError, AttributeError):                            # not glibc: its own defaults stand
-        return {}
-    return {"mpi-tp": "freed memory kept (mallopt: mmap threshold 32 MiB, trim threshold 2 GiB)"} if ok else {}
+        return MALLOC
+    if ok:
+        MALLOC = {"mpi-tp": "freed memory kept (mallopt: mmap threshold 32 MiB, trim threshold 2 GiB)"}
+    return MALLOC
+
+
+MALLOC: dict = {}        # what keep_freed_memory put in force in this process ({}: glibc's defaults)

@@ -32,7 +32,8 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp import __version__
-from mpi_tp.core import backend
+from mpi_tp.core import backend, runtime
+from mpi_tp.core.blas import which as gemm_library
 
 
 def held_memory(model, opt, comm) -> dict:
@@ -60,7 +61,8 @@ def held_memory(model, opt, comm) -> dict:
 def environment(comm) -> dict:
     return {"mpi_tp": __version__, "python": platform.python_version(), "numpy": numpy.__version__,
             "mpi": MPI.Get_library_version().splitlines()[0].strip(), "world_size": comm.Get_size(),
-            "backend": backend.name(), "host": platform.node(), "machine": platform.machine()}
+            "backend": backend.name(), "host": platform.node(), "machine": platform.machine(),
+            "gemm": gemm_library(), "malloc": runtime.MALLOC}
 
 
 def fmt_time(s: float) -> str:
