@@ -84,7 +84,9 @@ def build_parser() -> Parser:
 
 def _train(args, comm) -> int:
     from mpi_tp.training.loop import train
+    from mpi_tp.core.blas import which
     runtime.keep_freed_memory()           # the command's process, not the library's: see its docstring
+    collective_setup(which, comm=comm)    # a bad MPI_TP_BLAS is one message now, not at the first product
     cfg = collective_setup(resolve, args, comm=comm)
     train(cfg, comm)
     return 0

@@ -30,6 +30,7 @@ import numpy
 from mpi_tp.core.backend import array_module
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+_KINDS = {numpy.dtype(numpy.float32): 0, numpy.dtype(numpy.float64): 1}     # index into (sgemm, dgemm)
 _mkl = None          # (sgemm, dgemm) once loaded; False when not used
 
 
@@ -94,7 +95,7 @@ def matmul(a, b, out=None):
     M, K = a.shape
     N = b.shape[1]
     ta, tb = _operand(a), _operand(b)
-    kind = {numpy.dtype(numpy.float32): 0, numpy.dtype(numpy.float64): 1}.get(a.dtype)
+    kind = _KINDS.get(a.dtype)
     if (kind is None or b.dtype != a.dtype or ta is None or tb is None or 0 in (M, N, K) or b.shape[0] != K
             or (out is not None and (out.dtype != a.dtype or out.shape != (M, N) or not out.flags.c_contiguous
                                      or numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b)))):

@@ -72,9 +72,9 @@ def _few_rows(x2, w_t):
     N, K = x2.shape
     O = w_t.shape[0]
     xt = xp.ascontiguousarray(x2.T)                    # (K, N)
-    panel = SMALL_GEMM // max(N * K, 1) // 16 * 16     # weight rows per panel (the kernel's 16-row unroll)
     if N < 2:
         return (w_t @ xt).T.copy()                     # one row: NumPy's GEMV, at the weight-read speed
+    panel = SMALL_GEMM // (N * K) // 16 * 16           # weight rows per panel (the kernel's 16-row unroll)
     if N > PANEL_ROWS or panel < 32 or xp.__name__ != "numpy":
         return matmul(w_t, xt).T.copy()                # (O, K) @ (K, N) -> (O, N) -> (N, O)
     out = xp.empty((O, N), dtype=xt.dtype)

@@ -262,8 +262,7 @@ def online_attention_backward(dout, cache):
     xp = array_module(dout)
     qs = q * (1.0 / math.sqrt(q.shape[-1]))
     D = xp.einsum("...td,...td->...t", dout, out)                   # rowsum(dout * out)
-    dq = xp.zeros(_lead(q, k) + q.shape[-2:], dtype=q.dtype)
-    dk, dv = xp.zeros(k.shape, dtype=q.dtype), xp.zeros(v.shape, dtype=q.dtype)
+    dq, dk, dv = (xp.zeros(a.shape, dtype=q.dtype) for a in (q, k, v))
     for rows, cols, diag in _tiles(q.shape[-2], block):
         online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, dv,
                               None if drop_mask is None else drop_mask[..., rows, cols], drop_scale)

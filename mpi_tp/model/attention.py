@@ -114,7 +114,7 @@ class ParallelAttention(Module):
         B, _, S, _ = q.shape
         gq, gk, gv = self.grouped(q, k, v)
         y, cache = ring_forward(gq, gk, gv, self.cp, self._ring_masks(B), self.dropout.scale)
-        self.save_cache(cache[:6] + (self.dropout.key(),))                # the masks are drawn again
+        self.save_cache(cache[:6] + (self.dropout.key(),), False)         # the masks are drawn again
         y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)
         return self.proj.forward(y)
 
@@ -141,14 +141,12 @@ class ParallelAttention(Module):
         dy = self.proj.backward(dout)                                    # (B, S, H_i hs)
         B, S = dy.shape[:2]
         dy = dy.reshape(B, S, self.H_i, self.hs).transpose(0, 2, 1, 3)  # (B, H_i, S, hs)
-        cache, *online = self.take_cache()
-        if online and online[0]:
-            if self.H_kv_i != self.H_i:
-                dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
+        if self.H_kv_i != self.H_i:                                     # grouped: (B, H_kv_i, R_i, S, hs)
+            dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
+        cache, online = self.take_cache()
+        if online:
             return self._qkv_backward(*ka.online_attention_backward(dy, cache), B, S, dout.dtype)
         if self.cp is not None:      # ring attention's backward, with the forward's masks drawn again
-            if self.H_kv_i != self.H_i:
-                dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
             with self.dropout.replay(cache[-1]):
                 masks = self._ring_masks(B)
             return self._qkv_backward(*ring_backward(dy, cache[:6] + (masks, self.dropout.scale)), B, S, dout.dtype)
@@ -159,8 +157,6 @@ class ParallelAttention(Module):
                 with self.dropout.replay(key):
                     mask = self.dropout.head_masks(B, S, self.heads, self.layer)
             _, cache = kern.attention_forward(q, k, v, self._grouped_mask(mask), self.dropout.scale)
-        if self.H_kv_i != self.H_i:
-            dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
         dq, dk, dv = kern.attention_backward(dy, cache)                  # dq like q, dk and dv like k and v
         return self._qkv_backward(dq, dk, dv, B, S, dout.dtype)
 

@@ -240,7 +240,8 @@ def cmd_bench(args, comm) -> int:
     if args.moe:
         collective_setup(bench_moe.check, args, comm.Get_size(), comm=comm)
     collective_setup(backend.use, args.backend, comm, comm=comm)
-    env = environment(comm, keep_freed_memory())
+    keep_freed_memory()                                  # the command's process (runtime.keep_freed_memory)
+    env = environment(comm)
     rank0_print(f"{env['cpu']}, {env['cores']} cores; BLAS {env['blas']}, linear layers' GEMMs by {env['gemm']}; "
                 f"{env['threads_per_rank']} thread(s) "
                 f"per rank; {env['ranks']} rank(s); {env['mpi']}; numpy {env['numpy']}; "

@@ -9,7 +9,7 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.core import backend
+from mpi_tp.core import backend, runtime
 from mpi_tp.core.blas import matmul
 from mpi_tp.core.blas import which as gemm_library
 from mpi_tp.core.runtime import cpu_name
@@ -60,8 +60,8 @@ def allreduce_overhead(topo, shape, dtype, reps=30) -> dict:
     return out
 
 
-def environment(comm, malloc=None) -> dict:
-    """What a figure ran on. malloc: what keep_freed_memory put in force (None: the environment's MALLOC_*)."""
+def environment(comm) -> dict:
+    """What a figure ran on; malloc: what keep_freed_memory put in force, else the environment's MALLOC_*."""
     blas = {}
     try:
         from threadpoolctl import threadpool_info
@@ -75,6 +75,6 @@ def environment(comm, malloc=None) -> dict:
             "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
             "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
-            "malloc": malloc if malloc is not None else
+            "malloc": runtime.MALLOC or
             {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
             "date": time.strftime("%Y-%m-%d %H:%M")}
