@@ -165,8 +165,9 @@ class ParallelAttention(Module):
         dq, dk, dv = self.ungroup(dq), dk.reshape(B, self.H_kv_i, S, self.hs), dv.reshape(B, self.H_kv_i, S, self.hs)
         if self.rope is not None:
             dq, dk = self.rope.backward(dq, dk)
-        n_q, n_kv = self.H_i * self.hs, self.H_kv_i * self.hs
-        dqkv = backend.xp().empty((B, S, n_q + 2 * n_kv), dtype=dtype)
-        for at, n, d in ((0, n_q, dq), (n_q, n_kv, dk), (n_q + n_kv, n_kv, dv)):   # (B, heads, S, hs) each
-            dqkv[:, :, at:at + n] = d.transpose(0, 2, 1, 3).reshape(B, S, n)
+        H_q, H_kv = self.H_i, self.H_kv_i
+        dqkv = backend.xp().empty((B, S, (H_q + 2 * H_kv) * self.hs), dtype=dtype)
+        heads = dqkv.reshape(B, S, H_q + 2 * H_kv, self.hs)            # a view: [q heads | k heads | v heads]
+        for at, n, d in ((0, H_q, dq), (H_q, H_kv, dk), (H_q + H_kv, H_kv, dv)):   # (B, heads, S, hs) each
+            heads[:, :, at:at + n] = d.transpose(0, 2, 1, 3)            # one pass, no reshaped copy
         return self.qkv.backward(dqkv)                                   # one GEMM, f's all-reduce
