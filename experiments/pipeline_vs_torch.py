@@ -163,8 +163,8 @@ def plot(rows, summ, figure, command, raw):
             ax.plot([x] * len(pts), pts, "k.", ms=3)
         if job != "torch":
             for x, k in zip(xs, keys):
-                ax.text(x, 0.03 * top, f"bubble {summ[k][job + '_bubble']:.3f}", ha="center", va="bottom",
-                        fontsize=6, color="white", rotation=90)
+                ax.text(x, 0.03 * top, f"{summ[k][job + '_bubble']:.3f}", ha="center", va="bottom",
+                        fontsize=6, color="white", rotation=90)      # the bubble, inside even a short bar
     ax.set_xticks(range(len(keys)), [f"config {c}\n{n}, M = {M}" for c, n, M in keys], fontsize=8)
     ax.set_ylabel("step ms (median over rounds; dots: each round)")
     ax.set_title("P = 2 stages, float32, 1 thread per rank; in mpi_tp's bars: bubble = "

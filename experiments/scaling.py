@@ -63,8 +63,9 @@ def bench(T, shape, steps):
 
 def stamp(env, command):
     blas = env["blas"]
+    gemm = "; linear layers' GEMMs by MKL" if env.get("gemm") == "mkl" else ""      # mpi_tp.core.blas's choice
     return (f"{env['cpu']}, {env['cores']} cores; {' '.join(env['mpi'].split())}; BLAS {blas.get('internal_api')} "
-            f"{blas.get('version')} ({blas.get('architecture')}); 1 thread/rank; {env['date']}\n{command}")
+            f"{blas.get('version')} ({blas.get('architecture')}){gemm}; 1 thread/rank; {env['date']}\n{command}")
 
 
 def plot(rows, command, figs=None):
