@@ -56,7 +56,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
 
-BANDWIDTH_MIB = 128           # per rank: 4 x this machine's 32 MiB L3, so the product streams from memory
+BANDWIDTH_MIB = 128           # per rank: past the L3s measured (32-48 MiB): the product streams from memory
 
 
 def add_arguments(b) -> None:
