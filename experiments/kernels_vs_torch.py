@@ -187,6 +187,8 @@ def main():
         side(args.side, args.shape, os.path.abspath(args.peer))
         return
     if args.replot:
+        if not os.path.isfile(args.out):
+            sys.exit(f"no {args.out}: run the comparison first (without --replot)")
         with open(args.out) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         print(f"{rows[0]['machine']}; mpi_tp's GEMMs by {rows[0]['gemm_library']}; {rows[0]['date']}\n")
