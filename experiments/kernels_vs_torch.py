@@ -16,11 +16,11 @@ side clipping's norm), the time of each kernel family per forward + backward:
 mpi_tp: the kernel functions wrapped in timers (a microsecond a call) during the timed steps themselves;
 PyTorch: 5 more passes under torch.profiler (whose own cost is large), each family its ops' own CPU time.
 Each family is the median over its passes; "rest" is the forward + backward median less them (noisy on
-PyTorch's side: two sets of passes). The table
-gives the medians over rounds, the step ratio (the median of each round's mpi_tp / PyTorch) and the GEMM
-floor: mpi_tp's GEMMs alone over PyTorch's step. Where both multiply with the same library (MKL, on
-Intel) no change outside the products brings the ratio below that floor. One JSON line per side and
-round in --out (the machine, GEMM library, date and command in each); --replot prints the table again.
+PyTorch's side: two sets of passes). The table gives the medians over rounds, the step ratio (the median
+of each round's mpi_tp / PyTorch) and the GEMM floor: mpi_tp's GEMMs alone over PyTorch's step. Where
+both multiply with the same library (MKL, on Intel) no change outside the products brings the ratio below
+that floor. One JSON line per side and round in --out (the machine, GEMM library, date and command in
+each); --replot prints the table again.
 """
 import argparse
 import json
