@@ -196,6 +196,26 @@ def test_data_parallel_overlap_hides_at_most_the_last_backward():
     assert never["dp_hidden"] == 0 and never["total"] == pytest.approx(after["total"])
 
 
+def test_expert_gradients_reduced_over_their_replicas_only():
+    """An expert's gradients are summed over the dp / ep replicas holding it (the reducer's edp group), the
+    dense gradients over dp; ZeRO-1 keeps a share of each over its own group; at ep = dp nothing of the
+    experts is reduced."""
+    m = cpu(intra_alpha=1e-4, intra_bw=1e8, inter_alpha=1e-4, inter_bw=1e8, opt_traffic_per_param=16)
+    w = Workload(n_layer=4, n_embd=256, n_head=4, seq=64, global_batch=32, experts=8, top_k=2, moe_every=2)
+    all_experts = w.moe_layers * w.experts * w.expert_params
+    dense = (w.params - all_experts) * 4                           # bytes, every rank (tp = pp = 1)
+    for ep in (1, 2, 4, 8):
+        experts = all_experts / ep * 4                             # the rank's E / ep experts
+        got = step_time(m, w, Layout(dp=8, ep=ep, micro_batch=4, overlap_dp=False))
+        want = ring_all_reduce(dense, 8, 1e-4, 1e8) + ring_all_reduce(experts, 8 // ep, 1e-4, 1e8)
+        assert got["dp_comm"] == pytest.approx(want), ep
+        zero = step_time(m, w, Layout(dp=8, ep=ep, micro_batch=4, overlap_dp=False, zero=1))
+        want = 2 * (ring_all_gather(dense, 8, 1e-4, 1e8) + ring_all_gather(experts, 8 // ep, 1e-4, 1e8))
+        assert zero["dp_comm"] == pytest.approx(want), ep          # reduce-scatter + the parameters' all-gather
+        share = dense / 4 / 8 + experts / 4 / (8 // ep)
+        assert zero["optimizer"] == pytest.approx(share * 16 / m.mem_bw), ep
+
+
 def test_worked_example_matches_the_code(capsys):
     """docs/costmodel.md works one layout by hand: its table of terms equals step_time, and the `mpi-tp plan`
     output it quotes (the command is read from the page) is what the command prints now."""

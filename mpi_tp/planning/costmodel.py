@@ -227,20 +227,28 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
         bubble = (p - 1) / (v * micro) * (compute + tp_comm + cp_comm + ep_comm)
     params_rank = w.params / (t * p)
-    if w.moe_layers and lay.ep > 1:  # the experts a rank holds: E / ep of them
+    experts_rank = 0.0               # the rank's E / ep experts: reduced over the dp / ep replicas holding them
+    if w.moe_layers:
         params_rank -= w.moe_layers * w.experts * w.expert_params * (1 - 1 / lay.ep) / (t * p)
-    grad_bytes = params_rank * 4
+        experts_rank = w.moe_layers * w.experts * w.expert_params / lay.ep / (t * p)
     overlaps = lay.overlap_dp and not hierarchical_dp
     da, dbw = _link(links["dp"], m)
     d = d * c                                                  # the reducer's group: cp x dp
-    # ZeRO-1: the parameters' all-gather after the update (not hidden)
-    gather = ring_all_gather(grad_bytes, d, da, dbw) if lay.zero and d > 1 else 0.0
-    if d > 1 and hierarchical_dp:
-        dp_comm = hierarchical_all_reduce(grad_bytes, d, max(1, m.ranks_per_node // (t * p)), m)
-    elif lay.zero and d > 1:
-        dp_comm = ring_all_gather(grad_bytes, d, da, dbw)       # the reduce-scatter of the gradients
-    else:
-        dp_comm = ring_all_reduce(grad_bytes, d, da, dbw)
+    de = d // lay.ep                                           # the experts' (edp; cp is 1 with experts)
+    per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
+    gather, dp_comm = 0.0, 0.0
+    for n_bytes, g, g_node in (((params_rank - experts_rank) * 4, d, per_node),
+                               (experts_rank * 4, de, max(1, per_node // lay.ep))):
+        if g < 2 or n_bytes == 0:
+            continue
+        if lay.zero:                 # ZeRO-1: the parameters' all-gather after the update (not hidden)
+            gather += ring_all_gather(n_bytes, g, da, dbw)
+        if hierarchical_dp:
+            dp_comm += hierarchical_all_reduce(n_bytes, g, g_node, m)
+        elif lay.zero:
+            dp_comm += ring_all_gather(n_bytes, g, da, dbw)     # the reduce-scatter of the gradients
+        else:
+            dp_comm += ring_all_reduce(n_bytes, g, da, dbw)
     dp_hidden = 0.0
     if overlaps and dp_comm > 0:
         # the last micro-batch's backward pass (2 of its 3 passes, 3 of 4 when recomputing) hides
@@ -248,7 +256,8 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         backward = (compute + tp_comm) / micro * (fwd_bwd - 1) / fwd_bwd
         last_bucket = min(1.0, (V * h / t + w.seq * h + 2 * h) / params_rank)
         dp_hidden = min(dp_comm * (1 - last_bucket), m.dp_overlap * backward)
-    opt = params_rank * m.opt_traffic_per_param / m.mem_bw / (d if lay.zero else 1)
+    shards = ((params_rank - experts_rank) / d + experts_rank / de) if lay.zero else params_rank   # ZeRO-1: a share
+    opt = shards * m.opt_traffic_per_param / m.mem_bw
     dp_comm += gather
     total = compute + tp_comm + cp_comm + ep_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
     return {"total": total, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm,

@@ -33,11 +33,11 @@ LEGEND = (
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
                 "without +sp; the machine's pp_overlap of each transfer hidden, but in the fill and drain)")),
     ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
-    ("dp comm", ("the gradient all-reduce over the D replicas (float32), minus what the last backward pass "
-                "hides (+zero1: a reduce-scatter of the gradients, hidden alike, and an all-gather of the "
-                "parameters after the update)")),
+    ("dp comm", ("the gradient all-reduce over the D replicas (float32; experts' over the D/ep holding them), "
+                "minus what the last backward pass hides (+zero1: a reduce-scatter of the gradients, hidden "
+                "alike, and an all-gather of the parameters after the update)")),
     ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
-              "(+zero1: / D, its share)")),
+              "(+zero1: its share, / D; experts' / (D/ep))")),
     ("GB/rank", "memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
                 "activations, logits"),
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
