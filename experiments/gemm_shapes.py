@@ -9,9 +9,9 @@ by NumPy (OpenBLAS), MKL (mpi_tp.core.blas, when the mkl wheel is installed) and
 when torch is installed: the peer's library). Decoding (C 1024: weights (1024, 3072), (4096, 1024),
 (1024, 4096); 1 to 32 rows): milliseconds of x @ w with the weight stored (in, out), stored (out, in)
 as one call (w_t @ x^T), by panels (kernels._few_rows), and by MKL, each product on the next of copies
-of the weight, 192 MiB in all (read from memory, as in a model, not from L3). Medians of 15 runs; one JSON
-line per measurement in experiments/results/gemm_shapes.jsonl (rewritten), the machine named; the tables
-print as Markdown. A shared machine is noisy: compare within one run.
+of the weight (96 MiB of them in each layout, twice the 48 MB L3: read from memory, as in a model).
+Medians of 15 runs; one JSON line per measurement in experiments/results/gemm_shapes.jsonl (rewritten),
+the machine named; the tables print as Markdown. A shared machine is noisy: compare within one run.
 """
 import itertools
 import json
@@ -78,12 +78,12 @@ def training(libs, rows):
             print(f"| {C} | ({K}, {O}) | " + " | ".join(cells) + " |")
 
 
-COLD_BYTES = 192 * 2 ** 20     # decoding's weights cycle through copies this large: past any L3, as in a model
+COLD_BYTES = 192 * 2 ** 20     # decoding's copies of a weight, both layouts together: 96 MiB per layout, past L3
 
 
 def decoding(libs, rows):
-    """Each product on the next of several copies of the weight (COLD_BYTES in all): a decode step reads
-    ~100 MB of weights once, from memory; one weight of 12-16 MB timed again and again would sit in a
+    """Each product on the next of several copies of the weight (COLD_BYTES / 2 in its layout): a decode step
+    reads ~100 MB of weights once, from memory; one weight of 12-16 MB timed again and again would sit in a
     48 MB L3 and read faster than any model step can."""
     forms = {"(in, out): x @ w": lambda x, w, wt, xt: x @ w,
              "(out, in), one call": lambda x, w, wt, xt: wt @ xt,

@@ -20,12 +20,10 @@ needs_mkl = pytest.mark.skipif(not HAS_MKL, reason="the mkl wheel is not install
 
 @pytest.fixture
 def mkl(monkeypatch):
-    """MKL chosen for this test, whatever the CPU (MPI_TP_BLAS=mkl); the process's choice restored after."""
+    """MKL chosen for this test, whatever the CPU (MPI_TP_BLAS=mkl); monkeypatch restores the process's choice."""
     monkeypatch.setenv("MPI_TP_BLAS", "mkl")
     monkeypatch.setattr(blas, "_mkl", None)
     assert blas.which() == "mkl"
-    yield
-    monkeypatch.setattr(blas, "_mkl", None)
 
 
 @needs_mkl
@@ -73,3 +71,14 @@ def test_the_choice_follows_mpi_tp_blas_and_the_cpu():
     assert which(MPI_TP_BLAS="numpy") == "numpy"
     assert which() == ("mkl" if HAS_MKL and blas._intel() else "numpy")
     assert "MPI_TP_BLAS='fast': use auto, numpy or mkl" in which(MPI_TP_BLAS="fast")
+
+
+def test_every_command_refuses_a_bad_setting_at_start(tmp_path):
+    """mpi_tp.commands.cli.main checks MPI_TP_BLAS before any command runs (blas.check, collectively): one
+    line and status 2, before the command's own work (here inspect, which would otherwise report the
+    missing checkpoint)."""
+    env = {**os.environ, "MPI_TP_BLAS": "fast"}
+    r = subprocess.run([sys.executable, "-m", "mpi_tp", "inspect", str(tmp_path / "none")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    want = "mpi-tp: error: MPI_TP_BLAS='fast': use auto, numpy or mkl"
+    assert r.returncode == 2 and r.stderr.strip() == want, r.stderr

@@ -36,6 +36,7 @@ from mpi_tp.core import runtime
 COMM = MPI.COMM_WORLD
 runtime.limit_blas_threads(COMM)      # before NumPy loads its BLAS (the imports below)
 
+from mpi_tp.core import blas  # noqa: E402
 from mpi_tp.core.runtime import (  # noqa: E402
     UserError,
     check_world_size,
@@ -84,9 +85,7 @@ def build_parser() -> Parser:
 
 def _train(args, comm) -> int:
     from mpi_tp.training.loop import train
-    from mpi_tp.core.blas import which
     runtime.keep_freed_memory()           # the command's process, not the library's: see its docstring
-    collective_setup(which, comm=comm)    # a bad MPI_TP_BLAS is one message now, not at the first product
     cfg = collective_setup(resolve, args, comm=comm)
     train(cfg, comm)
     return 0
@@ -97,6 +96,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_world_size(COMM)
+        collective_setup(blas.check, comm=COMM)      # a bad MPI_TP_BLAS: one message at start, whatever the command
         return args.run(args, COMM)
     except UserError as e:
         if COMM.Get_rank() == 0:

@@ -42,19 +42,24 @@ def _intel() -> bool:
         return False
 
 
-def _load():
-    """MKL's two GEMMs, or False: MPI_TP_BLAS=numpy, no MKL library, or (unless MPI_TP_BLAS=mkl) not Intel."""
+def check() -> tuple[str, list[str]]:
+    """(MPI_TP_BLAS's choice, the MKL libraries in this Python's prefix), or a UserError for a bad setting: a
+    value other than auto/numpy/mkl, or mkl asked for and not installed. Cheap (nothing loaded): the
+    commands run it collectively at start (mpi_tp.commands.cli.main), so a bad setting is one message."""
+    from mpi_tp.core.errors import UserError
     choice = os.environ.get("MPI_TP_BLAS", "auto")
     if choice not in ("auto", "numpy", "mkl"):
-        from mpi_tp.core.errors import UserError
         raise UserError(f"MPI_TP_BLAS={choice!r}: use auto, numpy or mkl")
-    if choice == "numpy" or (choice == "auto" and not _intel()):
-        return False
     paths = sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
-    if not paths:
-        if choice == "mkl":
-            from mpi_tp.core.errors import UserError
-            raise UserError("MPI_TP_BLAS=mkl but no libmkl_rt in this Python's prefix: pip install mkl")
+    if choice == "mkl" and not paths:
+        raise UserError("MPI_TP_BLAS=mkl but no libmkl_rt in this Python's prefix: pip install mkl")
+    return choice, paths
+
+
+def _load():
+    """MKL's two GEMMs, or False: MPI_TP_BLAS=numpy, no MKL library, or (unless MPI_TP_BLAS=mkl) not Intel."""
+    choice, paths = check()
+    if choice == "numpy" or (choice == "auto" and not _intel()) or not paths:
         return False
     lib = ctypes.CDLL(paths[0])
     threads = int(os.environ.get("MKL_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 1)
@@ -103,5 +108,5 @@ def matmul(a, b, out=None):
     if out is None:
         out = numpy.empty((M, N), dtype=a.dtype)
     _mkl[kind](ROW_MAJOR, ta[0], tb[0], M, N, K, 1.0, a.ctypes.data, ta[1], b.ctypes.data, tb[1], 0.0,
-               out.ctypes.data, max(N, 1))
+               out.ctypes.data, N)
     return out
