@@ -96,6 +96,17 @@ def pytest_runtest_call(item):
 FREED = [0]
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)     # a pytest-xdist worker (tests/run.sh)
+    if workeroutput is not None:
+        workeroutput["topologies_freed"] = FREED[0]
+
+
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: add up its workers' counts (the tests ran there)."""
+    FREED[0] += getattr(node, "workeroutput", {}).get("topologies_freed", 0)
+
+
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"topologies freed after their tests: {FREED[0]}")
 

@@ -3,8 +3,12 @@
 #
 #   bash tests/run.sh              (from the repository root, with mpi_tp and the 'test' extra installed)
 #
-# Pass 1 runs every test in one process (kernels, data, CLI jobs that start their
-# own mpiexec, and the MPI tests at world size 1). Passes 2, 3 and 4 run the MPI tests
+# Pass 1 runs every test without mpiexec (kernels, data, CLI jobs that start their
+# own mpiexec, and the MPI tests at world size 1), its files shared out among
+# MPI_TP_TEST_WORKERS pytest-xdist workers (default: the cores, at most 4; 0 or 1, or no
+# pytest-xdist: one process; each file's tests stay in one worker, so a file's fixtures and
+# the folders they own are never shared; on the 2-core build machine 2 workers took 373 s where
+# one took 478). Passes 2, 3 and 4 run the MPI tests
 # (those marked @pytest.mark.mpi, selected with -m mpi) under mpiexec; 3 ranks split
 # heads, vocabulary, MLP width (4C) and sequence unevenly, which 2 and 4 cannot do for 4C.
 # Passes 5, 6 and 7 run the GPU tests (tests/test_gpu.py, skipped above without CuPy and a GPU) on
@@ -64,7 +68,15 @@ pass() {  # pass NAME CMD...: run one pytest pass; pytest exit 5 (no tests ran) 
 }
 
 PYTEST=(-m pytest -p no:cacheprovider -q -rfEs --with-mpi tests "$@")
-MPI_TP_EXPECT_WORLD=1 pass "world size 1" "$PY" "${PYTEST[@]}"
+# (nproc obeys OMP_NUM_THREADS, set to 1 above: not here)
+WORKERS=${MPI_TP_TEST_WORKERS:-$(n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
+                                 echo $((n < 4 ? n : 4)))}
+case $WORKERS in ''|*[!0-9]*) echo "tests/run.sh: MPI_TP_TEST_WORKERS=$WORKERS: give a number of workers (0 or 1: one process)"; exit 1 ;; esac
+SPREAD=()
+if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+  SPREAD=(-n "$WORKERS" --dist loadfile)
+fi
+MPI_TP_EXPECT_WORLD=1 pass "world size 1" "$PY" "${PYTEST[@]}" "${SPREAD[@]}"
 for n in 2 3 4; do
   MPI_TP_EXPECT_WORLD=$n pass "world size $n" "$MPIEXEC" -n "$n" "$PY" -m mpi4py "${PYTEST[@]}" -m mpi
 done
