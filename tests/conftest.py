@@ -13,6 +13,8 @@
   rank: an MPI process has a few thousand communicators, and a suite that left
   each test's layouts behind ran out of them ("Too many communicators").
   Fixtures keep theirs (they are made before the body runs).
+- Ranks above 0 report on stderr, short (failures and the closing line): stdout
+  holds rank 0's report alone, whole lines that the other ranks cannot cut.
 """
 from __future__ import annotations
 
@@ -30,8 +32,12 @@ WORLD = MPI.COMM_WORLD
 SYNC_TIMEOUT = float(os.environ.get("MPI_TP_TEST_SYNC_TIMEOUT", "120"))
 
 
+@pytest.hookimpl(tryfirst=True)          # before pytest's terminal reporter takes sys.stdout
 def pytest_configure(config):
     if WORLD.Get_rank() > 0:      # rank 0 reports in full; the others keep to failures and the summary
+        # ... on stderr: a launcher forwards each rank's output in pieces, and rank 1's summary landed
+        # inside rank 0's last lines, which tests/run.sh reads from stdout
+        sys.stdout = sys.stderr
         config.option.verbose = min(config.option.verbose, -1)
         # ... and leave skips out of their short summary, so that the SKIPPED lines tests/run.sh
         # counts (-rs) are rank 0's alone (every rank skips the same tests)
