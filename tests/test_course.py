@@ -24,7 +24,6 @@ These tests start their own MPI jobs, so they run in the one-rank pass only.
 """
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from test_docs import (
     course_setup,
     student_env,
     student_shell,
+    students_folders,
     why_no_student_shell,
 )
 
@@ -119,7 +119,8 @@ def run(command: str):
                        env=student_env(), cwd=ROOT)
     out = f"\n--- stdout (end) ---\n{r.stdout[-3000:]}\n--- stderr (end) ---\n{r.stderr[-2000:]}"
     if EXPECT_FAIL in command:
-        assert r.returncode == 1 and "FAIL" in r.stdout, f"`{command}` should fail with FAIL, exited {r.returncode}{out}"
+        assert r.returncode == 1 and "FAIL" in r.stdout, \
+            f"`{command}` should fail with FAIL, exited {r.returncode}{out}"
     else:
         assert r.returncode == 0, f"`{command}` exited {r.returncode}{out}"
 
@@ -130,17 +131,9 @@ NO_STUDENT_SHELL = why_no_student_shell()
 @pytest.fixture(scope="module", autouse=True)
 def fresh_course_dirs(tmp_path_factory):
     """The pages write under /tmp/mpi_tp_course and /tmp/mpi_tp_exercises: the tests start with neither,
-    and a student's own work found there is moved aside first and put back after."""
-    saved = tmp_path_factory.mktemp("students_work")
-    dirs = [Path("/tmp/mpi_tp_course"), Path("/tmp/mpi_tp_exercises")]
-    for d in dirs:
-        if d.exists():
-            shutil.move(str(d), str(saved / d.name))
-    yield
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
-        if (saved / d.name).exists():
-            shutil.move(str(saved / d.name), str(d))
+    and a student's own work found there is moved aside first and put back after (test_docs.students_folders)."""
+    yield from students_folders([Path("/tmp/mpi_tp_course"), Path("/tmp/mpi_tp_exercises")],
+                                tmp_path_factory.mktemp("students_work"))
 
 
 @pytest.mark.skipif(NO_STUDENT_SHELL is not None, reason=str(NO_STUDENT_SHELL))

@@ -12,14 +12,19 @@
   hold this interpreter's environment, after the `source` line of the course's
   set-up (docs/course.md) and nothing else (`student_shell`). The lines run in
   document order, so a command may read what an earlier one wrote (the lesson
-  inspects the checkpoint of the run before it).
+  inspects the checkpoint of the run before it). The folders they write under
+  /tmp (their --out) start empty and are removed after, with the
+  `.replaced-<date-time>` copies that --overwrite made meanwhile; a student's
+  own work found there is moved aside and put back (`students_folders`).
 
 These tests start their own MPI jobs, so they run in the one-rank pass only
 (no mpi marker).
 """
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +89,31 @@ def why_no_student_shell() -> str | None:
     return None
 
 
+def students_folders(folders: list[Path], saved: Path):
+    """Generator for a fixture around tests that run a page's commands, which write into `folders`: they
+    start without them (a student's own work there is moved into `saved` first), and afterwards lose them
+    and every `<folder>.replaced-<date-time>` that --overwrite made meanwhile; the student's work comes back."""
+    def copies():
+        return {p for d in folders for p in d.parent.glob(glob.escape(d.name) + ".replaced-*")}
+    before = copies()
+    for d in folders:
+        if d.exists():
+            shutil.move(str(d), str(saved / d.name))
+    yield
+    for d in list(folders) + sorted(copies() - before):
+        shutil.rmtree(d, ignore_errors=True)
+    for d in folders:
+        if (saved / d.name).exists():
+            shutil.move(str(saved / d.name), str(d))
+
+
+@pytest.fixture(scope="module")
+def lesson_folders(tmp_path_factory):
+    """The lesson's runs' folders (the --out of its commands) left as a student had them."""
+    outs = {m for c in bash_commands(LESSON) for m in re.findall(r"--out (\S+)", c)}
+    yield from students_folders([Path(o) for o in sorted(outs)], tmp_path_factory.mktemp("students_work"))
+
+
 def links(path: Path) -> list[str]:
     """Targets of the Markdown links and images in `path`, outside code blocks and code spans."""
     text = INLINE_CODE.sub("", FENCE.sub("", path.read_text()))
@@ -118,7 +148,7 @@ def test_the_lesson_has_commands():
 
 @pytest.mark.skipif(why_no_student_shell() is not None, reason=str(why_no_student_shell()))
 @pytest.mark.parametrize("command", bash_commands(LESSON), ids=lambda c: c[:70])
-def test_lesson_command_runs(command):
+def test_lesson_command_runs(command, lesson_folders):
     r = subprocess.run(student_shell(command), capture_output=True, text=True, timeout=TIMEOUT,
                        env=student_env(), cwd=ROOT)
     assert r.returncode == 0, (f"`{command}` exited {r.returncode}\n--- stdout (end) ---\n{r.stdout[-2000:]}"

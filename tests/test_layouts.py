@@ -155,23 +155,28 @@ def test_checkpoint_from_any_layout_loads_serially(world, serial_reference):
     from mpi_tp import checkpoint as ck
     for tp, dp in layouts(world.Get_size()):
         root = world.bcast(tempfile.mkdtemp(prefix="mpi_tp_layout_") if world.Get_rank() == 0 else None)
-        topo = Topology.create(world, tp=tp, dp=dp)
-        model = build(topo, sp=True)
-        _, trained_opt = run(model, topo, rows=B, zero=True)
-        ck.save(root, 10, model, trained_opt, {"config": model.cfg.to_dict()})
-        _, ref_weights, ref_moments = serial_reference(dp)
-        serial = build(Topology.serial(), sp=False)
-        opt = AdamW(serial.parameters())
-        with ck.Checkpoint(root) as c:
-            ck.load_into(c, serial, opt)
-        ok = all(np.abs(p.data - ref_weights[p.name]).max() <= 1e-8 * np.abs(ref_weights[p.name]).max()
-                 for p in serial.parameters() if not p.name.endswith("attn/k/bias"))
-        for k, arrays in opt.state_tensors().items():
-            for p, a in zip(opt.params, arrays):
-                if not p.name.endswith("attn/k/bias"):
-                    ref = ref_moments[f"{k}/{p.name}"]
-                    ok &= np.abs(a - ref).max() <= 1e-8 * max(np.abs(ref).max(), 1e-30)
-        assert all_true(ok, world), f"checkpoint saved at tp={tp} dp={dp} (sp, zero-1) differs from serial"
+        try:
+            topo = Topology.create(world, tp=tp, dp=dp)
+            model = build(topo, sp=True)
+            _, trained_opt = run(model, topo, rows=B, zero=True)
+            ck.save(root, 10, model, trained_opt, {"config": model.cfg.to_dict()})
+            _, ref_weights, ref_moments = serial_reference(dp)
+            serial = build(Topology.serial(), sp=False)
+            opt = AdamW(serial.parameters())
+            with ck.Checkpoint(root) as c:
+                ck.load_into(c, serial, opt)
+            ok = all(np.abs(p.data - ref_weights[p.name]).max() <= 1e-8 * np.abs(ref_weights[p.name]).max()
+                     for p in serial.parameters() if not p.name.endswith("attn/k/bias"))
+            for k, arrays in opt.state_tensors().items():
+                for p, a in zip(opt.params, arrays):
+                    if not p.name.endswith("attn/k/bias"):
+                        ref = ref_moments[f"{k}/{p.name}"]
+                        ok &= np.abs(a - ref).max() <= 1e-8 * max(np.abs(ref).max(), 1e-30)
+            assert all_true(ok, world), f"checkpoint saved at tp={tp} dp={dp} (sp, zero-1) differs from serial"
+        except BaseException:                    # a failed test leaves no folder behind either (no barrier:
+            if world.Get_rank() == 0:            # another rank may not have failed with this one)
+                shutil.rmtree(root, ignore_errors=True)
+            raise
         world.Barrier()
         if world.Get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
