@@ -19,15 +19,13 @@ do not care.
 """
 from __future__ import annotations
 
-import math
-
+from mpi_tp.core import kernels_fused as fused
 from mpi_tp.core.backend import array_module
 from mpi_tp.core.blas import matmul
 from mpi_tp.core.kernels_attention import _causal_bias, _sum_to, attention_backward, attention_forward  # noqa: F401
+from mpi_tp.core.kernels_fused import GELU_CUBIC, GELU_SCALE
 from mpi_tp.core.segment import segment_sum
 
-GELU_SCALE = math.sqrt(2.0 / math.pi)  # Python float: never upcasts float32
-GELU_CUBIC = 0.044715
 CHUNK = 1 << 15          # elements per chunk of multi-pass elementwise work on the CPU (_chunks): 128 KB of
 #                          float32 per array, in L2 on both Intel (1.25 MB) and AMD EPYC (512 KB) cores
 
@@ -132,6 +130,11 @@ def layernorm_forward(x, w, b, eps=1e-5):
     """Normalise over the last axis (biased variance): out = (x - mean) * rstd * w + b."""
     xp = array_module(x)
     C = x.shape[-1]
+    if xp.__name__ != "numpy":                         # a GPU: the same arithmetic in 5 kernels, not 9
+        centred = x - _row_mean(x, xp)
+        rstd = fused.layernorm_rstd(_row_dot(centred, centred, xp), 1.0 / C, eps)
+        xhat, out = fused.layernorm_forward_tail(centred, rstd, w, b)
+        return out, (xhat, w, rstd)
     xhat = x - _row_mean(x, xp)                        # (..., C), fresh
     var = _row_dot(xhat, xhat, xp)                     # (..., C) -> (..., 1), times C
     var *= 1.0 / C
@@ -156,6 +159,8 @@ def layernorm_backward(dout, cache):
     # xhat = (x - mean) * rstd, with mean and rstd depending on x too:
     # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
     mean_proj = _row_dot(dxhat, xhat, xp)              # (..., C) -> (..., 1), times C
+    if xp.__name__ != "numpy":                         # a GPU: the tail's passes as one kernel
+        return fused.layernorm_backward_tail(dxhat, _row_mean(dxhat, xp), xhat, mean_proj, 1.0 / C, rstd), dw, db
     mean_proj *= 1.0 / C
     dx = dxhat                                         # fresh temporary, reused in place
     dx -= _row_mean(dxhat, xp)
@@ -177,6 +182,9 @@ def _chunks(xp, n: int):
 def gelu_forward(x):
     """Tanh approximation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
     xp = array_module(x)
+    if xp.__name__ != "numpy":                         # a GPU: one kernel (mpi_tp.core.kernels_fused)
+        out, t = fused.gelu_forward_tail(x)
+        return out, (x, t)
     out, t = xp.empty_like(x), xp.empty_like(x)
     xf, tf, of = x.reshape(-1), t.reshape(-1), out.reshape(-1)       # (the fresh ones: views)
     for c in _chunks(xp, xf.size):
@@ -199,6 +207,8 @@ def gelu_backward(dout, cache):
     # out = 0.5 x (1 + t), t = tanh(u), u = a (x + c x^3)
     #   => dout/dx = 0.5 [(1 + t) + x (1 - t^2) a (1 + 3 c x^2)]
     xp = array_module(dout)
+    if xp.__name__ != "numpy":                         # a GPU: one kernel
+        return fused.gelu_backward_tail(x, t, dout)
     dx = xp.empty_like(x)
     xf, tf, gf, df = x.reshape(-1), t.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     parts = _chunks(xp, xf.size)

@@ -1,0 +1,55 @@
+"""GELU's and LayerNorm's elementwise work fused into single kernels on CuPy (mpi_tp.core.kernels_fused).
+
+    python -m pytest -q --with-mpi tests/test_standin_kernels.py
+
+On the CuPy stand-in (mpi_tp.core.standin; tests/test_standin.py says what it checks) the kernels
+give the NumPy path's numbers bit for bit, forward and backward, float32 and float64: the fused
+functions do the NumPy path's arithmetic in its order (on a GPU a compiler may contract a multiply
+and an add, FMA: within float rounding, which tests/test_gpu.py allows). And each call launches
+the kernels that module's docstring lists: the stand-in counts every device operation (an upper
+bound on CuPy's launches) and a cupy.fuse function as one. What this cannot show is their speed.
+"""
+import numpy
+import pytest
+
+from mpi_tp.core import backend, kernels, standin
+
+SHAPE = (2, 5, 24)                               # (B, S, C)
+LAUNCHES = {"gelu_forward": 1, "gelu_backward": 1, "layernorm_forward": 6, "layernorm_backward": 7}
+
+
+def run_all(x, dout, w, b) -> tuple[dict, dict]:
+    """({kernel: its outputs}, {kernel: the device operations it launched}) on the current backend."""
+    c = standin.counters
+    results, launched = {}, {}
+    for name, forward in (("gelu", lambda: kernels.gelu_forward(x)),
+                          ("layernorm", lambda: kernels.layernorm_forward(x, w, b))):
+        c.reset()
+        out, cache = forward()
+        launched[f"{name}_forward"] = c.kernels
+        results[f"{name}_forward"] = [out, cache[1]] if name == "gelu" else [out, cache[0], cache[2]]
+        c.reset()
+        grads = getattr(kernels, f"{name}_backward")(dout, cache)
+        launched[f"{name}_backward"] = c.kernels
+        results[f"{name}_backward"] = [grads] if name == "gelu" else list(grads)
+    return results, launched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_kernels_give_the_numpy_paths_numbers_in_fewer_kernels(monkeypatch, world, dtype):
+    rng = numpy.random.default_rng(0)
+    host = [rng.standard_normal(SHAPE).astype(dtype) * 3 + 1, rng.standard_normal(SHAPE).astype(dtype),
+            rng.standard_normal(SHAPE[-1]).astype(dtype), rng.standard_normal(SHAPE[-1]).astype(dtype)]
+    reference, _ = run_all(*host)                                    # the NumPy path
+    monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
+    monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
+    backend.use("cupy", world)
+    try:
+        cupy = backend.xp()
+        results, launched = run_all(*(cupy.asarray(a) for a in host))
+        results = {k: [cupy.asnumpy(a) for a in v] for k, v in results.items()}
+    finally:
+        backend.use("numpy")
+    assert launched == LAUNCHES, launched
+    for name, ref in reference.items():
+        assert all(a.dtype == r.dtype and numpy.array_equal(a, r) for a, r in zip(results[name], ref)), name
