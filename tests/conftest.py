@@ -108,6 +108,7 @@ def pytest_sessionfinish(session):
         workeroutput["topologies_freed"] = FREED[0]
 
 
+@pytest.hookimpl(optionalhook=True)       # pytest-xdist's hook: the suite runs without it too
 def pytest_testnodedown(node, error):
     """pytest-xdist's controller: add up its workers' counts (the tests ran there)."""
     FREED[0] += getattr(node, "workeroutput", {}).get("topologies_freed", 0)
