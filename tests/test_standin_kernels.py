@@ -53,3 +53,31 @@ def test_fused_kernels_give_the_numpy_paths_numbers_in_fewer_kernels(monkeypatch
     assert launched == LAUNCHES, launched
     for name, ref in reference.items():
         assert all(a.dtype == r.dtype and numpy.array_equal(a, r) for a, r in zip(results[name], ref)), name
+
+
+def test_the_standin_refuses_inside_a_fused_function_what_cupy_cannot_fuse(monkeypatch, world):
+    """A cupy.fuse function is traced by CuPy with proxies: only elementwise ufuncs, arithmetic and a few
+    reductions. The stand-in runs the function itself, so it refuses the rest (indexing, views, matmul,
+    in-place updates, other functions, reading a value), and the fused functions above are checked to
+    keep to what fuses."""
+    from mpi_tp.core.standin.state import StrictnessError
+    monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
+    monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
+    backend.use("cupy", world)
+    try:
+        cupy = backend.xp()
+        x = cupy.asarray(numpy.arange(6.0).reshape(2, 3))
+        assert float(cupy.fuse()(lambda a: cupy.exp(a) * 2.0 + a.sum())(x)[1, 2]) == numpy.exp(5.0) * 2 + 15
+        for bad in (lambda a: a[0] * 2.0, lambda a: a.reshape(3, 2) + 1.0, lambda a: a @ a.T,
+                    lambda a: cupy.concatenate([a, a]), lambda a: a if float(a.max()) > 0 else -a,
+                    lambda a: cupy.multiply(a, 2.0, out=a)):
+            with pytest.raises(StrictnessError, match="cupy.fuse"):
+                cupy.fuse()(bad)(x)
+
+        def in_place(a):
+            a += 1.0
+            return a
+        with pytest.raises(StrictnessError, match="cupy.fuse"):
+            cupy.fuse()(in_place)(x)
+    finally:
+        backend.use("numpy")

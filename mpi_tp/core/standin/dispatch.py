@@ -25,6 +25,19 @@ METADATA = {"shape", "ndim", "size", "result_type", "can_cast", "min_scalar_type
             "isscalar", "may_share_memory", "shares_memory", "broadcast_shapes"}
 
 
+FUSABLE = {"sum", "prod", "amax", "amin", "max", "min"}    # the reductions cupy.fuse traces besides ufuncs
+
+
+def fusable(what: str) -> None:
+    """Refuse `what` inside a cupy.fuse function (counters.paused > 0). CuPy traces a fused function with
+    proxies that take elementwise ufuncs, arithmetic and a few reductions: indexing, views, matmul, other
+    functions and reading a value back fail there. In-place operators and out= are refused too, stricter
+    than CuPy (which updates its inputs in place): the project's fused functions return new arrays."""
+    if counters.paused:
+        raise StrictnessError(f"cupy.fuse: {what} inside a fused function (only elementwise ufuncs, arithmetic and "
+                              "the reductions sum, prod, max, min are fused)")
+
+
 def host_error(what: str) -> StrictnessError:
     return StrictnessError(f"{what}: a host numpy.ndarray among device arrays (CuPy: Unsupported type "
                            "numpy.ndarray); upload it with cupy.asarray first")
@@ -71,6 +84,8 @@ def wrap(res, keep: dict, scalars: bool = True):
 def call(func, args, kwargs, name: str | None = None):
     """func (a NumPy function) on device arguments, as CuPy's function of that name."""
     name = name or func.__name__
+    if name not in FUSABLE:
+        fusable(f"cupy.{name}")
     keep = {}
     raw = unwrap(tuple(args), keep, name)
     kw = {k: unwrap(v, keep, name) for k, v in kwargs.items()}
@@ -110,6 +125,9 @@ def assigned(v, what: str):
 
 def apply_ufunc(ufunc, method: str, inputs, kwargs):
     keep, name = {}, ufunc.__name__
+    if method != "__call__" or "out" in kwargs or name == "matmul":
+        fusable(f"{name}.{method}" if method != "__call__" else f"{name} with out= (or in place)"
+                if "out" in kwargs else name)
     if method == "at":                                     # ufunc.at(a, indices, b): unbuffered, atomic on a GPU
         target = operand(inputs[0], keep, name)
         raw = (target, as_index(inputs[1], name)[0]) + tuple(assigned(v, name) for v in inputs[2:])

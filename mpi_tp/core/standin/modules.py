@@ -212,7 +212,8 @@ def get_array_module(*args):
 
 
 def fuse(*args, **kwargs):
-    """cupy.fuse: the function runs as is, counted as one kernel."""
+    """cupy.fuse: the function runs as is, counted as one kernel, refusing what CuPy's tracing cannot fuse
+    (dispatch.fusable: indexing, views, matmul, in-place updates, reading values)."""
     def decorate(f):
         def fused(*a, **kw):
             counters.paused += 1

@@ -8,7 +8,8 @@ scalars) with another device array; the calls are translated by .dispatch, which
 also refuses host arrays as operands. Reading a value on the host (float(), int(),
 bool(), .item(), .tolist(), printing, .get()) is a counted sync, .set() a counted
 upload. Stricter than CuPy: no pickling, no __index__, no bool() of an empty array.
-The buffer MPI may take: .state.device_buffer.
+Inside a cupy.fuse function only elementwise ufuncs, arithmetic and sum/prod/max/min
+are taken (dispatch.fusable). The buffer MPI may take: .state.device_buffer.
 """
 from __future__ import annotations
 
@@ -16,7 +17,18 @@ import numpy
 
 from mpi_tp.core.standin import dispatch
 from mpi_tp.core.standin.counters import counters
-from mpi_tp.core.standin.dispatch import SYNCING, VIEWS, apply_ufunc, as_index, assigned, call, unwrap, wrap
+from mpi_tp.core.standin.dispatch import (
+    FUSABLE,
+    SYNCING,
+    VIEWS,
+    apply_ufunc,
+    as_index,
+    assigned,
+    call,
+    fusable,
+    unwrap,
+    wrap,
+)
 from mpi_tp.core.standin.state import StrictnessError, device_buffer
 
 
@@ -105,6 +117,7 @@ class ndarray:
         self._a[...] = arr
 
     def _read(self, reason: str):
+        fusable(f"reading a value ({reason})")
         counters.sync(reason, self.nbytes)
         return self._a
 
@@ -163,6 +176,7 @@ class ndarray:
         return call(func, args, kwargs)
 
     def __getitem__(self, key):
+        fusable("indexing")
         k, advanced = as_index(key, "getitem")
         res = self._a[k]
         if isinstance(res, numpy.generic):               # CuPy gives a 0-d view, not a scalar
@@ -172,6 +186,7 @@ class ndarray:
         return ndarray._of(res)
 
     def __setitem__(self, key, value):
+        fusable("assignment into an array")
         k, _ = as_index(key, "setitem")
         counters.kernel("setitem")
         self._a[k] = assigned(value, "setitem")
@@ -182,6 +197,8 @@ dispatch.ndarray = ndarray
 
 def _method(name: str):
     def method(self, *args, **kwargs):
+        if name not in FUSABLE:
+            fusable(f"ndarray.{name}")
         keep = {id(self._a): self}
         raw = unwrap(args, keep, name)
         kw = {k: unwrap(v, keep, name) for k, v in kwargs.items()}
