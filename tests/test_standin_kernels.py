@@ -1,4 +1,4 @@
-"""GELU's and LayerNorm's elementwise work fused into single kernels on CuPy (mpi_tp.core.kernels_fused).
+"""GELU's, LayerNorm's and the softmax's elementwise work fused into kernels on CuPy (kernels_fused).
 
     python -m pytest -q --with-mpi tests/test_standin_kernels.py
 
@@ -15,21 +15,26 @@ import pytest
 from mpi_tp.core import backend, kernels, standin
 
 SHAPE = (2, 5, 24)                               # (B, S, C)
-LAUNCHES = {"gelu_forward": 1, "gelu_backward": 1, "layernorm_forward": 6, "layernorm_backward": 7}
+LAUNCHES = {"gelu_forward": 1, "gelu_backward": 1, "layernorm_forward": 6, "layernorm_backward": 7,
+            "attention_forward": 10, "attention_backward": 11}
 
 
 def run_all(x, dout, w, b) -> tuple[dict, dict]:
     """({kernel: its outputs}, {kernel: the device operations it launched}) on the current backend."""
     c = standin.counters
     results, launched = {}, {}
-    for name, forward in (("gelu", lambda: kernels.gelu_forward(x)),
-                          ("layernorm", lambda: kernels.layernorm_forward(x, w, b))):
+    heads = x.reshape(2, 5, 4, 6).swapaxes(1, 2)                     # (B, H, S, hs): q = k = v, one block
+    kernels.attention_forward(heads, heads, heads)                   # the causal mask made once, then cached
+    for name, forward, kept in (("gelu", lambda: kernels.gelu_forward(x), lambda c: [c[1]]),
+                                ("layernorm", lambda: kernels.layernorm_forward(x, w, b), lambda c: [c[0], c[2]]),
+                                ("attention", lambda: kernels.attention_forward(heads, heads, heads),
+                                 lambda c: [c[3]])):
         c.reset()
         out, cache = forward()
         launched[f"{name}_forward"] = c.kernels
-        results[f"{name}_forward"] = [out, cache[1]] if name == "gelu" else [out, cache[0], cache[2]]
+        results[f"{name}_forward"] = [out] + kept(cache)
         c.reset()
-        grads = getattr(kernels, f"{name}_backward")(dout, cache)
+        grads = getattr(kernels, f"{name}_backward")(heads if name == "attention" else dout, cache)
         launched[f"{name}_backward"] = c.kernels
         results[f"{name}_backward"] = [grads] if name == "gelu" else list(grads)
     return results, launched

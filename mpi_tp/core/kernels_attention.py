@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from mpi_tp.core import kernels_fused as fused
 from mpi_tp.core.backend import array_module
 
 QUERY_BLOCK = 128        # query rows per block; at most this many rows, the dense (S, S) path
@@ -82,9 +83,13 @@ def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None
             att = qs[..., a:b, :] @ k[..., :b, :].swapaxes(-1, -2)      # (B, H, b - a, b): keys up to b only
         att[..., a:b] += _causal_bias(b - a, att.dtype, xp)   # position t sees keys s <= t only
         # stable softmax over keys, in place; the diagonal is never masked so the max is finite
-        att -= att.max(axis=-1, keepdims=True)
-        xp.exp(att, out=att)
-        att *= 1.0 / (att @ xp.ones(b, dtype=att.dtype))[..., None]   # row sums by BLAS
+        if xp.__name__ != "numpy":                      # a GPU: the same in fused kernels (kernels_fused)
+            att = fused.softmax_exp(att, att.max(axis=-1, keepdims=True))
+            att = fused.scale_rows(att, (att @ xp.ones(b, dtype=att.dtype))[..., None])
+        else:
+            att -= att.max(axis=-1, keepdims=True)
+            xp.exp(att, out=att)
+            att *= 1.0 / (att @ xp.ones(b, dtype=att.dtype))[..., None]   # row sums by BLAS
         kept = att if drop_mask is None else att * drop_mask[..., a:b, :b]   # bool -> probs' dtype
         if S <= block:
             probs, out = att, kept @ v                  # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
@@ -151,8 +156,12 @@ def _backward_rows(dout, q, k, v, probs, drop_mask, scale, block, dq, dk, dv):
         if mask is not None:
             datt *= mask                               # kept = probs * drop_mask
         # softmax: datt = p * (dp - sum_s dp * p); a masked entry's probability is 0
-        datt -= xp.einsum("...ts,...ts->...t", datt, p)[..., None]   # (B, H, rows, 1), no (S, S) temporary
-        datt *= p
+        row_dot = xp.einsum("...ts,...ts->...t", datt, p)[..., None]   # (B, H, rows, 1), no (S, S) temporary
+        if xp.__name__ != "numpy":                     # a GPU: one kernel
+            datt = fused.softmax_backward_tail(datt, row_dot, p)
+        else:
+            datt -= row_dot
+            datt *= p
         # att = (q * scale) @ k^T: the scale goes on the (S, hs) results, not on (S, S)
         if S <= block:                                 # one block: straight into the outputs
             xp.matmul(kept.swapaxes(-1, -2), g, out=dv)    # out = kept @ v: (B, H, S, S) @ (B, H, S, hs)

@@ -13,6 +13,9 @@ launches: allocations and fills included; tests/test_standin_kernels.py checks t
     GELU forward       11 -> 1                 GELU backward      13 -> 1
     LayerNorm forward  11 -> 6                 LayerNorm backward 11 -> 7   (the row and column
                                                                             reductions stay their own)
+    attention forward  12 -> 10                attention backward 12 -> 11  (one query block; the
+                                                                            softmax's shift and exp, its scale,
+                                                                            its backward's tail)
 """
 from __future__ import annotations
 
@@ -56,3 +59,21 @@ def layernorm_backward_tail(dxhat, row_mean, xhat, proj_sum, inv_c, rstd):
     """dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)); mean(dxhat) (..., 1) computed before, and
     mean(dxhat xhat) = proj_sum inv_c here (inv_c = 1 / C)."""
     return ((dxhat - row_mean) - xhat * (proj_sum * inv_c)) * rstd
+
+
+@backend.fused
+def softmax_exp(scores, row_max):
+    """e^(scores - row max): the softmax's shift and exponential (masked scores are -inf: 0)."""
+    return backend.xp().exp(scores - row_max)
+
+
+@backend.fused
+def scale_rows(e, row_sum):
+    """e / row_sum, as e (1 / row_sum) (the NumPy path's order): the softmax's normalisation."""
+    return e * (1.0 / row_sum)
+
+
+@backend.fused
+def softmax_backward_tail(dp, row_dot, p):
+    """(dp - sum_s dp p) p: the softmax's backward, given the rows' sums of dp p."""
+    return (dp - row_dot) * p
