@@ -8,7 +8,8 @@
 
 Runs warm-up steps, then --steps profiled ones (training: forward, backward, clipping, AdamW; decoding:
 Decoder.step), and prints per kernel its own time (cProfile's tottime: a kernel's NumPy calls count in
-it, the Python layers above them do not) in ms per step, its share of the step, and its limit: the time
+it, the Python layers above them do not; the softmax, kernels_attention.softmax_rows, counts in the rows
+of the kernels calling it) in ms per step, its share of the step, and its limit: the time
 the kernel's work would take at this machine's rates, measured in the same run, the larger of
 
     FLOPs / GEMM rate      (a 2048^3 float32 GEMM on this core)
@@ -43,6 +44,7 @@ from mpi_tp.training.optim import AdamW, clip_coefficient  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "profile_step.jsonl")
 V, F4 = 256, 4                      # byte vocabulary; float32
+FOLDED = {"softmax_rows"}           # counted in their callers' rows (attention_forward, _softmax_times_v)
 
 
 def work(C, H, L, S, B, decode=0) -> dict:
@@ -134,7 +136,13 @@ def main():
     profile.disable()
     per_step = (time.perf_counter() - t0) / steps
     stats = pstats.Stats(profile).stats
-    rows = sorted(((f"{os.path.basename(f)}:{name}", name, v[2] / steps) for (f, _, name), v in stats.items()),
+    own = {key: v[2] for key, v in stats.items()}
+    for key, v in stats.items():                          # a shared helper's time goes to the kernels calling it
+        if key[2] in FOLDED:
+            for caller, (_, _, tt, _) in v[4].items():
+                own[caller] = own.get(caller, 0.0) + tt
+            own.pop(key)
+    rows = sorted(((f"{os.path.basename(f)}:{name}", name, t / steps) for (f, _, name), t in own.items()),
                   key=lambda r: -r[2])[:args.top]
     limits = work(C, H, L, S, B, args.decode)
     what = f"decode step of {args.decode} rows" if args.decode else "training step"

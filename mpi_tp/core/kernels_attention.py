@@ -82,14 +82,7 @@ def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None
         else:
             att = qs[..., a:b, :] @ k[..., :b, :].swapaxes(-1, -2)      # (B, H, b - a, b): keys up to b only
         att[..., a:b] += _causal_bias(b - a, att.dtype, xp)   # position t sees keys s <= t only
-        # stable softmax over keys, in place; the diagonal is never masked so the max is finite
-        if xp.__name__ != "numpy":                      # a GPU: the same in fused kernels (kernels_fused)
-            att = fused.softmax_exp(att, att.max(axis=-1, keepdims=True))
-            att = fused.scale_rows(att, (att @ xp.ones(b, dtype=att.dtype))[..., None])
-        else:
-            att -= att.max(axis=-1, keepdims=True)
-            xp.exp(att, out=att)
-            att *= 1.0 / (att @ xp.ones(b, dtype=att.dtype))[..., None]   # row sums by BLAS
+        att = softmax_rows(att)                         # the diagonal is never masked: every row has a key
         kept = att if drop_mask is None else att * drop_mask[..., a:b, :b]   # bool -> probs' dtype
         if S <= block:
             probs, out = att, kept @ v                  # (B, H, S, S) @ (B, H, S, hs) -> (B, H, S, hs)
@@ -99,6 +92,20 @@ def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None
     if drop_mask is not None:
         out *= drop_scale
     return out, (q, k, v, probs, drop_mask, drop_scale, scale, block)
+
+
+def softmax_rows(att):
+    """The stable softmax over the last axis of masked scores (-inf where masked, a finite score in every
+    row): in place on the CPU, as two fused kernels on a GPU (kernels_fused). Returns the probabilities."""
+    xp = array_module(att)
+    ones = xp.ones(att.shape[-1], dtype=att.dtype)
+    if xp.__name__ != "numpy":
+        att = fused.softmax_exp(att, att.max(axis=-1, keepdims=True))
+        return fused.scale_rows(att, (att @ ones)[..., None])
+    att -= att.max(axis=-1, keepdims=True)
+    xp.exp(att, out=att)
+    att *= 1.0 / (att @ ones)[..., None]               # row sums by BLAS
+    return att
 
 
 def attention_backward(dout, cache):

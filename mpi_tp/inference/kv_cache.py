@@ -35,7 +35,7 @@ import math
 import numpy
 
 from mpi_tp.core import backend
-from mpi_tp.core.backend import array_module
+from mpi_tp.core.kernels_attention import softmax_rows
 
 
 class KVCache:
@@ -89,13 +89,9 @@ class KVCache:
 
 
 def _softmax_times_v(att, v):
-    """Softmax over the last axis of the masked scores (B, H, t, n), in place, then times v (B, H, n, hs)
-    (grouped: (B, H_kv, R, t, n) times (B, H_kv, 1, n, hs))."""
-    xp = array_module(att)
-    att -= att.max(axis=-1, keepdims=True)
-    xp.exp(att, out=att)
-    att *= 1.0 / (att @ xp.ones(att.shape[-1], dtype=att.dtype))[..., None]    # row sums by BLAS
-    return att @ v                                                              # (B, H, t, hs)
+    """Softmax over the last axis of the masked scores (B, H, t, n) (kernels_attention.softmax_rows: in place on
+    the CPU), then times v (B, H, n, hs) (grouped: (B, H_kv, R, t, n) times (B, H_kv, 1, n, hs))."""
+    return softmax_rows(att) @ v                                                # (B, H, t, hs)
 
 
 def _project(attn, y):
