@@ -12,7 +12,7 @@ bound on CuPy's launches) and a cupy.fuse function as one. What this cannot show
 import numpy
 import pytest
 
-from mpi_tp.core import backend, kernels, standin
+from mpi_tp.core import backend, kernels, kernels_attention, standin
 
 SHAPE = (2, 5, 24)                               # (B, S, C)
 LAUNCHES = {"gelu_forward": 1, "gelu_backward": 1, "layernorm_forward": 6, "layernorm_backward": 7,
@@ -58,6 +58,32 @@ def test_fused_kernels_give_the_numpy_paths_numbers_in_fewer_kernels(monkeypatch
     assert launched == LAUNCHES, launched
     for name, ref in reference.items():
         assert all(a.dtype == r.dtype and numpy.array_equal(a, r) for a, r in zip(results[name], ref)), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_online_softmax_fuses_its_tiles_and_gives_the_numpy_paths_numbers(monkeypatch, world, dtype):
+    """The online softmax (S >= ONLINE_FROM, and ring attention's blocks) by tiles of 2 x 2 over S = 5: each
+    tile's shifted exponential one fused kernel forward and backward, its backward's tail one; bit for bit."""
+    rng = numpy.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((2, 3, 5, 4)).astype(dtype) for _ in range(4))
+
+    def run(xp):
+        out, cache = kernels_attention.online_attention_forward(*(xp.asarray(a) for a in (q, k, v)), block=2)
+        return [out, cache[4]] + list(kernels_attention.online_attention_backward(xp.asarray(dout), cache))
+    reference = run(numpy)
+    monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
+    monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
+    backend.use("cupy", world)
+    try:
+        cupy = backend.xp()
+        standin.counters.reset()
+        got = [cupy.asnumpy(a) for a in run(cupy)]
+        names = dict(standin.counters.kernel_names)
+    finally:
+        backend.use("numpy")
+    tiles = 1 + 2 + 3                                                # causal tiles: query block i sees i + 1 key blocks
+    assert names.get("fuse:softmax_exp") == 2 * tiles and names.get("fuse:softmax_backward_tail") == tiles, names
+    assert all(a.dtype == r.dtype and numpy.array_equal(a, r) for a, r in zip(got, reference))
 
 
 def test_the_standin_refuses_inside_a_fused_function_what_cupy_cannot_fuse(monkeypatch, world):

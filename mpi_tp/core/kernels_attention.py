@@ -99,13 +99,30 @@ def softmax_rows(att):
     row): in place on the CPU, as two fused kernels on a GPU (kernels_fused). Returns the probabilities."""
     xp = array_module(att)
     ones = xp.ones(att.shape[-1], dtype=att.dtype)
+    att = _shifted_exp(att, att.max(axis=-1, keepdims=True))
     if xp.__name__ != "numpy":
-        att = fused.softmax_exp(att, att.max(axis=-1, keepdims=True))
         return fused.scale_rows(att, (att @ ones)[..., None])
-    att -= att.max(axis=-1, keepdims=True)
-    xp.exp(att, out=att)
     att *= 1.0 / (att @ ones)[..., None]               # row sums by BLAS
     return att
+
+
+def _shifted_exp(s, shift):
+    """e^(s - shift), in place on the CPU (s is a fresh temporary), one fused kernel on a GPU."""
+    xp = array_module(s)
+    if xp.__name__ != "numpy":
+        return fused.softmax_exp(s, shift)
+    s -= shift
+    return xp.exp(s, out=s)
+
+
+def _softmax_backward(dp, row_dot, p):
+    """(dp - row_dot) p, the softmax's backward given the rows' sums of dp p: in place on the CPU (dp is a fresh
+    temporary), one fused kernel on a GPU."""
+    if array_module(dp).__name__ != "numpy":
+        return fused.softmax_backward_tail(dp, row_dot, p)
+    dp -= row_dot
+    dp *= p
+    return dp
 
 
 def attention_backward(dout, cache):
@@ -163,12 +180,7 @@ def _backward_rows(dout, q, k, v, probs, drop_mask, scale, block, dq, dk, dv):
         if mask is not None:
             datt *= mask                               # kept = probs * drop_mask
         # softmax: datt = p * (dp - sum_s dp * p); a masked entry's probability is 0
-        row_dot = xp.einsum("...ts,...ts->...t", datt, p)[..., None]   # (B, H, rows, 1), no (S, S) temporary
-        if xp.__name__ != "numpy":                     # a GPU: one kernel
-            datt = fused.softmax_backward_tail(datt, row_dot, p)
-        else:
-            datt -= row_dot
-            datt *= p
+        datt = _softmax_backward(datt, xp.einsum("...ts,...ts->...t", datt, p)[..., None], p)   # no (S, S) temporary
         # att = (q * scale) @ k^T: the scale goes on the (S, hs) results, not on (S, S)
         if S <= block:                                 # one block: straight into the outputs
             xp.matmul(kept.swapaxes(-1, -2), g, out=dv)    # out = kept @ v: (B, H, S, S) @ (B, H, S, hs)
@@ -208,8 +220,7 @@ def online_block(qs, k, v, rows, cols, diag, m, l, o, mask=None, drop_scale=1.0)
     if diag:
         s += _causal_bias(s.shape[-1], s.dtype, xp)
     m_new = xp.maximum(m[..., rows], s.max(axis=-1))
-    s -= m_new[..., None]
-    p = xp.exp(s, out=s)
+    p = _shifted_exp(s, m_new[..., None])
     corr = xp.exp(m[..., rows] - m_new)
     l[..., rows] = l[..., rows] * corr + p.sum(axis=-1)
     if mask is not None:
@@ -228,8 +239,7 @@ def online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, d
     s = qs[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2)
     if diag:
         s += _causal_bias(s.shape[-1], s.dtype, xp)
-    s -= lse[..., rows, None]
-    p = xp.exp(s, out=s)
+    p = _shifted_exp(s, lse[..., rows, None])
     g = dout[..., rows, :]
     dp = g @ v[..., cols, :].swapaxes(-1, -2)
     kept = p
@@ -239,8 +249,7 @@ def online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, d
         dp *= drop_scale
     n = cols.stop - cols.start
     dv[..., cols, :] += _sum_to(kept.swapaxes(-1, -2) @ g, dv.shape[:-2] + (n, dv.shape[-1]))
-    dp -= D[..., rows, None]
-    dp *= p                                                          # ds
+    dp = _softmax_backward(dp, D[..., rows, None], p)                # ds
     dq[..., rows, :] += (dp @ k[..., cols, :]) * scale
     d = _sum_to(dp.swapaxes(-1, -2) @ q[..., rows, :], dk.shape[:-2] + (n, dk.shape[-1]))
     d *= scale

@@ -15,7 +15,8 @@ launches: allocations and fills included; tests/test_standin_kernels.py checks t
                                                                             reductions stay their own)
     attention forward  12 -> 10                attention backward 12 -> 11  (one query block; the
                                                                             softmax's shift and exp, its scale,
-                                                                            its backward's tail)
+                                                                            its backward's tail; the online
+                                                                            softmax's tiles the same way)
 """
 from __future__ import annotations
 
