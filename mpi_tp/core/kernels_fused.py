@@ -1,14 +1,15 @@
-"""The elementwise tails of GELU and LayerNorm as single functions: one kernel each on CuPy.
+"""The elementwise work of GELU, LayerNorm and the softmax as single functions: one kernel each on CuPy.
 
 On a GPU every NumPy-style operation is a kernel that reads its operands from device memory and
 writes its result back, so GELU's nine in-place passes (mpi_tp.core.kernels.gelu_forward) are nine
 round trips where one would do. `backend.fused` compiles each function below into one kernel with
-cupy.fuse when the backend is CuPy (mpi_tp.core.kernels calls them only on device arrays); under
-NumPy a function is itself, plain Python, and the CPU keeps its chunked in-place passes, which stay
-in cache. Each function does the NumPy path's arithmetic in the NumPy path's order, so the numbers
-are the same (a GPU compiler may still contract a multiply and an add into one rounding, FMA: within
-float rounding). Device operations per call, as the CuPy stand-in counts them (an upper bound on
-launches: allocations and fills included; tests/test_standin_kernels.py checks the new counts):
+cupy.fuse when the backend is CuPy (kernels and kernels_attention call them on device arrays only);
+under NumPy a function is itself, plain Python, and the CPU keeps its in-place passes, chunked to stay
+in cache where that measured faster. Each function does the NumPy path's arithmetic in the NumPy
+path's order, so the numbers are the same (a GPU compiler may still contract a multiply and an add
+into one rounding, FMA: within float rounding). Device operations per call, as the CuPy stand-in
+counts them (an upper bound on launches: allocations and fills included; tests/test_standin_kernels.py
+checks the new counts):
 
     GELU forward       11 -> 1                 GELU backward      13 -> 1
     LayerNorm forward  11 -> 6                 LayerNorm backward 11 -> 7   (the row and column
