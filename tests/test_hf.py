@@ -35,7 +35,7 @@ from mpi_tp.checkpoint.hf import hf_config  # noqa: E402
 from mpi_tp.checkpoint.hf.names import hf_shapes  # noqa: E402
 from mpi_tp.commands.hf import import_folder  # noqa: E402
 from mpi_tp.core.errors import UserError  # noqa: E402
-from mpi_tp.core.testing import all_true, assert_close  # noqa: E402
+from mpi_tp.core.testing import all_true, assert_close, from_rank0  # noqa: E402
 from mpi_tp.inference.generate import Request, generate  # noqa: E402
 from mpi_tp.model.config import GPTConfig  # noqa: E402
 from mpi_tp.model.gpt import GPT  # noqa: E402
@@ -183,8 +183,7 @@ GPT2_VARIANTS = {"one-file": (None, {}), "sharded": (20, {}),
 def test_logits_from_folder_equal_transformers(world, shared_dir, variant):
     shard_kb, overrides = GPT2_VARIANTS[variant]
     folder = os.path.join(shared_dir, "gpt2")
-    ref = world.bcast(oracle_logits(transformers_folder(folder, shard_kb, **overrides))
-                      if world.Get_rank() == 0 else None)
+    ref = from_rank0(lambda: oracle_logits(transformers_folder(folder, shard_kb, **overrides)), world)
     files = sorted(os.listdir(folder))
     assert ("model.safetensors.index.json" in files) == bool(shard_kb), files
     model = loaded(folder, Topology.create(world))
@@ -205,7 +204,7 @@ def test_llama_logits_from_folder(world, shared_dir, kv, tied):
         with float64_llama():
             strict = oracle_logits(hf, (1, 3, 32))
         return oracle_logits(hf, (1, 3, 32)), strict
-    ref, strict = world.bcast(oracle() if world.Get_rank() == 0 else None)
+    ref, strict = from_rank0(oracle, world)
     model, serial = loaded(folder, Topology.create(world)), loaded(folder, Topology.serial())
     assert model.cfg.llama and model.cfg.kv_heads == kv and model.cfg.tied == tied
     assert ("lm_head" in {p.name for p in serial.parameters()}) != tied
@@ -222,7 +221,7 @@ def test_llama_logits_from_folder(world, shared_dir, kv, tied):
 @pytest.mark.mpi(min_size=1)
 def test_import_hf_equals_transformers_at_any_layout(world, shared_dir):
     folder, out = os.path.join(shared_dir, "gpt2"), os.path.join(shared_dir, "imported")
-    ref = world.bcast(oracle_logits(transformers_folder(folder, 20)) if world.Get_rank() == 0 else None)
+    ref = from_rank0(lambda: oracle_logits(transformers_folder(folder, 20)), world)
     step = import_folder(folder, out, world)
     with ck.Checkpoint(out) as c:
         assert c.dir == step and c.step == 0 and len(c.shards) == world.Get_size() and not c.has_optimizer
@@ -250,7 +249,7 @@ def test_greedy_generation_equals_transformers(world, shared_dir):
         return [model.generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
-    ref = world.bcast(oracle() if world.Get_rank() == 0 else None)
+    ref = from_rank0(oracle, world)
     model = loaded(folder, Topology.create(world))
     got = generate(model, [Request(bytes(p.tolist()), new, temperature=0.0) for p in prompts])
     assert [list(g) for g in got] == ref

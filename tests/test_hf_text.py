@@ -28,6 +28,7 @@ from mpi_tp.checkpoint import open_checkpoint  # noqa: E402
 from mpi_tp.inference.api import TextOut  # noqa: E402
 from mpi_tp.inference.generate import Request, Row, generate  # noqa: E402
 from mpi_tp.inference.sampling import printable  # noqa: E402
+from mpi_tp.core.testing import from_rank0  # noqa: E402
 from mpi_tp.parallel.topology import Topology  # noqa: E402
 from mpi_tp.text.bpe import train_bpe  # noqa: E402
 from mpi_tp.text.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
@@ -119,7 +120,7 @@ def eos_folder(folder, arch, prompts):
 @pytest.mark.parametrize("cfg", [CFG, replace(LLAMA, n_kv_head=2)], ids=["gpt2", "llama-gqa"])
 def test_greedy_text_equals_transformers(world, shared_dir, cfg):  # noqa: F811 (the fixture)
     folder = os.path.join(shared_dir, cfg.arch)
-    eos, ref = world.bcast(eos_folder(folder, cfg.arch, PROMPTS) if world.Get_rank() == 0 else None)
+    eos, ref = from_rank0(lambda: eos_folder(folder, cfg.arch, PROMPTS), world)   # transformers: rank 0
     model = loaded(folder, Topology.create(world))
     with open_checkpoint(folder) as ck:
         tok = ck.tokenizer()

@@ -7,6 +7,8 @@ message (llm.c's check_tensor: the max difference and the tolerance are printed)
 """
 from __future__ import annotations
 
+import time
+
 import numpy
 from mpi4py import MPI
 
@@ -26,6 +28,17 @@ def max_rel_diff(actual, expected, scale: float | None = None) -> float:
         raise AssertionError(f"shape {a.shape} != expected {b.shape}")
     ref = max(float(numpy.abs(b).max(initial=0.0)), scale or 0.0, 1e-300)
     return float(numpy.abs(a - b).max(initial=0.0)) / ref
+
+
+def from_rank0(fn, comm=MPI.COMM_WORLD, poll: float = 0.005):
+    """fn() run on rank 0 alone and broadcast to every rank (an oracle, a serial reference). The others wait
+    on a non-blocking barrier with short sleeps, not in MPI's busy wait: where ranks outnumber cores (the
+    test suite's 4 ranks on 2), spinning ranks took the cores rank 0 was working on."""
+    value = fn() if comm.Get_rank() == 0 else None
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+    return comm.bcast(value)
 
 
 def all_true(ok: bool, comm=MPI.COMM_WORLD) -> bool:
