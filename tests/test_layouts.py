@@ -146,40 +146,29 @@ def test_sequence_parallel_moves_the_same_bytes(world):
     assert with_sp["tp/sp_grad_all_reduce"]["bytes"] == replicated * 8  # LayerNorms, biases, wpe: once each
 
 
-def test_checkpoint_from_any_layout_loads_serially(world, serial_reference):
+def test_checkpoint_from_any_layout_loads_serially(world, serial_reference, tmp_path_factory):
     """Saved under tp x dp with sequence parallelism and ZeRO-1, loaded by a serial model and optimizer:
     the weights and AdamW moments are the serial run's."""
-    import shutil
-    import tempfile
-
     from mpi_tp import checkpoint as ck
     for tp, dp in layouts(world.Get_size()):
-        root = world.bcast(tempfile.mkdtemp(prefix="mpi_tp_layout_") if world.Get_rank() == 0 else None)
-        try:
-            topo = Topology.create(world, tp=tp, dp=dp)
-            model = build(topo, sp=True)
-            _, trained_opt = run(model, topo, rows=B, zero=True)
-            ck.save(root, 10, model, trained_opt, {"config": model.cfg.to_dict()})
-            _, ref_weights, ref_moments = serial_reference(dp)
-            serial = build(Topology.serial(), sp=False)
-            opt = AdamW(serial.parameters())
-            with ck.Checkpoint(root) as c:
-                ck.load_into(c, serial, opt)
-            ok = all(np.abs(p.data - ref_weights[p.name]).max() <= 1e-8 * np.abs(ref_weights[p.name]).max()
-                     for p in serial.parameters() if not p.name.endswith("attn/k/bias"))
-            for k, arrays in opt.state_tensors().items():
-                for p, a in zip(opt.params, arrays):
-                    if not p.name.endswith("attn/k/bias"):
-                        ref = ref_moments[f"{k}/{p.name}"]
-                        ok &= np.abs(a - ref).max() <= 1e-8 * max(np.abs(ref).max(), 1e-30)
-            assert all_true(ok, world), f"checkpoint saved at tp={tp} dp={dp} (sp, zero-1) differs from serial"
-        except BaseException:                    # a failed test leaves no folder behind either (no barrier:
-            if world.Get_rank() == 0:            # another rank may not have failed with this one)
-                shutil.rmtree(root, ignore_errors=True)
-            raise
-        world.Barrier()
-        if world.Get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        root = world.bcast(str(tmp_path_factory.mktemp(f"layout_tp{tp}_dp{dp}")) if world.Get_rank() == 0 else None)
+        topo = Topology.create(world, tp=tp, dp=dp)
+        model = build(topo, sp=True)
+        _, trained_opt = run(model, topo, rows=B, zero=True)
+        ck.save(root, 10, model, trained_opt, {"config": model.cfg.to_dict()})
+        _, ref_weights, ref_moments = serial_reference(dp)
+        serial = build(Topology.serial(), sp=False)
+        opt = AdamW(serial.parameters())
+        with ck.Checkpoint(root) as c:
+            ck.load_into(c, serial, opt)
+        ok = all(np.abs(p.data - ref_weights[p.name]).max() <= 1e-8 * np.abs(ref_weights[p.name]).max()
+                 for p in serial.parameters() if not p.name.endswith("attn/k/bias"))
+        for k, arrays in opt.state_tensors().items():
+            for p, a in zip(opt.params, arrays):
+                if not p.name.endswith("attn/k/bias"):
+                    ref = ref_moments[f"{k}/{p.name}"]
+                    ok &= np.abs(a - ref).max() <= 1e-8 * max(np.abs(ref).max(), 1e-30)
+        assert all_true(ok, world), f"checkpoint saved at tp={tp} dp={dp} (sp, zero-1) differs from serial"
 
 
 def test_activation_memory(world):

@@ -11,8 +11,10 @@ bound on CuPy's launches) and a cupy.fuse function as one. What this cannot show
 """
 import numpy
 import pytest
+from test_standin import cupy  # noqa: F401 (the fixture: the stand-in as the backend for one test)
 
-from mpi_tp.core import backend, kernels, kernels_attention, standin
+from mpi_tp.core import kernels, kernels_attention, standin
+from mpi_tp.core.standin.state import StrictnessError
 
 SHAPE = (2, 5, 24)                               # (B, S, C)
 LAUNCHES = {"gelu_forward": 1, "gelu_backward": 1, "layernorm_forward": 6, "layernorm_backward": 7,
@@ -41,27 +43,20 @@ def run_all(x, dout, w, b) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_fused_kernels_give_the_numpy_paths_numbers_in_fewer_kernels(monkeypatch, world, dtype):
+def test_fused_kernels_give_the_numpy_paths_numbers_in_fewer_kernels(cupy, dtype):  # noqa: F811
     rng = numpy.random.default_rng(0)
     host = [rng.standard_normal(SHAPE).astype(dtype) * 3 + 1, rng.standard_normal(SHAPE).astype(dtype),
             rng.standard_normal(SHAPE[-1]).astype(dtype), rng.standard_normal(SHAPE[-1]).astype(dtype)]
-    reference, _ = run_all(*host)                                    # the NumPy path
-    monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
-    monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
-    backend.use("cupy", world)
-    try:
-        cupy = backend.xp()
-        results, launched = run_all(*(cupy.asarray(a) for a in host))
-        results = {k: [cupy.asnumpy(a) for a in v] for k, v in results.items()}
-    finally:
-        backend.use("numpy")
+    reference, _ = run_all(*host)                                    # host arrays: the NumPy path
+    results, launched = run_all(*(cupy.asarray(a) for a in host))
+    results = {k: [cupy.asnumpy(a) for a in v] for k, v in results.items()}
     assert launched == LAUNCHES, launched
     for name, ref in reference.items():
         assert all(a.dtype == r.dtype and numpy.array_equal(a, r) for a, r in zip(results[name], ref)), name
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_online_softmax_fuses_its_tiles_and_gives_the_numpy_paths_numbers(monkeypatch, world, dtype):
+def test_the_online_softmax_fuses_its_tiles_and_gives_the_numpy_paths_numbers(cupy, dtype):  # noqa: F811
     """The online softmax (S >= ONLINE_FROM, and ring attention's blocks) by tiles of 2 x 2 over S = 5: each
     tile's shifted exponential one fused kernel forward and backward, its backward's tail one; bit for bit."""
     rng = numpy.random.default_rng(1)
@@ -71,44 +66,29 @@ def test_the_online_softmax_fuses_its_tiles_and_gives_the_numpy_paths_numbers(mo
         out, cache = kernels_attention.online_attention_forward(*(xp.asarray(a) for a in (q, k, v)), block=2)
         return [out, cache[4]] + list(kernels_attention.online_attention_backward(xp.asarray(dout), cache))
     reference = run(numpy)
-    monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
-    monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
-    backend.use("cupy", world)
-    try:
-        cupy = backend.xp()
-        standin.counters.reset()
-        got = [cupy.asnumpy(a) for a in run(cupy)]
-        names = dict(standin.counters.kernel_names)
-    finally:
-        backend.use("numpy")
+    standin.counters.reset()
+    got = [cupy.asnumpy(a) for a in run(cupy)]
+    names = dict(standin.counters.kernel_names)
     tiles = 1 + 2 + 3                                                # causal tiles: query block i sees i + 1 key blocks
     assert names.get("fuse:softmax_exp") == 2 * tiles and names.get("fuse:softmax_backward_tail") == tiles, names
     assert all(a.dtype == r.dtype and numpy.array_equal(a, r) for a, r in zip(got, reference))
 
 
-def test_the_standin_refuses_inside_a_fused_function_what_cupy_cannot_fuse(monkeypatch, world):
+def test_the_standin_refuses_inside_a_fused_function_what_cupy_cannot_fuse(cupy):  # noqa: F811
     """A cupy.fuse function is traced by CuPy with proxies: only elementwise ufuncs, arithmetic and a few
     reductions. The stand-in runs the function itself, so it refuses the rest (indexing, views, matmul,
     in-place updates, other functions, reading a value), and the fused functions above are checked to
     keep to what fuses."""
-    from mpi_tp.core.standin.state import StrictnessError
-    monkeypatch.setenv("MPI_TP_CUPY_STANDIN", "1")
-    monkeypatch.setenv("MPI_TP_CUDA_AWARE", "0")
-    backend.use("cupy", world)
-    try:
-        cupy = backend.xp()
-        x = cupy.asarray(numpy.arange(6.0).reshape(2, 3))
-        assert float(cupy.fuse()(lambda a: cupy.exp(a) * 2.0 + a.sum())(x)[1, 2]) == numpy.exp(5.0) * 2 + 15
-        for bad in (lambda a: a[0] * 2.0, lambda a: a.reshape(3, 2) + 1.0, lambda a: a @ a.T,
-                    lambda a: cupy.concatenate([a, a]), lambda a: a if float(a.max()) > 0 else -a,
-                    lambda a: cupy.multiply(a, 2.0, out=a)):
-            with pytest.raises(StrictnessError, match="cupy.fuse"):
-                cupy.fuse()(bad)(x)
-
-        def in_place(a):
-            a += 1.0
-            return a
+    x = cupy.asarray(numpy.arange(6.0).reshape(2, 3))
+    assert float(cupy.fuse()(lambda a: cupy.exp(a) * 2.0 + a.sum())(x)[1, 2]) == numpy.exp(5.0) * 2 + 15
+    for bad in (lambda a: a[0] * 2.0, lambda a: a.reshape(3, 2) + 1.0, lambda a: a @ a.T,
+                lambda a: cupy.concatenate([a, a]), lambda a: a if float(a.max()) > 0 else -a,
+                lambda a: cupy.multiply(a, 2.0, out=a)):
         with pytest.raises(StrictnessError, match="cupy.fuse"):
-            cupy.fuse()(in_place)(x)
-    finally:
-        backend.use("numpy")
+            cupy.fuse()(bad)(x)
+
+    def in_place(a):
+        a += 1.0
+        return a
+    with pytest.raises(StrictnessError, match="cupy.fuse"):
+        cupy.fuse()(in_place)(x)

@@ -125,9 +125,12 @@ def assigned(v, what: str):
 
 def apply_ufunc(ufunc, method: str, inputs, kwargs):
     keep, name = {}, ufunc.__name__
-    if method != "__call__" or "out" in kwargs or name == "matmul":
-        fusable(f"{name}.{method}" if method != "__call__" else f"{name} with out= (or in place)"
-                if "out" in kwargs else name)
+    if method != "__call__":
+        fusable(f"{name}.{method}")
+    elif "out" in kwargs:
+        fusable(f"{name} with out= (or in place)")
+    elif name == "matmul":
+        fusable(name)
     if method == "at":                                     # ufunc.at(a, indices, b): unbuffered, atomic on a GPU
         target = operand(inputs[0], keep, name)
         raw = (target, as_index(inputs[1], name)[0]) + tuple(assigned(v, name) for v in inputs[2:])
