@@ -25,6 +25,17 @@ from mpi_tp.parallel.buffers import (Pending, axis_back, axis_first, check_buffe
                                      out_of_place)
 from mpi_tp.parallel.comm_stats import CommStats
 
+TAG_UB_MINIMUM = 32767      # the least tag upper bound the MPI standard lets a library have
+
+
+def tag_limit() -> int:
+    """The largest message tag this MPI accepts. MPI_TAG_UB is an attribute of MPI_COMM_WORLD: the
+    standard promises it there alone, and Open MPI answers None on communicators made by Split or
+    Create_cart (MPICH answers on every one), so it is read from the world, never from a group's
+    communicator. A world that answers nothing gets the standard's minimum."""
+    value = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    return TAG_UB_MINIMUM if value is None else int(value)
+
 
 class Group:
     """An MPI communicator of ranks that cooperate on one parallel dimension, with counted collectives."""

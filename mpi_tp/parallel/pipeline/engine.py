@@ -49,11 +49,9 @@ from __future__ import annotations
 import os
 import time
 
-from mpi4py import MPI
-
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
-from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.collectives import Group, tag_limit
 from mpi_tp.parallel.pipeline.schedules import Action, global_chunk
 from mpi_tp.parallel.trace import span
 
@@ -92,7 +90,7 @@ class PipelineEngine:
         self.last = self.P * chunks - 1                     # the model's last chunk, globally
         micro = 1 + max((a.micro for a in actions), default=0)
         top = (micro * (self.last + 1)) * 2
-        limit = group.comm.Get_attr(MPI.TAG_UB) if group.size > 1 else top
+        limit = tag_limit() if group.size > 1 else top
         if top > limit:
             raise UserError(f"{micro} micro-batches x {self.last + 1} chunks need message tags up to {top}, "
                             f"above this MPI's limit {limit}: use fewer micro-batches or chunks")
