@@ -171,7 +171,8 @@ def decode_check(name: str, c: Check, n: int, aware: str) -> str:
 
 
 def served(c: Check, name: str, ckpt: Path, backend: str, aware: str) -> list[str]:
-    """A 2-rank server's answers to a greedy and a seeded sampled request; it must stop at SIGTERM with status 0."""
+    """A 2-rank server's answers to a greedy and a seeded sampled request; it must stop with status 0 at the
+    stop signal sent to mpiexec (SIGUSR1: serve_harness.Server.stop)."""
     server = Server(str(ckpt), ["--dtype", "float64", "--backend", backend], c.out / "logs", env=c.env(aware))
     try:
         texts = []
@@ -182,7 +183,7 @@ def served(c: Check, name: str, ckpt: Path, backend: str, aware: str) -> list[st
                 texts.append(json.loads(r.read())["choices"][0]["text"])
     finally:
         status = server.stop(timeout=60)
-    assert status == 0, f"the {backend} server's exit status after SIGTERM: {status}\n{server.log_tail()}"
+    assert status == 0, f"the {backend} server's exit status after SIGUSR1: {status}\n{server.log_tail()}"
     return texts
 
 
@@ -190,7 +191,7 @@ def serve_check(name: str, c: Check, aware: str) -> str:
     ckpt = last_step(numpy_run(c, name, "dp2-overlap"))
     want, got = served(c, name, ckpt, "numpy", "0"), served(c, name, ckpt, "cupy", aware)
     assert want == got, f"the GPU server answered {got}, the NumPy one {want}"
-    return f"greedy and sampled answers equal to a NumPy server's; both stopped by SIGTERM: {got[1][:30]!r}"
+    return f"greedy and sampled answers equal to a NumPy server's; both stopped by SIGUSR1: {got[1][:30]!r}"
 
 
 def main(argv=None) -> int:

@@ -33,8 +33,11 @@ def mpi_tp_command(ranks=2):
 
 
 def child_env():
-    """This checkout's mpi_tp, one thread per rank, none of a parent MPI job's variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_"))}
+    """This checkout's mpi_tp, one thread per rank, none of a parent MPI job's variables (the rule of
+    mpi_tp.core.runtime.child_job_env, not imported: that would start MPI in this process)."""
+    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PRTE_MCA_")
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(keep) or not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     return env
 
@@ -133,10 +136,12 @@ class Server:
         return out
 
     def stop(self, timeout=30.0):
-        """SIGTERM to mpiexec (it forwards it to every rank); SIGKILL to its process group and ranks after timeout."""
+        """SIGUSR1 to mpiexec, which MPICH's and Open MPI's both forward to every rank (Open MPI's would end
+        the ranks itself on a SIGTERM: mpi_tp.core.runtime.STOP_SIGNALS); SIGKILL to its process group and
+        ranks after timeout."""
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(signal.SIGUSR1)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -16,6 +16,13 @@
 # not CUDA-aware (every buffer staged through host buffers), and at 2 declared CUDA-aware (device
 # buffers to MPI by pointer); the rest of the stand-in slice (tests/test_standin*.py) selects the
 # stand-in itself and runs in passes 1 and 2. docs/clusters.md#without-a-gpu-the-cupy-stand-in.
+# Then the other MPI (Open MPI when this environment's mpi4py runs on MPICH, MPICH when it runs on Open
+# MPI), from a venv of its own that tests/other_mpi.sh makes on first use: the MPI tests at
+# MPI_TP_OTHER_WORLDS ranks (default "2 3"; "" for none) and the tests that start jobs of their own
+# (marked 'launcher': a pipelined training run, a crash that must end the job, SIGTERM to the ranks).
+# MPI_TP_OTHER_MPI=none leaves them out (said in the skip lines); where the other MPI cannot be installed,
+# they are skipped with the reason. Under Open MPI the launcher is told it may run as root (containers)
+# and start more ranks than cores (docs/clusters.md#open-mpi).
 # Each pass must run at least one test and pass; a pass that hangs is killed after
 # MPI_TP_PASS_TIMEOUT seconds. At the end one line says whether every pass passed (exit 0)
 # or which failed (exit 1), and the last lines count each pass's skipped tests by reason
@@ -29,6 +36,10 @@ TIMEOUT=${MPI_TP_PASS_TIMEOUT:-900}
 # One BLAS thread per rank: 3 or 4 ranks on 2 cores are oversubscribed as it is.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 command -v "$MPIEXEC" >/dev/null || { echo "tests/run.sh: no '$MPIEXEC' on PATH (pip install mpich, or load your MPI module)"; exit 1; }
+launcher_env() {  # launcher_env PYTHON: VAR=value words its MPI's mpiexec needs here (none for MPICH)
+  "$1" -m mpi_tp.core.mpi_library --launcher-env
+}
+for setting in $(launcher_env "$PY"); do export "${setting?}"; done
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 
@@ -87,11 +98,27 @@ for run in "1 0 staged" "2 0 staged" "2 1 CUDA-aware"; do
     "$MPIEXEC" -n "$n" "$PY" -m mpi4py -m pytest -p no:cacheprovider -q -rfEs --with-mpi tests/test_gpu.py "$@"
 done
 
+OTHER_WORLDS=${MPI_TP_OTHER_WORLDS-2 3}
+if [ "${MPI_TP_OTHER_MPI:-}" = none ]; then
+  skipped+=("skipped: the other MPI: MPI_TP_OTHER_MPI=none")
+elif other=$(bash tests/other_mpi.sh "$PY" 2>"$LOGS/other"); then
+  IFS=$'\t' read -r venv library <<< "$other"
+  env=(env PATH="$venv/bin:$PATH" $(launcher_env "$venv/bin/python"))
+  for n in $OTHER_WORLDS; do
+    MPI_TP_EXPECT_WORLD=$n pass "world size $n under $library" \
+      "${env[@]}" mpiexec -n "$n" "$venv/bin/python" -m mpi4py "${PYTEST[@]}" -m mpi
+  done
+  MPI_TP_EXPECT_WORLD=1 pass "jobs the tests launch, under $library" \
+    "${env[@]}" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfEs tests -m launcher "$@"
+else
+  skipped+=("skipped: the other MPI: $(cat "$LOGS/other")")
+fi
+
 if [ ${#failed[@]} -gt 0 ]; then
   echo "tests/run.sh: failed passes: ${failed[*]}"
   status=1
 else
-  echo "tests/run.sh: all passes (world sizes 1, 2, 3, 4; the GPU tests on the stand-in) passed"
+  echo "tests/run.sh: all passes (world sizes 1, 2, 3, 4; the GPU tests on the stand-in; the other MPI) passed"
   status=0
 fi
 printf '%s\n' "${skipped[@]}"                # last: what did not run, and why

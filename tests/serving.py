@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from test_cli import MPIEXEC, clean_env
+from test_cli import MPIEXEC, STOP, clean_env
 
 from mpi_tp.inference.generate import Request
 
@@ -84,8 +84,9 @@ class Server:
             self.proc.wait()
 
     def stop(self, timeout=30) -> int:
-        """SIGTERM to mpiexec (it forwards the signal to every rank); the job's exit status."""
-        self.proc.send_signal(signal.SIGTERM)
+        """The stop signal to mpiexec, which forwards it to every rank (SIGTERM; SIGUSR1 under Open MPI:
+        test_cli.STOP); the job's exit status."""
+        self.proc.send_signal(STOP)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

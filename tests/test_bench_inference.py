@@ -6,10 +6,10 @@ These tests start their own MPI jobs, so they run in the one-rank pass only (no 
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from test_cli import run_job
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
@@ -21,18 +21,10 @@ FIELDS = ("ttft_ms", "decode_ms_per_step", "tokens_per_s", "comm_share", "comm_f
           "limit_ratio", "environment")
 
 
-def clean_env():
-    """Drop the parent's MPI launcher variables so the child job is fresh (as tests/test_cli.py does)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_TP_EXPECT"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def bench(n, tmp_path, *extra):
     out = tmp_path / f"inference_{n}.jsonl"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *TINY, "--json", str(out), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    r = run_job(cmd, timeout=240)
     return r, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 

@@ -4,11 +4,10 @@ all-reduce bytes it counted equal to the formulas, and the load figures consiste
 These tests start their own MPI jobs, so they run in the one-rank pass only (no mpi marker).
 """
 import json
-import subprocess
 import sys
 
 import pytest
-from test_cli import MPIEXEC, clean_env
+from test_cli import MPIEXEC, run_job
 
 from mpi_tp.parallel.topology import split_sizes
 
@@ -26,7 +25,7 @@ DENSE_FIELDS = ("width", "tp", "step_ms", "all_reduce_ms", "compute_ms", "all_re
 def bench(n, tmp_path, *extra):
     out = tmp_path / f"moe_{n}.jsonl"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *TINY, "--json", str(out), *extra]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=clean_env())
+    r = run_job(cmd, timeout=240)
     return r, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 

@@ -7,7 +7,7 @@ import os
 import h5py
 import numpy as np
 import pytest
-from test_cli import MPIEXEC, clean_env, mpirun  # noqa: F401  (shared launcher helpers)
+from test_cli import MPIEXEC, clean_env, mpirun, run_job  # noqa: F401  (shared launcher helpers)
 
 from mpi_tp import checkpoint as ck
 
@@ -62,13 +62,12 @@ def test_eval_same_at_two_sizes(tmp_path):
 def test_killed_save_leaves_previous_checkpoint(tmp_path, point):
     out = str(tmp_path / "run")
     env_point = f"{point}:8"                                     # the second save (steps 4, 8)
-    import subprocess
     import sys
     env = clean_env()
     env["MPI_TP_FAILPOINT"] = env_point
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "8",
            "--save-every", "4", "--out", out]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    r = run_job(cmd, timeout=120, env=env)
     assert r.returncode != 0, "the failpoint did not fire"
     root = os.path.join(out, "checkpoints")
     with ck.Checkpoint(root) as c:

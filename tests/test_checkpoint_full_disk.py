@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 from test_checkpoint import CFG, meta, shared_dir, trained  # noqa: F401  (shared_dir is a fixture)
 from test_checkpoint_cli import TINY
-from test_cli import MPIEXEC, clean_env
+from test_cli import MPIEXEC, clean_env, run_job
 
 from mpi_tp import checkpoint as ck
 from mpi_tp.model.config import GPTConfig
@@ -151,8 +151,7 @@ def train(*args, failpoint=None, timeout=120):
     env = clean_env()
     if failpoint:
         env["MPI_TP_FAILPOINT"] = failpoint
-    return subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_job([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, *args], timeout, env)
 
 
 @needs_mpiexec

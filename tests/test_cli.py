@@ -7,12 +7,16 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from mpi_tp.core.mpi_library import is_open_mpi
+from mpi_tp.core.runtime import child_job_env
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
@@ -20,16 +24,39 @@ TIMEOUT = 240
 
 
 def clean_env():
-    """The parent may itself be an MPI process: drop its launcher's variables so the child job is fresh."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_TP_EXPECT"))}
+    """The parent may itself be an MPI process: a fresh environment for the child job (runtime.child_job_env)."""
+    env = child_job_env()
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
+# The launcher on PATH is the one of the library mpi4py loads (tests/run.sh runs the suite with each).
+OPEN_MPI = is_open_mpi()
+# What mpiexec forwards to every rank and then waits for them: SIGTERM under MPICH; Open MPI's ends the
+# ranks itself a quarter second after a SIGTERM of its own, and forwards SIGUSR1 (runtime.STOP_SIGNALS).
+STOP = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM
+# Open MPI's launcher adds its own report, between lines of dashes, when a rank exits non-zero
+# ("prterun detected that one or more processes exited with non-zero status ..."); MPICH's adds none.
+LAUNCHER_REPORT = re.compile(r"^-{20,}\n(?:(?!-{20,}).*\n)*?.*prterun detected.*\n(?:(?!-{20,}).*\n)*-{20,}\n?",
+                             re.MULTILINE)
+
+
+def ours(stderr: str) -> str:
+    """A job's stderr without its launcher's own report of a non-zero exit: what mpi_tp printed."""
+    return LAUNCHER_REPORT.sub("", stderr)
+
+
+def run_job(cmd, timeout=TIMEOUT, env=None, **kw):
+    """subprocess.run of an MPI job (a fresh environment, clean_env's unless given), its output captured as
+    text; stderr holds what the ranks printed, the launcher's report of a non-zero exit left out (ours)."""
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env() if env is None else env,
+                       **kw)
+    r.stderr = ours(r.stderr)
+    return r
+
+
 def mpirun(n, *args, timeout=TIMEOUT):
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
+    return run_job([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args], timeout=timeout)
 
 
 TINY = ["--n-layer", "2", "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "8",
@@ -41,6 +68,7 @@ TINY = ["--n-layer", "2", "--n-head", "3", "--n-embd", "24", "--block-size", "16
 LEARN = ["--steps", "200", "--warmup", "10", "--lr", "1e-2"]
 
 
+@pytest.mark.launcher
 def test_train_end_to_end(tmp_path):
     out = tmp_path / "run"
     r = mpirun(2, "train", *TINY, *LEARN, "--out", str(out))
@@ -116,6 +144,7 @@ def test_micro_batches_end_to_end(tmp_path):
     assert len(runs["one"]) == 3 and max(abs(a - b) for a, b in zip(runs["one"], runs["micro"])) < 1e-9, runs
 
 
+@pytest.mark.launcher
 def test_pipeline_end_to_end(tmp_path):
     """--pp 2 (1F1B, 2 micro-batches, 3 blocks on 2 stages) trains what --tp 2 trains: the same losses,
     and checkpoints holding the same tensors, optimizer state included (float64, dropout on)."""
@@ -191,6 +220,7 @@ def test_bad_option_and_config_file(tmp_path):
     assert r.returncode == 2 and "unknown option(s) n_layers" in r.stderr
 
 
+@pytest.mark.launcher
 def test_crash_on_one_rank_aborts_the_job(tmp_path):
     """Rank 1 raises while rank 0 waits in a collective: the job must end, not hang."""
     script = tmp_path / "crash.py"
@@ -202,8 +232,7 @@ def test_crash_on_one_rank_aborts_the_job(tmp_path):
             raise RuntimeError("boom on rank 1")
         MPI.COMM_WORLD.Barrier()          # would wait forever without the abort
     """))
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=60, env=clean_env())
+    r = run_job([MPIEXEC, "-n", "2", sys.executable, str(script)], timeout=60)
     assert r.returncode != 0
     assert "[rank 1]" in r.stderr and "boom on rank 1" in r.stderr
     assert r.stderr.count("RuntimeError: boom on rank 1") == 1     # shown once
@@ -231,6 +260,7 @@ def test_bench_reports(tmp_path):
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
 
 
+@pytest.mark.launcher
 def test_bench_pipeline_reports(tmp_path):
     """bench --pp 2: the bubble next to its formula, the bytes sent between stages equal to
     p2p_formula (M activations of B S C float32 one way from stage 0), each stage's time blocked in receives."""

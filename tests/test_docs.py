@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mpi_tp.core.runtime import child_job_env
 from test_cli import MPIEXEC, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +49,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 def clean_env():
     """The parent may itself be an MPI process: drop its launcher's variables so each child job is fresh."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_TP_EXPECT"))}
+    env = child_job_env()
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     env["OMP_NUM_THREADS"] = "1"
     return env

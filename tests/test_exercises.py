@@ -8,12 +8,11 @@ bad input) start their own jobs and run in the one-rank pass.
 """
 import argparse
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_cli import MPIEXEC, mpirun
+from test_cli import MPIEXEC, mpirun, run_job
 from test_docs import clean_env
 
 from mpi_tp.commands.exercise import cmd_exercise
@@ -217,6 +216,6 @@ def test_a_rank_that_raises_alone_aborts_instead_of_hanging(tmp_path):
                        "class RowLinear(_Right):\n    def forward(self, x):\n        if self.group.rank == 0:\n"
                        "            raise RuntimeError('only rank 0 fails')\n        return super().forward(x)\n")
     env = clean_env() | {"MPI_TP_EXERCISE_TIMEOUT": "5"}
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "exercise", "1", "--file", str(student)],
-                       capture_output=True, text=True, timeout=90, env=env)
+    r = run_job([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "exercise", "1", "--file", str(student)],
+                timeout=90, env=env)
     assert r.returncode != 0 and "the ranks are out of step" in r.stderr, (r.returncode, r.stderr[-2000:])

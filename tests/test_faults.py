@@ -9,7 +9,7 @@ import time
 
 import pytest
 from test_checkpoint_cli import TINY, losses
-from test_cli import MPIEXEC, clean_env, mpirun
+from test_cli import MPIEXEC, STOP, clean_env, mpirun, run_job
 
 from mpi_tp import checkpoint as ck
 
@@ -25,7 +25,9 @@ def start(n, *args, env_extra=None):
 
 
 def rank_pids(marker):
-    """The python processes of a job, found by a string unique to its command line."""
+    """The python processes of a job, found by a string unique to its command line. The ranks' first
+    word is this python; the launcher's is mpiexec (MPICH) or prterun (Open MPI execs it), and the
+    launcher must not get the signal meant for the ranks."""
     pids = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -34,7 +36,7 @@ def rank_pids(marker):
                     cmd = f.read().split(b"\0")
             except OSError:
                 continue
-            if any(marker.encode() in c for c in cmd) and b"mpi_tp" in cmd and not cmd[0].endswith(b"mpiexec"):
+            if any(marker.encode() in c for c in cmd) and b"mpi_tp" in cmd and cmd[0] == os.fsencode(sys.executable):
                 pids.append(int(pid))
     return pids
 
@@ -57,8 +59,8 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path):
     assert mpirun(2, "train", *TINY, "--steps", "10", "--out", a).returncode == 0
     env = clean_env()
     env["MPI_TP_FAILPOINT"] = "sigterm:4"              # every rank signals itself after step 4
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "10",
-                        "--out", b], capture_output=True, text=True, timeout=120, env=env)
+    r = run_job([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "10", "--out", b],
+                timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "SIGTERM received: saved step 4" in r.stdout
     assert ck.complete_steps(os.path.join(b, "checkpoints")) == [4]
@@ -67,20 +69,25 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path):
     assert losses(a) == losses(b)                                     # bitwise, as if never stopped
 
 
-def test_real_sigterm_to_the_ranks(tmp_path):
-    """SIGTERM from outside, as Slurm sends it to every task, in the middle of training."""
+@pytest.mark.launcher
+@pytest.mark.parametrize("to", ["ranks", "mpiexec"])
+def test_a_real_stop_signal(tmp_path, to):
+    """A stop signal from outside in the middle of training: SIGTERM to every rank, as Slurm sends it to
+    every task; or to mpiexec the signal it forwards to every rank while the job runs on (STOP: SIGTERM
+    under MPICH, SIGUSR1 under Open MPI, whose launcher ends the ranks itself on a SIGTERM)."""
     out = str(tmp_path / "run")
     proc = start(2, "train", *TINY, "--steps", "100000", "--log-every", "1", "--out", out)
+    sent = signal.SIGTERM if to == "ranks" else STOP
     try:
         wait_for(proc, " 3/100000")
-        for pid in rank_pids(out):
-            os.kill(pid, signal.SIGTERM)
+        for pid in rank_pids(out) if to == "ranks" else [proc.pid]:
+            os.kill(pid, sent)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr
-    assert "SIGTERM received: saved step" in stdout
+    assert f"{sent.name} received: saved step" in stdout
     step = ck.complete_steps(os.path.join(out, "checkpoints"))[-1]
     r = mpirun(2, "train", *TINY, "--steps", str(step + 2), "--out", out, "--resume")
     assert r.returncode == 0 and f"(step {step})" in r.stdout, r.stderr
@@ -92,19 +99,19 @@ def test_nan_gradient_stops_or_skips(tmp_path):
     env["MPI_TP_FAILPOINT"] = "nan-grad:5"
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "train", *TINY, "--steps", "8",
            "--save-every", "2"]
-    r = subprocess.run(cmd + ["--out", out], capture_output=True, text=True, timeout=120, env=env)
+    r = run_job(cmd + ["--out", out], timeout=120, env=env)
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert r.stderr.count("the gradient norm became nan at step 5") == 1 and "Traceback" not in r.stderr
     assert ck.complete_steps(os.path.join(out, "checkpoints")) == [2, 4]     # nothing saved after the fault
     skip = str(tmp_path / "skip")
-    r = subprocess.run(cmd + ["--out", skip, "--on-nonfinite", "skip"], capture_output=True, text=True,
-                       timeout=120, env=env)
+    r = run_job(cmd + ["--out", skip, "--on-nonfinite", "skip"], timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "step 5: the gradient norm became nan; step skipped" in r.stdout
     entries = [json.loads(l) for l in open(os.path.join(skip, "metrics.jsonl"))]
     assert any(e.get("skipped") for e in entries) and 5 not in [e["step"] for e in entries if "loss" in e]
 
 
+@pytest.mark.launcher
 def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     proc = start(2, "train", *TINY, "--steps", "100000", "--save-every", "2", "--out", out)
@@ -123,8 +130,7 @@ def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
 def failing(n, *args, failpoint, timeout=120):
     env = clean_env()
     env["MPI_TP_FAILPOINT"] = failpoint
-    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return run_job([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args], timeout, env)
 
 
 def logged_steps(out):
@@ -173,6 +179,7 @@ def test_sigterm_at_the_last_step_completes_the_run(tmp_path):
     assert json.load(open(os.path.join(out, "run.json"))) == summary  # the summary stays as it was
 
 
+@pytest.mark.launcher
 def test_pipeline_sigterm_and_resume(tmp_path):
     """--pp 2: SIGTERM after step 2 saves at a step every stage agrees on; --resume continues bitwise."""
     args = ["--n-layer", "3", "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "2",
@@ -187,6 +194,7 @@ def test_pipeline_sigterm_and_resume(tmp_path):
     assert losses(a) == losses(b)
 
 
+@pytest.mark.launcher
 def test_exception_in_one_stage_aborts_the_job(tmp_path):
     """Stage 1 raises in a backward pass while stage 0 waits to receive its gradient: the job ends."""
     script = tmp_path / "stage_crash.py"
@@ -207,7 +215,6 @@ def test_exception_in_one_stage_aborts_the_job(tmp_path):
         "    stage.chunks[0].backward = broken\n"
         "x = np.zeros((2, 4), dtype=int)\n"
         "stage.forward_backward(x, x, slice(0, 2))\n")
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=60, env=clean_env())
+    r = run_job([MPIEXEC, "-n", "2", sys.executable, str(script)], timeout=60)
     assert r.returncode != 0
     assert r.stderr.count("RuntimeError: boom in stage 1") == 1 and "[rank 1]" in r.stderr

@@ -7,11 +7,11 @@ import http.client
 import json
 import random
 import re
-import signal
 import threading
 import time
 
 import pytest
+from test_cli import STOP
 from serving import (
     BLOCK,
     Server,
@@ -138,7 +138,8 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, serial):
 
 
 @needs_mpiexec
-def test_sigterm_finishes_the_batch_in_flight_and_exits_0(checkpoint, tmp_path):
+@pytest.mark.launcher
+def test_the_stop_signal_finishes_the_batch_in_flight_and_exits_0(checkpoint, tmp_path):
     s = Server(checkpoint, tmp_path, "--batch-wait-ms", "1000")
     try:
         events = s.stream({"prompt": "The ", "max_tokens": 400, "temperature": 0})    # sent; waits for more
@@ -146,7 +147,7 @@ def test_sigterm_finishes_the_batch_in_flight_and_exits_0(checkpoint, tmp_path):
         while s.call("/health")[1]["in_progress"] != 1:
             assert time.monotonic() < deadline, "the request was not taken"
             time.sleep(0.01)
-        s.proc.send_signal(signal.SIGTERM)              # while its batch waits for company: it still runs
+        s.proc.send_signal(STOP)                        # while its batch waits for company: it still runs
         first = next(events)
         status, health = s.call("/health")              # answers while the batch computes ...
         assert status == 503 and health["status"] == "stopping" and health["requests_served"] == 0, health
@@ -158,7 +159,7 @@ def test_sigterm_finishes_the_batch_in_flight_and_exits_0(checkpoint, tmp_path):
     finally:
         s.kill()
     err = s.stderr()
-    assert "Traceback" not in err and "SIGTERM: stopping" in err and "stopped after 1 request(s)" in err, err
+    assert "Traceback" not in err and f"{STOP.name}: stopping" in err and "stopped after 1 request(s)" in err, err
 
 
 def test_text_pieces_join_into_the_whole_text():

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from mpi_tp.core.runtime import child_job_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.environ.get("MPI_TP_SLURM_LOCAL", os.path.join(os.path.dirname(REPO), "shared", "slurm-local"))
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
@@ -44,7 +46,7 @@ def harness(script, nodes, timeout=300):
 
 def env_for_jobs(tmp_path):
     """sbatch hands the caller's environment to the job: the venv's PATH, a clean MPI state."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_TP_"))}
+    env = {k: v for k, v in child_job_env().items() if not k.startswith("MPI_TP_")}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["MPI_TP_OUT"] = str(tmp_path / "out")
     env["MPI_TP_RESULTS"] = str(tmp_path / "results")

@@ -1,12 +1,11 @@
 """Tokenizers and token files (mpi_tp.text): round trips, a token file equal to tokenizing in memory,
 clear errors for bad files, and training on a token file (its vocabulary, its tokenizer's sample)."""
 import json
-import subprocess
 import sys
 
 import numpy
 import pytest
-from test_cli import MPIEXEC, clean_env
+from test_cli import MPIEXEC, run_job
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.text.token_file import TokenFileError, read_tokens, write_tokens
@@ -19,7 +18,7 @@ TEXT = ("def tokenize(text):\n    return [ord(c) for c in text]  # é, 漢字, �
 
 def mpi_tp(*args, n=None, timeout=180):
     cmd = ([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py"] if n else [sys.executable]) + ["-m", "mpi_tp", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), check=False)
+    return run_job(cmd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

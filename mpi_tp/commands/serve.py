@@ -6,7 +6,8 @@
 The model loads at tensor-parallel size = world size (as eval and generate do), on
 --backend's arrays (numpy, or cupy: one GPU per rank); rank 0 answers HTTP and every
 rank computes (mpi_tp.inference.serving).
-SIGTERM or Ctrl-C stops it cleanly: the batch in flight is finished, exit 0.
+SIGTERM, SIGUSR1 or Ctrl-C stops it cleanly: the batch in flight is finished, exit 0 (under Open MPI,
+signal mpiexec with SIGUSR1: it ends the ranks itself on a SIGTERM of its own; docs/clusters.md#open-mpi).
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def add_parser(sub) -> None:
                        description="Serve a saved model over HTTP at tensor-parallel size = world size: "
                                    "mpiexec -n T mpi-tp serve --checkpoint C. Rank 0 answers POST "
                                    "/v1/completions, GET /v1/models and GET /health; every rank computes. "
-                                   "SIGTERM or Ctrl-C finishes the batch in flight and exits 0.")
+                                   "SIGTERM, SIGUSR1 or Ctrl-C finishes the batch in flight and exits 0 (Open "
+                                   "MPI's mpiexec: send it SIGUSR1).")
     s.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
                    "GPT-2 or Llama folder")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -25,8 +26,17 @@ import traceback
 from mpi4py import MPI
 
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.mpi_library import srun_mpi, vendor
 
 ABORT_GRACE = 0.5       # seconds between a crashed rank's message and MPI_Abort (install_abort_hook)
+
+# The signals that ask a job to stop cleanly (training saves a checkpoint and exits 0; a server finishes the
+# batch in flight). SIGTERM is what Slurm sends every task (scancel, the time limit with --signal=TERM@60)
+# and what MPICH's mpiexec forwards to the ranks. Open MPI's mpiexec answers a SIGTERM of its own by
+# ending the ranks itself (SIGCONT, SIGTERM, SIGKILL within about 0.25 s: no time to save), but it
+# forwards SIGUSR1 and lets the job run on, as MPICH's does: `kill -USR1 <mpiexec's pid>` or
+# `#SBATCH --signal=USR1@120` stops a job cleanly under either MPI (docs/clusters.md#open-mpi).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def rank0_print(*args, comm=MPI.COMM_WORLD, **kw) -> None:
@@ -88,10 +98,24 @@ def check_world_size(comm=MPI.COMM_WORLD, expect: int | None = None) -> None:
         claims["expected"] = str(expect)
     for source, value in claims.items():
         if value and value.isdigit() and int(value) != size:
+            library = " ".join(vendor())
             raise UserError(
                 f"MPI sees a world of {size} rank(s) but {source} says {value}: the launcher started "
-                "separate programs instead of one job. Use the mpiexec of the MPI library that mpi4py "
-                "was built with, or srun --mpi=pmi2 / --mpi=pmix (not --mpi=none).")
+                f"separate programs instead of one job. Use the mpiexec of the MPI library mpi4py runs on "
+                f"({library}), or srun --mpi={srun_mpi()} (not --mpi=none).")
+
+
+LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_", "MPI_TP_EXPECT")
+LAUNCHER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PRTE_MCA_")
+
+
+def child_job_env(env=None) -> dict:
+    """The environment (os.environ's by default) for a new MPI job started from this process, which may
+    itself be a rank of one: the variables its launcher gave it are dropped (MPICH's PMI_ and HYDRA_, Open
+    MPI's OMPI_, PMIX_ and PRTE_, the expected world size), so the new job starts fresh; the user's
+    settings for Open MPI's launcher stay (running as root, PRTE_MCA_ parameters: docs/clusters.md)."""
+    env = dict(os.environ if env is None else env)
+    return {k: v for k, v in env.items() if k.startswith(LAUNCHER_SETTINGS) or not k.startswith(LAUNCHER_VARS)}
 
 
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

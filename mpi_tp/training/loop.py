@@ -195,11 +195,11 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                 progress.log({"step": step, "val_loss": val_loss})
             if problem is None and (step % cfg.log_every == 0 or last):
                 progress.step_line(step, losses, lr, norm, val_loss, meter.report() if meter else None)
-            stop = preemption.agreed()    # SIGTERM on any rank: save, then leave cleanly (collective)
+            stop = preemption.agreed()    # SIGTERM / SIGUSR1 on any rank: save, then leave cleanly (collective)
             if last or stop or (cfg.save_every and step % cfg.save_every == 0):
                 save(run, step, progress)
             if stop and not last:          # at the last step the run is simply complete
-                progress.say(f"SIGTERM received: saved step {step}; continue with --resume --out {run.out}")
+                progress.say(f"{stop} received: saved step {step}; continue with --resume --out {run.out}")
                 record["preempted_at"] = step
                 progress.close(record)    # the resumed run writes the summary and the sample
                 return record

@@ -1,8 +1,9 @@
 """serve(): a model behind the completions API, every rank of the tensor-parallel group computing.
 
 Rank 0 listens (http.py), queues and schedules (scheduler.py) and broadcasts one command per decode
-step (protocol.py); the other ranks follow those commands. SIGTERM / SIGINT (mpiexec forwards them to
-every rank) are noted in a flag: rank 0 stops taking requests, answers the queued ones 503, finishes
+step (protocol.py); the other ranks follow those commands. SIGTERM / SIGUSR1 / SIGINT (MPICH's mpiexec
+forwards them to every rank; Open MPI's forwards SIGUSR1, and ends the job itself on the others) are
+noted in a flag: rank 0 stops taking requests, answers the queued ones 503, finishes
 the running rows, says "stop", and every rank exits 0 (the others never die inside a collective).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 import time
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.runtime import collective_setup
+from mpi_tp.core.runtime import STOP_SIGNALS, collective_setup
 from mpi_tp.inference.decode import Decoder
 from mpi_tp.inference.serving.http import HTTPServer
 from mpi_tp.inference.serving.metrics import Metrics
@@ -22,11 +23,12 @@ from mpi_tp.text.tokenizer import ByteTokenizer
 
 
 class Stop:
-    """SIGTERM / SIGINT noted in a flag, nothing else (the handler runs between two bytecodes of the main thread)."""
+    """SIGTERM / SIGUSR1 / SIGINT noted in a flag, nothing else (the handler runs between two bytecodes of the
+    main thread). SIGUSR1: what Open MPI's mpiexec forwards without ending the job (runtime.STOP_SIGNALS)."""
     requested = None
 
     def install(self) -> Stop:
-        for s in (signal.SIGTERM, signal.SIGINT):
+        for s in (*STOP_SIGNALS, signal.SIGINT):
             signal.signal(s, lambda signum, frame: setattr(self, "requested", signal.Signals(signum).name))
         return self
 
