@@ -14,6 +14,7 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.comm_stats import CommStats
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
@@ -52,7 +53,7 @@ def main():
         for r in rows:
             print(json.dumps(r))
         return
-    print(f"{comm.Get_size()} ranks on {hier.nodes} node(s) {hosts}; {MPI.Get_library_version().splitlines()[0]}")
+    print(f"{comm.Get_size()} ranks on {hier.nodes} node(s) {hosts}; {library_version()}")
     print("| message | flat ms | hierarchical ms | hierarchical / flat |")
     print("|---|---|---|---|")
     for r in rows:

@@ -50,13 +50,14 @@ TOLERANCE = 1e-8
 def machine(c: Check) -> dict:
     """Versions and devices, asked of a 1-rank Python under the check's own environment."""
     probe = ("import json, numpy, mpi4py; from mpi4py import MPI; from mpi_tp.core import backend;"
-             "from mpi_tp.core.gpu import cuda_aware_mpi; backend.use('cupy'); import cupy;"
+             "from mpi_tp.core.gpu import cuda_aware_mpi; from mpi_tp.core.mpi_library import library_version;"
+             "backend.use('cupy'); import cupy;"
              "rt = cupy.cuda.runtime; p = rt.getDeviceProperties(0);"
              "print(json.dumps({'gpu': p['name'].decode() if isinstance(p['name'], bytes) else str(p['name']),"
              "'gpus': rt.getDeviceCount(), 'gpu_memory_gib': round(p['totalGlobalMem'] / 2**30, 1),"
              "'cuda_runtime': rt.runtimeGetVersion(), 'cuda_driver': rt.driverGetVersion(),"
              "'cupy': cupy.__version__, 'numpy': numpy.__version__, 'mpi4py': mpi4py.__version__,"
-             "'mpi': MPI.Get_library_version().strip().splitlines()[0], 'mpi_cuda_aware': cuda_aware_mpi()}))")
+             "'mpi': library_version(), 'mpi_cuda_aware': cuda_aware_mpi()}))")
     rc, text = c.run("machine", 1, ["-c", probe], c.env(aware=None))
     must(rc, text, "CuPy on this machine")
     info = json.loads(text.strip().splitlines()[-1])

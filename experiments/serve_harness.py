@@ -18,6 +18,8 @@ import threading
 import time
 from collections import defaultdict
 
+from mpi_tp.core.mpi_library import child_job_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TRAIN = ["--steps", "40", "--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--block-size", "128",
@@ -33,11 +35,8 @@ def mpi_tp_command(ranks=2):
 
 
 def child_env():
-    """This checkout's mpi_tp, one thread per rank, none of a parent MPI job's variables (the rule of
-    mpi_tp.core.runtime.child_job_env, not imported: that would start MPI in this process)."""
-    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PRTE_MCA_")
-    env = {k: v for k, v in os.environ.items()
-           if k.startswith(keep) or not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_"))}
+    """This checkout's mpi_tp, one thread per rank, none of a parent MPI job's variables."""
+    env = child_job_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     return env
 

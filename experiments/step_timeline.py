@@ -28,6 +28,7 @@ try:
 except ImportError:
     raise SystemExit("experiments/step_timeline.py needs matplotlib: pip install matplotlib") from None
 
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp.commands.explain import add_parser
 from mpi_tp.commands.explain.common import wire_bytes
 from mpi_tp.commands.explain.step import OUTSIDE, PHASES, plan, run_step
@@ -123,7 +124,7 @@ def main():
         if comm.Get_rank() != 0:
             continue
         record = {"command": command, "options": SIZES + options, "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
-                  "mpi": MPI.Get_library_version().splitlines()[0]}, "date": time.strftime("%Y-%m-%d"),
+                  "mpi": library_version()}, "date": time.strftime("%Y-%m-%d"),
                   "phase_outside_the_marked_ones": OUTSIDE,
                   "ranks": [{"result": r, "events": ev} for r, ev in zip(results, events)]}
         with open(os.path.join(args.results, stem + ".json"), "w") as f:

@@ -43,9 +43,10 @@ for setting in $(launcher_env "$PY"); do export "${setting?}"; done
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 
+# (grep -a: pytest-mpi prints MPI_Get_library_version, which under Open MPI ends in a NUL byte)
 skips() {  # skips LOG: "N (reason: n, ...)" from pytest's "SKIPPED [n] file:line: reason" lines in LOG
   local counts total said
-  counts=$(grep -o 'SKIPPED \[[0-9]*\] [^ ]*:[0-9]*: .*' "$1" |
+  counts=$(grep -ao 'SKIPPED \[[0-9]*\] [^ ]*:[0-9]*: .*' "$1" |
     sed -E "s/^SKIPPED \[([0-9]+)\] [^ ]*:[0-9]+: /\1\t/; s/\tcould not import '([^']+)'.*/\t\1 not installed/
               s/\tTest requires ([0-9]+) MPI processes.*/\tneeds \1 MPI ranks/" |
     awk -F'\t' '{ n[$2] += $1 } END { for (r in n) printf "%d\t%s\n", n[r], r }' | sort -t"$(printf '\t')" -k1,1nr -k2)
@@ -53,10 +54,10 @@ skips() {  # skips LOG: "N (reason: n, ...)" from pytest's "SKIPPED [n] file:lin
   printf '%d' "$total"
   [ "$total" -gt 0 ] && printf ' (%s)' "$(printf '%s\n' "$counts" | awk -F'\t' '{ printf "%s%s: %d", (NR > 1 ? ", " : ""), $2, $1 }')"
   # cross-check with pytest's closing line ("3 passed, 2 skipped in 1.2s"): a pass that died has none
-  if ! grep -Eq '(passed|failed|skipped|error|errors|deselected|no tests ran).* in [0-9.]+s' "$1"; then
+  if ! grep -aEq '(passed|failed|skipped|error|errors|deselected|no tests ran).* in [0-9.]+s' "$1"; then
     printf '; pytest printed no closing line'
   else
-    said=$(grep -Eo '[0-9]+ skipped.* in [0-9.]+s' "$1" | head -1 | grep -Eo '^[0-9]+')
+    said=$(grep -aEo '[0-9]+ skipped.* in [0-9.]+s' "$1" | head -1 | grep -Eo '^[0-9]+')
     [ "${said:-0}" = "$total" ] || printf '; pytest says %s skipped' "${said:-0}"
   fi
   return 0
@@ -78,11 +79,15 @@ pass() {  # pass NAME CMD...: run one pytest pass; pytest exit 5 (no tests ran) 
   skipped+=("skipped: $name: $(skips "$log")")
 }
 
-PYTEST=(-m pytest -p no:cacheprovider -q -rfEs --with-mpi tests "$@")
+PYTEST=(-m pytest -p no:cacheprovider --color=no -q -rfEs --with-mpi tests "$@")
 # (nproc obeys OMP_NUM_THREADS, set to 1 above: not here)
 WORKERS=${MPI_TP_TEST_WORKERS:-$(n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
                                  echo $((n < 4 ? n : 4)))}
 case $WORKERS in ''|*[!0-9]*) echo "tests/run.sh: MPI_TP_TEST_WORKERS=$WORKERS: give a number of workers (0 or 1: one process)"; exit 1 ;; esac
+OTHER_WORLDS=${MPI_TP_OTHER_WORLDS-2 3}
+for n in $OTHER_WORLDS; do
+  case $n in ''|*[!0-9]*|0) echo "tests/run.sh: MPI_TP_OTHER_WORLDS=$OTHER_WORLDS: give world sizes (\"2 3\"; \"\" for none)"; exit 1 ;; esac
+done
 SPREAD=()
 if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
   SPREAD=(-n "$WORKERS" --dist loadfile)
@@ -95,10 +100,9 @@ for run in "1 0 staged" "2 0 staged" "2 1 CUDA-aware"; do
   read -r n aware how <<< "$run"
   MPI_TP_CUPY_STANDIN=1 MPI_TP_CUDA_AWARE=$aware MPI_TP_EXPECT_WORLD=$n \
     pass "GPU tests on the CuPy stand-in, MPI $how, world size $n" \
-    "$MPIEXEC" -n "$n" "$PY" -m mpi4py -m pytest -p no:cacheprovider -q -rfEs --with-mpi tests/test_gpu.py "$@"
+    "$MPIEXEC" -n "$n" "$PY" -m mpi4py -m pytest -p no:cacheprovider --color=no -q -rfEs --with-mpi tests/test_gpu.py "$@"
 done
 
-OTHER_WORLDS=${MPI_TP_OTHER_WORLDS-2 3}
 if [ "${MPI_TP_OTHER_MPI:-}" = none ]; then
   skipped+=("skipped: the other MPI: MPI_TP_OTHER_MPI=none")
 elif other=$(bash tests/other_mpi.sh "$PY" 2>"$LOGS/other"); then
@@ -109,7 +113,7 @@ elif other=$(bash tests/other_mpi.sh "$PY" 2>"$LOGS/other"); then
       "${env[@]}" mpiexec -n "$n" "$venv/bin/python" -m mpi4py "${PYTEST[@]}" -m mpi
   done
   MPI_TP_EXPECT_WORLD=1 pass "jobs the tests launch, under $library" \
-    "${env[@]}" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfEs tests -m launcher "$@"
+    "${env[@]}" "$venv/bin/python" -m pytest -p no:cacheprovider --color=no -q -rfEs tests -m launcher "$@"
 else
   skipped+=("skipped: the other MPI: $(cat "$LOGS/other")")
 fi

@@ -15,8 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from mpi_tp.core.mpi_library import is_open_mpi
-from mpi_tp.core.runtime import child_job_env
+from mpi_tp.core.mpi_library import child_job_env, is_open_mpi
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
@@ -24,7 +23,7 @@ TIMEOUT = 240
 
 
 def clean_env():
-    """The parent may itself be an MPI process: a fresh environment for the child job (runtime.child_job_env)."""
+    """The parent may itself be an MPI process: a fresh environment for the child job (mpi_library.child_job_env)."""
     env = child_job_env()
     env["OMP_NUM_THREADS"] = "1"
     return env

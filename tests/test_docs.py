@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_tp.core.runtime import child_job_env
+from mpi_tp.core.mpi_library import child_job_env
 from test_cli import MPIEXEC, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpi_tp.core.runtime import child_job_env
+from mpi_tp.core.mpi_library import child_job_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.environ.get("MPI_TP_SLURM_LOCAL", os.path.join(os.path.dirname(REPO), "shared", "slurm-local"))

@@ -1,4 +1,4 @@
-"""Which MPI library mpi4py runs on, and what that library's launchers need: asked without starting MPI.
+"""Which MPI library mpi4py runs on, and what its launchers need: asked without starting MPI.
 
     python -m mpi_tp.core.mpi_library                 # "MPICH 5.0.2" or "Open MPI 5.0.11"
     python -m mpi_tp.core.mpi_library --srun-mpi      # srun's --mpi for it: pmi2 (MPICH) or pmix (Open MPI)
@@ -36,6 +36,12 @@ def vendor() -> tuple[str, str]:
     return name, ".".join(map(str, version))
 
 
+def library_version() -> str:
+    """'MPICH 5.0.2', 'Open MPI 5.0.11': the library as the stamps of figures and run records name it. (Not
+    MPI_Get_library_version's first line: Open MPI's is a paragraph and ends in a NUL byte.)"""
+    return " ".join(vendor())
+
+
 def is_open_mpi() -> bool:
     return vendor()[0] == "Open MPI"
 
@@ -54,13 +60,26 @@ def launcher_env() -> dict:
     return {**root, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 
 
+LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_", "MPI_TP_EXPECT")
+LAUNCHER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PRTE_MCA_")
+
+
+def child_job_env(env=None) -> dict:
+    """The environment (os.environ's by default) for a new MPI job started from this process, which may
+    itself be a rank of one: the variables its launcher gave it are dropped (MPICH's PMI_ and HYDRA_, Open
+    MPI's OMPI_, PMIX_ and PRTE_, the expected world size), so the new job starts fresh; the user's
+    settings for Open MPI's launcher stay (running as root, PRTE_MCA_ parameters: above)."""
+    env = dict(os.environ if env is None else env)
+    return {k: v for k, v in env.items() if k.startswith(LAUNCHER_SETTINGS) or not k.startswith(LAUNCHER_VARS)}
+
+
 def main(argv: list[str]) -> int:
     if argv == ["--srun-mpi"]:
         print(srun_mpi())
     elif argv == ["--launcher-env"]:
         print("\n".join(f"{k}={v}" for k, v in launcher_env().items()))
     elif not argv:
-        print(" ".join(vendor()))
+        print(library_version())
     else:
         print("usage: python -m mpi_tp.core.mpi_library [--srun-mpi | --launcher-env]", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ import traceback
 from mpi4py import MPI
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.mpi_library import srun_mpi, vendor
+from mpi_tp.core.mpi_library import library_version, srun_mpi
 
 ABORT_GRACE = 0.5       # seconds between a crashed rank's message and MPI_Abort (install_abort_hook)
 
@@ -98,24 +98,10 @@ def check_world_size(comm=MPI.COMM_WORLD, expect: int | None = None) -> None:
         claims["expected"] = str(expect)
     for source, value in claims.items():
         if value and value.isdigit() and int(value) != size:
-            library = " ".join(vendor())
             raise UserError(
                 f"MPI sees a world of {size} rank(s) but {source} says {value}: the launcher started "
                 f"separate programs instead of one job. Use the mpiexec of the MPI library mpi4py runs on "
-                f"({library}), or srun --mpi={srun_mpi()} (not --mpi=none).")
-
-
-LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_", "MPI_TP_EXPECT")
-LAUNCHER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PRTE_MCA_")
-
-
-def child_job_env(env=None) -> dict:
-    """The environment (os.environ's by default) for a new MPI job started from this process, which may
-    itself be a rank of one: the variables its launcher gave it are dropped (MPICH's PMI_ and HYDRA_, Open
-    MPI's OMPI_, PMIX_ and PRTE_, the expected world size), so the new job starts fresh; the user's
-    settings for Open MPI's launcher stay (running as root, PRTE_MCA_ parameters: docs/clusters.md)."""
-    env = dict(os.environ if env is None else env)
-    return {k: v for k, v in env.items() if k.startswith(LAUNCHER_SETTINGS) or not k.startswith(LAUNCHER_VARS)}
+                f"({library_version()}), or srun --mpi={srun_mpi()} (not --mpi=none).")
 
 
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -152,7 +138,7 @@ def cpu_name() -> str:
 
 def machine_text() -> str:
     """'AMD EPYC, 2 cores, MPICH 5.0.2': the machine and MPI library a figure's stamp names."""
-    mpi = " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
+    mpi = library_version()
     return f"{cpu_name()}, {os.cpu_count()} cores, {mpi}"
 
 

@@ -33,6 +33,7 @@ from dataclasses import replace
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core.errors import refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
@@ -233,7 +234,7 @@ def calibrate(comm, name="this-machine") -> Machine:
         intra_alpha=alpha or 1e-6, intra_bw=bw or 1e10, inter_alpha=alpha or 1e-6, inter_bw=bw or 1e10,
         bytes_per_value=4, state_bytes_per_param=16, activations="mpi_tp",
         source=f"mpi-tp calibrate, {comm.Get_size()} rank(s), {time.strftime('%Y-%m-%d %H:%M')}, "
-               f"{MPI.Get_library_version().splitlines()[0].strip()}, numpy {numpy.__version__}")
+               f"{library_version()}, numpy {numpy.__version__}")
 
 
 def add_parser(sub) -> None:

@@ -31,6 +31,7 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp import __version__
 from mpi_tp.core import backend, runtime
 from mpi_tp.core.blas import which as gemm_library
@@ -60,7 +61,7 @@ def held_memory(model, opt, comm) -> dict:
 
 def environment(comm) -> dict:
     return {"mpi_tp": __version__, "python": platform.python_version(), "numpy": numpy.__version__,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(), "world_size": comm.Get_size(),
+            "mpi": library_version(), "world_size": comm.Get_size(),
             "backend": backend.name(), "host": platform.node(), "machine": platform.machine(),
             "gemm": gemm_library(), "malloc": runtime.MALLOC}
 

@@ -9,6 +9,7 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core import backend, runtime
 from mpi_tp.core.blas import matmul
 from mpi_tp.core.blas import which as gemm_library
@@ -73,7 +74,7 @@ def environment(comm) -> dict:
         blas = {"internal_api": cfg.get("name"), "version": cfg.get("version")}
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "blas": blas, "gemm": gemm_library(),
             "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
-            "ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "ranks": comm.Get_size(), "mpi": library_version(),
             "numpy": numpy.__version__, "python": platform.python_version(), "backend": backend.name(),
             "malloc": runtime.MALLOC or
             {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
