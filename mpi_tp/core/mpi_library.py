@@ -1,8 +1,10 @@
-"""Which MPI library mpi4py runs on, and what its launchers need: asked without starting MPI.
+"""Which MPI library mpi4py runs on, and what its launchers need.
 
     python -m mpi_tp.core.mpi_library                 # "MPICH 5.0.2" or "Open MPI 5.0.11"
     python -m mpi_tp.core.mpi_library --srun-mpi      # srun's --mpi for it: pmi2 (MPICH) or pmix (Open MPI)
     python -m mpi_tp.core.mpi_library --launcher-env  # VAR=value lines its mpiexec needs here (tests/run.sh)
+
+(from the command line without starting MPI; in a program, after mpi4py has started it as usual)
 
 mpi_tp itself relies only on what the MPI standard promises (tests/test_mpi_standard.py); the launchers
 differ, and this module is where the differences are written down (docs/clusters.md#open-mpi):
@@ -20,18 +22,9 @@ import sys
 
 
 def vendor() -> tuple[str, str]:
-    """("MPICH", "5.0.2") or ("Open MPI", "5.0.11"): the library mpi4py loads. Does not start MPI (nor
-    change whether a later import starts it)."""
-    import mpi4py
-    if "mpi4py.MPI" in sys.modules:
-        from mpi4py import MPI
-    else:
-        before = mpi4py.rc.initialize
-        mpi4py.rc.initialize = False
-        try:
-            from mpi4py import MPI
-        finally:
-            mpi4py.rc.initialize = before
+    """("MPICH", "5.0.2") or ("Open MPI", "5.0.11"): the library mpi4py loads (importing mpi4py.MPI, which
+    starts MPI unless mpi4py.rc.initialize says not to, as main() does)."""
+    from mpi4py import MPI
     name, version = MPI.get_vendor()
     return name, ".".join(map(str, version))
 
@@ -74,6 +67,8 @@ def child_job_env(env=None) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    import mpi4py
+    mpi4py.rc.initialize = False            # asked from a shell script: no MPI job to start
     if argv == ["--srun-mpi"]:
         print(srun_mpi())
     elif argv == ["--launcher-env"]:

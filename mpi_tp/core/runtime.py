@@ -34,8 +34,8 @@ ABORT_GRACE = 0.5       # seconds between a crashed rank's message and MPI_Abort
 # batch in flight). SIGTERM is what Slurm sends every task (scancel, the time limit with --signal=TERM@60)
 # and what MPICH's mpiexec forwards to the ranks. Open MPI's mpiexec answers a SIGTERM of its own by
 # ending the ranks itself (SIGCONT, SIGTERM, SIGKILL within about 0.25 s: no time to save), but it
-# forwards SIGUSR1 and lets the job run on, as MPICH's does: `kill -USR1 <mpiexec's pid>` or
-# `#SBATCH --signal=USR1@120` stops a job cleanly under either MPI (docs/clusters.md#open-mpi).
+# forwards SIGUSR1 and lets the job run on, as MPICH's does: `kill -USR1 <mpiexec's pid>` stops a job
+# cleanly under either MPI (docs/clusters.md#open-mpi).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -29,7 +29,6 @@ import resource
 import time
 
 import numpy
-from mpi4py import MPI
 
 from mpi_tp.core.mpi_library import library_version
 from mpi_tp import __version__

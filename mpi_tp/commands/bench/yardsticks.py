@@ -9,10 +9,10 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core import backend, runtime
 from mpi_tp.core.blas import matmul
 from mpi_tp.core.blas import which as gemm_library
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core.runtime import cpu_name
 
 
