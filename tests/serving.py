@@ -91,7 +91,7 @@ class Server:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"no exit within {timeout} s of SIGTERM:\n{self.stderr()}")
+            pytest.fail(f"no exit within {timeout} s of {STOP.name}:\n{self.stderr()}")
 
     def call(self, path, body=None, raw=None, method=None):
         """(status, JSON answer) of one request."""

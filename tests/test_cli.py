@@ -35,9 +35,11 @@ OPEN_MPI = is_open_mpi()
 # ranks itself a quarter second after a SIGTERM of its own, and forwards SIGUSR1 (runtime.STOP_SIGNALS).
 STOP = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM
 # Open MPI's launcher adds its own report, between lines of dashes, when a rank exits non-zero
-# ("prterun detected that one or more processes exited with non-zero status ..."); MPICH's adds none.
-LAUNCHER_REPORT = re.compile(r"^-{20,}\n(?:(?!-{20,}).*\n)*?.*prterun detected.*\n(?:(?!-{20,}).*\n)*-{20,}\n?",
-                             re.MULTILINE)
+# ("prterun detected that one or more processes exited with non-zero status ..."), and now and then a
+# line of its PMIx server's as the job comes down ("[host:pid] PMIX ERROR: PMIX_ERR_UNREACH in file
+# ..."); MPICH's adds none.
+LAUNCHER_REPORT = re.compile(r"^-{20,}\n(?:(?!-{20,}).*\n)*?.*prterun detected.*\n(?:(?!-{20,}).*\n)*-{20,}\n?"
+                             r"|^\[[^\]\n]+\] PMIX ERROR: PMIX_ERR_UNREACH .*\n?", re.MULTILINE)
 
 
 def ours(stderr: str) -> str:

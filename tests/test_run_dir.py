@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from test_cli import MPIEXEC, clean_env, mpirun
+from test_cli import MPIEXEC, STOP, clean_env, mpirun
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.training import run_dir
@@ -94,7 +94,7 @@ def test_two_jobs_in_one_folder(tmp_path):
         r = mpirun(2, "train", *SMALL, "--steps", "1000000", "--out", str(out), "--resume")
         one_line_error(r, "in use by another job")
     finally:
-        first.send_signal(signal.SIGTERM)                # pre-emption: it saves and leaves
+        first.send_signal(STOP)                          # pre-emption: it saves and leaves
         first.communicate(timeout=120)
     assert json.load(open(out / "config.json"))["seed"] != 7 and not os.path.exists(out / run_dir.LOCK)
 
