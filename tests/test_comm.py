@@ -183,6 +183,9 @@ def test_three_dimensional_grid(world):
             assert topo.pp.comm.allgather(r) == [(d * pp + k) * tp + t for k in range(pp)]
             assert topo.dp.comm.allgather(r) == [(k * pp + p) * tp + t for k in range(dp)]
             assert topo.describe() == {"world": n, "tp": tp, "pp": pp, "dp": dp}
+            rows = topo.replica_rows(3)                        # a global batch of dp x 3 rows
+            assert rows == slice(3 * d, 3 * d + 3)
+            assert sorted({(x.start, x.stop) for x in world.allgather(rows)}) == [(3 * k, 3 * k + 3) for k in range(dp)]
             topo.free()
     with pytest.raises(TopologyError, match="needs"):
         Topology.create(world, tp=1, pp=n + 1, dp=1)

@@ -35,7 +35,7 @@ def run(config, topo, rows_per_replica, sp=False, zero=False, recompute="none"):
     model = GPT(config, topo, dtype="float64", seed=5, sequence_parallel=sp, recompute=recompute)
     reducer = GradReducer(model, topo.dpcp, bucket_mb=0.001, overlap=True, distributed=zero)
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
-    rows = slice(topo.dp.rank * rows_per_replica, (topo.dp.rank + 1) * rows_per_replica)
+    rows = topo.replica_rows(rows_per_replica)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, rows_per_replica * topo.dp.size)

@@ -41,7 +41,7 @@ def run(model, topo, rows, steps=10, overlap=True, zero=False):
     losses = []
     for step in range(steps):
         x, y = global_batch(step, rows * topo.dp.size)
-        mine = slice(topo.dp.rank * rows, (topo.dp.rank + 1) * rows)
+        mine = topo.replica_rows(rows)
         model.zero_grad()
         model.dropout.row0 = mine.start                            # dropout masks follow the global rows
         loss = np.array([model.forward(x[mine], y[mine])])

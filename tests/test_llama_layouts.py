@@ -50,7 +50,7 @@ def pipelined(config, topo, name, micro, virtual=1, sp=False, recompute="none", 
     opt = AdamW(stage.parameters(), lr=1e-2, reducer=reducer)
     counted = {id(p) for p in stage.unique_parameters()}
     per_replica = micro * B
-    rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
+    rows = topo.replica_rows(per_replica)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, per_replica * topo.dp.size)

@@ -29,7 +29,7 @@ def train(topo, micro, b=B, sp=False, zero=False):
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
     per_replica = micro * b
-    rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
+    rows = topo.replica_rows(per_replica)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, per_replica * topo.dp.size)

@@ -46,7 +46,7 @@ def run(model, topo, rows):
     losses, norms, routing = [], [], []
     for step in range(STEPS):
         x, y = global_batch(step, rows * topo.dp.size)
-        mine = slice(topo.dp.rank * rows, (topo.dp.rank + 1) * rows)
+        mine = topo.replica_rows(rows)
         model.zero_grad()
         model.dropout.row0 = mine.start
         loss = np.array([model.forward(x[mine], y[mine])])
@@ -90,7 +90,7 @@ def test_moe_layouts_equal_serial(world, name):
         assert_close(losses, ref_losses, 1e-8, f"loss curve, {what}")
         assert_close(norms[:1], ref_norms[:1], 1e-10, f"first gradient norm, {what}")
         assert_close(norms, ref_norms, 1e-8, f"gradient norms, {what}")
-        mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+        mine = topo.replica_rows(B)
         same = all(np.array_equal(c, rc[mine]) and np.array_equal(a, ra[mine])
                    for step, ref_step in zip(routing, ref_routing) for (c, a), (rc, ra) in zip(step, ref_step))
         assert all_true(same, world), f"routing or dropped assignments differ from serial, {what}"
@@ -140,7 +140,7 @@ def test_all_to_all_calls_and_bytes(world):
         model = GPT(cfg, topo, dtype="float64", seed=3)
         reducer = GradReducer(model, topo.dp, bucket_mb=0.001)
         x, y = global_batch(0, B * dp)
-        mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+        mine = topo.replica_rows(B)
         topo.stats.reset()
         model.forward(x[mine], y[mine])
         model.backward(reducer=reducer)
@@ -210,7 +210,7 @@ def test_hierarchical_reduction_matches_flat(world):
         topo = Topology.create(world, tp=tp, dp=dp, ep=ep)
         cfg = GPTConfig(**{**CFG, "dropout": 0.0}, **MOE["E3-top2-capacity"])
         x, y = global_batch(0, B * dp)
-        mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+        mine = topo.replica_rows(B)
         grads = []
         for hierarchical in (False, True):
             model = GPT(cfg, topo, dtype="float64", seed=3)

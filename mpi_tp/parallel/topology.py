@@ -161,6 +161,13 @@ class Topology:
                 self.subgroups[key] = Group(sub, name, self.stats)
         return self.subgroups[key]
 
+    def replica_rows(self, per_replica: int) -> slice:
+        """This rank's rows of a global batch of dp x per_replica sequences: its data-parallel replica's
+        (replica r holds rows r * per_replica .. (r + 1) * per_replica - 1, its micro-batches one after
+        another; every rank of a replica the same rows)."""
+        r = self.dp.rank
+        return slice(r * per_replica, (r + 1) * per_replica)
+
     def describe(self) -> dict:
         out = {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
         if self.ep.size > 1:

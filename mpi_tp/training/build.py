@@ -168,7 +168,7 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
     reducer = GradReducer(model, topo.dpcp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical",
                           distributed=bool(cfg.zero))
     per_replica = cfg.batch_size * cfg.micro_batches
-    rows = slice(topo.dp.rank * per_replica, (topo.dp.rank + 1) * per_replica)
+    rows = topo.replica_rows(per_replica)
     if cfg.optimizer == "adamw":         # --zero 1: the distributed optimizer over the reducer's buckets
         opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                     reducer=reducer)

@@ -57,7 +57,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     M = micro_batches
     rng = numpy.random.default_rng(seed)
     x, y = rng.integers(0, 256, (B * M * dp, S)), rng.integers(0, 256, (B * M * dp, S))
-    rows = slice(topo.dp.rank * B * M, (topo.dp.rank + 1) * B * M)
+    rows = topo.replica_rows(B * M)
     step_s, bubbles, sent, waited = [], [], [], []
     for i in range(warmup + steps):
         topo.stats.reset()

@@ -188,7 +188,7 @@ def lesson(args, comm) -> bool:
     randomize(ser, seed=SEED)
     rng = numpy.random.default_rng(SEED)
     x, dout = rng.standard_normal((B * ep, S, C)), rng.standard_normal((B * ep, S, C))   # the global batch
-    mine = slice(topo.dp.rank * B, (topo.dp.rank + 1) * B)
+    mine = topo.replica_rows(B)
     y_ref = ser.forward(x)
     dx_ref = ser.backward(dout)
     par.loss_scale = 1.0 / ep                  # each replica's aux and z-loss are means over its own batch
