@@ -1,7 +1,7 @@
 """The same training steps under MPICH and under Open MPI, run back to back: which MPI is faster here, and why.
 
     python experiments/mpi_compare.py --rounds 5                       # both venvs of tests/run.sh
-    python experiments/mpi_compare.py --replot                         # the table and figure from --out
+    python experiments/mpi_compare.py --replot                         # the table from --out
 
 Each round runs `mpiexec -n 2 mpi-tp bench --shape a` at tp 2, dp 2 (overlapped gradient all-reduce) and
 pp 2 (1F1B, 4 micro-batches of 8 sequences), and the README's main job shortened (`mpiexec -n 2 mpi-tp
@@ -35,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LAYOUTS = {"tp2": [], "dp2": ["--dp", "2"], "pp2": ["--pp", "2", "--micro-batches", "4"], "train": []}
 TRAIN = ["--steps", "60", "--log-every", "10", "--eval-every", "1000", "--sample-len", "0"]
+TRAIN_LOG = int(TRAIN[TRAIN.index("--log-every") + 1])          # steps per progress line
 VARIANTS = {"nobind": (["--bind-to", "none"], {}), "sm": ([], {"OMPI_MCA_btl": "self,sm"}),
             "yield": ([], {"OMPI_MCA_mpi_yield_when_idle": "1"})}
 
@@ -65,9 +66,6 @@ def train(cmd, env, out):
     share = statistics.median(r["comm_s"] / (r["step_s"] * TRAIN_LOG) for r in lines)
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in lines), "step_ms": step_ms,
             "comm_ms": share * step_ms, "comm_share": share, "environment": environment}
-
-
-TRAIN_LOG = int(TRAIN[TRAIN.index("--log-every") + 1])
 
 
 def run(cmd, env):
@@ -113,8 +111,8 @@ def measure(args):
                     library, env = libs[python]
                     flags = [x for v in variants for x in VARIANTS[v][0]]
                     env = {**env, **{k: x for v in variants for k, x in VARIANTS[v][1].items()}}
-                    row = {"series": series, "round": rnd, "layout": layout, "mpi": name, "library": library, "shape": args.shape,
-                           "date": time.strftime("%Y-%m-%d %H:%M"), "command": command,
+                    row = {"series": series, "round": rnd, "layout": layout, "mpi": name, "library": library,
+                           "shape": args.shape, "date": time.strftime("%Y-%m-%d %H:%M"), "command": command,
                            **job(python, env, layout, flags, args)}
                     f.write(json.dumps(row) + "\n")
                     f.flush()

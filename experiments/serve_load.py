@@ -13,7 +13,8 @@ drawn with a fixed seed, the same for every mode) until --requests (max(8, 2N)) 
 Per request: time to first token (send -> first text event), per-token latency ((last text event -
 first) / (tokens - 1)); per mode and level: completion tokens (usage) / wall time, p50 / p99, errors
 by status, RSS (both ranks' VmRSS; /metrics' process_resident_memory_bytes where served). One JSON
-line per mode, level and round (machine, command, time). Servers always end: SIGUSR1 (serve_harness.Server.stop), SIGKILL after 30 s.
+line per mode, level and round (machine, command, time). Servers always end: SIGUSR1
+(serve_harness.Server.stop), SIGKILL after 30 s.
 """
 import argparse
 import itertools

@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+
 from mpi_tp.core.mpi_library import child_job_env, is_open_mpi
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
