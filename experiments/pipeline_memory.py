@@ -37,7 +37,7 @@ from mpi4py import MPI
 from mpi_tp.commands.bench import environment
 from mpi_tp.commands.bench.pipeline import run_pipeline_shape
 from mpi_tp.parallel.pipeline.stages import layer_ranges
-from mpi_tp.planning.costmodel import Layout, Workload
+from mpi_tp.planning.costmodel import Plan, Workload
 
 try:                                                  # the cost model's memory part, wherever it lives
     from mpi_tp.planning.memory import activation_bytes_per_layer
@@ -53,7 +53,7 @@ def closed_form(C, H, L, S, B, P, M, schedule, recompute, t=1, vocab=256, ends=F
     ends: also the LayerNorms' 1/std and the first and last chunks' caches (t = 1 only)."""
     per_layer = activation_bytes_per_layer(SimpleNamespace(activations="mpi_tp"),
                                            Workload(n_layer=L, n_embd=C, n_head=H, seq=S, global_batch=B * M),
-                                           Layout(tp=t, pp=P, micro_batch=B))
+                                           Plan(tp=t, pp=P, micro_batch=B))
     if recompute == "selective":
         per_layer -= 4 * H * S * S * B / t
     elif recompute == "full":

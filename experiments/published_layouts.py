@@ -19,7 +19,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time  # noqa: E402
+from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time  # noqa: E402
 from mpi_tp.planning.machines import PRESETS  # noqa: E402
 from mpi_tp.planning.memory import memory_per_rank  # noqa: E402
 from mpi_tp.planning.planner import plan  # noqa: E402
@@ -34,12 +34,12 @@ def published_rows(path=TABLE) -> list[dict]:
     return [dict(zip(table["columns"], row)) for row in table["rows"]]
 
 
-def layout_of(row) -> tuple[Workload, Layout]:
+def layout_of(row) -> tuple[Workload, Plan]:
     w = Workload(row["layers"], row["hidden"], row["heads"], 2048, row["global_batch"], vocab=row.get("vocab", 51200))
     t, p = row["t"], row["p"]
     per_chunk = row["layers_per_virtual_stage"]
     virtual = row["layers"] // p // per_chunk if per_chunk else 1
-    return w, Layout(tp=t, pp=p, dp=row["gpus"] // (t * p), micro_batch=row["micro_batch"], recompute=True,
+    return w, Plan(tp=t, pp=p, dp=row["gpus"] // (t * p), micro_batch=row["micro_batch"], recompute=True,
                      virtual=virtual, zero=row.get("zero", 0))
 
 

@@ -22,7 +22,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mpi_tp.planning.costmodel import Layout, Workload, step_time  # noqa: E402
+from mpi_tp.planning.costmodel import Plan, Workload, step_time  # noqa: E402
 from mpi_tp.planning.machines import PRESETS, Machine  # noqa: E402
 
 SHAPES = {"a": (256, 4, 4, 128, 8), "b": (512, 8, 4, 128, 8), "c": (1024, 16, 2, 128, 4)}
@@ -38,7 +38,7 @@ def paper_weak_scaling(m=PRESETS["dgx-2h"]):
     rows = []
     for T, C, H, L, eff in PAPER:
         w = Workload(L, C, H, 1024, 8, vocab=51200)
-        r = step_time(m, w, Layout(tp=T, micro_batch=8, recompute=True))
+        r = step_time(m, w, Plan(tp=T, micro_batch=8, recompute=True))
         rows.append({"gpus": T, "hidden": C, "layers": L, "paper": eff, "step_s": r["total"],
                      "tflops_per_gpu": megatron_flops(C, L) / T / r["total"] / 1e12, "tp_comm_s": r["tp_comm"]})
     base = rows[0]["tflops_per_gpu"]
@@ -68,7 +68,7 @@ def measured_here(results=None):
     for (shape, tp, dp, mode), times in sorted(runs.items(), key=str):
         C, H, L, S, B = SHAPES[shape]
         m = machines["1rank" if tp * dp == 1 else "2ranks"]
-        pred = step_time(m, Workload(L, C, H, S, B * dp), Layout(tp=tp, dp=dp, micro_batch=B,
+        pred = step_time(m, Workload(L, C, H, S, B * dp), Plan(tp=tp, dp=dp, micro_batch=B,
                                                                   overlap_dp=mode != "after"))["total"] * 1e3
         meas = statistics.median(times)
         rows.append({"shape": shape, "tp": tp, "dp": dp, "dp_mode": mode, "measured_ms": meas,

@@ -135,4 +135,4 @@ def test_layouts_resume_and_switch(tmp_path):
     assert all(np.array_equal(wa[k], wb[k]) for k in wa)              # AdamW moments included
     r = mpirun(2, "train", *TINY, "--sequence-parallel", "--steps", "10", "--out", b, "--resume")
     assert r.returncode == 0, r.stderr
-    assert "tp=2 x dp=1 +sp" in r.stdout and "(step 8)" in r.stdout
+    assert "layout tp2 pp1 dp1 +sp" in r.stdout and "(step 8)" in r.stdout

@@ -182,7 +182,7 @@ def test_three_dimensional_grid(world):
             assert topo.tp.comm.allgather(r) == [(d * pp + p) * tp + k for k in range(tp)]
             assert topo.pp.comm.allgather(r) == [(d * pp + k) * tp + t for k in range(pp)]
             assert topo.dp.comm.allgather(r) == [(k * pp + p) * tp + t for k in range(dp)]
-            assert topo.describe() == {"world": n, "tp": tp, "pp": pp, "dp": dp}
+            assert topo.layout.to_dict() == {"world": n, "tp": tp, "pp": pp, "dp": dp}
             rows = topo.replica_rows(3)                        # a global batch of dp x 3 rows
             assert rows == slice(3 * d, 3 * d + 3)
             assert sorted({(x.start, x.stop) for x in world.allgather(rows)}) == [(3 * k, 3 * k + 3) for k in range(dp)]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpi_tp.planning.costmodel import Layout, Workload, ring_all_gather, ring_all_reduce, step_time
+from mpi_tp.planning.costmodel import Plan, Workload, ring_all_gather, ring_all_reduce, step_time
 from mpi_tp.planning.machines import PRESETS, Machine
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.planner import plan
@@ -37,7 +37,7 @@ def test_memory_by_hand():
     from mpi_tp.model.config import GPTConfig
     from mpi_tp.model.gpt import GPT
     assert GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)).num_params() == params
-    mem = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8))
+    mem = memory_per_rank(cpu(), w, Plan(tp=2, micro_batch=8))
     # a rank's parameters: half the split ones (2 (12 C^2 + 7 C) + V C), all the replicated ones
     # (LayerNorms and row biases 2 x 6 C, wpe S C, ln_f 2 C)
     mine = (2 * (12 * 64 * 64 + 7 * 64) + 256 * 64) / 2 + 2 * 6 * 64 + 32 * 64 + 2 * 64        # = 60,736
@@ -47,12 +47,12 @@ def test_memory_by_hand():
     # two layers of 4-byte values: S B C (4 + 16/T), the LayerNorms' 1/std 2 S B, H S^2 B / T
     assert mem["activations"] == 2 * 4 * (sbh * (4 + 16 / 2) + 2 * sb + as2b / 2)
     assert mem["logits"] == 8 * 32 * 256 / 2 * 4 * 2
-    sp = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8, sp=True))
+    sp = memory_per_rank(cpu(), w, Plan(tp=2, micro_batch=8, sp=True))
     assert sp["activations"] == 2 * 4 * (sbh * 20 + 2 * sb + as2b) / 2           # sequence parallel: all / T
-    zero = memory_per_rank(cpu(), w, Layout(tp=2, dp=4, micro_batch=2, zero=1))
+    zero = memory_per_rank(cpu(), w, Plan(tp=2, dp=4, micro_batch=2, zero=1))
     assert zero["optimizer"] == mine * 8 / 4                                    # ZeRO-1: split over dp
     assert zero["weights_grads"] == mine * (8 + 4 / 4)                          # ... + its gradient share
-    recompute = memory_per_rank(cpu(), w, Layout(tp=2, micro_batch=8, recompute=True))
+    recompute = memory_per_rank(cpu(), w, Plan(tp=2, micro_batch=8, recompute=True))
     assert recompute["activations"] < mem["activations"]
 
 
@@ -63,17 +63,17 @@ def test_korthikanti_16_bit_activations():
     for t, sp, expect in ((1, False, s * b * h * (34 + 5 * a * s / h)),
                           (4, False, s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4))),
                           (4, True, s * b * h * (34 + 5 * a * s / h) / 4)):
-        assert memory_per_rank(m, w, Layout(tp=t, micro_batch=1, sp=sp))["activations"] == pytest.approx(expect)
+        assert memory_per_rank(m, w, Plan(tp=t, micro_batch=1, sp=sp))["activations"] == pytest.approx(expect)
 
 
 def test_tensor_parallel_communication_by_hand():
     """4 all-reduces of b s h values per layer and micro-batch, on the intra-node link."""
     m = cpu()
     w = Workload(n_layer=3, n_embd=64, n_head=4, seq=16, global_batch=4)
-    t = step_time(m, w, Layout(tp=2, micro_batch=2))
+    t = step_time(m, w, Plan(tp=2, micro_batch=2))
     n = 2 * 16 * 64 * 4
     assert t["tp_comm"] == pytest.approx(2 * 3 * 4 * ring_all_reduce(n, 2, 1e-5, 1e10))
-    across = step_time(cpu(ranks_per_node=1), w, Layout(tp=2, micro_batch=2))
+    across = step_time(cpu(ranks_per_node=1), w, Plan(tp=2, micro_batch=2))
     assert across["tp_comm"] > 5 * t["tp_comm"]                                 # the network is slower
 
 
@@ -121,15 +121,15 @@ def test_pipeline_prices_follow_the_engine():
     uneven heads price the rank with the most."""
     m = PRESETS["dgx-a100"]
     w = Workload(n_layer=48, n_embd=6144, n_head=48, seq=2048, global_batch=512, vocab=51200)
-    one = step_time(m, w, Layout(tp=8, pp=4, dp=1, micro_batch=1))
-    two = step_time(m, w, Layout(tp=8, pp=4, dp=1, micro_batch=1, virtual=2))
+    one = step_time(m, w, Plan(tp=8, pp=4, dp=1, micro_batch=1))
+    two = step_time(m, w, Plan(tp=8, pp=4, dp=1, micro_batch=1, virtual=2))
     assert two["bubble"] == pytest.approx(one["bubble"] / 2) and two["pp_comm"] > one["pp_comm"]
     odd = Workload(n_layer=47, n_embd=6144, n_head=48, seq=2048, global_batch=512, vocab=51200)
-    assert step_time(m, odd, Layout(tp=8, pp=4))["compute"] == pytest.approx(
-        step_time(m, w, Layout(tp=8, pp=4))["compute"])                    # 12 blocks on the largest stage
+    assert step_time(m, odd, Plan(tp=8, pp=4))["compute"] == pytest.approx(
+        step_time(m, w, Plan(tp=8, pp=4))["compute"])                    # 12 blocks on the largest stage
     gemm_only = dataclasses.replace(m, ew_rep=0.0, ew_par=0.0, ew_att=0.0, elem_rate=1.0)
     w12 = Workload(n_layer=4, n_embd=1536, n_head=12, seq=512, global_batch=8, vocab=256)
-    at6, at8 = (step_time(gemm_only, w12, Layout(tp=t))["compute"] for t in (6, 8))
+    at6, at8 = (step_time(gemm_only, w12, Plan(tp=t))["compute"] for t in (6, 8))
     assert at8 > 1.05 * at6 * 6 / 8        # 12 heads on 8 ranks: some hold 2, as on 6: no gain there
 
 
@@ -186,13 +186,13 @@ def test_gemm_rate_by_micro_batch_and_layer_overhead():
 def test_data_parallel_overlap_hides_at_most_the_last_backward():
     m = cpu(dp_overlap=1.0, inter_bw=1e8)                 # a slow network: the all-reduce is long
     w = Workload(n_layer=4, n_embd=256, n_head=4, seq=64, global_batch=16)
-    after = step_time(m, w, Layout(dp=8, micro_batch=2, overlap_dp=False))
-    over = step_time(m, w, Layout(dp=8, micro_batch=2))
+    after = step_time(m, w, Plan(dp=8, micro_batch=2, overlap_dp=False))
+    over = step_time(m, w, Plan(dp=8, micro_batch=2))
     assert after["dp_hidden"] == 0 and over["dp_hidden"] > 0
     assert over["total"] == pytest.approx(after["total"] - over["dp_hidden"])
     backward = (over["compute"] + over["tp_comm"]) * 2 / 3                   # one micro-batch per step here
     assert over["dp_hidden"] == pytest.approx(backward)                      # the network outlasts it
-    never = step_time(cpu(dp_overlap=0.0, inter_bw=1e8), w, Layout(dp=8, micro_batch=2))
+    never = step_time(cpu(dp_overlap=0.0, inter_bw=1e8), w, Plan(dp=8, micro_batch=2))
     assert never["dp_hidden"] == 0 and never["total"] == pytest.approx(after["total"])
 
 
@@ -206,10 +206,10 @@ def test_expert_gradients_reduced_over_their_replicas_only():
     dense = (w.params - all_experts) * 4                           # bytes, every rank (tp = pp = 1)
     for ep in (1, 2, 4, 8):
         experts = all_experts / ep * 4                             # the rank's E / ep experts
-        got = step_time(m, w, Layout(dp=8, ep=ep, micro_batch=4, overlap_dp=False))
+        got = step_time(m, w, Plan(dp=8, ep=ep, micro_batch=4, overlap_dp=False))
         want = ring_all_reduce(dense, 8, 1e-4, 1e8) + ring_all_reduce(experts, 8 // ep, 1e-4, 1e8)
         assert got["dp_comm"] == pytest.approx(want), ep
-        zero = step_time(m, w, Layout(dp=8, ep=ep, micro_batch=4, overlap_dp=False, zero=1))
+        zero = step_time(m, w, Plan(dp=8, ep=ep, micro_batch=4, overlap_dp=False, zero=1))
         want = 2 * (ring_all_gather(dense, 8, 1e-4, 1e8) + ring_all_gather(experts, 8 // ep, 1e-4, 1e8))
         assert zero["dp_comm"] == pytest.approx(want), ep          # reduce-scatter + the parameters' all-gather
         share = dense / 4 / 8 + experts / 4 / (8 // ep)
@@ -244,7 +244,7 @@ def test_worked_example_matches_the_code(capsys):
     m = machine(args.machine)
     w = Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
     dp = args.nodes * m.ranks_per_node // (args.tp * args.pp)
-    lay = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch)
+    lay = Plan(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch)
     t = step_time(m, w, lay)
     keys = {"compute": "compute", "tp comm": "tp_comm", "pp comm": "pp_comm", "bubble": "bubble",
             "dp comm": "dp_comm", "optim": "optimizer", "step": "total"}
@@ -259,7 +259,7 @@ def test_receives_posted_ahead_hide_all_but_the_fill_and_the_drain():
     """pp_overlap = 1: of the M 2 (P v - 1) / P transfers a stage waits for, only the fill's and the drain's
     stay (2 (P v - 1) / P of them); pp_overlap = 0 (what this machine measured) prices every one."""
     w = Workload(n_layer=8, n_embd=256, n_head=4, seq=64, global_batch=32)
-    lay = Layout(pp=4, micro_batch=1)
+    lay = Plan(pp=4, micro_batch=1)
     m0, m1 = cpu(inter_alpha=0.0, intra_alpha=0.0), cpu(inter_alpha=0.0, intra_alpha=0.0, pp_overlap=1.0)
     full, hidden = step_time(m0, w, lay)["pp_comm"], step_time(m1, w, lay)["pp_comm"]
     M = 32
@@ -275,11 +275,11 @@ def test_context_parallelism_priced_and_planned():
     from mpi_tp.planning.planner import LONG
     m = cpu(pp_overlap=0.0)
     w = Workload(n_layer=3, n_embd=64, n_head=4, seq=64, global_batch=4)
-    one, two = (step_time(m, w, Layout(tp=2, cp=c, micro_batch=2)) for c in (1, 2))
+    one, two = (step_time(m, w, Plan(tp=2, cp=c, micro_batch=2)) for c in (1, 2))
     kv = 2 * 2 * 32 * 64 / 2 * 4
     assert one["cp_comm"] == 0 and two["cp_comm"] == pytest.approx(2 * 3 * (4 * 1e-5 + 4 * kv / 1e10))
     assert two["tp_comm"] < one["tp_comm"] and two["compute"] < one["compute"]
-    mem1, mem2 = (memory_per_rank(m, w, Layout(cp=c)) for c in (1, 2))
+    mem1, mem2 = (memory_per_rank(m, w, Plan(cp=c)) for c in (1, 2))
     assert mem2["activations"] < 0.5 * mem1["activations"] and mem2["logits"] == mem1["logits"] / 2
     long = Workload(n_layer=8, n_embd=1024, n_head=16, seq=LONG * 4, global_batch=8)
     r = plan(PRESETS["dgx-a100"], long, nodes=1, top=3)

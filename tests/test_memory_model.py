@@ -14,7 +14,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.planning.costmodel import Layout, Workload
+from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import Machine
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.training.optim import AdamW
@@ -53,7 +53,7 @@ def test_memory_per_rank_equals_a_real_runs(world, dropout):
             acts = sum(block.activation_bytes() for block in model.h)
             weights_grads, optimizer = state_bytes(model.parameters(), opt)
             w = Workload(L, C, H, S, global_batch=B * dp, vocab=V, dropout=dropout > 0)
-            mem = memory_per_rank(CPU, w, Layout(tp=tp, dp=dp, micro_batch=B, sp=sp, zero=int(zero)))
+            mem = memory_per_rank(CPU, w, Plan(tp=tp, dp=dp, micro_batch=B, sp=sp, zero=int(zero)))
             what = f"tp={tp} dp={dp} sp={sp} zero={zero}"
             bad += [] if acts == mem["activations"] else [(what, "activations", acts, mem["activations"])]
             # a bucket's n elements split over D ranks: the shares differ by one element at most
@@ -82,7 +82,7 @@ def test_a_pipeline_stages_peak_activations(world):
     x = np.zeros((M * B, S), dtype=np.int64)
     stage.forward_backward(x, x, slice(0, M * B))
     w = Workload(2 * P, C, H, S, global_batch=M * B, vocab=V)
-    mem = memory_per_rank(CPU, w, Layout(pp=P, micro_batch=B))
+    mem = memory_per_rank(CPU, w, Plan(pp=P, micro_batch=B))
     peak0 = world.bcast(stage.peak_activation_bytes, root=0)
     assert peak0 == mem["activations"], (peak0, mem["activations"])
     topo.free()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mpi_tp.planning.costmodel import Layout, Workload, step_time
+from mpi_tp.planning.costmodel import Plan, Workload, step_time
 from mpi_tp.planning.machines import PRESETS, Machine
 from mpi_tp.planning.planner import candidates, plan
 
@@ -103,13 +103,13 @@ def test_groups_are_priced_by_the_links_they_cross():
     network; tp 7 on single-GPU nodes likewise; tp 4 stays inside."""
     m = PRESETS["dgx-a100"]
     w = Workload(n_layer=4, n_embd=1536, n_head=12, seq=512, global_batch=48)
-    t6 = step_time(m, w, Layout(tp=6, dp=4))
-    t4 = step_time(m, w, Layout(tp=4, dp=6))
-    inside = step_time(m, w, Layout(tp=6, dp=4), per_node=12)         # 12 GPUs a node: inside
+    t6 = step_time(m, w, Plan(tp=6, dp=4))
+    t4 = step_time(m, w, Plan(tp=4, dp=6))
+    inside = step_time(m, w, Plan(tp=6, dp=4), per_node=12)         # 12 GPUs a node: inside
     assert t6["links"]["tp"] == "network" and t4["links"]["tp"] == "node" and inside["links"]["tp"] == "node"
     assert t6["tp_comm"] > 2 * inside["tp_comm"]
     single = Machine(**{**m.__dict__, "ranks_per_node": 1})
-    assert step_time(single, Workload(4, 1536, 14, 512, 7), Layout(tp=7))["links"]["tp"] == "network"
+    assert step_time(single, Workload(4, 1536, 14, 512, 7), Plan(tp=7))["links"]["tp"] == "network"
     text = run_plan("--machine", "dgx-a100", "--nodes", "3", "--layers", "4", "--hidden", "1536", "--heads", "12",
                     "--seq", "512", "--global-batch", "48", "--tp", "6", "--top", "1")
     assert text.returncode == 0 and "stay inside a node" not in text.stdout and "cross" in text.stdout, text.stdout
@@ -124,10 +124,10 @@ def test_experts_are_priced_and_planned(tmp_path):
                 intra_alpha=1e-5, intra_bw=1e10, inter_alpha=1e-4, inter_bw=1e9)
     w = Workload(n_layer=4, n_embd=64, n_head=4, seq=32, global_batch=8, experts=4, top_k=2, moe_every=2)
     dense = Workload(n_layer=4, n_embd=64, n_head=4, seq=32, global_batch=8)
-    one, two = (step_time(m, w, Layout(dp=4, ep=e, micro_batch=2)) for e in (1, 2))
+    one, two = (step_time(m, w, Plan(dp=4, ep=e, micro_batch=2)) for e in (1, 2))
     assert one["ep_comm"] == 0 and two["ep_comm"] == pytest.approx(1 * 2 * 4 * (1e-5 + 2 * 2 * 32 * 64 * 4 / 2 / 1e10))
-    assert one["compute"] > step_time(m, dense, Layout(dp=4, micro_batch=2))["compute"]      # k = 2 expert passes
-    assert params_per_rank(w, Layout(dp=4, ep=2)) < params_per_rank(w, Layout(dp=4, ep=1))
+    assert one["compute"] > step_time(m, dense, Plan(dp=4, micro_batch=2))["compute"]      # k = 2 expert passes
+    assert params_per_rank(w, Plan(dp=4, ep=2)) < params_per_rank(w, Plan(dp=4, ep=1))
     assert w.params > dense.params
     r = plan(m, w, 1, top=100)
     assert {x["layout"].ep for x in r["all"]} >= {1, 2, 4} and all(x["layout"].dp % x["layout"].ep == 0 for x in r["all"])

@@ -71,7 +71,7 @@ def one_node():
 def test_single_node(one_node, tmp_path):
     r = submit(tmp_path, os.path.join(REPO, "slurm", "train_single_node.sbatch"), *TINY, *LEARN)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 tasks" in r.stdout and "tp=2 x dp=1" in r.stdout and "step 200/200" in r.stdout
+    assert "2 tasks" in r.stdout and "layout tp2 pp1 dp1" in r.stdout and "step 200/200" in r.stdout
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["layout"]["world"] == 2
     # below the byte-frequency model, with margin: a model that learned nothing fails
@@ -104,4 +104,4 @@ def test_two_nodes(tmp_path):
     finally:
         harness("stop.sh", 2)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "4 tasks on node[1-2]" in r.stdout and "tp=2 x dp=2" in r.stdout and "step 6/6" in r.stdout
+    assert "4 tasks on node[1-2]" in r.stdout and "layout tp2 pp1 dp2" in r.stdout and "step 6/6" in r.stdout

@@ -194,7 +194,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         if comm.Get_rank() != 0:
             return
         info = dict(meta or {})
-        info.update(step=step, layout=model.topo.describe(), dtypes=str(model.dtype))
+        info.update(step=step, layout=model.topo.layout.to_dict(), dtypes=str(model.dtype))
         if tokenizer is not None:
             info["tokenizer"] = tokenizer.describe()
         with _full_disk_reported(root, step, "the checkpoint", total_bytes, free_at_start):

@@ -16,7 +16,8 @@ import re
 import sys
 
 from mpi_tp.core.errors import UserError, refuse_to_replace
-from mpi_tp.planning.costmodel import Layout, Workload
+from mpi_tp.parallel.layout import Layout
+from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import PRESETS, machine
 from mpi_tp.planning.plan_table import legend, size_text, table
 from mpi_tp.planning.planner import LONG, links_text, plan, price
@@ -96,6 +97,9 @@ def _check(args):
     if args.virtual_stages and args.schedule == "1f1b":
         raise UserError("--virtual-stages needs the interleaved schedule (--schedule interleaved)")
     m = machine(args.machine)
+    ranks, pinned = args.nodes * m.ranks_per_node, (args.tp or 1) * (args.cp or 1) * (args.pp or 1)
+    if ranks % pinned:                 # the world-size rule's own message (dp, or tp, takes the rest)
+        Layout.resolve(ranks, tp=args.tp or 0, cp=args.cp or 1, pp=args.pp or 1, dp=0 if args.tp else 1)
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab,
                        experts=args.experts, top_k=args.top_k, moe_every=args.moe_every)
 
@@ -123,7 +127,7 @@ def _empty(w: Workload, ranks: int, args) -> str:
 LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))? b(\d+)((?: v\d+| \+sp| \+zero1| \+recompute| -overlap)*)")
 
 
-def parse_layout(text: str, ranks: int) -> Layout:
+def parse_layout(text: str, ranks: int) -> Plan:
     """A Layout from the table's way of writing it ('tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute')."""
     got = LAYOUT_RE.fullmatch(" ".join(text.split()))
     if got is None:
@@ -132,15 +136,15 @@ def parse_layout(text: str, ranks: int) -> Layout:
     t, c, p, d, e, b = (int(x) if x else 1 for x in got.groups()[:6])
     flags = got.group(7).split()
     v = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
-    lay = Layout(t, p, d, b, "+sp" in flags, int("+zero1" in flags), "+recompute" in flags, v,
-                 "-overlap" not in flags, cp=c, ep=e)
+    lay = Plan(tp=t, cp=c, pp=p, dp=d, ep=e, virtual=v, sp="+sp" in flags, zero=int("+zero1" in flags),
+               micro_batch=b, recompute="+recompute" in flags, overlap_dp="-overlap" not in flags)
     if lay.ranks != ranks:
         raise UserError(f"--explain {text!r} has {lay.ranks} ranks, but the machine's {ranks}: pass --nodes "
                         "to match, or another layout")
     return lay
 
 
-def explain_one(m, w: Workload, lay: Layout, result: dict) -> str:
+def explain_one(m, w: Workload, lay: Plan, result: dict) -> str:
     """One layout's terms: its row, each part of the step, memory, links, and where it ranks."""
     r = price(m, w, lay)
     t, mem = r["time"], r["memory"]
@@ -156,7 +160,7 @@ def explain_one(m, w: Workload, lay: Layout, result: dict) -> str:
     return "\n".join(lines)
 
 
-def train_config(w: Workload, lay: Layout) -> dict:
+def train_config(w: Workload, lay: Plan) -> dict:
     """The options of `mpi-tp train` that run layout `lay` of workload `w` (JSON for --config)."""
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
@@ -167,7 +171,7 @@ def train_config(w: Workload, lay: Layout) -> dict:
             **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every} if w.experts else {})}
 
 
-def emit_config(path: str, w: Workload, lay: Layout) -> dict:
+def emit_config(path: str, w: Workload, lay: Plan) -> dict:
     """Write train_config(w, lay) to path, checked first as `mpi-tp train --config` will check it."""
     from mpi_tp.training.config import TrainConfig
     values = train_config(w, lay)

@@ -20,13 +20,9 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.comm_stats import CommStats
-
-
-class TopologyError(UserError, ValueError):
-    """The requested layout does not fit the world (or a dimension cannot be split)."""
+from mpi_tp.parallel.layout import Layout, TopologyError
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -94,34 +90,31 @@ class Topology:
     subgroups: dict = field(default_factory=dict)     # tp_subgroup's groups, made once each
     cp: Group | None = None     # its context-parallel group (size 1 without context parallelism)
     dpcp: Group | None = None   # the ranks holding the same weights: dp x cp (the gradient reducer's group)
+    layout: Layout | None = None    # the sizes it was made from (mpi_tp.parallel.layout)
 
     def __post_init__(self):
         if self.cp is None:
             self.cp, self.dpcp = Group(MPI.COMM_SELF, "cp", self.stats), self.dp
+        if self.layout is None:
+            self.layout = Layout(tp=self.tp.size, cp=self.cp.size, pp=self.pp.size, dp=self.dp.size, ep=self.ep.size)
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1,
-               ep: int = 1, cp: int = 1) -> "Topology":
-        """world = dp x pp x cp x tp ranks: tensor-parallel groups are consecutive ranks (inside a node),
-        context-parallel groups next, then pipeline stages, data-parallel replicas outermost (Narayanan
-        et al.'s PTD-P order with cp inside it; see the module docstring).
+               ep: int = 1, cp: int = 1, *, layout: Layout | None = None) -> "Topology":
+        """The communicators of `layout` (default: Layout.resolve of the sizes given; tp None: the rest of
+        the world). world = dp x pp x cp x tp ranks: tensor-parallel groups are consecutive ranks (inside a
+        node), context-parallel groups next, then pipeline stages, data-parallel replicas outermost
+        (Narayanan et al.'s PTD-P order with cp inside it; see the module docstring).
         ep (dividing dp): the data-parallel group is cut into expert-parallel groups of ep
         consecutive members (Megatron's and DeepSpeed's placement: experts split where the
         dense model is replicated)."""
         comm = MPI.COMM_WORLD if comm is None else comm
         n = comm.Get_size()
-        if tp is None:
-            if pp < 1 or dp < 1 or cp < 1 or n % (dp * pp * cp):
-                raise TopologyError(f"world size {n} is not divisible by dp x pp x cp = {dp} x {pp} x {cp}")
-            tp = n // (dp * pp * cp)
-        if tp < 1 or dp < 1 or pp < 1 or cp < 1 or tp * cp * pp * dp != n:
-            raise TopologyError(
-                f"layout tp={tp} x cp={cp} x pp={pp} x dp={dp} needs {tp * cp * pp * dp} ranks but the job has "
-                f"{n}; launch with mpiexec -n {tp * cp * pp * dp} or change --tp/--cp/--pp/--dp"
-            )
-        if ep < 1 or dp % ep:
-            raise TopologyError(f"expert parallelism ep={ep} must divide the data-parallel size dp={dp}: "
-                                "experts are split among replicas of the dense model")
+        if layout is None:
+            layout = Layout.resolve(n, tp=tp or 0, cp=cp, pp=pp, dp=dp, ep=ep)
+        else:
+            layout.check(n)
+        tp, cp, pp, dp, ep = layout.tp, layout.cp, layout.pp, layout.dp, layout.ep
         stats = CommStats()
         # Rank order is kept (reorder=False) so that tp groups are consecutive world ranks.
         cart = comm.Create_cart(dims=[dp, pp, cp, tp], periods=[False] * 4, reorder=False)
@@ -141,7 +134,7 @@ class Topology:
             ep_group = Group(dp_comm.Split(r // ep, key=r), "ep", stats)
             edp_group = Group(dp_comm.Split(r % ep, key=r), "edp", stats)
         return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats), dp=dp_group,
-                   ep=ep_group, edp=edp_group, stats=stats, cp=cp_group, dpcp=dpcp_group)
+                   ep=ep_group, edp=edp_group, stats=stats, cp=cp_group, dpcp=dpcp_group, layout=layout)
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -167,14 +160,6 @@ class Topology:
         another; every rank of a replica the same rows)."""
         r = self.dp.rank
         return slice(r * per_replica, (r + 1) * per_replica)
-
-    def describe(self) -> dict:
-        out = {"world": self.world.Get_size(), "tp": self.tp.size, "pp": self.pp.size, "dp": self.dp.size}
-        if self.ep.size > 1:
-            out["ep"] = self.ep.size
-        if self.cp.size > 1:
-            out["cp"] = self.cp.size
-        return out
 
     def free(self) -> None:
         """Release the layout's communicators (collective over its ranks); a second call does nothing."""

@@ -33,13 +33,13 @@ from dataclasses import replace
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core.errors import refuse_to_replace
+from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.planning.costmodel import Layout, Workload, step_time
+from mpi_tp.planning.costmodel import Plan, Workload, step_time
 from mpi_tp.planning.machines import Machine
 from mpi_tp.training.optim import AdamW
 
@@ -219,7 +219,7 @@ def calibrate(comm, name="this-machine") -> Machine:
                     intra_bw=1, inter_alpha=0, inter_bw=1)
     elements, rest = [], []
     for (w, _), t in zip(runs, times):
-        lay = Layout(micro_batch=w.global_batch)
+        lay = Plan(micro_batch=w.global_batch)
         gemm_s = step_time(replace(probe, ew_rep=0, ew_par=0, ew_att=0), w, lay)["compute"]
         elements.append(step_time(replace(probe, gemm_flops=1e30), w, lay)["compute"])      # elements (E = 1)
         rest.append(t - gemm_s - w.n_layer * overhead - step_time(probe, w, lay)["optimizer"])

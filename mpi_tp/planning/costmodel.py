@@ -49,6 +49,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning.machines import Machine
 
 
@@ -82,31 +83,18 @@ class Workload:
         return L * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h + moe
 
 
-@dataclass
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch: int = 1
-    sp: bool = False
-    zero: int = 0
-    recompute: bool = False
-    virtual: int = 1             # model chunks per pipeline stage (the interleaved schedule)
-    overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
-    cp: int = 1                  # context-parallel size (ring attention)
-    ep: int = 1                  # expert-parallel size (dividing dp): each MoE block's experts over ep replicas
+@dataclass(frozen=True)
+class Plan(Layout):
+    """A layout to price: the parallel sizes (mpi_tp.parallel.layout.Layout) and how a step runs on them."""
 
-    @property
-    def ranks(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+    micro_batch: int = 1
+    recompute: bool = False      # full activation recomputation
+    overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
 
     def describe(self) -> str:
-        extra = "".join([f" v{self.virtual}" if self.virtual > 1 else "", " +sp" if self.sp else "",
-                         " +zero1" if self.zero else "", " +recompute" if self.recompute else "",
-                         "" if self.overlap_dp or self.dp == 1 else " -overlap"])
-        cp = f" cp{self.cp}" if self.cp > 1 else ""
-        ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} b{self.micro_batch}{extra}"
+        """'tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute': the layout's words, the micro-batch after the grid."""
+        extra = (["+recompute"] if self.recompute else []) + ([] if self.overlap_dp or self.dp == 1 else ["-overlap"])
+        return " ".join(self.words() + [f"b{self.micro_batch}"] + self.flags() + extra)
 
 
 def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 
 from mpi_tp.planning import activations
-from mpi_tp.planning.costmodel import Layout, Workload
+from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import Machine
 
 
-def activation_bytes_per_layer(m: Machine, w: Workload, lay: Layout) -> float:
+def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan) -> float:
     """One layer's activations on the rank that keeps the most (mpi_tp.planning.activations: this code's
     count, or Korthikanti et al.'s for 16-bit Megatron-style training)."""
     S, B, C, H, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, w.n_head, lay.tp
@@ -31,7 +31,7 @@ def activation_bytes_per_layer(m: Machine, w: Workload, lay: Layout) -> float:
                                                   value_bytes=m.bytes_per_value)
 
 
-def params_per_rank(w: Workload, lay: Layout) -> float:
+def params_per_rank(w: Workload, lay: Plan) -> float:
     """Parameters a rank of the first pipeline stage holds: its shards of the split matrices (q/k/v, the
     projections, fc, the vocabulary rows of wte: 12 C^2 + 7 C per layer / T) and, whole, what every
     tensor-parallel rank replicates (LayerNorms and row biases: 6 C per layer, wpe S C, ln_f 2 C)."""
@@ -45,7 +45,7 @@ def params_per_rank(w: Workload, lay: Layout) -> float:
     return sharded + replicated
 
 
-def memory_per_rank(m: Machine, w: Workload, lay: Layout) -> dict:
+def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
     """Bytes per rank: model state and activations (the first pipeline stage, which holds the most)."""
     params_rank = params_per_rank(w, lay)
     weights_grads = params_rank * 8 if m.state_bytes_per_param >= 16 else params_rank * 4

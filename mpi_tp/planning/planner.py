@@ -16,7 +16,7 @@ Narayanan et al. 2021's Table 1 and other published runs (tests/test_costmodel.p
 """
 from __future__ import annotations
 
-from mpi_tp.planning.costmodel import Layout, Workload, achieved, step_time
+from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.plan_table import size_text
 
@@ -62,7 +62,8 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                     for seq in (sp if tp > 1 else (False,)):
                         for zero in (zeros if dp * cp > 1 else (0,)):
                             for recompute in recomputes:
-                                yield Layout(tp, pp, dp, b, seq, zero, recompute, v, cp=cp, ep=ep)
+                                yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, virtual=v, sp=seq, zero=zero,
+                                           micro_batch=b, recompute=recompute)
 
 
 def _eps(w: Workload, dp: int, ep_only: int | None) -> list[int]:
@@ -93,7 +94,7 @@ def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, t
             "why": explain(fitting, rows, m)}
 
 
-def price(m, w: Workload, lay: Layout) -> dict:
+def price(m, w: Workload, lay: Plan) -> dict:
     """One layout's row: its step time and parts, memory per rank, whether it fits, the FLOP/s it achieves."""
     mem = memory_per_rank(m, w, lay)
     t = step_time(m, w, lay)
@@ -105,7 +106,7 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' * (n != 1)}"
 
 
-def links_text(t: dict, lay: Layout) -> str:
+def links_text(t: dict, lay: Plan) -> str:
     """Which links the layout's groups cross, in words."""
     links = t["links"]
     sizes = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp}

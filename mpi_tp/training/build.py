@@ -15,16 +15,23 @@ from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
-from mpi_tp.model.gpt import GPT
 from mpi_tp.model.chunks import build_stage
-from mpi_tp.parallel.pipeline.stage import PipelineStage
+from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.pipeline.stage import PipelineStage
 from mpi_tp.parallel.topology import Topology
+from mpi_tp.text.tokenizer import of_token_file
 from mpi_tp.training import run_dir
 from mpi_tp.training.config import TrainConfig
-from mpi_tp.training.data import BatchSampler, Corpus, DataError, eval_batches, load_corpus, split
+from mpi_tp.training.data import (
+    BatchSampler,
+    Corpus,
+    DataError,
+    eval_batches,
+    load_corpus,
+    split,
+)
 from mpi_tp.training.optim import SGD, AdamW
-from mpi_tp.text.tokenizer import of_token_file
 
 
 @dataclass
@@ -155,9 +162,8 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
 
 
 def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out, lock) -> Run:
-    tp, pp, dp = cfg.layout(comm.Get_size())
-    topo = Topology.create(comm, tp=tp, pp=pp, dp=dp, ep=cfg.ep, cp=cfg.cp)   # ep inside dp (checked by validate)
-    if pp > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
+    topo = Topology.create(comm, layout=cfg.layout(comm.Get_size()))
+    if topo.pp.size > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
         model = build_stage(cfg.model_config(corpus.vocab_size), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
                               cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
     else:

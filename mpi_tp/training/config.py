@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.parallel.layout import RULE, Layout
 
 
 def opt(default, help, choices=None):
@@ -45,20 +46,18 @@ class TrainConfig:
     moe_aux_weight: float = opt(0.01, "weight of the load-balancing loss (Switch / GShard)")
     moe_z_weight: float = opt(0.0, "weight of the router z-loss (ST-MoE)")
     # parallel layout
-    tp: int = opt(0, "tensor-parallel size; 0 = world size / (cp * pp * dp)")
+    tp: int = opt(0, f"tensor-parallel size; 0 = world size / (cp * pp * dp) ({RULE})")
     cp: int = opt(1, "context-parallel size: each sequence cut into 2 cp chunks, two per rank, for the whole "
-                  "model; attention by ring attention (world size = tp * cp * pp * dp)")
-    pp: int = opt(1, "pipeline stages (consecutive runs of blocks on different ranks); world size = "
-                  "tp * pp * dp")
+                  f"model; attention by ring attention ({RULE})")
+    pp: int = opt(1, f"pipeline stages (consecutive runs of blocks on different ranks) ({RULE})")
     schedule: str = opt("1f1b", "pipeline schedule: 'gpipe' (all forwards, then all backwards), '1f1b' "
                         "(PipeDream-Flush) or 'interleaved' (with --virtual-stages)",
                         ["gpipe", "1f1b", "interleaved"])
     virtual_stages: int = opt(1, "model chunks per pipeline stage (the interleaved schedule; "
                               "micro_batches must then be a multiple of pp)")
-    dp: int = opt(1, "data-parallel size (replicas, each on micro_batches x batch_size sequences); "
-                  "world size = tp * pp * dp")
+    dp: int = opt(1, f"data-parallel size (replicas, each on micro_batches x batch_size sequences) ({RULE})")
     ep: int = opt(1, "expert-parallel size: each MoE block's experts split over ep consecutive data-parallel "
-                  "replicas (must divide dp; the layout stays tp * pp * dp)")
+                  "replicas (must divide dp; the world size stays tp x cp x pp x dp)")
     overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
                            "(--no-overlap-dp: after it)")
     bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
@@ -167,18 +166,13 @@ class TrainConfig:
                               f"{self.virtual_stages} chunks: every chunk needs a block")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        tp, pp, dp = self.layout(world_size)
-        self._validate_cp(pp)
-        if tp * self.cp * pp * dp != world_size:
-            cp = f" x cp={self.cp}" if self.cp > 1 else ""
-            raise ConfigError(f"the layout tp={tp}{cp} x pp={pp} x dp={dp} needs {tp * self.cp * pp * dp} MPI ranks "
-                              f"but the job has {world_size}: launch with mpiexec -n {tp * self.cp * pp * dp}, or "
-                              "change --tp/--cp/--pp/--dp")
-        self._validate_moe(dp)
+        self._validate_cp()
+        self._validate_moe()
+        lay = self.layout(world_size)          # the world-size rule and the others: Layout.check
         self._validate_arch()
-        self.model_config().validate(tp, self.ep)
+        self.model_config().validate(lay.tp, lay.ep)
 
-    def _validate_cp(self, pp: int) -> None:
+    def _validate_cp(self) -> None:
         """Context parallelism, in CLI terms."""
         if self.cp < 1:
             raise ConfigError(f"--cp must be at least 1, got {self.cp}")
@@ -204,7 +198,7 @@ class TrainConfig:
                 raise ConfigError(f"{', '.join(given)} set with --arch gpt2: llama options (pass --arch llama, "
                                   "or drop them)")
 
-    def _validate_moe(self, dp: int) -> None:
+    def _validate_moe(self) -> None:
         """The expert-parallel layout, in CLI terms."""
         E, ep = self.moe_experts, self.ep
         if ep < 1:
@@ -217,16 +211,15 @@ class TrainConfig:
         if ep > 1 and E == 0:
             raise ConfigError(f"--ep {ep} needs a mixture-of-experts model: pass --moe-experts E (E >= {ep}), "
                               "or drop --ep")
-        if dp % ep:
-            raise ConfigError(f"--ep {ep} must divide the data-parallel size --dp {dp}: the experts are split "
-                              "among groups of ep consecutive data-parallel replicas")
         if E > 0 and ep > E:
             raise ConfigError(f"--ep {ep} exceeds --moe-experts {E}: some rank would hold no expert; use "
                               f"--ep <= {E} or more experts")
 
-    def layout(self, world_size: int) -> tuple[int, int, int]:
-        """(tp, pp, dp) for a job of world_size ranks."""
-        return (self.tp or max(1, world_size // (self.dp * self.pp * max(self.cp, 1)))), self.pp, self.dp
+    def layout(self, world_size: int) -> Layout:
+        """The layout of a job of world_size ranks (tp 0: what cp x pp x dp leave), checked: TopologyError
+        names every rule it breaks."""
+        return Layout.resolve(world_size, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
+                              virtual=self.virtual_stages, sp=self.sequence_parallel, zero=self.zero)
 
     def to_dict(self) -> dict:
         return asdict(self)

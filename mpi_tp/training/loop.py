@@ -40,7 +40,13 @@ from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
 from mpi_tp.training.faults import Preemption
 from mpi_tp.training.optim import clip_coefficient, lr_at
-from mpi_tp.training.progress import MoEMeter, Progress, environment, fmt_time, held_memory
+from mpi_tp.training.progress import (
+    MoEMeter,
+    Progress,
+    environment,
+    fmt_time,
+    held_memory,
+)
 
 
 def evaluate(model: GPT, batches) -> float:
@@ -140,7 +146,7 @@ def train(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> dict:
 def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     model, topo, corpus = run.model, run.topo, run.corpus
     entropy = unigram_entropy(run.val_tokens)
-    record = {"config": cfg.to_dict(), "out": run.out, "layout": topo.describe(),
+    record = {"config": cfg.to_dict(), "out": run.out, "layout": topo.layout.to_dict(),
               "data": {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256,
                        "tokens": int(corpus.data.size), **({"bytes": int(corpus.data.size)} if corpus.unit == "byte" else {}),
                        "vocab_size": corpus.vocab_size, "tokenizer": corpus.tokenizer or {"kind": "bytes"}},
@@ -152,20 +158,18 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                      "raise --steps to train further")
         progress.close(None)
         return {**record, "steps": cfg.steps, "first_step": run.first}
-    pipeline = f" x pp={topo.pp.size} ({cfg.schedule}, M={cfg.micro_batches})" if topo.pp.size > 1 else ""
     moe = model.cfg.moe_experts > 0
     meter = MoEMeter(model, topo.dp, topo.pp) if moe else None
-    experts = (f" (ep={topo.ep.size}; MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, every "
-               f"{cfg.moe_every} block(s), capacity {cfg.moe_capacity or 'none'})") if moe else ""
+    pipeline = f" ({cfg.schedule}, M={cfg.micro_batches})" if topo.pp.size > 1 else ""
+    experts = (f" (MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, every {cfg.moe_every} block(s), "
+               f"capacity {cfg.moe_capacity or 'none'})") if moe else ""
     mc = model.cfg
     arch = (f" (llama: {mc.n_head} heads, {mc.kv_heads} key/value, MLP {mc.ffn}, "
             f"{'tied' if mc.tied else 'untied'} output layer)") if mc.llama else ""
-    progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters{arch}, tp={topo.tp.size}{pipeline} x "
-                 f"dp={topo.dp.size}{experts}{f' x cp={topo.cp.size}' if topo.cp.size > 1 else ''}"
-                 f"{' +sp' if cfg.sequence_parallel else ''}"
-                 f"{' +zero1' if cfg.zero else ''}, "
-                 f"{cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} {corpus.unit}s, "
-                 f"sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/{corpus.unit}; out {run.out}")
+    progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters{arch}, layout {topo.layout.describe()}"
+                 f"{pipeline}{experts}, {cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} "
+                 f"{corpus.unit}s, sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/{corpus.unit}; "
+                 f"out {run.out}")
 
     losses, val_loss, skipped = [], float("nan"), 0
     if cfg.trace:

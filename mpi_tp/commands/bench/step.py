@@ -41,6 +41,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.finalize import finalize_grads
+from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.parallel.pipeline.schedules import schedule
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.planning.activations import activation_bytes_per_layer
@@ -54,13 +55,13 @@ SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
 
 
 def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, dp=1, dp_mode="overlap",
-              sequence_parallel=False, zero=False, cp=1) -> dict:
+              sequence_parallel=False, zero=False, cp=1, tp=0) -> dict:
     """Time training steps at one shape. dp > 1: data parallelism with B sequences per replica;
     dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
     (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
     zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather).
     cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp)."""
-    topo = Topology.create(comm, dp=dp, cp=cp)
+    topo = Topology.create(comm, tp=tp or None, dp=dp, cp=cp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
                 sequence_parallel=sequence_parallel)
     params = model.parameters()
@@ -172,16 +173,17 @@ def add_parser(sub) -> None:
     b.add_argument("--steps", type=int, default=10, help="timed steps per shape (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    b.add_argument("--dp", type=int, default=1, help="data-parallel replicas (tp = ranks / dp); batch is per replica")
+    b.add_argument("--tp", type=int, default=0, help=f"tensor-parallel size (0: ranks / (cp * pp * dp); {RULE})")
+    b.add_argument("--dp", type=int, default=1, help="data-parallel replicas; batch is per replica")
     b.add_argument("--dp-compare", action="store_true",
                    help="with --dp > 1: run each shape three times, gradient all-reduce during the backward "
                         "(overlap), after it, and not at all (baseline), to show what it adds to a step")
     b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
-    b.add_argument("--cp", type=int, default=1, help="context-parallel size (tp = ranks / (cp * pp * dp)): each "
-                   "sequence split over cp ranks, ring attention")
+    b.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks, "
+                   "ring attention")
     b.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: with --dp > 1, the distributed optimizer (ZeRO-1)")
-    b.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = ranks / (pp * dp)); with "
+    b.add_argument("--pp", type=int, default=1, help="pipeline stages; with "
                    "--micro-batches, --schedule, --virtual-stages; batch is per micro-batch")
     b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
     b.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
@@ -211,15 +213,17 @@ def _shapes(args, ranks: int) -> list[tuple]:
         shapes = [SHAPES[s] for s in presets] + custom
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    if args.dp < 1 or args.pp < 1 or args.cp < 1 or ranks % (args.dp * args.pp * args.cp):
-        raise UserError(f"--dp {args.dp} x --pp {args.pp} x --cp {args.cp} must divide the {ranks} ranks of this job")
+    if args.tp < 0:
+        raise UserError(f"--tp must be at least 0 (0: what cp x pp x dp leave), got {args.tp}")
+    args.layout = Layout.resolve(ranks, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, zero=args.zero,
+                                 sp=args.sequence_parallel, virtual=args.virtual_stages)
     if args.cp > 1 and (args.pp > 1 or args.inference or args.moe):
         raise UserError("--cp times training steps without pipeline stages (drop --pp, --inference, --moe)")
     if args.pp > 1:
         if args.micro_batches < 1 or args.virtual_stages < 1:
             raise UserError("--micro-batches and --virtual-stages must be at least 1")
         schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages)     # checks the combination
-    tp = ranks // (args.dp * args.pp * args.cp)
+    tp = args.layout.tp
     for C, H, L, S, B in shapes:
         if S < 2 * args.cp:
             raise UserError(f"--cp {args.cp} cuts each sequence into {2 * args.cp} chunks: S = {S} is too short")
@@ -255,7 +259,7 @@ def cmd_bench(args, comm) -> int:
     for C, H, L, S, B in shapes:
         if args.pp > 1:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
-                                   comm.Get_size() // (args.dp * args.pp), args.pp, args.dp, args.micro_batches,
+                                   args.layout.tp, args.pp, args.dp, args.micro_batches,
                                    args.schedule, args.virtual_stages, args.sequence_parallel,
                                    recompute=args.recompute, overlap_dp=True)
             r["environment"] = env
@@ -266,7 +270,8 @@ def cmd_bench(args, comm) -> int:
             continue
         for mode in modes:
             r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype, dp=args.dp, dp_mode=mode,
-                          sequence_parallel=args.sequence_parallel, zero=bool(args.zero), cp=args.cp)
+                          sequence_parallel=args.sequence_parallel, zero=bool(args.zero), cp=args.cp,
+                          tp=args.layout.tp)
             r["environment"] = env
             print_table(r, comm)
             if args.json and comm.Get_rank() == 0:

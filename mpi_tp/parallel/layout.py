@@ -1,0 +1,109 @@
+"""The layout: how many ranks each parallel dimension takes, and the rules they must keep. Written once.
+
+    lay = Layout.resolve(world=8, tp=0, pp=2, dp=2)      # tp = 0: the rest of the world, here 2
+    lay.describe()                                       # 'tp2 pp2 dp2': the words every command prints
+    Topology.create(comm, layout=lay)                    # the communicators (mpi_tp.parallel.topology)
+
+A layout is frozen: the training config resolves one (mpi_tp.training.config), the
+topology builds its groups from it, the planner prices many (mpi_tp.planning: a Plan
+is a Layout with a micro-batch size and recomputation), and the start-up line,
+`mpi-tp explain` and `mpi-tp plan` print its describe(). The world-size rule is
+
+    world size = tp x cp x pp x dp          (ep divides dp: experts split among replicas)
+
+and `check` says every rule a layout breaks, in one line, the same from train,
+bench and plan. No MPI here: the planner lays out machines it does not run on.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mpi_tp.core.errors import UserError
+
+RULE = "world size = tp x cp x pp x dp"
+DIMENSIONS = ("tp", "cp", "pp", "dp")            # the grid, innermost first (mpi_tp.parallel.topology)
+
+
+class TopologyError(UserError, ValueError):
+    """The requested layout does not fit the world (or a dimension cannot be split)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The ranks of each dimension (tp x cp x pp x dp of them), and the options that shape the layout.
+
+    tp: tensor-parallel size; cp: context-parallel; pp: pipeline stages; virtual: model chunks per stage
+    (the interleaved schedule); dp: data-parallel replicas; ep: expert-parallel size (dividing dp);
+    sp: sequence parallelism inside tp; zero: 1 for ZeRO-1 (the optimizer state split over dp x cp).
+    """
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    virtual: int = 1
+    sp: bool = False
+    zero: int = 0
+
+    @classmethod
+    def resolve(cls, world: int, tp: int = 0, cp: int = 1, pp: int = 1, dp: int = 1, **options) -> "Layout":
+        """The layout of a job of `world` ranks; tp = 0 (or dp = 0): what the other dimensions leave, at
+        least 1. Checked: raises TopologyError with every rule it breaks (`check`)."""
+        if tp == 0 or dp == 0:           # one dimension takes the rest (tp when both are free)
+            rest = max(1, (tp or 1) * cp * pp * (dp or 1))
+            free = max(1, world // rest)
+            tp, dp = (free, dp or 1) if tp == 0 else (tp, free)
+        lay = cls(tp=tp, cp=cp, pp=pp, dp=dp, **options)
+        lay.check(world)
+        return lay
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def problems(self, world: int | None = None) -> list[str]:
+        """One message per rule this layout breaks (for a job of `world` ranks, when given)."""
+        out = []
+        small = [f"{k}={getattr(self, k)}" for k in (*DIMENSIONS, "ep", "virtual") if getattr(self, k) < 1]
+        if small:
+            return [f"every size must be at least 1, got {', '.join(small)}"]
+        if world is not None and self.ranks != world:
+            out.append(f"no layout of {world} ranks can be expressed: the layout {self.describe()} needs {self.ranks} MPI ranks but the job has {world} ({RULE}): "
+                       f"launch with mpiexec -n {self.ranks}, or change --tp/--cp/--pp/--dp")
+        if self.dp % self.ep:
+            out.append(f"--ep {self.ep} must divide the data-parallel size --dp {self.dp}: the experts are split "
+                       "among groups of ep consecutive data-parallel replicas")
+        if self.zero not in (0, 1):
+            out.append(f"zero must be 0 or 1, got {self.zero}")
+        return out
+
+    def check(self, world: int | None = None) -> "Layout":
+        """Raise TopologyError naming every rule broken (one line); returns the layout when it holds."""
+        wrong = self.problems(world)
+        if wrong:
+            raise TopologyError("; ".join(wrong))
+        return self
+
+    def words(self) -> list[str]:
+        """The grid in words, 'tp2 cp2 pp2 dp4 ep2' (cp and ep only when > 1)."""
+        return [f"{k}{getattr(self, k)}" for k in ("tp", "cp", "pp", "dp", "ep")
+                if k not in ("cp", "ep") or getattr(self, k) > 1]
+
+    def flags(self) -> list[str]:
+        """The options in words: 'v2 +sp +zero1' (each only when on)."""
+        return ([f"v{self.virtual}"] if self.virtual > 1 else []) + (["+sp"] if self.sp else []) + \
+            (["+zero1"] if self.zero else [])
+
+    def describe(self) -> str:
+        """'tp2 pp2 dp1 v2 +sp': what the start-up line, explain and plan print."""
+        return " ".join(self.words() + self.flags())
+
+    def to_dict(self) -> dict:
+        """The grid as a checkpoint records it: {'world', 'tp', 'pp', 'dp'} (+ 'ep', 'cp' when > 1)."""
+        out = {"world": self.ranks, "tp": self.tp, "pp": self.pp, "dp": self.dp}
+        out.update({k: getattr(self, k) for k in ("ep", "cp") if getattr(self, k) > 1})
+        return out
+
+    def fields(self) -> dict:
+        return asdict(self)
