@@ -205,6 +205,7 @@ def test_exception_in_one_stage_aborts_the_job(tmp_path):
         "from mpi_tp.model.config import GPTConfig\n"
         "from mpi_tp.model.chunks import build_stage\n"
         "from mpi_tp.parallel.topology import Topology\n"
+        "from mpi_tp.training.step import forward_backward\n"
         "install_abort_hook()\n"
         "topo = Topology.create(MPI.COMM_WORLD, tp=1, pp=2, dp=1)\n"
         "stage = build_stage(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=8), topo,\n"
@@ -214,7 +215,7 @@ def test_exception_in_one_stage_aborts_the_job(tmp_path):
         "        raise RuntimeError('boom in stage 1')\n"
         "    stage.chunks[0].backward = broken\n"
         "x = np.zeros((2, 4), dtype=int)\n"
-        "stage.forward_backward(x, x, slice(0, 2))\n")
+        "forward_backward(stage, x, x, slice(0, 2))\n")
     r = run_job([MPIEXEC, "-n", "2", sys.executable, str(script)], timeout=60)
     assert r.returncode != 0
     assert r.stderr.count("RuntimeError: boom in stage 1") == 1 and "[rank 1]" in r.stderr

@@ -9,13 +9,13 @@ import os
 
 import numpy as np
 import pytest
+import steps as steps_helper
 
 from mpi_tp.core import backend
 from mpi_tp.core.gpu import cuda_aware_mpi
 from mpi_tp.core.testing import assert_close, gather_full
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import AdamW
 
@@ -52,14 +52,8 @@ def test_model_on_gpu_equals_numpy(world, gpu, arch):
         backend.use(name, world)
         model = GPT(cfg, Topology.create(world), dtype="float64", seed=2, sequence_parallel=name == "cupy")
         opt = AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for x, y in batches:
-            model.zero_grad()
-            losses.append(model.forward(x, y))
-            model.backward()
-            finalize_grads(model)          # the sequence-parallel sums (LayerNorms, row biases, wpe)
-            opt.step()
-        results.append((np.array(losses), {p.name: gather_full(p, world) for p in model.parameters()}))
+        losses = steps_helper.train(model, opt, len(batches), 3, lambda k, rows: batches[k], grad_clip=0)
+        results.append((losses, {p.name: gather_full(p, world) for p in model.parameters()}))
     (l_np, w_np), (l_gpu, w_gpu) = results
     assert_close(l_gpu, l_np, 1e-10, "losses, GPU vs CPU")
     for name, w in w_np.items():

@@ -2,6 +2,7 @@
 model on the same global batch: same losses and weights over 10 AdamW steps (float64, < 1e-8)."""
 import numpy as np
 import pytest
+import steps as steps_helper
 from mpi4py import MPI
 
 from mpi_tp.core.testing import all_true, assert_close, gather_full
@@ -10,7 +11,8 @@ from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.optim import AdamW, clip_coefficient
+from mpi_tp.training.optim import AdamW
+from mpi_tp.training.step import train_step
 
 pytestmark = pytest.mark.mpi(min_size=1)
 # Uneven splits. Shares per rank at tp = 2 / 3 / 4 (tests/run.sh runs world sizes 1, 2, 3 and 4, each at
@@ -34,23 +36,10 @@ def global_batch(step, rows):
 def run(model, topo, rows, steps=10, overlap=True, zero=False):
     """Train on the global batch of `rows` * dp sequences, this replica taking its `rows` of them.
     Returns the losses and the optimizer."""
-    params = model.parameters()
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, overlap=overlap,    # tiny buckets: several per step
                           distributed=zero)
-    opt = AdamW(params, lr=1e-2, reducer=reducer)
-    losses = []
-    for step in range(steps):
-        x, y = global_batch(step, rows * topo.dp.size)
-        mine = topo.replica_rows(rows)
-        model.zero_grad()
-        model.dropout.row0 = mine.start                            # dropout masks follow the global rows
-        loss = np.array([model.forward(x[mine], y[mine])])
-        topo.dp.all_reduce(loss)                                   # the global batch's mean loss
-        losses.append(loss[0] / topo.dp.size)
-        model.backward(reducer=reducer)
-        finalize_grads(model, reducer)
-        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
-    return np.array(losses), opt
+    opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
+    return steps_helper.train(model, opt, steps, rows, global_batch, reducer=reducer), opt
 
 
 @pytest.fixture
@@ -227,13 +216,9 @@ def test_distributed_optimizer_moves_what_plain_dp_moves(world):
             model = build(topo, dropout=0.0, sp=tp > 1)
             reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
             opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
-            x, y = global_batch(0, 2 * B)
+            x, y = global_batch(0, 2 * B * dp)
             topo.stats.reset()
-            for m in range(2):                                    # two micro-batches
-                model.forward(x[m * B:(m + 1) * B], y[m * B:(m + 1) * B])
-                model.backward(dout=0.5, reducer=reducer if m == 1 else None)
-            finalize_grads(model, reducer)
-            opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
+            train_step(model, opt, x, y, topo.replica_rows(2 * B), 2, reducer=reducer)      # two micro-batches
             snap = topo.stats.snapshot()
             kinds = ("dp/reduce_scatter", "dp/all_gather") if zero else ("dp/iall_reduce",)
             assert all(snap[k]["calls"] == len(reducer.buckets) for k in kinds), (zero, snap)

@@ -9,6 +9,7 @@ and H = 6, H_kv = 3 (tp = 2: kv 2 + 1, query heads 4 + 2). MLP width F = 22: 11 
 """
 import numpy as np
 import pytest
+import steps as tests_steps
 
 from mpi_tp.core.testing import all_true, assert_close, gather_full, randomize
 from mpi_tp.model.config import ConfigError, GPTConfig
@@ -56,18 +57,9 @@ def test_loss_and_gradients(world, heads, tied):
 
 
 def train(model, steps):
-    params = model.parameters()
-    opt = AdamW(params, lr=3e-3, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        x, y = batch(100 + step % 2)             # two batches, revisited: the loss must fall
-        model.zero_grad()
-        losses.append(model.forward(x, y))
-        model.backward()
-        finalize_grads(model)
-        clip_grad_norm(params, model.topo.tp, 1.0)
-        opt.step()
-    return np.array(losses)
+    """The library's AdamW steps (mpi_tp.training.step) on two batches, revisited: the loss must fall."""
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    return tests_steps.train(model, opt, steps, 3, lambda k, rows: batch(100 + k % 2))
 
 
 @pytest.mark.parametrize("heads", HEADS[1:3], ids=HEAD_IDS[1:3])

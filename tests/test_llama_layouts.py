@@ -7,8 +7,8 @@ stage) and a tied one (two copies summed), grouped-query attention with replicat
 World 4 runs tp = 4 (H_kv = 1: 4 replicas; H_kv = 2: 2 + 2) and tp = 2 with pp = 2 or dp = 2; world 3 runs
 tp = 3 (H_kv = 2: kv 0 on ranks 0 and 1, kv 1 on rank 2: uneven replicas) and pp = 3 or dp = 3.
 """
-import numpy as np
 import pytest
+from steps import train
 
 from mpi_tp.core.testing import assert_close, gather_full
 from mpi_tp.model.chunks import build_stage
@@ -16,8 +16,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.loop import forward_backward
-from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
+from mpi_tp.training.optim import AdamW
 
 pytestmark = pytest.mark.mpi(min_size=1)
 B, STEPS = 2, 3
@@ -28,35 +27,17 @@ def cfg(n_layer, **kw):
                      intermediate_size=22, **kw)
 
 
-def global_batch(step, rows):
-    rng = np.random.default_rng([9, step])
-    return rng.integers(0, 37, (rows, 7)), rng.integers(0, 37, (rows, 7))
-
-
 def serial(config, rows):
     model = GPT(config, Topology.serial(), dtype="float64", seed=3)
-    opt = AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, rows)
-        losses.append(forward_backward(model, x, y, slice(0, rows), 1, None, Topology.serial().dp))
-        opt.step(grad_scale=clip_coefficient(grad_norm(model.parameters(), Topology.serial().tp), 1.0))
-    return np.array(losses), {p.name: p.data for p in model.parameters()}
+    losses = train(model, AdamW(model.parameters(), lr=1e-2), STEPS, rows)
+    return losses, {p.name: p.data for p in model.parameters()}
 
 
 def pipelined(config, topo, name, micro, virtual=1, sp=False, recompute="none", zero=False, overlap=True):
     stage = build_stage(config, topo, "float64", 3, sp, name, micro, virtual, recompute)
     reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=overlap, distributed=zero)
     opt = AdamW(stage.parameters(), lr=1e-2, reducer=reducer)
-    counted = {id(p) for p in stage.unique_parameters()}
-    per_replica = micro * B
-    rows = topo.replica_rows(per_replica)
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, per_replica * topo.dp.size)
-        losses.append(stage.forward_backward(x, y, rows, reducer, topo.dp))
-        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp, topo.pp, counted), 1.0))
-    return np.array(losses), stage, opt
+    return train(stage, opt, STEPS, micro * B, reducer=reducer), stage, opt
 
 
 def layouts(n):

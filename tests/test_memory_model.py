@@ -18,6 +18,7 @@ from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import Machine
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.training.optim import AdamW
+from mpi_tp.training.step import forward_backward
 
 pytestmark = pytest.mark.mpi(min_size=1)
 L, C, H, S, V, B = 4, 24, 12, 12, 48, 2
@@ -80,7 +81,7 @@ def test_a_pipeline_stages_peak_activations(world):
         c.activation_bytes = (lambda chunk: lambda: sum(b.activation_bytes() for b in chunk.h))(c)
     stage.count_activations = True
     x = np.zeros((M * B, S), dtype=np.int64)
-    stage.forward_backward(x, x, slice(0, M * B))
+    forward_backward(stage, x, x, slice(0, M * B))
     w = Workload(2 * P, C, H, S, global_batch=M * B, vocab=V)
     mem = memory_per_rank(CPU, w, Plan(pp=P, micro_batch=B))
     peak0 = world.bcast(stage.peak_activation_bytes, root=0)

@@ -3,6 +3,7 @@ tp x dp layout, with sequence parallelism, ZeRO-1 and dropout, M micro-batches p
 serial model's numbers on the whole global batch in one pass (float64, 4 AdamW steps, < 1e-8)."""
 import numpy as np
 import pytest
+import steps
 
 from mpi_tp.core.params import storages
 from mpi_tp.core.testing import assert_close, gather_full
@@ -10,8 +11,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.loop import forward_backward
-from mpi_tp.training.optim import AdamW, clip_coefficient
+from mpi_tp.training.optim import AdamW
 
 pytestmark = pytest.mark.mpi(min_size=1)
 CFG = dict(vocab_size=37, block_size=7, n_layer=2, n_head=5, n_embd=20, dropout=0.1)   # uneven at 2, 3, 4
@@ -19,8 +19,7 @@ B, STEPS = 2, 4                                                     # sequences 
 
 
 def global_batch(step, rows):
-    rng = np.random.default_rng([5, step])
-    return rng.integers(0, 37, (rows, 7)), rng.integers(0, 37, (rows, 7))
+    return steps.global_batch(step, rows, seed=5)
 
 
 def train(topo, micro, b=B, sp=False, zero=False):
@@ -28,14 +27,7 @@ def train(topo, micro, b=B, sp=False, zero=False):
     model = GPT(GPTConfig(**CFG), topo, dtype="float64", seed=3, sequence_parallel=sp)
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
-    per_replica = micro * b
-    rows = topo.replica_rows(per_replica)
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, per_replica * topo.dp.size)
-        losses.append(forward_backward(model, x, y, rows, micro, reducer, topo.dp))
-        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
-    return np.array(losses), model
+    return steps.train(model, opt, STEPS, micro * b, global_batch, micro, reducer), model
 
 
 def layouts(n):

@@ -1,6 +1,7 @@
 """The whole GPT at tp = world size equals the serial model: loss, gradients, training, communication."""
 import numpy as np
 import pytest
+import steps as tests_steps
 
 from mpi_tp.core.testing import all_true, assert_close, gather_full, randomize
 from mpi_tp.model.config import ConfigError, GPTConfig
@@ -56,17 +57,9 @@ def test_loss_and_gradients(world):
 
 
 def train(model, steps, opt_cls, clip=1.0, **opt):
-    params = model.parameters()
-    opt = opt_cls(params, **opt)
-    losses = []
-    for step in range(steps):
-        x, y = batch(100 + step % 2)          # two batches, revisited: the loss must fall
-        model.zero_grad()
-        losses.append(model.forward(x, y))
-        model.backward()
-        clip_grad_norm(params, model.topo.tp, clip)
-        opt.step()
-    return np.array(losses)
+    """The library's steps (mpi_tp.training.step) on two batches, revisited: the loss must fall."""
+    return tests_steps.train(model, opt_cls(model.parameters(), **opt), steps, 3, lambda k, rows: batch(100 + k % 2),
+                             grad_clip=clip)
 
 
 @pytest.mark.parametrize("opt_cls,opt", [(AdamW, dict(lr=3e-3, weight_decay=0.1)),

@@ -6,12 +6,14 @@ edp); cached decoding of an MoE model equal to the full forward (dropless).
     python -m pytest -q --with-mpi tests/test_moe_train.py                  (CLI tests: their own jobs)
     mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_moe_train.py   (N = 1 .. 4)
 """
+import functools
 import json
 import os
 
 import h5py
 import numpy as np
 import pytest
+import steps as steps_helper
 from test_cli import MPIEXEC, mpirun
 
 from mpi_tp import checkpoint as ck
@@ -20,9 +22,8 @@ from mpi_tp.inference.decode import Decoder
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.optim import AdamW, clip_coefficient
+from mpi_tp.training.optim import AdamW
 
 cli = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 GLOBAL_B, T, K, E = 8, 16, 2, 3          # global batch, block size, experts per token, experts (3: uneven at ep 2)
@@ -223,15 +224,8 @@ def test_zero1_with_experts_is_exact(world):
             model = GPT(cfg, topo, dtype="float64", seed=4)
             reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
             opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
-            for step in range(3):
-                rng = np.random.default_rng([9, step])
-                x, y = rng.integers(0, 37, (2 * n, 12)), rng.integers(0, 37, (2 * n, 12))
-                mine = slice(2 * topo.dp.rank, 2 * topo.dp.rank + 2)
-                model.zero_grad()
-                model.forward(x[mine], y[mine])
-                model.backward(reducer=reducer)
-                finalize_grads(model, reducer)
-                opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 0.5))
+            batch = functools.partial(steps_helper.global_batch, S=12)
+            steps_helper.train(model, opt, 3, 2, batch, reducer=reducer, grad_clip=0.5)
             kept = [not p.name.endswith("attn/k/bias") for p in model.parameters()]   # exact gradient 0: noise
             runs.append(([p.data.copy() for p in model.parameters()], opt.state_tensors(),
                          sum(a.size for a in opt.state["m"])))

@@ -8,15 +8,15 @@ mpi_tp.planning.activations counts.
 """
 import numpy as np
 import pytest
+import steps as steps_helper
 
 from mpi_tp.core import kernels_attention as ka
 from mpi_tp.core.testing import assert_close, gather_full
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.planning import activations
-from mpi_tp.training.optim import AdamW, clip_coefficient
+from mpi_tp.training.optim import AdamW
 
 SHAPES = {"mha": ((2, 3, 23, 4), (2, 3, 23, 4)), "gqa": ((2, 2, 3, 23, 4), (2, 2, 1, 23, 4))}
 ARCHS = {"gpt2": dict(), "llama": dict(arch="llama", n_kv_head=2, intermediate_size=22)}
@@ -45,16 +45,11 @@ def cfg(arch):
 def train(config, topo, sp=False, recompute="none", steps=3):
     model = GPT(config, topo, dtype="float64", seed=5, sequence_parallel=sp, recompute=recompute)
     opt = AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        rng = np.random.default_rng([3, step])
-        x = rng.integers(0, 37, (2, 13))
-        model.zero_grad()
-        losses.append(model.forward(x[:, :-1], x[:, 1:]))
-        model.backward()
-        finalize_grads(model)                          # sequence parallelism's partial sums, once per step
-        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
-    return np.array(losses), model
+
+    def batch(step, rows):                             # 12 positions and their next ones: one draw of 13
+        x = np.random.default_rng([3, step]).integers(0, 37, (rows, 13))
+        return x[:, :-1], x[:, 1:]
+    return steps_helper.train(model, opt, steps, 2, batch), model
 
 
 @pytest.mark.mpi(min_size=1)

@@ -3,7 +3,7 @@
     python -m pytest -q --with-mpi tests/test_standin_train.py
     mpiexec -n 2 python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_standin_train.py
 
-Every layout trains 3 steps through the training loop's own build() and train_step() (float64,
+Every layout trains 3 steps through the training loop's own build() and run_step() (float64,
 dropout on), once on NumPy and once on the stand-in, MPI not CUDA-aware (every buffer staged
 through pinned host buffers): losses and weights must agree to 1e-12 (they are bitwise equal),
 and a checkpoint saved and resumed on the stand-in must equal the uninterrupted NumPy run. The
@@ -26,7 +26,7 @@ from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.build import build
 from mpi_tp.training.config import TrainConfig
-from mpi_tp.training.loop import train, train_step
+from mpi_tp.training.loop import run_step, train
 from mpi_tp.training.optim import AdamW
 
 WORLD = MPI.COMM_WORLD
@@ -67,7 +67,7 @@ def run_steps(where, name, layout, steps=3, **more):
         losses = []
         for step in range(1, steps + 1):
             standin.counters.reset()
-            losses.append(train_step(run, step, cfg.lr)[0])
+            losses.append(run_step(run, step, cfg.lr)[0])
         counted = standin.counters.snapshot()
         weights = {p.name: backend.asnumpy(p.data).copy() for p in run.model.parameters()}
         assert backend.stager().lent == 0, "a staging buffer was not given back"

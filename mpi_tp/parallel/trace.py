@@ -17,12 +17,16 @@ import os
 import time
 from contextlib import contextmanager
 
+from mpi_tp.core import backend
+
 
 class Trace:
     """The events of this rank."""
 
-    def __init__(self, comm=None):
-        self.rank = comm.Get_rank() if comm is not None else 0
+    def __init__(self, comm=None, synchronize: bool = False):
+        """synchronize: each span waits for the device's queued work before it ends (what a timing of
+        phases on a GPU needs: mpi-tp bench); off, a span is the host's time."""
+        self.rank, self.synchronize = (comm.Get_rank() if comm is not None else 0), synchronize
         if comm is not None:
             comm.Barrier()                      # every rank's zero is the same moment, within a barrier's skew
         self.t0 = time.perf_counter()
@@ -40,6 +44,8 @@ class Trace:
         try:
             yield
         finally:
+            if self.synchronize:
+                backend.synchronize()
             self.complete(name, cat, start, time.perf_counter(), **args)
 
     def write(self, path: str, comm) -> None:

@@ -68,10 +68,6 @@ class Run:
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.micro_batches * self.topo.dp.size * self.cfg.block_size
 
-    def grad_norm(self) -> float:
-        """The whole model's gradient norm, the same on every rank (every stage's parameters, wte once)."""
-        counted = {id(p) for p in self.model.unique_parameters()}
-        return self.opt.grad_norm(self.topo.tp, self.topo.pp, counted)
 
 
 def _load_data(cfg: TrainConfig, comm):

@@ -17,12 +17,10 @@ checkpoint, the batches and dropout masks are pure functions of (seed, step).
 """
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
 
-import numpy
 from mpi4py import MPI
 
 from mpi_tp import __version__
@@ -32,14 +30,12 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.finalize import finalize_grads
-from mpi_tp.parallel.pipeline.stage import PipelineStage, micro_batch_rows
 from mpi_tp.parallel.trace import Trace, span
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
 from mpi_tp.training.faults import Preemption
-from mpi_tp.training.optim import clip_coefficient, lr_at
+from mpi_tp.training.optim import lr_at
 from mpi_tp.training.progress import (
     MoEMeter,
     Progress,
@@ -47,6 +43,7 @@ from mpi_tp.training.progress import (
     fmt_time,
     held_memory,
 )
+from mpi_tp.training.step import train_step
 
 
 def evaluate(model: GPT, batches) -> float:
@@ -58,68 +55,11 @@ def evaluate(model: GPT, batches) -> float:
     return loss
 
 
-def forward_backward(model: GPT, x, y, rows: slice, micro_batches: int, reducer, dp, meter=None) -> float:
-    """The global batch's loss, and its gradient accumulated into every Param.grad (zeroed first).
-
-    x, y: the global batch (rows = sequences); this replica takes `rows`, in
-    `micro_batches` forward/backward passes of equal size, each scaled by
-    1/micro_batches (gradient accumulation). The data-parallel buckets start
-    during the last backward pass only, when the gradients are complete, and
-    finalize_grads completes them once per step (mpi_tp.parallel.finalize). Every
-    micro-batch draws the dropout masks of this step, keyed by its sequences'
-    rows in the global batch, so any (dp, micro_batches) split of the same global
-    batch gives the same numbers. Returns the mean loss over the global batch,
-    the same on every rank (not finite if any micro-batch's is not). meter: a
-    progress.MoEMeter, given each micro-batch's MoE statistics (MoE models).
-    """
-    step = model.dropout.step
-    model.zero_grad()
-    total = 0.0
-    trace = model.topo.stats.trace
-    for m, mine in enumerate(micro_batch_rows(rows, micro_batches)):
-        model.dropout.step, model.dropout.row0 = step, mine.start
-        with span(trace, "forward", "compute", micro=m):
-            total += model.forward(x[mine], y[mine])
-        if meter is not None:
-            meter.add(model, 1.0 / micro_batches)
-        last = m == micro_batches - 1
-        with span(trace, "backward", "compute", micro=m):
-            model.backward(dout=1.0 / micro_batches, reducer=reducer if last else None)
-    with span(trace, "finalize", "compute"):
-        finalize_grads(model, reducer)
-    loss = total / micro_batches
-    if dp.size > 1:                       # the global batch's loss: the mean over replicas
-        loss = float(dp.all_reduce(numpy.array([loss]))[0]) / dp.size
-    return loss
-
-
-def train_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) -> tuple[float, float, str | None]:
-    """One optimizer step on the global batch of `step`: (loss, gradient norm, problem).
-
-    problem is None, or what went non-finite; then the update is not applied.
-    The loss and the norm are the same on every rank, so all ranks decide alike.
-    meter (MoE models): takes this step's MoE statistics.
-    """
-    cfg, model = run.cfg, run.model
+def run_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) -> tuple[float, float, str | None]:
+    """The library step (mpi_tp.training.step) on the global batch of `step`: (loss, gradient norm, problem)."""
     x, y = run.sampler.batch(step - 1)
-    if meter is not None:
-        meter.begin()
-    if isinstance(model, PipelineStage):                 # the schedule runs the micro-batches
-        loss = model.forward_backward(x, y, run.rows, run.reducer, run.topo.dp, meter)
-    else:
-        loss = forward_backward(model, x, y, run.rows, cfg.micro_batches, run.reducer, run.topo.dp, meter)
-    if not math.isfinite(loss):
-        return loss, float("nan"), f"the loss became {loss}"
-    if armed("nan-grad", step):
-        run.opt.grads()[0][...] = float("nan")          # what the update would read
-    norm = run.grad_norm()
-    if not math.isfinite(norm):
-        return loss, norm, f"the gradient norm became {norm}"
-    with span(run.topo.stats.trace, "optimizer", "compute", step=step):
-        run.opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))    # clipping inside the update
-    if meter is not None:
-        meter.commit()
-    return loss, norm, None
+    return train_step(run.model, run.opt, x, y, run.rows, run.cfg.micro_batches, lr, run.cfg.grad_clip,
+                        run.reducer, meter, step)
 
 
 def save(run: Run, step: int, progress: Progress) -> None:
@@ -178,7 +118,7 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     try:
         for step in range(run.first, cfg.steps + 1):
             lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-            loss, norm, problem = train_step(run, step, lr, meter)
+            loss, norm, problem = run_step(run, step, lr, meter)
             if problem is None:
                 skipped = 0
                 losses.append(loss)

@@ -28,7 +28,8 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology, split_sizes
 from mpi_tp.parallel.trace import Trace
-from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
+from mpi_tp.training.optim import AdamW
+from mpi_tp.training.step import train_step
 
 
 def p2p_formula(stage: int, P: int, v: int, M: int, values: int, itemsize: int) -> int:
@@ -64,8 +65,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
         trace = Trace(comm) if i >= warmup else None           # the barrier also lines the ranks up
         topo.stats.trace = trace
         t0 = time.perf_counter()
-        stage.forward_backward(x, y, rows, reducer, topo.dp)
-        opt.step(grad_scale=clip_coefficient(grad_norm(stage.unique_parameters(), topo.tp, topo.pp), 1.0))
+        train_step(stage, opt, x, y, rows, grad_clip=1.0, reducer=reducer)        # the library's step
         t = time.perf_counter() - t0
         topo.stats.trace = None
         if trace is None:

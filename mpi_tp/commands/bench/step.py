@@ -4,8 +4,9 @@
     mpiexec -n 2 mpi-tp bench --shape c --json out.jsonl      # T = 2, one thread per rank
     mpiexec -n 2 mpi-tp bench --sweep                         # step time against the work
 
-Per step: forward + loss, backward, gradient clipping and AdamW, after warm-up
-steps; a step's time is the slowest rank's. Model FLOPs follow the PaLM/Megatron
+Per step: the library's training step (mpi_tp.training.step: forward + loss,
+backward, gradient clipping and AdamW), after warm-up steps; a step's time is the
+slowest rank's, its phases the step's own trace spans. Model FLOPs follow the PaLM/Megatron
 count used by the PyTorch peer (../shared/peers/torch_tp):
 
     FLOP/step = tokens * (6 * N_mm + 12 * L * C * S),   N_mm = 12 L C^2 + V C
@@ -40,12 +41,13 @@ from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.parallel.pipeline.schedules import schedule
 from mpi_tp.parallel.topology import Topology
+from mpi_tp.parallel.trace import Trace
 from mpi_tp.planning.activations import activation_bytes_per_layer
-from mpi_tp.training.optim import AdamW, clip_coefficient
+from mpi_tp.training.optim import AdamW
+from mpi_tp.training.step import train_step
 
 SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
     "a": (256, 4, 4, 128, 8),
@@ -68,30 +70,28 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero)
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
-    acts = 0
     rng = numpy.random.default_rng(seed)
-    x, y = rng.integers(0, 256, (B, S)), rng.integers(0, 256, (B, S))
+    x, y = rng.integers(0, 256, (B * topo.dp.size, S)), rng.integers(0, 256, (B * topo.dp.size, S))
+    rows = topo.replica_rows(B)
+    model.forward(x[rows], y[rows])                  # untimed: block 0's caches after a forward, largest rank
+    acts = comm.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
+    model.backward()
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
     comm_s, comm_bytes, comm_wire = [], [], []
     for i in range(warmup + steps):
         topo.stats.reset()
+        trace = topo.stats.trace = Trace(synchronize=True)   # each phase's time includes its queued GPU work
         comm.Barrier()
         t0 = time.perf_counter()
-        model.zero_grad()
-        model.forward(x, y)
-        backend.synchronize()                        # each phase's time includes its queued GPU work
-        t1 = time.perf_counter()
-        if i == 0:                                   # a warm-up step: the walk over the caches is not timed
-            acts = comm.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
-        model.backward(reducer=reducer)
-        finalize_grads(model, reducer)
+        train_step(model, opt, x, y, rows, 1, grad_clip=1.0, reducer=reducer)     # the library's step
         backend.synchronize()
-        t2 = time.perf_counter()
-        opt.step(grad_scale=clip_coefficient(opt.grad_norm(topo.tp), 1.0))
-        backend.synchronize()
-        t3 = time.perf_counter()
+        t = time.perf_counter() - t0
+        topo.stats.trace = None
+        took = {k: sum(e["dur"] for e in trace.events if e["name"] in names) / 1e6
+                for k, names in (("forward", ("F",)), ("backward", ("B", "finalize")))}
+        took["optimizer"], took["step"] = t - took["forward"] - took["backward"], t     # the norm and the update
         if i >= warmup:
-            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            for k, v in took.items():
                 phases[k].append(comm.allreduce(v, op=MPI.MAX))        # the slowest rank's
             comm_s.append({k: v["seconds"] for k, v in topo.stats.snapshot().items()})
             comm_bytes.append(topo.stats.total_bytes())

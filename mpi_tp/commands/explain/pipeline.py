@@ -30,6 +30,7 @@ from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.pipeline.schedules import draw, schedule, simulate
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
+from mpi_tp.training.step import forward_backward
 
 WIDTH = 64          # columns of a drawn timeline
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -96,10 +97,10 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
             continue
         topo = Topology.create(comm, tp=1, pp=P, dp=1)
         stage = build_stage(cfg, topo, "float64", 0, False, name, M, v)
-        stage.forward_backward(x, y, slice(0, M))                         # warm-up: caches, buffers
+        forward_backward(stage, x, y, slice(0, M))                         # warm-up: caches, buffers
         topo.stats.reset()
         topo.stats.trace = trace = Trace(comm)
-        loss = stage.forward_backward(x, y, slice(0, M))
+        loss = forward_backward(stage, x, y, slice(0, M))
         topo.stats.trace = None
         mine = [e for e in trace.events if e["name"] in ("F", "B")]
         everyone = comm.gather(mine, root=0)                              # a lesson: pickled once

@@ -8,7 +8,7 @@
 
 The run is the training command's own: `training.build` lays out the ranks
 (T = world size / (D P)), builds the model, the SGD optimizer and the batch
-sampler (Python's docs as bytes, V = 256), and `training.loop.train_step` runs
+sampler (Python's docs as bytes, V = 256), and `training.loop.run_step` runs
 step 1: the forward (and backward) of every micro-batch, the data-parallel
 gradient all-reduce, the gradient norm and the update. Nothing is computed
 twice: the lesson only marks phases around the model's own methods
@@ -127,7 +127,7 @@ def instrument(run, phases: Phases) -> None:
         phases.wrap(model.engine, "run", "stage to stage")        # what the chunks leave: sends, receives
         phases.wrap(model.tied_embedding, "sum_grads", "backward")
     phases.wrap(run.reducer, "finish", "backward")
-    phases.wrap(run, "grad_norm", "gradient norm")
+    phases.wrap(run.opt, "grad_norm", "gradient norm")
     phases.wrap(run.opt, "step", "optimizer")
 
 
@@ -178,7 +178,7 @@ def run_step(cfg: TrainConfig, comm, trace=None) -> dict:
     instrument(run, phases)
     lr = lr_at(0, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     run.topo.stats.trace = trace
-    loss, norm, problem = loop.train_step(run, 1, lr)
+    loss, norm, problem = loop.run_step(run, 1, lr)
     run.topo.stats.trace = None
     ref_loss, ref_norm, before, after = serial_step(cfg, run, lr)
     scale = max(float(numpy.abs(after[n] - before[n]).max()) for n in after)       # the largest update
@@ -226,7 +226,8 @@ def describe(cfg: TrainConfig, world: int) -> str:
     moe = (f"; block 1 is a mixture of experts: E = {cfg.moe_experts}, top-{cfg.moe_top_k}, ep = {cfg.ep}"
            if cfg.moe_experts else "")
     pipe = f", P = {P} stages (1F1B)" if P > 1 else ""
-    return (f"one training step of a tiny GPT on W = {world} rank{'s' * (world > 1)}: T = {T}, D = {D}{pipe}"
+    return (f"one training step of a tiny GPT on W = {world} rank{'s' * (world > 1)}, layout "
+            f"{cfg.layout(world).describe()}: T = {T}, D = {D}{pipe}"
             f"{', sequence-parallel' if cfg.sequence_parallel else ''}{moe}\nL = {cfg.n_layer} blocks, C = "
             f"{cfg.n_embd}, H = {cfg.n_head}, S = {cfg.block_size}, V = 256 (bytes of Python's docs), B = "
             f"{cfg.batch_size} sequences x M = {cfg.micro_batches} micro-batch{'es' * (cfg.micro_batches > 1)} per "

@@ -14,6 +14,8 @@ the pictures: `simulate` plays them with given times per action and returns
 each action's start and end, from which the bubble follows.
 
 Legend (docs/notation.md): P = pipeline stages (ranks), M = micro-batches, v = chunks per rank.
+    none         no pipeline (P = 1): each micro-batch's forward, then its backward (Megatron's
+                 forward_backward_no_pipelining); the step of every model that is not cut into stages
     gpipe        all M forwards, then all M backwards (GPipe, Huang et al. 2019); M in flight
     1f1b         P - s - 1 warm-up forwards, then one forward and one backward in turn, then the
                  remaining backwards (PipeDream-Flush, Narayanan et al. 2021); at most P - s in flight
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from mpi_tp.core.errors import UserError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")       # the pipelined ones (--schedule); "none" is P = 1's
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def no_pipelining(micro_batches: int) -> list[list[Action]]:
+    """One stage: F0 B0 F1 B1 ... (gradient accumulation; 1F1B at P = 1, nothing in flight)."""
+    return [[Action(kind, m) for m in range(micro_batches) for kind in "FB"]]
 
 
 def gpipe(stages: int, micro_batches: int) -> list[list[Action]]:
@@ -80,6 +87,10 @@ def schedule(name: str, stages: int, micro_batches: int, virtual: int = 1) -> li
     if stages < 1 or micro_batches < 1 or virtual < 1:
         raise UserError(f"a schedule needs at least one stage, micro-batch and chunk, got P={stages} "
                         f"M={micro_batches} v={virtual}")
+    if name == "none":
+        if stages != 1 or virtual != 1:
+            raise UserError(f"schedule 'none' runs one stage of one chunk, got P={stages} v={virtual}")
+        return no_pipelining(micro_batches)
     if name == "interleaved":
         return interleaved(stages, micro_batches, virtual)
     if virtual != 1:

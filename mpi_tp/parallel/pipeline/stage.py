@@ -1,7 +1,7 @@
 """One pipeline stage of the GPT: the model chunks it holds, and a training step's forwards and backwards.
 
     stage = build_stage(cfg, topo, schedule_name="1f1b", micro_batches=4)   # mpi_tp.model.chunks
-    loss = stage.forward_backward(x, y, rows)                            # gradients in stage.parameters()
+    loss = forward_backward(stage, x, y, rows)          # mpi_tp.training.step: gradients in stage.parameters()
 
 Stage s of P holds chunks s, s + P, ... of the model (v per stage, the
 interleaved schedule's virtual stages), each a GPT over a contiguous run of
@@ -14,7 +14,9 @@ runs at each action: a micro-batch's forward through a chunk (with that
 micro-batch's dropout masks, its forward caches set aside until its backward)
 and its backward. Messages between stages: mpi_tp.parallel.pipeline.wire.
 
-After the schedule, finalize_grads (mpi_tp.parallel.finalize) completes the
+A model that is not cut into stages runs the same code as the one stage of
+the "none" schedule (as_stage). After the schedule, the library step
+(mpi_tp.training.step) calls finalize_grads (mpi_tp.parallel.finalize), which completes the
 gradients: the sequence-parallel sums, the two copies of wte summed over the
 stages that hold them (mpi_tp.parallel.pipeline.embedding_group), the
 data-parallel buckets. With a data_parallel.GradReducer, a chunk's block
@@ -32,8 +34,6 @@ from __future__ import annotations
 
 import numpy
 
-from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.pipeline.embedding_group import TiedEmbedding
 from mpi_tp.parallel.pipeline.engine import PipelineEngine
 from mpi_tp.parallel.pipeline.schedules import schedule
@@ -167,23 +167,24 @@ class PipelineStage:
         """As GPT.last_logits: the last position's logits over the whole vocabulary, (V,) on every rank."""
         return self._forward_only(idx)
 
-    def forward_backward(self, x, y, rows: slice, reducer=None, dp: Group | None = None, meter=None) -> float:
-        """The global batch's mean loss (the same on every rank), its gradient in every Param.grad.
+    def run_micro_batches(self, x, y, parts: list[slice], reducer=None, meter=None) -> list[float]:
+        """Run the schedule over the micro-batches `parts` (rows of the global batch x, y): each one's
+        forward through every chunk and its backward, gradients accumulated (scaled by 1 / M). Returns
+        each micro-batch's loss on this stage (the last stage's cross-entropy, every stage's MoE terms);
+        the library step (mpi_tp.training.step) zeroes the gradients first and completes them after.
 
-        x, y: the global batch; this replica takes `rows`, in M micro-batches of equal size.
         meter: a training.progress.MoEMeter, given each chunk's MoE statistics per micro-batch.
         reducer: a data_parallel.GradReducer over this stage's parameters: told of each chunk's
-        blocks during the chunk's last backward (their gradients are final then), finished after the
-        schedule (the rest are complete only then).
+        blocks during the chunk's last backward (their gradients are final then).
         """
         M, S = self.M, x.shape[1]
-        parts = micro_batch_rows(rows, M)
+        if len(parts) != M:
+            raise ValueError(f"this stage's schedule runs {M} micro-batches, not {len(parts)}")
         step, seed = self.dropout.step, self.dropout.seed
         shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, S)
         losses, kept, held = [0.0] * M, {}, {}
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
         final = {a.chunk: a.micro for a in self.engine.actions if a.kind == "B"}   # each chunk's last backward
-        self.zero_grad()
 
         def forward(m, j, inp):
             nonlocal live
@@ -219,10 +220,18 @@ class PipelineStage:
         self.engine.run(forward, backward, shape, self.dtype)
         for c in self.chunks:
             c.dropout.step = step + 1
-        finalize_grads(self, reducer)
-        loss = numpy.array([sum(losses) / M])
-        self.topo.pp.all_reduce(loss)               # the last stage's cross-entropy + every stage's MoE terms
-        if dp is not None and dp.size > 1:
-            dp.all_reduce(loss)
-            loss /= dp.size
-        return float(loss[0])
+        return losses
+
+
+def as_stage(model, micro_batches: int | None = None) -> PipelineStage:
+    """What the library step runs: a PipelineStage itself, or a GPT (a model not cut into stages) as the
+    one stage of the "none" schedule, made once per micro-batch count and kept on the model."""
+    if isinstance(model, PipelineStage):
+        if micro_batches not in (None, model.M):
+            raise ValueError(f"this pipeline stage was built for {model.M} micro-batches, not {micro_batches}")
+        return model
+    M = micro_batches or 1
+    stages = model.__dict__.setdefault("_as_stage", {})
+    if M not in stages:
+        stages[M] = PipelineStage([model], model.topo, "none", M)
+    return stages[M]
