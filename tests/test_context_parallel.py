@@ -28,8 +28,7 @@ def whole(shape, seed):
 def test_ring_attention_equals_the_serial_kernel(world, grouped, dropout):
     n = world.Get_size()
     topo = Topology.create(world, tp=1, cp=n)
-    split = ContextSplit(topo.cp)
-    split.set(S)
+    split = ContextSplit(topo.cp, S)
     B, hs = 2, 4
     qshape, kshape = ((B, 2, 3, S, hs), (B, 2, 1, S, hs)) if grouped else ((B, 3, S, hs), (B, 3, S, hs))
     q, k, v, dout = whole(qshape, 1), whole(kshape, 2), whole(kshape, 3), whole(qshape, 4)
@@ -61,15 +60,14 @@ def test_the_chunks_hold_every_position_once_and_balance_the_work(world):
     from mpi_tp.parallel.ring_attention import blocks
     n = world.Get_size()
     topo = Topology.create(world, tp=1, cp=n)
-    split = ContextSplit(topo.cp)
-    split.set(S)
+    split = ContextSplit(topo.cp, S)
     every = np.concatenate(world.allgather(split.positions))
     assert sorted(every) == list(range(S))
-    split.set(6 * n)
+    split = ContextSplit(topo.cp, 6 * n)
     work = [sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in blocks(split, (world.Get_rank() - s) % n))
             for s in range(n)]
     steps = world.allgather(work)
     assert all(len({w[s] for w in steps}) == 1 for s in range(n)), steps
     assert steps[0][1:] == [18] * (n - 1)                   # half a block of 6 x 6: (2 x 3) x 3 or 3 x (2 x 3)
     with pytest.raises(Exception, match="cannot be cut into"):
-        split.set(2 * n - 1)
+        ContextSplit(topo.cp, 2 * n - 1)

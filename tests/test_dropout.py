@@ -16,7 +16,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.testing import all_true
 from mpi_tp.model.attention import ParallelAttention
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.dropout import Dropout, region_mask
+from mpi_tp.model.dropout import Dropout, Masks, region_mask
 from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
@@ -32,9 +32,10 @@ class Split:
 
 
 def dropout(p=0.25, seed=11, step=3, row0=0):
+    """A pass's masks (model.dropout.Masks), as a Dropout of p and seed gives them at `step` for row0."""
     d = Dropout(p, seed)
-    d.step, d.row0 = step, row0
-    return d
+    d.step = step
+    return d.masks(row0) if p > 0 else Masks(p, seed, step, row0)
 
 
 def test_masks_are_bool_with_the_shapes_asked():
@@ -135,9 +136,8 @@ def test_each_rank_draws_its_slice_of_the_serial_masks(world):
         pytest.skip("more ranks than heads or positions")
     cfg = GPTConfig(vocab_size=11, block_size=S, n_layer=2, n_head=H, n_embd=2 * H)
     d = dropout()
-    attn = ParallelAttention("attn", cfg, topo, np.float64, 0, d, layer=1)
-    sp = SequenceSplit(topo.tp)
-    sp.set(S)
+    attn = ParallelAttention("attn", cfg, topo, np.float64, 0, layer=1)
+    sp = SequenceSplit(topo.tp, S)
     y = np.zeros((B, sp.sizes[topo.tp.rank], C))
     heads = d.head_masks(B, S, attn.heads, 1)
     region = region_mask(d, y, sp, 1, 3)

@@ -18,6 +18,7 @@ from mpi_tp.core.testing import assert_close, gather_full, randomize
 from mpi_tp.model.attention import ParallelAttention
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.forward_pass import Pass
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.parallel_cross_entropy import VocabParallelCrossEntropy
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
@@ -128,12 +129,13 @@ def test_parallel_attention(topos, world, dropout):
     cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=5, n_embd=20)
     if cfg.n_head < tp.tp.size:
         pytest.skip("more ranks than heads")
-    ser = ParallelAttention("attn", cfg, serial, F64, 6, Dropout(dropout, 9), layer=1)
-    par = ParallelAttention("attn", cfg, tp, F64, 6, Dropout(dropout, 9), layer=1)
+    ser = ParallelAttention("attn", cfg, serial, F64, 6, layer=1)
+    par = ParallelAttention("attn", cfg, tp, F64, 6, layer=1)
+    ps = Pass(7, masks=Dropout(dropout, 9).masks())          # the pass's dropout masks (None without dropout)
     randomize(ser), randomize(par)
     assert par.H_i in ((5 + tp.tp.size - 1) // tp.tp.size, 5 // tp.tp.size)
     x, dout = rand(2, 7, 20), rand(2, 7, 20, seed=1)
-    assert_close(par.forward(x), ser.forward(x), RTOL, "output")
+    assert_close(par.forward(x, ps), ser.forward(x, ps), RTOL, "output")
     dx_ref = ser.backward(dout)
     assert_close(par.backward(dout), dx_ref, RTOL, "dinp")
     scale = max(float(np.abs(p.grad).max()) for p in ser.parameters())

@@ -241,7 +241,7 @@ def test_sequence_parallel_overlap_changes_no_number(world):
     for overlap in (False, True):
         topo = Topology.create(world)
         model = build(topo, sp=True, dropout=0.1)
-        model.sp.overlap = overlap
+        model.sp_overlap = overlap                       # its passes' SequenceSplit.overlap
         model.forward(x, y)
         model.backward()
         finalize_grads(model)

@@ -11,8 +11,8 @@ from mpi_tp.core.testing import all_true, assert_close, gather_full, max_rel_dif
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, expert_of
+from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
@@ -48,8 +48,8 @@ def run(model, topo, rows):
         x, y = global_batch(step, rows * topo.dp.size)
         mine = topo.replica_rows(rows)
         model.zero_grad()
-        model.dropout.row0 = mine.start
-        loss = np.array([model.forward(x[mine], y[mine])])
+        ps = model.new_pass(x.shape[1], row0=mine.start, step=step)      # this replica's rows of step's batch
+        loss = np.array([model.forward(x[mine], y[mine], ps)])
         topo.dp.all_reduce(loss)
         losses.append(loss[0] / topo.dp.size)
         routing.append([(c.copy(), a.copy()) for c, a in (m.routing for m in model.moe_layers())])

@@ -70,7 +70,7 @@ class Decoder:
     """Cached decoding of up to `batch` sequences with a GPT (every rank of its tensor-parallel group)."""
 
     def __init__(self, model, batch: int):
-        if getattr(model, "sp", None) is not None or not (model.first and model.last):
+        if getattr(model, "sequence_parallel", False) or not (model.first and model.last):
             raise UserError("cached decoding runs a whole model with plain tensor parallelism: build it "
                             "without sequence parallelism or pipeline stages (mpi-tp generate does)")
         store_out_in(model.parameters())               # few-row GEMMs at the weight-read speed (see above)

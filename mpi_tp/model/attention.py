@@ -26,7 +26,8 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core import kernels_attention as ka
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.dropout import Dropout, context_head_masks
+from mpi_tp.model.dropout import context_head_masks
+from mpi_tp.model.forward_pass import NO_PASS, Pass
 from mpi_tp.model.heads import head_layout
 from mpi_tp.model.parallel_linear import RowParallelLinear
 from mpi_tp.model.qkv import QKVParallelLinear
@@ -45,26 +46,27 @@ class ParallelAttention(Module):
 
     recompute = False
 
-    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, dropout: Dropout, layer: int, sp=None,
-                 cp=None):
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, layer: int, sp: bool = False):
+        """sp: sequence parallelism on (the output projection's bias then sees this rank's positions only)."""
         tp = topo.tp
-        self.group, self.dropout, self.layer, self.cp = tp, dropout, layer, cp
+        self.group, self.layer = tp, layer
         C, H = cfg.n_embd, cfg.n_head
         self.hs = C // H
         self.layout = head_layout(H, cfg.kv_heads, tp.size)
         self.heads, self.kv_heads = self.layout.q[tp.rank], self.layout.kv[tp.rank]
         self.H_i, self.H_kv_i = len(self.heads), len(self.kv_heads)
         bias = not cfg.llama
-        self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias, seed=seed, sp=sp)
+        self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias, seed=seed)
         self.rope = Rope(self.hs, cfg.rope_theta, dtype) if cfg.llama else None
         cols = [len(q) * self.hs for q in self.layout.q]   # the output projection's rows follow the query heads
         self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed, bias=bias,
                                       std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
-    def project_qkv(self, x, angles=None):
+    def project_qkv(self, x, angles=None, sp=None):
         """x -> q (B, H_i, S, hs), k and v (B, H_kv_i, S, hs), head-major and contiguous; llama: q and k rotated
-        to positions 0 ... S-1, or by `angles` (Rope.angles: one position per row, for cached decoding)."""
-        q, k, v = self.qkv.forward(x)                                    # (B, S, H_i, hs), (B, S, H_kv_i, hs) x 2
+        to positions 0 ... S-1, or by `angles` (Rope.angles: one position per row, for cached decoding).
+        sp: the pass's SequenceSplit (x is then this rank's positions, gathered first)."""
+        q, k, v = self.qkv.forward(x, sp)                                # (B, S, H_i, hs), (B, S, H_kv_i, hs) x 2
         xp = backend.xp()
         # one copy into head-major order, so that the batched attention products see contiguous heads
         q, k, v = (xp.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v))
@@ -84,51 +86,53 @@ class ParallelAttention(Module):
         """(B, H_kv_i, R_i, S, hs) or (B, H_i, S, hs) -> (B, H_i, S, hs)."""
         return y.reshape(y.shape[0], self.H_i, *y.shape[-2:])
 
-    def forward(self, x):
-        if self.cp is not None:
-            return self._ring_forward(x)
-        q, k, v = self.project_qkv(x)                                    # S: the whole sequence, also under sp
+    def forward(self, x, ps: Pass = NO_PASS):
+        """x (B, S, C), or this rank's positions of the micro-batch's pass ps (its sp and cp cuts; its
+        masks draw the attention probabilities' dropout) -> the same shape."""
+        if ps.cp is not None:
+            return self._ring_forward(x, ps)
+        q, k, v = self.project_qkv(x, sp=ps.sp)                          # S: the whole sequence, also under sp
         B, _, S, _ = q.shape
-        mask = (self.dropout.head_masks(B, S, self.heads, self.layer)     # bool (B, H_i, S, S): this
-                if self.dropout.active else None)                        # rank's heads only
+        mask = (ps.masks.head_masks(B, S, self.heads, self.layer)        # bool (B, H_i, S, S): this
+                if ps.masks is not None else None)                       # rank's heads only
         gq, gk, gv = self.grouped(q, k, v)
         online = S >= ka.ONLINE_FROM     # long sequences: the online softmax, no (S, S) array kept
         y, cache = (ka.online_attention_forward if online else kern.attention_forward)(
-            gq, gk, gv, self._grouped_mask(mask), self.dropout.scale)
+            gq, gk, gv, self._grouped_mask(mask), ps.scale)
         if self.recompute and not online:   # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
-            cache = (gq, gk, gv, mask is not None, self.dropout.key())
-        self.save_cache(cache, online)
+            cache = (gq, gk, gv, ps.masks)
+        self.save_cache(cache, "online" if online else "dense")
         y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)   # (B, S, H_i hs)
-        return self.proj.forward(y)                                      # row split + g -> (B, S, C)
+        return self.proj.forward(y, ps.sp)                               # row split + g -> (B, S, C)
                                                                          # (sp: reduce-scatter -> (B, S_i, C))
 
-    def _ring_forward(self, x):
+    def _ring_forward(self, x, ps: Pass):
         """Context parallelism: this rank's positions' q, k, v (rotated to their global positions), the
         softmax over every rank's keys by ring attention."""
-        angles = None
+        angles, cp = None, ps.cp
         if self.rope is not None:
-            cos, sin = rope_table(self.cp.S, self.hs, self.rope.theta, self.rope.dtype)
-            at = backend.asarray(self.cp.positions)
+            cos, sin = rope_table(cp.S, self.hs, self.rope.theta, self.rope.dtype)
+            at = backend.asarray(cp.positions)
             angles = (cos[at], sin[at])
-        q, k, v = self.project_qkv(x, angles)                            # (B, heads, S_r, hs)
+        q, k, v = self.project_qkv(x, angles, ps.sp)                     # (B, heads, S_r, hs)
         B, _, S, _ = q.shape
         gq, gk, gv = self.grouped(q, k, v)
-        y, cache = ring_forward(gq, gk, gv, self.cp, self._ring_masks(B), self.dropout.scale)
-        self.save_cache(cache[:6] + (self.dropout.key(),), False)         # the masks are drawn again
+        y, cache = ring_forward(gq, gk, gv, cp, self._ring_masks(B, ps), ps.scale)
+        self.save_cache(cache[:6] + (ps,), "ring")                       # the masks are drawn again
         y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)
-        return self.proj.forward(y)
+        return self.proj.forward(y, ps.sp)
 
-    def _ring_masks(self, B):
+    def _ring_masks(self, B, ps: Pass):
         """mask_of(src, rows, cols) for ring attention: this rank's rows of the serial model's masks, at
         rank src's key positions; None without dropout."""
-        if not self.dropout.active:
+        if ps.masks is None:
             return None
-        rows = self._grouped_mask(context_head_masks(self.dropout, B, self.heads, self.layer, self.cp))
+        rows = self._grouped_mask(context_head_masks(ps.masks, B, self.heads, self.layer, ps.cp))
         keys = {}
 
         def mask_of(src, r, c):
             if src not in keys:
-                keys[src] = backend.asarray(self.cp.positions_of(src))
+                keys[src] = backend.asarray(ps.cp.positions_of(src))
             return rows[..., r, :][..., keys[src][c]]
         return mask_of
 
@@ -143,20 +147,18 @@ class ParallelAttention(Module):
         dy = dy.reshape(B, S, self.H_i, self.hs).transpose(0, 2, 1, 3)  # (B, H_i, S, hs)
         if self.H_kv_i != self.H_i:                                     # grouped: (B, H_kv_i, R_i, S, hs)
             dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
-        cache, online = self.take_cache()
-        if online:
+        cache, kind = self.take_cache()
+        if kind == "online":
             return self._qkv_backward(*ka.online_attention_backward(dy, cache), B, S, dout.dtype)
-        if self.cp is not None:      # ring attention's backward, with the forward's masks drawn again
-            with self.dropout.replay(cache[-1]):
-                masks = self._ring_masks(B)
-            return self._qkv_backward(*ring_backward(dy, cache[:6] + (masks, self.dropout.scale)), B, S, dout.dtype)
+        if kind == "ring":           # ring attention's backward, with the forward's masks drawn again
+            ps = cache[-1]
+            return self._qkv_backward(*ring_backward(dy, cache[:6] + (self._ring_masks(B, ps), ps.scale)), B, S,
+                                      dout.dtype)
         if self.recompute:           # the attention core again, with the same dropout masks (keyed, redrawn)
-            q, k, v, masked, key = cache
-            mask = None
-            if masked:
-                with self.dropout.replay(key):
-                    mask = self.dropout.head_masks(B, S, self.heads, self.layer)
-            _, cache = kern.attention_forward(q, k, v, self._grouped_mask(mask), self.dropout.scale)
+            q, k, v, masks = cache
+            mask = None if masks is None else masks.head_masks(B, S, self.heads, self.layer)
+            _, cache = kern.attention_forward(q, k, v, self._grouped_mask(mask),
+                                              1.0 if masks is None else masks.scale)
         dq, dk, dv = kern.attention_backward(dy, cache)                  # dq like q, dk and dv like k and v
         return self._qkv_backward(dq, dk, dv, B, S, dout.dtype)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from mpi_tp.core.module import Module
 from mpi_tp.model.attention import ParallelAttention
-from mpi_tp.model.dropout import Dropout, region_mask
+from mpi_tp.model.dropout import region_mask
+from mpi_tp.model.forward_pass import NO_PASS, Pass
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.moe import MoEMLP
 from mpi_tp.model.rmsnorm import make_norm
@@ -26,54 +27,56 @@ from mpi_tp.model.swiglu import ParallelSwiGLU
 class Block(Module):
     """x = x + drop(attn(ln_1(x))); x = x + drop(mlp(ln_2(x))).
 
-    recompute (set by the model for --recompute full): keep only the block's input for
-    the backward pass and run the forward again there, collectives and dropout masks
-    included (the masks are keyed, so they come out the same).
+    recompute (set by the model for --recompute full): keep only the block's input (and its
+    pass) for the backward pass and run the forward again there, collectives and dropout
+    masks included (the masks are keyed by the pass, so they come out the same).
     """
 
     recompute = False
 
-    def __init__(self, i, cfg, topo, dtype, seed, dropout: Dropout, sp=None, cp=None):
+    def __init__(self, i, cfg, topo, dtype, seed, sp: bool = False):
+        """sp: sequence parallelism on (the norms' weights then see this rank's positions only)."""
         name = f"h/{i}"
-        self.i, self.dropout, self.sp, self.cp = i, dropout, sp, cp
-        self.ln_1 = make_norm(f"{name}/ln_1", cfg, dtype, sp=sp)
-        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, dropout, i, sp, cp)
-        self.ln_2 = make_norm(f"{name}/ln_2", cfg, dtype, sp=sp)
+        self.i = i
+        partial = sp and topo.tp.size > 1
+        self.ln_1 = make_norm(f"{name}/ln_1", cfg, dtype, sp=partial)
+        self.attn = ParallelAttention(f"{name}/attn", cfg, topo, dtype, seed, i, sp)
+        self.ln_2 = make_norm(f"{name}/ln_2", cfg, dtype, sp=partial)
         self.moe = cfg.is_moe_block(i)
         mlp = ParallelSwiGLU if cfg.llama else ParallelMLP
-        self.mlp = MoEMLP(f"{name}/moe", cfg, topo, dtype, seed, sp) if self.moe else \
+        self.mlp = MoEMLP(f"{name}/moe", cfg, topo, dtype, seed) if self.moe else \
             mlp(f"{name}/mlp", cfg, topo, dtype, seed, sp)
 
-    def _residual_drop(self, y, site):
+    def _residual_drop(self, y, site, ps: Pass):
         # Outside the parallel regions: one mask for the whole group (keyed by layer and site only;
         # under sequence parallelism each rank keeps its positions of the whole sequence's mask).
-        if not self.dropout.active:
+        if ps.masks is None:
             return y, None
-        m = region_mask(self.dropout, y, self.sp, self.i, site, self.cp)
-        return self.dropout.apply(y, m), m
+        m = region_mask(ps.masks, y, ps.sp, self.i, site, ps.cp)
+        return ps.masks.apply(y, m), m
 
-    def forward(self, x):
+    def forward(self, x, ps: Pass = NO_PASS):
+        """x (B, S, C), or this rank's positions (B, S_i, C) of its micro-batch's pass ps."""
         if not self.recompute:
-            return self._forward(x)
-        out = self._forward(x)
+            return self._forward(x, ps)
+        out = self._forward(x, ps)
         self.stash_caches()                          # dropped: the backward computes them again
-        self.save_cache(x, self.dropout.key())
+        self.save_cache(x, ps)
         return out
 
-    def _forward(self, x):
-        a, m_a = self._residual_drop(self.attn.forward(self.ln_1.forward(x)), 2)
+    def _forward(self, x, ps: Pass):
+        a, m_a = self._residual_drop(self.attn.forward(self.ln_1.forward(x), ps), 2, ps)
         x = x + a
-        h, m_h = self._residual_drop(self.mlp.forward(self.ln_2.forward(x)), 3)
-        self.save_cache(m_a, m_h)
+        h, m_h = self._residual_drop(self.mlp.forward(self.ln_2.forward(x), ps), 3, ps)
+        self.save_cache(m_a, m_h, ps.masks)
         return x + h
 
     def backward(self, dout):
         if self.recompute:
-            x, key = self.take_cache()
-            with self.dropout.replay(key):           # the same masks as the first time
-                self._forward(x)                     # the caches again (the output is not needed)
-        m_a, m_h = self.take_cache()
-        dh = dout if m_h is None else self.dropout.apply(dout, m_h)
+            x, ps = self.take_cache()
+            self._forward(x, ps)                     # the caches again, the same masks (the output is not needed)
+        m_a, m_h, masks = self.take_cache()
+        dh = dout if m_h is None else masks.apply(dout, m_h)
         dx = dout + self.ln_2.backward(self.mlp.backward(dh))
-        da = dx if m_a is None else self.dropout.apply(dx, m_a)
+        da = dx if m_a is None else masks.apply(dx, m_a)
         return dx + self.ln_1.backward(self.attn.backward(da))

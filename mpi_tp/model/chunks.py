@@ -12,6 +12,7 @@ mpi_tp.parallel.pipeline.stage.PipelineStage.
 from __future__ import annotations
 
 from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.pipeline.schedules import global_chunk
 from mpi_tp.parallel.pipeline.stage import PipelineStage
@@ -24,8 +25,9 @@ def stage_chunks(cfg: GPTConfig, topo: Topology, dtype="float32", seed: int = 0,
     """The chunks of stage topo.pp.rank, in local order."""
     P, s = topo.pp.size, topo.pp.rank
     last = P * virtual - 1
+    dropout = Dropout(cfg.dropout, seed)            # one state for the stage: its chunks draw one step's masks
     return [GPT(cfg, topo, dtype, seed, sequence_parallel, blocks=r, first=global_chunk(s, j, P) == 0,
-                last=global_chunk(s, j, P) == last, recompute=recompute)
+                last=global_chunk(s, j, P) == last, recompute=recompute, dropout=dropout)
             for j, r in enumerate(layer_ranges(cfg.n_layer, P, virtual)[s])]
 
 

@@ -24,21 +24,21 @@ rounds it to 8 bits), and the scale is 1/(1 - that p), so a mask times its scale
 Philox took 3.2 ms for the 2^19 64-bit outputs of the masks below, 6.2 ms for 2^20).
 
 Masks are bool, 1 byte per element (as Korthikanti et al. 2022 count them); the scale is applied
-where a mask is applied (`Dropout.apply`, and inside kernels.attention_forward), never stored.
+where a mask is applied (`Masks.apply`, and inside kernels.attention_forward), never stored.
 
 Timing, one layer's attention-probability masks at B 8, H 4, S 256, p 0.1 (T = 1), median of 30
 calls taken in turns, one BLAS thread, on the 2-core build machine (`lscpu`: Intel Xeon @ 2.60 GHz,
 Ice Lake, KVM guest), shared with other jobs (under their load every figure grew, up to 6x, while
 "before" stayed about 3x "now"):
 
-    OMP_NUM_THREADS=1 python experiments/dropout_masks.py
+    OMP_NUM_THREADS=1 python experiments/kernels/dropout_masks.py
     before: a numpy Generator per head and sequence, float32 0 or 1/(1-p)   12.8 ms   8 MiB
     now: Philox by counter, bool                                             4.3 ms   2 MiB
     for scale, the two attention GEMMs (q k^T and probs v, hs 64)            7.5 ms
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy
 
@@ -59,38 +59,49 @@ def site_word(layer: int, site: int, head=0):
 
 
 class Dropout:
+    """A model's dropout: its probability p, seed and step counter, and whether it is training.
+
+    The masks themselves are drawn by a pass's Masks (below), made once per micro-batch by whoever
+    starts its forward (`masks`); the step counter advances once per training step (`advance`), by
+    the model that ran it, and is saved with checkpoints (mpi_tp.checkpoint.read.rng_state).
+    """
+
+    def __init__(self, p: float, seed: int):
+        self.p, self.seed, self.step, self.training = p, seed, 0, True
+
+    @property
+    def active(self) -> bool:
+        return self.training and self.p > 0
+
+    def masks(self, row0: int = 0, step: int | None = None) -> "Masks | None":
+        """The key of a pass's masks: this step's (or `step`'s), for a batch whose first sequence is row
+        row0 of the step's global batch; None when no mask is drawn (evaluation, or no dropout
+        probability)."""
+        return Masks(self.p, self.seed, self.step if step is None else step, row0) if self.active else None
+
+    def advance(self) -> None:
+        """The next training step draws fresh masks."""
+        self.step += 1
+
+
+@dataclass(frozen=True)
+class Masks:
     """Inverted dropout whose masks are drawn by counter: (seed, step, layer, site[, head], row, position).
 
     Keying by site instead of drawing from one running generator gives Megatron's
     semantics for free: a mask keyed by a global head index differs between the
     ranks that own different heads, and a mask keyed only by the layer is the same
     on every rank of the group. Keying by the sequence's index in the global batch
-    (row0 is this replica's first) and by the global position makes every mask the
+    (row0 is this batch's first) and by the global position makes every mask the
     same at every layout, so dropout runs are exactly comparable across tensor,
-    data, sequence and pipeline parallelism.
+    data, sequence and pipeline parallelism. Frozen: activation recomputation keeps
+    the pass's Masks and draws the same masks again.
     """
 
-    def __init__(self, p: float, seed: int):
-        self.p, self.seed, self.step, self.training = p, seed, 0, True
-        self.row0 = 0            # index of this replica's first sequence in the global batch
-
-    def key(self) -> tuple:
-        """What the masks of a forward pass depend on besides their site: (step, row0)."""
-        return self.step, self.row0
-
-    @contextmanager
-    def replay(self, key: tuple):
-        """Draw the masks of the forward pass that had this key (activation recomputation)."""
-        now = self.key()
-        self.step, self.row0 = key
-        try:
-            yield
-        finally:
-            self.step, self.row0 = now
-
-    @property
-    def active(self) -> bool:
-        return self.training and self.p > 0
+    p: float
+    seed: int
+    step: int
+    row0: int = 0            # index of this batch's first sequence in the step's global batch
 
     @property
     def threshold(self) -> int:
@@ -103,7 +114,7 @@ class Dropout:
         return 1.0 / (1.0 - self.threshold / WORD)
 
     def keep(self, B, layer, site, start, stop, heads=None):
-        """The bool masks of elements start ... stop - 1 of the streams of this replica's B rows:
+        """The bool masks of elements start ... stop - 1 of the streams of this batch's B rows:
         (B, stop - start), or with heads (global head indices, H_i of them) (B, H_i, stop - start)."""
         rows = numpy.arange(self.row0, self.row0 + B, dtype=numpy.uint64)
         if heads is None:
@@ -124,7 +135,7 @@ class Dropout:
         return out
 
 
-def region_mask(dropout: Dropout, y, sp, layer, site, cp=None):
+def region_mask(dropout: Masks, y, sp, layer, site, cp=None):
     """The bool dropout mask of a replicated activation y (B, S, C) or, under sequence parallelism
     (sp, a SequenceSplit), of this rank's positions y (B, S_i, C): only those are drawn. Under context
     parallelism (cp, a ContextSplit) the rows are this rank's chunks: each run of global positions drawn."""
@@ -136,7 +147,7 @@ def region_mask(dropout: Dropout, y, sp, layer, site, cp=None):
     return runs[0] if len(runs) == 1 else backend.xp().concatenate(runs, axis=1)
 
 
-def context_head_masks(dropout: Dropout, B, heads, layer, cp):
+def context_head_masks(dropout: Masks, B, heads, layer, cp):
     """Attention-probability masks of this rank's query positions against every key, bool (B, H_i, S_r, S):
     the serial model's rows at this rank's two chunks (context parallelism; ring attention slices them)."""
     S = cp.S

@@ -16,7 +16,8 @@ from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.model.config import ConfigError, GPTConfig
-from mpi_tp.model.dropout import Dropout, region_mask
+from mpi_tp.model.dropout import region_mask
+from mpi_tp.model.forward_pass import Pass
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
 from mpi_tp.parallel.topology import Topology
 
@@ -26,40 +27,39 @@ class GPTEmbedding(Module):
     under sequence parallelism (wpe's gradient is then a partial sum: Param.sp_partial); under context
     parallelism (cp) the ids of this rank's chunks, at their global positions (B, S_r, C)."""
 
-    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, seed: int, dropout: Dropout, sp=None, cp=None):
-        self.block_size, self.dropout, self.sp, self.cp = cfg.block_size, dropout, sp, cp
-        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, dtype, seed=seed, sp=sp)
+    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, seed: int, sp: bool = False):
+        self.block_size = cfg.block_size
+        self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, topo.tp, dtype, seed=seed)
         self.wpe = None if cfg.llama else make_param("wpe", (cfg.block_size, cfg.n_embd), dtype, seed=seed,
-                                                     sp_partial=sp is not None and topo.tp.size > 1)
+                                                     sp_partial=sp and topo.tp.size > 1)
 
-    def forward(self, idx):
+    def forward(self, idx, ps: Pass):
+        """idx (B, S) of the micro-batch whose pass is ps (its cuts of the positions, its masks)."""
         B, S = idx.shape
         if S > self.block_size:
             raise ConfigError(f"sequence length {S} exceeds block_size {self.block_size}")
         idx = backend.asarray(idx)
         positions = slice(0, S)
-        if self.cp is not None:      # context parallelism: this rank's chunks, at their global positions
-            self.cp.set(S)
-            idx = self.cp.take(idx)
-            positions = backend.asarray(self.cp.positions)
-        if self.sp is not None:
-            self.sp.set(idx.shape[1])
-            positions = self.sp.positions if self.cp is None else positions[self.sp.positions]
-        x = self.wte.forward(idx)                                       # (B, S, C) or (B, S_i, C)
+        if ps.cp is not None:        # context parallelism: this rank's chunks, at their global positions
+            idx = ps.cp.take(idx)
+            positions = backend.asarray(ps.cp.positions)
+        if ps.sp is not None:
+            positions = ps.sp.positions if ps.cp is None else positions[ps.sp.positions]
+        x = self.wte.forward(idx, ps.sp)                                # (B, S, C) or (B, S_i, C)
         if self.wpe is not None:
             x += self.wpe.data[positions]
         m = None
-        if self.dropout.active:
-            m = region_mask(self.dropout, x, self.sp, -1, 0, self.cp)
-            x = self.dropout.apply(x, m)
-        self.save_cache(positions, m)
+        if ps.masks is not None:
+            m = region_mask(ps.masks, x, ps.sp, -1, 0, ps.cp)
+            x = ps.masks.apply(x, m)
+        self.save_cache(positions, m, ps.masks)
         return x
 
     def backward(self, dx):
         """Accumulate wte's and wpe's gradients; nothing to return (token ids have no gradient)."""
-        positions, m = self.take_cache()
+        positions, m, masks = self.take_cache()
         if m is not None:
-            dx = self.dropout.apply(dx, m)
+            dx = masks.apply(dx, m)
         if self.wpe is not None:
             self.wpe.grad[positions] += dx.sum(axis=0)
             self.wpe.fresh = False

@@ -44,13 +44,12 @@ from mpi_tp.model.block import Block
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.dropout import Dropout
 from mpi_tp.model.embedding import GPTEmbedding
+from mpi_tp.model.forward_pass import Pass
 from mpi_tp.model.head import GPTHead
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
-from mpi_tp.parallel.context_parallel import ContextSplit, loss_weight
-from mpi_tp.parallel.sequence_parallel import SequenceSplit
+from mpi_tp.parallel.context_parallel import loss_weight
 from mpi_tp.parallel.tensor_parallel import gather_from_tp
 from mpi_tp.parallel.topology import Topology
-
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -60,7 +59,7 @@ class GPT(Module):
     it: the blocks `blocks` (default: all), with the embedding when `first` and the head when `last`.
 
     A chunk that is not first takes the previous chunk's activations (B, S, C)
-    (under sequence parallelism (B, S_i, C), after `sp.set(S)` by the caller);
+    (under sequence parallelism (B, S_i, C)) and its micro-batch's pass;
     one that is not last returns its activations, and its backward takes their
     gradient and returns the input's. A last chunk that is not also the first
     holds its own copy of the tied table `wte` (same name, same initial values);
@@ -69,24 +68,26 @@ class GPT(Module):
 
     def __init__(self, cfg: GPTConfig, topo: Topology | None = None, dtype="float32", seed: int = 0,
                  sequence_parallel: bool = False, blocks: range | None = None, first: bool = True,
-                 last: bool = True, recompute: str = "none"):
+                 last: bool = True, recompute: str = "none", dropout: Dropout | None = None):
+        """dropout: the Dropout state to share (a pipeline stage's chunks share one); default a new one."""
         topo = Topology.serial() if topo is None else topo
         cfg.validate(topo.tp.size, topo.ep.size)
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
         self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
         self.first, self.last = first, last
-        self.dropout = Dropout(cfg.dropout, seed)
+        self.dropout = Dropout(cfg.dropout, seed) if dropout is None else dropout
         # Sequence parallelism: between the parallel regions each rank holds its positions only.
-        self.sp = SequenceSplit(topo.tp) if sequence_parallel else None
-        # Context parallelism: every layer on this rank's chunks of the sequence only.
-        self.cp = ContextSplit(topo.cp) if topo.cp.size > 1 else None
-        if self.cp is not None and cfg.moe_experts:
+        self.sequence_parallel = sequence_parallel
+        self.sp_overlap = None       # SequenceSplit.overlap of its passes (None: MPI_TP_SP_OVERLAP's default)
+        # Context parallelism (topo.cp): every layer on this rank's chunks of the sequence only.
+        if topo.cp.size > 1 and cfg.moe_experts:
             raise ConfigError("context parallelism (cp > 1) runs dense models: use --cp 1 with --moe-experts")
+        sp = sequence_parallel
         self._loss_scale = 1.0
-        self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, self.dropout, self.sp, self.cp) if first else None
+        self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, sp) if first else None
         blocks = range(cfg.n_layer) if blocks is None else blocks
-        self.h = [Block(i, cfg, topo, self.dtype, seed, self.dropout, self.sp, self.cp) for i in blocks]
+        self.h = [Block(i, cfg, topo, self.dtype, seed, sp) for i in blocks]
         for block in self.h:         # activation recomputation (Korthikanti et al. 2022)
             block.recompute = recompute == "full"
             block.attn.recompute = recompute == "selective"
@@ -96,8 +97,8 @@ class GPT(Module):
                 table = self.embedding.wte
             else:                    # the tied table's copy (same name, same values), or lm_head
                 table = VocabParallelEmbedding("wte" if cfg.tied else "lm_head", cfg.vocab_size, cfg.n_embd,
-                                               topo.tp, self.dtype, seed=seed, sp=self.sp)
-            self.head = GPTHead(cfg, topo, self.dtype, table, self.sp)
+                                               topo.tp, self.dtype, seed=seed)
+            self.head = GPTHead(cfg, topo, self.dtype, table, sp)
 
     def train(self, mode: bool = True) -> "GPT":
         self.dropout.training = mode
@@ -106,33 +107,45 @@ class GPT(Module):
     def eval(self) -> "GPT":
         return self.train(False)
 
-    def hidden(self, inp):
+    def new_pass(self, S: int, row0: int = 0, step: int | None = None) -> Pass:
+        """The pass of a micro-batch of sequences of S positions whose first is row row0 of the step's
+        global batch: this layout's cuts of the positions, this step's (or `step`'s) dropout masks."""
+        return Pass.start(self.topo, S, self.sequence_parallel, self.dropout.masks(row0, step), self.sp_overlap)
+
+    def hidden(self, inp, ps: Pass):
         """Token ids (first chunk) or activations -> the activations after this chunk's blocks:
         (B, S, C), or this rank's positions (B, S_i, C) under sequence parallelism."""
-        x = self.embedding.forward(inp) if self.first else inp
+        x = self.embedding.forward(inp, ps) if self.first else inp
         for block in self.h:
-            x = block.forward(x)
+            x = block.forward(x, ps)
         return x
 
-    def forward(self, inp, targets=None):
+    def forward(self, inp, targets=None, ps: Pass | None = None):
         """Loss (a float, the same on every rank) when targets are given, else this rank's logits
         (B, S, V_i); a chunk that is not last returns its activations. The loss includes this chunk's
-        MoE blocks' aux and z-losses (a pipeline adds the other stages': moe_loss())."""
-        x = self.hidden(inp)
+        MoE blocks' aux and z-losses (a pipeline adds the other stages': moe_loss()).
+        ps: the micro-batch's pass; without one, a first chunk starts its own (row 0 of this step's
+        batch) and, training with targets, moves its dropout to the next step afterwards."""
+        own = ps is None
+        if own:
+            if not self.first:
+                raise ValueError("a model chunk that is not the first needs its micro-batch's pass (ps)")
+            ps = self.new_pass(inp.shape[1])
+        x = self.hidden(inp, ps)
         if not self.last:
             return x
         if targets is None:
-            return self.head.forward(x)
-        if self.cp is None:
-            loss = self.head.forward(x, targets)
+            return self.head.forward(x, sp=ps.sp)
+        if ps.cp is None:
+            loss = self.head.forward(x, targets, ps.sp)
         else:        # this rank's mean, weighted for the reducer (loss_weight); the whole sequence's mean
-            self._loss_scale = loss_weight(self.cp, self.cp.length())
-            mine = self.head.forward(x, self.cp.take(targets)) * self._loss_scale
-            loss = float(self.cp.group.all_reduce(numpy.array([mine]))[0]) / self.cp.group.size
+            self._loss_scale = loss_weight(ps.cp, ps.cp.length())
+            mine = self.head.forward(x, ps.cp.take(targets), ps.sp) * self._loss_scale
+            loss = float(ps.cp.group.all_reduce(numpy.array([mine]))[0]) / ps.cp.group.size
         self._cross_entropy = loss
         loss = loss + self.moe_loss()
-        if self.dropout.training:
-            self.dropout.step += 1                                      # next call draws fresh masks
+        if own and self.dropout.training:
+            self.dropout.advance()                                      # the next call draws fresh masks
         return loss
 
     def moe_loss(self) -> float:
@@ -166,13 +179,13 @@ class GPT(Module):
             return None
         return dx
 
-    def last_logits(self, idx):
+    def last_logits(self, idx, ps: Pass | None = None):
         """The whole vocabulary's logits at the last position of one sequence idx (1, S): (V,) float64,
         the same on every rank (what sampling needs: V numbers gathered, not S V)."""
-        if self.cp is not None:
+        if self.topo.cp.size > 1:
             raise ConfigError("sampling needs the whole sequence on every rank: load the checkpoint without "
                               "context parallelism (mpi-tp generate)")
-        logits_i = self.forward(idx)                                                  # (1, S, V_i)
+        logits_i = self.forward(idx, ps=ps)                                           # (1, S, V_i)
         last = backend.xp().ascontiguousarray(logits_i[:, -1, :])                     # (1, V_i)
         return backend.asnumpy(gather_from_tp(last, self.topo.tp, self.head.table.sizes))[0].astype(numpy.float64)
 

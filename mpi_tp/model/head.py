@@ -30,17 +30,18 @@ class GPTHead(Module):
     table lm_head.
     """
 
-    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, table: VocabParallelEmbedding, sp=None):
-        self.ln_f = make_norm("ln_f", cfg, dtype, sp=sp)
+    def __init__(self, cfg: GPTConfig, topo: Topology, dtype, table: VocabParallelEmbedding, sp: bool = False):
+        self.ln_f = make_norm("ln_f", cfg, dtype, sp=sp and topo.tp.size > 1)
         self.table = table
         self.loss = VocabParallelCrossEntropy(topo.tp, table.start, table.stop)
 
-    def logits(self, x):
-        """(B, S, C) (sp: (B, S_i, C)) -> (B, S, V_i): ln_f, then the output layer."""
-        return self.table.logits_forward(self.ln_f.forward(x))
+    def logits(self, x, sp=None):
+        """(B, S, C) (under sequence parallelism, sp the pass's SequenceSplit: (B, S_i, C)) -> (B, S, V_i):
+        ln_f, then the output layer."""
+        return self.table.logits_forward(self.ln_f.forward(x), sp)
 
-    def forward(self, x, targets=None):
-        logits = self.logits(x)
+    def forward(self, x, targets=None, sp=None):
+        logits = self.logits(x, sp)
         if targets is None:
             return logits
         return self.loss.forward(logits, backend.asarray(targets))

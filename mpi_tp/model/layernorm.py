@@ -9,11 +9,11 @@ from mpi_tp.core.params import make_param
 class LayerNorm(Module):
     """LayerNorm over channels, replicated on every rank: out = (x - mean) * rstd * w + b.
 
-    sp: under sequence parallelism each rank normalises its own positions, so its weight and bias
-    gradients are partial sums (Param.sp_partial), completed after the backward pass."""
+    sp: under sequence parallelism (over more than one rank) each rank normalises its own positions, so
+    its weight and bias gradients are partial sums (Param.sp_partial), completed after the backward pass."""
 
-    def __init__(self, name: str, n: int, dtype, eps: float = 1e-5, sp=None):
-        partial = sp is not None and sp.group.size > 1
+    def __init__(self, name: str, n: int, dtype, eps: float = 1e-5, sp: bool = False):
+        partial = bool(sp)
         self.weight = make_param(f"{name}/weight", (n,), dtype, init="ones", sp_partial=partial)
         self.bias = make_param(f"{name}/bias", (n,), dtype, init="zeros", sp_partial=partial)
         self.eps = eps

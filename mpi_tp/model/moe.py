@@ -52,10 +52,13 @@ from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.model.experts import Expert, SwiGLUExpert
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
-from mpi_tp.parallel.sequence_parallel import (gather_positions, gather_positions_backward, keep_positions,
-                                               keep_positions_backward)
+from mpi_tp.parallel.sequence_parallel import (
+    gather_positions,
+    gather_positions_backward,
+    keep_positions,
+    keep_positions_backward,
+)
 from mpi_tp.parallel.tensor_parallel import copy_to_tp_backward, reduce_from_tp
-
 
 # ---------------------------------------------------------------- routing (pure functions)
 
@@ -144,8 +147,7 @@ class MoEMLP(Module):
     loss_scale = 1.0
     dropless = False
 
-    def __init__(self, name, cfg, topo, dtype, seed, sp=None):
-        self.sp = sp                 # sequence parallelism: gather the positions in, keep this rank's out
+    def __init__(self, name, cfg, topo, dtype, seed):
         self.E, self.k, self.capacity = cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity
         self.aux_weight, self.z_weight, self.tp = cfg.moe_aux_weight, cfg.moe_z_weight, topo.tp
         self.router = make_param(f"{name}/router/weight", (cfg.n_embd, self.E), dtype, seed=seed,
@@ -157,14 +159,14 @@ class MoEMLP(Module):
             mark_expert(expert.parameters(), e, topo)
         self.stats, self.routing, self.loss_term = {}, None, 0.0
 
-    def forward(self, x):
-        """(B, S, C) -> (B, S, C); under sequence parallelism (B, S_i, C) -> (B, S_i, C): the positions are
+    def forward(self, x, ps=None):
+        """(B, S, C) -> (B, S, C); under sequence parallelism (ps.sp) (B, S_i, C) -> (B, S_i, C): the positions are
         gathered first (the router and the per-sequence capacity need whole sequences) and the output,
         the same on every tp rank, is cut back to this rank's positions."""
-        if self.sp is None or self.tp.size == 1:
+        if ps is None or ps.sp is None or self.tp.size == 1:
             self._sizes = None
             return self._forward(x)
-        self._sizes = list(self.sp.sizes)
+        self._sizes = list(ps.sp.sizes)
         return keep_positions(self._forward(gather_positions(x, self.tp, self._sizes)), self.tp, self._sizes)
 
     def backward(self, dout):

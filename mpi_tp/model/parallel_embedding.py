@@ -5,8 +5,8 @@ from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
-from mpi_tp.parallel.collectives import Group
 from mpi_tp.model.parallel_linear import column_backward, column_forward
+from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.sequence_parallel import leave_tp, leave_tp_backward
 from mpi_tp.parallel.topology import shard_range
 
@@ -22,13 +22,15 @@ class VocabParallelEmbedding(Module):
     columns of the logits, which vocab-parallel cross-entropy consumes unsplit.
     """
 
-    def __init__(self, name, vocab_size, n_embd, group: Group, dtype, *, std=0.02, seed=0, sp=None):
-        self.group, self.sp = group, sp
+    def __init__(self, name, vocab_size, n_embd, group: Group, dtype, *, std=0.02, seed=0):
+        self.group = group
         self.sizes, self.start, self.stop = shard_range(vocab_size, group, None, f"{name}: vocabulary")
         self.weight = make_param(name, (vocab_size, n_embd), dtype, std=std, seed=seed,
                                  axis=0, start=self.start, stop=self.stop)          # wte_i: (V_i, C)
 
-    def forward(self, ids):
+    def forward(self, ids, sp=None):
+        """(B, S) ids -> (B, S, C), or this rank's positions (B, S_i, C) under sequence parallelism (sp: the
+        pass's SequenceSplit)."""
         xp = backend.xp()
         local = ids - self.start                                      # (B, S) row index into wte_i
         outside = None
@@ -38,7 +40,7 @@ class VocabParallelEmbedding(Module):
         out, cache = kern.embedding_forward(local, self.weight.data)     # (B, S) -> (B, S, C)
         if outside is not None:
             out[outside] = 0
-        out, seq = leave_tp(out, self.group, self.sp)                   # sp: -> (B, S_i, C)
+        out, seq = leave_tp(out, self.group, sp)                        # sp: -> (B, S_i, C)
         self.save_cache(cache, outside, seq)
         return out
 
@@ -49,10 +51,10 @@ class VocabParallelEmbedding(Module):
             dout = dout * ~outside[..., None]                         # rows other ranks own get nothing
         self.weight.accumulate(kern.embedding_backward(dout, cache))
 
-    def logits_forward(self, x):
+    def logits_forward(self, x, sp=None):
         """Tied output layer: (B, S, C) -> (B, S, V_i) = x @ wte_i^T, a column-parallel layer behind f
         (sp: an all-gather; the input is kept as this rank's positions and gathered again for dwte)."""
-        y, self._logits_cache = column_forward(x, self.weight.data.T, None, self.group, self.sp)
+        y, self._logits_cache = column_forward(x, self.weight.data.T, None, self.group, sp)
         return y
 
     def logits_backward(self, dlogits):

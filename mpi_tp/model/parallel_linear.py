@@ -17,10 +17,20 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.sequence_parallel import (enter_tp, enter_tp_backward, leave_tp, leave_tp_backward,
-                                               regather_from_sp, start_gather_from_sp_backward)
-from mpi_tp.parallel.tensor_parallel import (gather_from_tp, gather_from_tp_backward, scatter_to_tp,
-                                             scatter_to_tp_backward)
+from mpi_tp.parallel.sequence_parallel import (
+    enter_tp,
+    enter_tp_backward,
+    leave_tp,
+    leave_tp_backward,
+    regather_from_sp,
+    start_gather_from_sp_backward,
+)
+from mpi_tp.parallel.tensor_parallel import (
+    gather_from_tp,
+    gather_from_tp_backward,
+    scatter_to_tp,
+    scatter_to_tp_backward,
+)
 from mpi_tp.parallel.topology import shard_range
 
 
@@ -96,8 +106,8 @@ class ColumnParallelLinear(Module):
     """
 
     def __init__(self, name, in_features, out_features, group: Group, dtype, *, bias=True,
-                 gather_output=False, sizes=None, std=0.02, seed=0, parts=None, sp=None):
-        self.group, self.sp = group, sp
+                 gather_output=False, sizes=None, std=0.02, seed=0, parts=None):
+        self.group = group
         self.sizes, start, stop = shard_range(out_features, group, sizes, f"{name}: output features")
         self.gather_output = gather_output
         if parts and gather_output:
@@ -121,9 +131,11 @@ class ColumnParallelLinear(Module):
     def bias(self):
         return self.biases[0] if self.biases else None
 
-    def forward(self, x):
+    def forward(self, x, sp=None):
+        """x (B, S, K), or this rank's positions (B, S_i, K) under sequence parallelism (sp: the pass's
+        SequenceSplit) -> (B, S, O_i)."""
         b = self.biases[0].base if self.biases else None
-        y, cache = column_forward(x, self.weights[0].base, b, self.group, self.sp)   # -> (B, S, parts * O_i)
+        y, cache = column_forward(x, self.weights[0].base, b, self.group, sp)   # -> (B, S, parts * O_i)
         self.save_cache(cache)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.sizes)             # (B, S, O_i) -> (B, S, O)
@@ -157,20 +169,23 @@ class RowParallelLinear(Module):
     """
 
     def __init__(self, name, in_features, out_features, group: Group, dtype, *, bias=True,
-                 input_is_parallel=True, sizes=None, std=0.02, seed=0, sp=None):
-        self.group, self.sp = group, sp
+                 input_is_parallel=True, sizes=None, std=0.02, seed=0, sp=False):
+        """sp: sequence parallelism on (the bias then sees this rank's positions only: Param.sp_partial)."""
+        self.group = group
         self.sizes, start, stop = shard_range(in_features, group, sizes, f"{name}: input features")
         self.input_is_parallel = input_is_parallel
         self.weight = make_param(f"{name}/weight", (in_features, out_features), dtype, std=std, seed=seed,
                                  axis=0, start=start, stop=stop, decay=True)        # A_i: (K_i, O)
         self.bias = make_param(f"{name}/bias", (out_features,), dtype, init="zeros",     # b: (O,), whole
-                               sp_partial=sp is not None and group.size > 1) if bias else None
+                               sp_partial=bool(sp) and group.size > 1) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, sp=None):
+        """(B, S, K_i) -> (B, S, O) summed over the group, or this rank's positions (B, S_i, O) under
+        sequence parallelism (sp: the pass's SequenceSplit)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.sizes)              # (B, S, K) -> (B, S, K_i)
         y, cache = kern.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial
-        y, seq = leave_tp(y, self.group, self.sp)                       # sp: -> (B, S_i, O), this rank's positions
+        y, seq = leave_tp(y, self.group, sp)                            # sp: -> (B, S_i, O), this rank's positions
         self.save_cache(cache, seq)
         if self.bias is not None:
             y += self.bias.data

@@ -10,7 +10,11 @@ from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.model.heads import HeadLayout
-from mpi_tp.model.parallel_linear import accumulate_weight, column_backward, column_forward
+from mpi_tp.model.parallel_linear import (
+    accumulate_weight,
+    column_backward,
+    column_forward,
+)
 from mpi_tp.parallel.topology import Topology
 
 
@@ -36,9 +40,9 @@ class QKVParallelLinear(Module):
     """
 
     def __init__(self, name: str, C: int, hs: int, layout: HeadLayout, topo: Topology, dtype, *, bias: bool,
-                 seed: int = 0, std: float = 0.02, sp=None):
+                 seed: int = 0, std: float = 0.02):
         tp = topo.tp
-        self.group, self.sp, self.hs = tp, sp, hs
+        self.group, self.hs = tp, hs
         q, kv = layout.q[tp.rank], layout.kv[tp.rank]
         self.H_i, self.H_kv_i = len(q), len(kv)
         replicas = None
@@ -76,10 +80,11 @@ class QKVParallelLinear(Module):
             return self.weights[0].base
         return backend.xp().concatenate([self.weights[0].base, self.weights[1].base], axis=1)
 
-    def forward(self, x):
-        """x (B, S, C) (sp: (B, S_i, C)) -> q (B, S, H_i, hs), k and v (B, S, H_kv_i, hs): views of one array."""
+    def forward(self, x, sp=None):
+        """x (B, S, C) (sp, the pass's SequenceSplit: (B, S_i, C)) -> q (B, S, H_i, hs), k and v
+        (B, S, H_kv_i, hs): views of one array."""
         b = self.biases[0].base if self.biases else None
-        y, cache = column_forward(x, self._fused_weight(), b, self.group, self.sp)    # (B, S, (H_i + 2 H_kv_i) hs)
+        y, cache = column_forward(x, self._fused_weight(), b, self.group, sp)    # (B, S, (H_i + 2 H_kv_i) hs)
         if self.split:               # the concatenated weights are made again for the backward, not kept
             cache = (cache[0], None, *cache[2:])
         self.save_cache(cache)

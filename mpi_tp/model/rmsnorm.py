@@ -10,12 +10,12 @@ from mpi_tp.model.layernorm import LayerNorm
 class RMSNorm(Module):
     """out = x / sqrt(mean(x^2) + eps) * w over channels, replicated on every rank.
 
-    sp: under sequence parallelism each rank normalises its own positions, so its weight gradient is a
-    partial sum (Param.sp_partial), completed after the backward pass, as LayerNorm's."""
+    sp: under sequence parallelism (over more than one rank) each rank normalises its own positions, so
+    its weight gradient is a partial sum (Param.sp_partial), completed after the backward pass, as LayerNorm's."""
 
-    def __init__(self, name: str, n: int, dtype, eps: float = 1e-5, sp=None):
+    def __init__(self, name: str, n: int, dtype, eps: float = 1e-5, sp: bool = False):
         self.weight = make_param(f"{name}/weight", (n,), dtype, init="ones",
-                                 sp_partial=sp is not None and sp.group.size > 1)
+                                 sp_partial=bool(sp))
         self.eps = eps
 
     def forward(self, x):
@@ -29,7 +29,7 @@ class RMSNorm(Module):
         return dx
 
 
-def make_norm(name: str, cfg, dtype, sp=None):
+def make_norm(name: str, cfg, dtype, sp: bool = False):
     """The architecture's normalisation: LayerNorm (gpt2) or RMSNorm (llama), eps = cfg.norm_eps."""
     if cfg.llama:
         return RMSNorm(name, cfg.n_embd, dtype, cfg.norm_eps, sp)

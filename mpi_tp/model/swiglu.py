@@ -21,19 +21,20 @@ class ParallelSwiGLU(Module):
     elementwise product pairs them without communication, as GELU does in the GPT-2 MLP.
     """
 
-    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, sp=None):
+    def __init__(self, name, cfg: GPTConfig, topo: Topology, dtype, seed, sp=False):
         C, F = cfg.n_embd, cfg.ffn
-        self.fc = ColumnParallelLinear(name, C, F, topo.tp, dtype, bias=False, seed=seed, parts=("gate", "up"),
-                                       sp=sp)                        # {name}/gate/weight, {name}/up/weight
+        self.fc = ColumnParallelLinear(name, C, F, topo.tp, dtype, bias=False, seed=seed, parts=("gate", "up"))
+        # {name}/gate/weight, {name}/up/weight
         self.down = RowParallelLinear(f"{name}/down", F, C, topo.tp, dtype, bias=False, sizes=self.fc.sizes,
                                       seed=seed, std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
 
-    def forward(self, x):
-        gu = self.fc.forward(x)                    # (B, S, C) -> (B, S, 2 F_i): [gate_i | up_i]
+    def forward(self, x, ps=None):
+        sp = None if ps is None else ps.sp
+        gu = self.fc.forward(x, sp)                    # (B, S, C) -> (B, S, 2 F_i): [gate_i | up_i]
         F_i = gu.shape[-1] // 2
         h, cache = kl.swiglu_forward(gu[..., :F_i], gu[..., F_i:])     # (B, S, F_i)
         self.save_cache(cache)
-        return self.down.forward(h)                # (B, S, F_i) -> (B, S, C), all-reduced
+        return self.down.forward(h, sp)            # (B, S, F_i) -> (B, S, C), all-reduced
 
     def backward(self, dout):
         dh = self.down.backward(dout)              # (B, S, F_i)

@@ -40,17 +40,15 @@ from mpi_tp.parallel.topology import TopologyError, offsets, split_sizes
 
 
 class ContextSplit:
-    """The cut of one sequence length S over the cp group: 2N chunks, two per rank (set once per forward)."""
+    """The cut of one sequence length S over the cp group: 2N chunks, two per rank (frozen: a micro-batch's
+    pass builds it once, mpi_tp.model.forward_pass)."""
 
-    def __init__(self, group: Group):
-        self.group, self.S = group, None
-
-    def set(self, S: int) -> None:
-        n = 2 * self.group.size
+    def __init__(self, group: Group, S: int):
+        n = 2 * group.size
         if S < n:
             raise TopologyError(f"a sequence of {S} positions cannot be cut into 2 x cp = {n} chunks: use "
-                              f"sequences of at least {n} positions, or a smaller --cp")
-        self.S, self.sizes = S, split_sizes(S, n)
+                                f"sequences of at least {n} positions, or a smaller --cp")
+        self.group, self.S, self.sizes = group, S, split_sizes(S, n)
         self.starts = offsets(self.sizes)
 
     def chunks(self, rank: int | None = None) -> tuple[int, int]:

@@ -21,28 +21,28 @@ import os
 
 from mpi_tp.core import backend
 from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.tensor_parallel import copy_to_tp, copy_to_tp_backward, reduce_from_tp, reduce_from_tp_backward
+from mpi_tp.parallel.tensor_parallel import (
+    copy_to_tp,
+    copy_to_tp_backward,
+    reduce_from_tp,
+    reduce_from_tp_backward,
+)
 from mpi_tp.parallel.topology import offsets, split_sizes
 
 
 class SequenceSplit:
-    """Sequence parallelism's cut of the positions among the tensor-parallel ranks.
-
-    Set once per forward pass (the sequence length may change between calls) and
-    read by every layer of the model; shards differ by at most one position.
+    """Sequence parallelism's cut of one pass's S positions among the tensor-parallel ranks (frozen: a
+    micro-batch's pass builds it once, mpi_tp.model.forward_pass); shards differ by at most one position.
     """
 
-    def __init__(self, group: Group, overlap: bool | None = None):
+    def __init__(self, group: Group, S: int, overlap: bool | None = None):
         """overlap: in a column layer's backward, start the input's all-gather before dX's GEMM and wait for
         it before dA's, and dX's reduce-scatter before dA's GEMM (Megatron's order), instead of one after
         the other. Default: MPI_TP_SP_OVERLAP=1, else off: on this project's 2-core build machine it made
-        the backward 10-20% slower (experiments/sp_overlap.py; MPICH progresses a non-blocking collective
+        the backward 10-20% slower (experiments/comm/sp_overlap.py; MPICH progresses a non-blocking collective
         only inside MPI calls). Turn it on where the network or the GPU moves data while the cores compute."""
-        self.group, self.sizes = group, None
+        self.group, self.S, self.sizes = group, S, split_sizes(S, group.size)
         self.overlap = os.environ.get("MPI_TP_SP_OVERLAP", "0") == "1" if overlap is None else overlap
-
-    def set(self, S: int) -> None:
-        self.sizes = split_sizes(S, self.group.size)
 
     @property
     def positions(self) -> slice:

@@ -134,7 +134,7 @@ def measured_terms(block) -> dict:
     attn = block.attn._cache[0]
     add("q, k", attn[0], attn[1])
     add("v", attn[2])
-    if block.attn._cache[1]:                            # the online softmax: output, lse, dropout mask
+    if block.attn._cache[1] == "online":                # the online softmax: output, lse, dropout mask
         add("attention output", attn[3])
         add("attention log-sum-exp", attn[4])
         add("softmax dropout mask", attn[5])
@@ -147,7 +147,7 @@ def measured_terms(block) -> dict:
     add("GELU input", gelu_in)
     add("GELU tanh", tanh)
     add("MLP projection input", block.mlp.proj._cache[0][0])
-    m_a, m_h = block._cache
+    m_a, m_h, _ = block._cache                          # (and the pass's masks key: no array)
     add("attention dropout mask", m_a)
     add("MLP dropout mask", m_h)
     return out

@@ -82,7 +82,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     flops = model_flops(C, L, S, B * M) * dp
     peak = comm.allreduce(gemm_peak(comm), op=MPI.SUM) / comm.Get_size()
     if sequence_parallel:                                        # what crosses per message: 1/T of B S C
-        values = B * stage.sp.sizes[topo.tp.rank] * C
+        values = B * split_sizes(S, topo.tp.size)[topo.tp.rank] * C
     else:
         values = split_sizes(B * S * C, tp)[topo.tp.rank]
     result = {

@@ -44,11 +44,10 @@ from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.attention import ParallelAttention
 from mpi_tp.model.block import Block
 from mpi_tp.model.config import GPTConfig, fewest_heads
-from mpi_tp.model.dropout import Dropout
+from mpi_tp.model.forward_pass import Pass
 from mpi_tp.model.mlp import ParallelMLP
 from mpi_tp.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from mpi_tp.parallel.finalize import sum_replica_grads, sum_sp_partial_grads
-from mpi_tp.parallel.sequence_parallel import SequenceSplit
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.planning.activations import activation_bytes_per_layer
 
@@ -82,18 +81,18 @@ def plan(args, T: int) -> dict:
     return {"cfg": cfg, "B": B, "S": S, "C": C, "K": 2 * C + 1}
 
 
-def build(kind: str, p: dict, topo: Topology, sp=None):
+def build(kind: str, p: dict, topo: Topology, sp: bool = False):
     cfg, C, K, tp = p["cfg"], p["C"], p["K"], topo.tp
     if kind == "column":
-        layer = ColumnParallelLinear("column", C, K, tp, F64, seed=SEED, sp=sp)
+        layer = ColumnParallelLinear("column", C, K, tp, F64, seed=SEED)
     elif kind == "row":
         layer = RowParallelLinear("row", K, C, tp, F64, seed=SEED, sp=sp)
     elif kind == "mlp":
         layer = ParallelMLP("mlp", cfg, topo, F64, SEED, sp=sp)
     elif kind == "attention":
-        layer = ParallelAttention("attn", cfg, topo, F64, SEED, Dropout(0.0, SEED), 0, sp=sp)
+        layer = ParallelAttention("attn", cfg, topo, F64, SEED, 0, sp=sp)
     else:
-        layer = Block(0, cfg, topo, F64, SEED, Dropout(0.0, SEED), sp=sp)
+        layer = Block(0, cfg, topo, F64, SEED, sp=sp)
     randomize(layer, seed=SEED)       # biases and LayerNorms too, the same slice for slice at any tp
     return layer
 
@@ -119,8 +118,9 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     (the most any rank keeps, the serial layer's))."""
     B, S, C, K = p["B"], p["S"], p["C"], p["K"]
     topo, serial = Topology.create(comm), Topology.serial()
-    sp = SequenceSplit(topo.tp) if sequence_parallel else None
-    par, ser = build(kind, p, topo, sp), build(kind, p, serial)
+    ps = Pass.start(topo, S, sequence_parallel)          # the pass: S positions, cut over tp under sp
+    sp = ps.sp
+    par, ser = build(kind, p, topo, sequence_parallel), build(kind, p, serial)
     rng = numpy.random.default_rng(SEED)
     n_in, n_out = {"column": (C, K), "row": (K, C)}.get(kind, (C, C))
     x, dout = rng.standard_normal((B, S, n_in)), rng.standard_normal((B, S, n_out))   # the same on every rank
@@ -132,14 +132,12 @@ def explain_layer(kind: str, p: dict, comm, sequence_parallel: bool = False) -> 
     # columns; under sp, whatever lies outside the parallel region is this rank's positions.
     cols = slice(par.weight.start, par.weight.stop) if kind in ("column", "row") else None
     in_cols, out_cols = (cols, None) if kind == "row" else (None, cols)
-    if sp is not None:
-        sp.set(S)
     in_pos = sp.positions if sp is not None and kind != "row" else None
     out_pos = sp.positions if sp is not None and kind != "column" else None
 
     topo.stats.reset()
     x_i = _cut(x, in_cols, in_pos)
-    y = par.forward(x_i)
+    y = par.forward(x_i, sp if kind in ("column", "row") else ps)
     kept = comm.allreduce(par.activation_bytes(), op=MPI.MAX)          # a lesson: a pickled int, once
     fwd = topo.stats.snapshot()
     topo.stats.reset()

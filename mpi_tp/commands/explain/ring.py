@@ -62,8 +62,7 @@ def lesson(args, comm) -> bool:
     N = comm.Get_size()
     S = args.seq if args.seq >= 2 * N else 4 * N
     topo = Topology.create(comm, tp=1, cp=N)
-    split = ContextSplit(topo.cp)
-    split.set(S)
+    split = ContextSplit(topo.cp, S)
     rng = numpy.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, H, S, HS)) for _ in range(4))
     ref, cache = kern.attention_forward(q, k, v)

@@ -78,12 +78,8 @@ class PipelineStage:
 
     @property
     def dropout(self):
-        """The dropout state (seed, step) of the stage: its chunks keep theirs equal to this one."""
+        """The dropout state (seed, step) of the stage: one object, shared by its chunks (model.chunks)."""
         return self.chunks[0].dropout
-
-    @property
-    def sp(self):
-        return self.chunks[0].sp
 
     def num_params(self) -> int:
         """Parameters of the whole model (every stage's, the tied table once)."""
@@ -110,39 +106,26 @@ class PipelineStage:
             c.train(mode)
         return self
 
-    def _wire(self, B: int, S: int):
-        cp = self.chunks[0].cp                    # context parallelism: this rank's S_r positions travel
-        if cp is not None:
-            cp.set(S)
-            S = cp.length()
-        return wire_format(self.topo, self.sp, B, S, self.cfg.n_embd)
-
-    @staticmethod
-    def _set_length(chunk, S: int) -> None:
-        """A chunk's cut of the sequence for this micro-batch (context, then sequence parallelism)."""
-        if chunk.cp is not None:
-            chunk.cp.set(S)
-        if chunk.sp is not None:
-            chunk.sp.set(S if chunk.cp is None else chunk.cp.length())
+    def _wire(self, B: int, ps):
+        """The wire format of a micro-batch of B sequences with pass ps: under context parallelism this
+        rank's S_r positions travel, under sequence parallelism its S_i of them."""
+        return wire_format(self.topo, ps.sp, B, ps.S if ps.cp is None else ps.cp.length(), self.cfg.n_embd)
 
     def _forward_only(self, x, y=None):
         """x (B, S) through every stage, one micro-batch: the loss (y given) or the last position's
         whole-vocabulary logits (V,), on every rank of the pipeline."""
-        S, out = x.shape[1], {}
-        shape, to_wire, from_wire = self._wire(x.shape[0], S)
-        for c in self.chunks:
-            c.dropout.seed, c.dropout.step = self.dropout.seed, self.dropout.step
+        ps, out = self.chunks[0].new_pass(x.shape[1]), {}
+        shape, to_wire, from_wire = self._wire(x.shape[0], ps)
 
         def forward(m, j, inp):
             chunk = self.chunks[j]
-            self._set_length(chunk, S)
             inp = x if chunk.first else from_wire(inp)
             if chunk.last:
-                out["value"] = out.get("value", 0.0) + (chunk.forward(inp, y) if y is not None
-                                                        else chunk.last_logits(inp))
+                out["value"] = out.get("value", 0.0) + (chunk.forward(inp, y, ps) if y is not None
+                                                        else chunk.last_logits(inp, ps))
                 result = None
             else:
-                result = to_wire(chunk.forward(inp))
+                result = to_wire(chunk.forward(inp, ps=ps))
                 if y is not None:
                     out["value"] = out.get("value", 0.0) + chunk.moe_loss()     # MoE blocks' terms
             chunk.stash_caches()                                # no backward follows: drop the caches
@@ -180,8 +163,8 @@ class PipelineStage:
         M, S = self.M, x.shape[1]
         if len(parts) != M:
             raise ValueError(f"this stage's schedule runs {M} micro-batches, not {len(parts)}")
-        step, seed = self.dropout.step, self.dropout.seed
-        shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, S)
+        passes = [self.chunks[0].new_pass(S, rows.start) for rows in parts]     # each micro-batch's, once
+        shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, passes[0])
         losses, kept, held = [0.0] * M, {}, {}
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
         final = {a.chunk: a.micro for a in self.engine.actions if a.kind == "B"}   # each chunk's last backward
@@ -189,11 +172,8 @@ class PipelineStage:
         def forward(m, j, inp):
             nonlocal live
             chunk = self.chunks[j]
-            chunk.dropout.seed, chunk.dropout.step = seed, step             # the serial model's masks
-            chunk.dropout.row0 = parts[m].start
-            self._set_length(chunk, S)
             inp = x[parts[m]] if chunk.first else from_wire(inp)
-            out = chunk.forward(inp, y[parts[m]] if chunk.last else None)
+            out = chunk.forward(inp, y[parts[m]] if chunk.last else None, passes[m])
             if not chunk.last:
                 losses[m] += chunk.moe_loss()                                  # its MoE blocks' terms
             if meter is not None:                                             # (MoE: training's metrics)
@@ -218,8 +198,8 @@ class PipelineStage:
             return None if chunk.first else to_wire(dx)
 
         self.engine.run(forward, backward, shape, self.dtype)
-        for c in self.chunks:
-            c.dropout.step = step + 1
+        if self.dropout.training:
+            self.dropout.advance()                      # the next step draws fresh masks
         return losses
 
 

@@ -14,12 +14,12 @@ from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
 
 def wire_format(topo: Topology, sp, B: int, S: int, C: int):
-    """(shape of a message between stages, to_wire, from_wire) for activations of B sequences of S positions.
+    """(shape of a message between stages, to_wire, from_wire) for activations of B sequences of S positions
+    on this rank (under sequence parallelism, sp: the pass's SequenceSplit of them).
 
     to_wire(a): this rank's piece of its activation a; from_wire(piece): the activation again."""
     tp = topo.tp
     if sp is not None:
-        sp.set(S)
         return (B, sp.sizes[tp.rank], C), (lambda a: a), (lambda a: a)
     if tp.size == 1:
         return (B, S, C), (lambda a: a), (lambda a: a)
