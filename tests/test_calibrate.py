@@ -1,7 +1,7 @@
 """`mpi-tp calibrate`: what it measures has the shape the cost model reads, and the file plans.
 
 Values depend on the machine and its load, so the tests check ranges and structure; the
-measured machines in experiments/results/machine_*.json are the values in use.
+measured machines in experiments/planner/results/machine_*.json are the values in use.
 """
 import json
 import subprocess

@@ -13,7 +13,7 @@ from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.planner import plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "experiments"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "experiments", "planner"))
 
 
 def cpu(**over):
@@ -152,7 +152,7 @@ def test_planner_filters_and_achieved_flops():
 
 def test_narayanan_table1_layouts_and_throughput():
     """The published rows of 76B parameters and above (Narayanan et al. 2021, Table 1; data and sources in
-    experiments/published/): the published (t, p) is among the planner's first three (t, p) pairs, the layout
+    experiments/planner/published/): the published (t, p) is among the planner's first three (t, p) pairs, the layout
     fits in an A100's 80 GB, and the predicted teraFLOP/s per GPU is within 10% of the published figure."""
     from published_layouts import compare, published_rows
     rows = published_rows()
@@ -289,7 +289,7 @@ def test_context_parallelism_priced_and_planned():
 
 
 def test_other_published_runs():
-    """BLOOM-176B and MT-NLG 530B (experiments/published/other_100b_runs.json): every published layout is in the
+    """BLOOM-176B and MT-NLG 530B (experiments/planner/published/other_100b_runs.json): every published layout is in the
     planner's search (BLOOM's 12 stages do not divide its 70 layers) and fits, and docs/costmodel.md shows the
     table the script prints for them, whatever the error is (the preset is not tuned to them)."""
     from published_layouts import OTHERS, compare

@@ -28,10 +28,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_doc_links import LINK
 from test_docs import (
     FENCE,
     LESSON,
-    LINK,
     ROOT,
     VENV,
     bash_commands,
@@ -103,8 +103,8 @@ def test_a_prediction_comes_before_its_answer(exercise):
 
 def test_the_dp_caption_counts_what_its_figure_shows():
     """Lesson 5's caption of step_timeline_dp.png names the gradient buckets' all-reduces and the loss's, as
-    many and as large as the run that drew the figure counted (experiments/results/step_timeline_dp.json)."""
-    run = json.loads((ROOT / "experiments" / "results" / "step_timeline_dp.json").read_text())
+    many and as large as the run that drew the figure counted (experiments/comm/results/step_timeline_dp.json)."""
+    run = json.loads((ROOT / "experiments" / "comm" / "results" / "step_timeline_dp.json").read_text())
     phases = run["ranks"][0]["result"]["phases"]
     buckets = phases["backward"]["dp/iall_reduce"]["calls"]
     loss = phases["loss to every rank"]["dp/all_reduce"]

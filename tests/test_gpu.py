@@ -1,6 +1,6 @@
 """The GPU path (CuPy): equivalence with the NumPy model, host staging and CUDA-aware MPI detection.
 
-Skips without CuPy or a GPU. experiments/gpu_check.sh runs this file under mpiexec with
+Skips without CuPy or a GPU. experiments/gpu/gpu_check.sh runs this file under mpiexec with
 several ranks sharing one GPU, with host staging and (when the MPI library supports it)
 with device buffers handed to MPI directly. With MPI_TP_CUPY_STANDIN=1 it runs on the host
 stand-in for CuPy instead (mpi_tp.core.standin; tests/run.sh's stand-in passes), and never skips.

@@ -1,4 +1,4 @@
-"""experiments/gpu_check.py, the one-command GPU check, run on the CuPy stand-in (--standin).
+"""experiments/gpu/gpu_check.py, the one-command GPU check, run on the CuPy stand-in (--standin).
 
 What runs here is the check's own machinery: its jobs, its comparisons (the GPU run against NumPy,
 the pre-empted run against the uninterrupted one, generated and served text), its report, and its
@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import MPIEXEC, clean_env
+from jobs import MPIEXEC, clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 
 def gpu_check(out, *args, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), "--standin", "--out",
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu" / "gpu_check.py"), "--standin", "--out",
                            str(out), *args], check=False, capture_output=True, text=True, timeout=timeout,
                           env=clean_env())
 

@@ -1,7 +1,8 @@
 """One notation: no doc, docstring, comment or lesson text uses an alias that docs/notation.md forbids.
 
-Scanned: README.md, docs/*.md, experiments/*.md, and the strings and comments of every Python file
-of mpi_tp/, experiments/ and tests/ (the lessons' printouts and the figures' labels are strings).
+Scanned: README.md, docs/*.md, experiments/**/*.md, and the strings and comments of every Python file
+of mpi_tp/, experiments/ and tests/ (the lessons' printouts and the figures' labels are strings); not the
+raw records of experiments/*/results/.
 
 The forbidden aliases are the table at the end of docs/notation.md (pattern, what to write instead,
 an example the pattern must catch), so the glossary and the check cannot drift apart.
@@ -49,8 +50,9 @@ def prose(path: Path) -> list[tuple[int, str]]:
 
 
 def documents() -> list[Path]:
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "experiments").glob("*.md"))]
-    code = [*sorted((ROOT / "mpi_tp").rglob("*.py")), *sorted((ROOT / "experiments").glob("*.py")),
+    experiments = [p for p in sorted((ROOT / "experiments").rglob("*")) if "results" not in p.parts]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *[p for p in experiments if p.suffix == ".md"]]
+    code = [*sorted((ROOT / "mpi_tp").rglob("*.py")), *[p for p in experiments if p.suffix == ".py"],
             *sorted((ROOT / "tests").glob("*.py"))]
     return [p for p in docs if p != NOTATION] + [p for p in code if p != Path(__file__).resolve()]
 

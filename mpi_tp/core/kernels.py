@@ -63,7 +63,7 @@ def _few_rows(x2, w_t):
     stay under SMALL_GEMM (7 rows at K 4096), the weight goes by panels to NumPy's
     OpenBLAS, whose small-matrix kernels (SkylakeX builds) multiply those without packing, close to the
     weight-read speed (the (C, 3C) weight of C 1024 times 4 rows, read from memory: 1.37 ms by panels, 2.27
-    in one call, 3.50 stored (in, out); one row's GEMV 0.89; Intel Xeon, experiments/gemm_shapes.py);
+    in one call, 3.50 stored (in, out); one row's GEMV 0.89; Intel Xeon, experiments/kernels/gemm_shapes.py);
     elsewhere the panels are the same product. More rows: one call (mpi_tp.core.blas: MKL's was as fast
     or faster there), as on a GPU."""
     xp = array_module(x2)

@@ -151,7 +151,7 @@ def _batch_rows(probs, *others):
     everything on a GPU, where q, k, v or dout broadcasts that axis, or where one row alone holds more
     (shape c's 16 heads: 1 MiB a row, 1.20x slower by rows). The backward's (S, S)-sized temporaries then
     stay in the core's cache: (B, H, S) = (8, 4, 128) and (8, 8, 128) float32 took 0.84x and 0.86x the
-    time of the whole batch at once (Intel Xeon, experiments/attention_forms.py). Each head's arithmetic
+    time of the whole batch at once (Intel Xeon, experiments/kernels/attention_forms.py). Each head's arithmetic
     is unchanged, so the results are the same bits."""
     n = probs.shape[0]
     per_row = probs.nbytes // max(n, 1)

@@ -19,7 +19,7 @@ and, per level, a gather of the rows still unsummed: at most two in three of the
 (a run of 3 rows leaves 2), so O(N) rows in all, in ceil(log2 R_max) + 1 levels. On a GPU each
 level waits for the device twice (the sizes of the rows done and of the rows left: 6 syncs for
 uniform ids over V = 50257 at N = 8192, 24 for text-like ones), and uses no atomics.
-Measured against numpy.add.at and a one-hot GEMM: experiments/README.md (segment_sum.py).
+Measured against numpy.add.at and a one-hot GEMM: experiments/kernels/README.md (segment_sum.py).
 """
 from __future__ import annotations
 

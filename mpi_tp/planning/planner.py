@@ -11,7 +11,7 @@ cross (`explain`). The command line is mpi_tp.commands.plan (`mpi-tp plan`, with
 The cost model prices what the engine does: the interleaved bubble, the largest of uneven
 stages, the rank with the most heads, the GEMM rate of each micro-batch size (a calibrated
 machine's curve), each group on the links its members cross, and the data-parallel all-reduce
-hidden behind the last backward pass. experiments/published_layouts.py checks it against
+hidden behind the last backward pass. experiments/planner/published_layouts.py checks it against
 Narayanan et al. 2021's Table 1 and other published runs (tests/test_costmodel.py).
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ a buffer of its own allocated then, so a neighbour's message can arrive while
 this stage computes action k; action k then waits only for its own. With
 prepost = 0 a receive is posted when its action starts and waited at once,
 every hop's transfer on the critical path (the comparison kept for
-experiments/pipeline_vs_torch.py; MPI_TP_PIPE_PREPOST sets the default, 2).
+experiments/vs_torch/pipeline_vs_torch.py; MPI_TP_PIPE_PREPOST sets the default, 2).
 Buffers are not recycled: forward and backward may keep what they are given
 (a chunk caches its input for its backward). Between actions the engine tests
 its outstanding sends and receives: MPICH moves data only inside MPI calls
