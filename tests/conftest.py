@@ -15,6 +15,8 @@
   Fixtures keep theirs (they are made before the body runs).
 - Ranks above 0 report on stderr, short (failures and the closing line): stdout
   holds rank 0's report alone, whole lines that the other ranks cannot cut.
+- The serving tests' module fixtures: serving_checkpoint (trained by a 2-rank job)
+  and serving_serial, its model on this process alone (tests/serving.py).
 """
 from __future__ import annotations
 
@@ -121,3 +123,17 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def world():
     return WORLD
+
+
+@pytest.fixture(scope="module")
+def serving_checkpoint(request, tmp_path_factory):
+    """A checkpoint trained for 2 steps by a 2-rank job (tests/serving.py), one per test module that asks."""
+    from serving import train_checkpoint
+    return train_checkpoint(tmp_path_factory.mktemp(request.module.__name__))
+
+
+@pytest.fixture(scope="module")
+def serving_serial(serving_checkpoint):
+    """serving_checkpoint's model on this process alone (float64): what each request gets alone."""
+    from serving import serial_model
+    return serial_model(serving_checkpoint)

@@ -1,6 +1,7 @@
 """What the serving tests share: a small checkpoint, the serial model's answers, and a real server.
 
-A server is `mpiexec -n 2 ... serve --port 0` with its address read from the line it prints.
+A server is `mpiexec -n 2 ... serve --port 0` with its address read from the line it prints. The module
+fixtures serving_checkpoint and serving_serial (tests/conftest.py) are train_checkpoint's and serial_model's.
 """
 import http.client
 import json
@@ -15,7 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from test_cli import MPIEXEC, STOP, clean_env
+from jobs import MPIEXEC, STOP, clean_env
 
 from mpi_tp.inference.generate import Request
 
@@ -39,7 +40,7 @@ def serial_model(checkpoint):
     """The checkpoint's model on this process alone (float64): what each request gets alone."""
     from mpi4py import MPI
 
-    from mpi_tp.commands.tools import load_model
+    from mpi_tp.checkpoint.model import load_model
     return load_model(checkpoint, MPI.COMM_SELF, "float64")[0]
 
 
@@ -53,6 +54,15 @@ def expected(model, body: dict) -> tuple[str, str, int]:
     out = generate(model, [req])[0]
     cut = max((len(x) for x in stop if out.endswith(x)), default=0)
     return out[:len(out) - cut].decode("utf-8", "replace"), "stop" if cut else "length", len(out)
+
+
+def module_server(checkpoint, folder, *flags, env=None):
+    """A test module's Server, for its fixture to `yield from`: stopped when the module's tests are done,
+    and then it must exit 0 without a traceback."""
+    s = Server(checkpoint, folder, *flags, env=env)
+    yield s
+    status = s.stop()
+    assert status == 0 and "Traceback" not in s.stderr(), s.stderr()
 
 
 class Server:

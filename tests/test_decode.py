@@ -4,6 +4,7 @@ float64, a tiny model whose 5 heads and 37-byte vocabulary split unevenly at 2, 
 """
 import numpy
 import pytest
+from decoding import full_last, join_step_leave
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.testing import all_true
@@ -21,11 +22,6 @@ def models(world, seed=3):
     serial = GPT(CFG, Topology.serial(), dtype="float64", seed=seed).eval()
     topo = Topology.create(world, tp=world.Get_size())
     return serial, GPT(CFG, topo, dtype="float64", seed=seed).eval(), topo
-
-
-def full_last(model, row) -> numpy.ndarray:
-    """The reference: the whole context through the model, the last position's logits (V,)."""
-    return model.full_logits(numpy.array([row[-CFG.block_size:]]))[0, -1]
 
 
 def test_cached_logits_equal_the_full_context_at_every_position(world):
@@ -57,24 +53,9 @@ def test_rows_join_and_leave_while_others_run(world):
     decoding), leave (the last row takes the slot), and slide past block_size, and every row's logits
     stay those of the full forward pass of its own context, whatever ran beside it."""
     serial, model, topo = models(world)
-    rng = numpy.random.default_rng(1)
-    dec, rows, worst = Decoder(model, 3), [], 0.0
     plan = {0: [[1, 2, 3, 4, 5]], 2: [[6], [7, 8]], 9: [[9, 9, 9]], 11: [list(range(12))], 20: [[3]]}
     leaving = {6: [0], 10: [1, 2], 19: [0]}
-    logits = numpy.zeros((0, 37))
-    for step in range(30):
-        if step in leaving:
-            order = dec.leave(leaving[step])
-            rows, logits = [rows[i] for i in order], logits[order]
-        nxt = rng.integers(0, 37, len(rows))
-        for r, i in zip(rows, nxt):
-            r.append(int(i))
-        logits = dec.step(nxt) if rows else logits
-        new = plan.get(step, [])
-        logits = numpy.concatenate([logits, dec.join(new)]) if new else logits
-        rows += [list(p) for p in new]
-        for b, r in enumerate(rows):
-            worst = max(worst, float(numpy.abs(logits[b] - full_last(serial, r[-window(len(r), 12):])).max()))
+    dec, rows, worst = join_step_leave(model, serial, plan, leaving, 30, numpy.random.default_rng(1))
     assert dec.rows == len(rows) == 2 and max(len(r) for r in rows) > 12
     assert all_true(worst < 1e-10, world), worst
     topo.free()

@@ -19,16 +19,24 @@ import pytest
 
 pytest.importorskip("safetensors", reason="safetensors not installed (pip install -e '.[hf]')")
 pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install tokenizers)")
+from jobs import mpirun  # noqa: E402
 from serving import Server  # noqa: E402
-from test_cli import mpirun  # noqa: E402
-from test_hf import (CFG, LLAMA, loaded, needs_mpiexec, needs_oracle, numpy_folder,  # noqa: E402,F401
-                     shared_dir, transformers_folder)
+from test_hf import (  # noqa: E402,F401
+    CFG,
+    LLAMA,
+    loaded,
+    needs_mpiexec,
+    needs_oracle,
+    numpy_folder,
+    shared_dir,
+    transformers_folder,
+)
 
 from mpi_tp.checkpoint import open_checkpoint  # noqa: E402
+from mpi_tp.core.testing import from_rank0  # noqa: E402
 from mpi_tp.inference.api import TextOut  # noqa: E402
 from mpi_tp.inference.generate import Request, Row, generate  # noqa: E402
 from mpi_tp.inference.sampling import printable  # noqa: E402
-from mpi_tp.core.testing import from_rank0  # noqa: E402
 from mpi_tp.parallel.topology import Topology  # noqa: E402
 from mpi_tp.text.bpe import train_bpe  # noqa: E402
 from mpi_tp.text.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
@@ -137,7 +145,7 @@ def test_greedy_text_equals_transformers(world, shared_dir, cfg):  # noqa: F811 
 def serial_text(folder, prompt, n, stop=()):
     from mpi4py import MPI
 
-    from mpi_tp.commands.tools import load_model
+    from mpi_tp.checkpoint.model import load_model
     model, ck = load_model(folder, MPI.COMM_SELF, "float64")
     tok = ck.tokenizer()
     return tok, generate(model, [Request(tok.encode(prompt), n, temperature=0, stop=stop)], tokenizer=tok)[0]

@@ -6,9 +6,10 @@ split (H_kv >= T) or replicated (H_kv < T, mpi_tp.model.heads). Rows of differen
 """
 import numpy
 import pytest
+from decoding import join_step_leave
 
 from mpi_tp.core.testing import all_true
-from mpi_tp.inference.decode import Decoder, window
+from mpi_tp.inference.decode import Decoder
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -29,32 +30,12 @@ def models(world, H_kv, seed=3):
     return serial, GPT(cfg(H_kv), topo, dtype="float64", seed=seed).eval(), topo
 
 
-def full_last(model, row) -> numpy.ndarray:
-    """The reference: the whole context through the model, the last position's logits (V,)."""
-    return model.full_logits(numpy.array([row[-S:]]))[0, -1]
-
-
 @pytest.mark.parametrize("H_kv", [4, 2, 1])
 def test_cached_logits_equal_the_full_context_at_every_position(world, H_kv):
     serial, model, topo = models(world, H_kv)
-    rng = numpy.random.default_rng(H_kv)
-    dec, rows, worst = Decoder(model, 3), [], 0.0
     plan = {0: [[1, 2, 3, 4, 5], [6]], 3: [[7, 8]], 8: [list(range(10))]}    # rows of their own lengths
     leaving = {6: [0], 12: [1]}
-    logits = numpy.zeros((0, 37))
-    for step in range(2 * S + 2):
-        if step in leaving:
-            order = dec.leave(leaving[step])
-            rows, logits = [rows[i] for i in order], logits[order]
-        nxt = rng.integers(0, 37, len(rows))
-        for r, i in zip(rows, nxt):
-            r.append(int(i))
-        logits = dec.step(nxt) if rows else logits
-        new = plan.get(step, [])
-        logits = numpy.concatenate([logits, dec.join(new)]) if new else logits
-        rows += [list(p) for p in new]
-        for b, r in enumerate(rows):
-            worst = max(worst, float(numpy.abs(logits[b] - full_last(serial, r[-window(len(r), S):])).max()))
+    _, rows, worst = join_step_leave(model, serial, plan, leaving, 2 * S + 2, numpy.random.default_rng(H_kv))
     assert max(len(r) for r in rows) > S                 # some row slid past block_size
     assert all_true(worst < 1e-10, world), worst
     topo.free()

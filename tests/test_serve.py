@@ -11,37 +11,23 @@ import threading
 import time
 
 import pytest
-from test_cli import STOP
+from jobs import STOP
 from serving import (
     BLOCK,
     Server,
     expected,
+    module_server,
     needs_mpiexec,
-    serial_model,
-    train_checkpoint,
 )
 
 from mpi_tp.inference.api import BadRequest, TextOut, parse_completion
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return train_checkpoint(tmp_path_factory.mktemp("serve"))
-
-
-@pytest.fixture(scope="module")
-def serial(checkpoint):
-    return serial_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def server(serving_checkpoint, tmp_path_factory):
     # a long batch wait: the concurrent requests below surely meet in one batch (it starts when 4 are in)
-    s = Server(checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4", "--batch-wait-ms", "1500",
-               "--max-queue", "256")
-    yield s
-    status = s.stop()
-    assert status == 0 and "Traceback" not in s.stderr(), s.stderr()
+    yield from module_server(serving_checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4",
+                             "--batch-wait-ms", "1500", "--max-queue", "256")
 
 
 def text_of(events) -> tuple[str, dict]:
@@ -50,10 +36,10 @@ def text_of(events) -> tuple[str, dict]:
 
 
 @needs_mpiexec
-def test_concurrent_requests_are_batched_and_right(server, serial):
+def test_concurrent_requests_are_batched_and_right(server, serving_serial):
     status, health = server.call("/health")
     assert status == 200 and health["status"] == "ok" and health["tp"] == 2 and health["block_size"] == BLOCK
-    greedy = expected(serial, {"prompt": "hello", "max_tokens": 12, "temperature": 0})[0]
+    greedy = expected(serving_serial, {"prompt": "hello", "max_tokens": 12, "temperature": 0})[0]
     stop = next((greedy[i:i + 2] for i in range(1, 10) if greedy[i:i + 2].isascii() and greedy[i:i + 2].isprintable()),
                 None)
     assert stop, f"no printable pair in {greedy!r} to stop at: try another prompt"
@@ -73,7 +59,7 @@ def test_concurrent_requests_are_batched_and_right(server, serial):
     for t in threads:
         t.join(120)
     for body, answer in zip(bodies[:3], answers):
-        text, reason, n = expected(serial, body)
+        text, reason, n = expected(serving_serial, body)
         status, got = answer
         assert status == 200, got
         assert got["object"] == "text_completion" and got["id"].startswith("cmpl-")
@@ -108,7 +94,7 @@ def test_a_burst_of_connections_is_all_answered(server):
 
 
 @needs_mpiexec
-def test_bad_requests_get_400_and_the_server_goes_on(server, serial):
+def test_bad_requests_get_400_and_the_server_goes_on(server, serving_serial):
     served = server.call("/health")[1]["requests_served"]
     for raw, says in [(b"{bad", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
                       (json.dumps({"prompt": "x", "max_tokens": "5"}).encode(), "max_tokens must be an integer"),
@@ -131,7 +117,7 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, serial):
     conn.close()
     body = {"prompt": "def ", "max_tokens": 8, "temperature": 0}
     status, got = server.call("/v1/completions", body)
-    assert status == 200 and got["choices"][0]["text"] == expected(serial, body)[0]
+    assert status == 200 and got["choices"][0]["text"] == expected(serving_serial, body)[0]
     assert server.call("/v1/models")[1]["data"][0]["id"] == got["model"]
     assert server.call("/health")[1]["requests_served"] == served + 1
     assert "Traceback" not in server.stderr()
@@ -139,8 +125,8 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, serial):
 
 @needs_mpiexec
 @pytest.mark.launcher
-def test_the_stop_signal_finishes_the_batch_in_flight_and_exits_0(checkpoint, tmp_path):
-    s = Server(checkpoint, tmp_path, "--batch-wait-ms", "1000")
+def test_the_stop_signal_finishes_the_batch_in_flight_and_exits_0(serving_checkpoint, tmp_path):
+    s = Server(serving_checkpoint, tmp_path, "--batch-wait-ms", "1000")
     try:
         events = s.stream({"prompt": "The ", "max_tokens": 400, "temperature": 0})    # sent; waits for more
         deadline = time.monotonic() + 30

@@ -9,63 +9,50 @@ import threading
 import time
 
 import pytest
+from jobs import clean_env
 from serving import (
     MPI_TP,
     Server,
     expected,
+    module_server,
     needs_mpiexec,
-    serial_model,
-    train_checkpoint,
 )
-from test_cli import clean_env
 
 pytestmark = needs_mpiexec
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return train_checkpoint(tmp_path_factory.mktemp("robust"))
-
-
-@pytest.fixture(scope="module")
-def serial(checkpoint):
-    return serial_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def server(serving_checkpoint, tmp_path_factory):
     """Continuous batching of 4 rows; rank 0's sampling fails at the third token of requests with seed 7."""
-    s = Server(checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4", "--read-timeout", "1",
-               env={"MPI_TP_FAILPOINT": "sample-error:7"})
-    yield s
-    assert s.stop() == 0 and "Traceback" not in s.stderr(), s.stderr()
+    yield from module_server(serving_checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4",
+                             "--read-timeout", "1", env={"MPI_TP_FAILPOINT": "sample-error:7"})
 
 
 def answer(server, body):
     return server.call("/v1/completions", body)
 
 
-def test_an_underflowing_temperature_is_greedy(server, serial):
+def test_an_underflowing_temperature_is_greedy(server, serving_serial):
     """Before: temperature 1e-320 passed the check, `choose` divided the logits by it (inf - inf = NaN),
     rng.choice raised on rank 0 between two collectives, and MPI_Abort ended the whole job."""
     for t in (1e-320, 5e-324, 1e-300):
         body = {"prompt": "The ", "max_tokens": 10, "temperature": t}
         status, got = answer(server, body)
-        assert status == 200 and got["choices"][0]["text"] == expected(serial, {**body, "temperature": 0})[0]
+        assert status == 200 and got["choices"][0]["text"] == expected(serving_serial, {**body, "temperature": 0})[0]
     assert server.call("/health")[0] == 200
 
 
-def test_generate_with_an_underflowing_temperature(checkpoint):
+def test_generate_with_an_underflowing_temperature(serving_checkpoint):
     """Before: `mpi-tp generate --temperature 1e-320` aborted the job the same way."""
     def run(*how):
-        return subprocess.run(MPI_TP + ["generate", "--checkpoint", checkpoint, "--prompt", "The ", "--max-new-tokens",
-                                        "10", "--dtype", "float64", *how], capture_output=True, text=True,
-                              timeout=120, env=clean_env(), check=False)
+        return subprocess.run(MPI_TP + ["generate", "--checkpoint", serving_checkpoint, "--prompt", "The ",
+                                        "--max-new-tokens", "10", "--dtype", "float64", *how], capture_output=True,
+                              text=True, timeout=120, env=clean_env(), check=False)
     tiny, greedy = run("--temperature", "1e-320"), run("--greedy")
     assert tiny.returncode == 0 and tiny.stdout == greedy.stdout and tiny.stderr == "", (tiny.stdout, tiny.stderr)
 
 
-def test_a_failure_on_rank_0_is_that_requests_error_and_the_next_one_succeeds(server, serial):
+def test_a_failure_on_rank_0_is_that_requests_error_and_the_next_one_succeeds(server, serving_serial):
     """A RuntimeError in rank 0's sampling (a failpoint, at the third token of requests with seed 7): a
     500 saying what failed, or an error event in a stream; the batch and the job go on."""
     status, got = answer(server, {"prompt": "The ", "max_tokens": 20, "seed": 7})
@@ -75,7 +62,7 @@ def test_a_failure_on_rank_0_is_that_requests_error_and_the_next_one_succeeds(se
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) != "" or len(events) == 2
     body = {"prompt": "The ", "max_tokens": 20, "seed": 1}
     status, got = answer(server, body)
-    assert status == 200 and got["choices"][0]["text"] == expected(serial, body)[0]
+    assert status == 200 and got["choices"][0]["text"] == expected(serving_serial, body)[0]
     assert "failpoint sample-error:7" in server.stderr() and "Traceback" not in server.stderr()
 
 
@@ -128,7 +115,7 @@ def test_a_client_that_leaves_frees_its_row(server):
     assert 'mpi_tp_requests_total{status="499"}' in m
 
 
-def test_requests_join_the_running_batch_and_get_their_text_alone(server, serial):
+def test_requests_join_the_running_batch_and_get_their_text_alone(server, serving_serial):
     """Continuous batching: requests sent while a long one runs join it at the next decode step, end
     before it, and each gets the text it gets alone (greedy and seeded sampling)."""
     long = {"prompt": "import", "max_tokens": 3000, "temperature": 0}
@@ -148,10 +135,10 @@ def test_requests_join_the_running_batch_and_get_their_text_alone(server, serial
     rest = [first] + list(events)
     assert running == 1                                       # the short ones ended while the long one ran
     for body, (status, answered) in zip(short, got):
-        text, reason, n = expected(serial, body)
+        text, reason, n = expected(serving_serial, body)
         assert status == 200 and answered["choices"][0]["text"] == text, (body, answered, text)
         assert answered["choices"][0]["finish_reason"] == reason and answered["usage"]["completion_tokens"] == n
-    assert "".join(e["choices"][0]["text"] for e in rest[:-1]) == expected(serial, long)[0]
+    assert "".join(e["choices"][0]["text"] for e in rest[:-1]) == expected(serving_serial, long)[0]
 
 
 def test_metrics_are_prometheus_text(server):
@@ -167,9 +154,9 @@ def test_metrics_are_prometheus_text(server):
     assert len(models) == 1 and models[0]["object"] == "model"
 
 
-def test_past_the_queue_bound_429_and_past_the_connections_503(checkpoint, tmp_path):
+def test_past_the_queue_bound_429_and_past_the_connections_503(serving_checkpoint, tmp_path):
     """Before: an unbounded queue and a thread per connection; nothing ever answered 429."""
-    s = Server(checkpoint, tmp_path, "--max-batch", "1", "--max-queue", "1", "--max-connections", "5",
+    s = Server(serving_checkpoint, tmp_path, "--max-batch", "1", "--max-queue", "1", "--max-connections", "5",
                "--batch-wait-ms", "0")
     try:
         long = s.open_stream({"prompt": "The ", "max_tokens": 4000})              # takes the one row

@@ -64,8 +64,10 @@ def build_parser() -> Parser:
                                    "mpiexec -n T mpi-tp train [options]. Options override --config.")
     add_arguments(t)
     t.set_defaults(run=_train)
-    from mpi_tp.commands.tools import add_parsers
-    add_parsers(sub)
+    from mpi_tp.commands.checkpoints import add_parsers as add_checkpoints
+    add_checkpoints(sub)
+    from mpi_tp.commands.hf import add_parser as add_import_hf
+    add_import_hf(sub)
     from mpi_tp.commands.serve import add_parser as add_serve
     add_serve(sub)
     from mpi_tp.commands.bench import add_parser as add_bench

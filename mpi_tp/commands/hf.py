@@ -10,6 +10,8 @@ reads its slices from the safetensors files: mpi_tp.checkpoint.hf.read). The
 vocabulary stays the folder's (50257 for GPT-2), and text goes through the
 folder's tokenizer.json (mpi_tp.text.tokenizer), which an import keeps in its
 checkpoint and an export writes back with the eos ids.
+The `export` command is mpi_tp.commands.checkpoints: it takes --format hf's options from here
+(add_export_arguments) and calls export_hf. The model loads with mpi_tp.checkpoint.model.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.checkpoint.format import put_in_place
 from mpi_tp.checkpoint.hf import is_hf_folder
 from mpi_tp.checkpoint.hf.write import DEFAULT_SHARD_BYTES, export
+from mpi_tp.checkpoint.model import load_model
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
 
@@ -27,8 +30,6 @@ from mpi_tp.core.runtime import collective_setup, rank0_print
 def import_folder(folder: str, out: str, comm, dtype: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model `folder` as the mpi_tp checkpoint root `out` (one step, 0) at
     tensor-parallel size = comm's size; collective. Returns the step folder."""
-    from mpi_tp.commands.tools import load_model
-
     def check():
         if not is_hf_folder(folder):
             raise UserError(f"import-hf: {folder} is not a Hugging Face model folder (config.json and "

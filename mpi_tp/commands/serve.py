@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from mpi_tp.commands.tools import add_backend_argument, add_tokenizer_argument, load_model, model_tokenizer, use_backend
+from mpi_tp.checkpoint.model import load_model, model_tokenizer
+from mpi_tp.commands.common import add_model_arguments, use_backend
 from mpi_tp.inference.serving.server import Stop, serve
 
 
@@ -76,7 +77,5 @@ def add_parser(sub) -> None:
                    help="connections handled at once; past it: 503 at once (default 256)")
     s.add_argument("--read-timeout", type=_seconds, default=30.0,
                    help="seconds a client has to send its whole request, headers and body (default 30)")
-    s.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
-    add_tokenizer_argument(s)
-    add_backend_argument(s)
+    add_model_arguments(s)
     s.set_defaults(run=cmd_serve)

@@ -17,8 +17,8 @@ from mpi_tp.core.errors import UserError, refuse_to_replace
 
 
 def cmd_tokenize(args, comm) -> int:
-    from mpi_tp.commands.tools import _on_rank0
-    return _on_rank0(lambda: _tokenize(args), comm)
+    from mpi_tp.commands.common import on_rank0
+    return on_rank0(lambda: _tokenize(args), comm)
 
 
 def _tokenize(args) -> int:

@@ -1,1 +1,2 @@
-"""Using a trained (tensor-parallel) model: sampling text."""
+"""Using a trained (tensor-parallel) model: sampling and generating text, serving it, and its loss on a
+text (evaluate)."""

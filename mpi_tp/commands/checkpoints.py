@@ -12,7 +12,9 @@ whatever size saved it (or read a Hugging Face folder: mpi_tp.commands.hf), on t
 array backend of --backend (numpy, or cupy: one GPU per rank, chosen before any
 array is made), and read text with the model's own tokenizer (the folder's
 tokenizer.json, or the one the checkpoint keeps; bytes when it has none;
---tokenizer to choose another); inspect and export work on rank 0.
+--tokenizer to choose another): mpi_tp.checkpoint.model loads both, and
+mpi_tp.inference.evaluate computes eval's loss. inspect and export work on rank 0;
+export --format hf is mpi_tp.commands.hf's, and so is import-hf.
 """
 from __future__ import annotations
 
@@ -24,75 +26,15 @@ import h5py
 import numpy
 
 from mpi_tp import checkpoint as ckpt_io
-from mpi_tp.core import backend
+from mpi_tp.checkpoint.model import load_model, model_tokenizer
+from mpi_tp.commands import hf
+from mpi_tp.commands.common import add_model_arguments, on_rank0, use_backend
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.inference.evaluate import evaluate_file
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.inference.sampling import printable
-from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.data import DataError, load_corpus
-
-
-def add_backend_argument(parser) -> None:
-    """--backend, as `mpi-tp train` and `mpi-tp bench` have it."""
-    parser.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
-                        help="array backend: numpy (CPUs, the default) or cupy (one GPU per rank)")
-
-
-def use_backend(args, comm) -> None:
-    """args.backend on every rank, before any array is made; if a rank cannot use it (no CuPy, no GPU),
-    every rank stops with one message (exit 2)."""
-    collective_setup(backend.use, args.backend, comm, comm=comm)
-
-
-def load_model(path: str, comm, dtype: str | None = None):
-    """(model, checkpoint): the saved model rebuilt at tp = world size and filled from the checkpoint
-    (an mpi_tp checkpoint, or a Hugging Face model folder: ckpt_io.open_checkpoint)."""
-    def build():
-        ck = ckpt_io.open_checkpoint(path)
-        cfg = GPTConfig(**ck.meta["config"])
-        model = GPT(cfg, Topology.create(comm), dtype=dtype or ck.meta.get("dtypes", "float32"))
-        return model, ck
-    model, ck = collective_setup(build, comm=comm)
-    with ck:
-        collective_setup(ckpt_io.load_into, ck, model, comm=comm)
-    return model.eval(), ck
-
-
-def add_tokenizer_argument(parser) -> None:
-    parser.add_argument("--tokenizer", default="auto", help="what the text is as ids: 'auto' (the default: the "
-                        "model's own, its folder's tokenizer.json or the one its checkpoint keeps, else bytes), "
-                        "'bytes', a tokenizer.json, or a folder holding one")
-
-
-def model_tokenizer(spec: str, ck, comm):
-    """The tokenizer of --tokenizer spec ('auto': ck's own); collective (every rank loads it: one message if
-    any cannot)."""
-    from mpi_tp.text.tokenizer import load_tokenizer
-    return collective_setup(lambda: ck.tokenizer() if spec == "auto" else load_tokenizer(spec), comm=comm)
-
-
-def eval_windows(tokens: numpy.ndarray, S: int, batch_size: int):
-    """Batches (x, y) of the windows starting at 0, S, 2S, ... that hold S + 1 bytes."""
-    starts = numpy.arange(0, tokens.size - S, S)       # start + S + 1 <= size
-    if starts.size == 0:
-        raise DataError(f"the evaluation text has {tokens.size} bytes; one window needs {S + 1} "
-                        f"(block_size + 1): use a longer file")
-    for i in range(0, starts.size, batch_size):
-        idx = starts[i:i + batch_size, None] + numpy.arange(S + 1)[None, :]     # (B, S + 1)
-        w = tokens[idx].astype(numpy.int64)
-        yield w[:, :-1], w[:, 1:]
-
-
-def evaluate_file(model: GPT, tokens: numpy.ndarray, batch_size: int = 16) -> tuple[float, int]:
-    """(mean next-token cross-entropy in nats, number of targets) over the text's windows."""
-    total, count = 0.0, 0
-    for x, y in eval_windows(tokens, model.cfg.block_size, batch_size):
-        total += model.forward(x, y) * y.size          # the loss is a mean over the batch's targets
-        count += y.size
-    return total / count, count
 
 
 def _positive(value: str) -> int:
@@ -157,12 +99,6 @@ def cmd_generate(args, comm) -> int:
     return 0
 
 
-def _on_rank0(fn, comm) -> int:
-    """Run fn on rank 0 only; every rank returns its status (errors become one message)."""
-    status = collective_setup(lambda: fn() if comm.Get_rank() == 0 else 0, comm=comm)
-    return comm.bcast(status)
-
-
 def cmd_inspect(args, comm) -> int:
     def run():
         with ckpt_io.Checkpoint(args.checkpoint) as ck:
@@ -187,15 +123,14 @@ def cmd_inspect(args, comm) -> int:
         print("  integrity: " + ("OK (every shard's SHA-256 and every dataset's checksum)" if not problems
                                  else f"{len(problems)} problem(s)"))
         return 1 if problems else 0
-    return _on_rank0(run, comm)
+    return on_rank0(run, comm)
 
 
 def cmd_export(args, comm) -> int:
     def run():
         out = args.out
         if args.format == "hf":
-            from mpi_tp.commands.hf import export_hf
-            return export_hf(args)
+            return hf.export_hf(args)
         ext = "npz" if out.endswith(".npz") else "h5" if out.endswith((".h5", ".hdf5")) else None
         if ext is None or args.format not in (None, ext):
             raise UserError(f"export: {out!r} should end in .h5 or .npz (or pass --format hf for a Hugging "
@@ -218,7 +153,7 @@ def cmd_export(args, comm) -> int:
         os.replace(tmp, out)          # a half-written export never takes the place of a good one
         print(f"wrote {out}: {len(tensors)} full tensors from {ck.dir} (step {ck.step})")
         return 0
-    return _on_rank0(run, comm)
+    return on_rank0(run, comm)
 
 
 def add_parsers(sub) -> None:
@@ -230,9 +165,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--data", required=True, help="text file (or 'pydoc' / 'shakespeare')")
     e.add_argument("--json", action="store_true", help="print one JSON line")
     e.add_argument("--batch-size", type=_positive, default=16, help="windows per forward pass (default 16)")
-    e.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
-    add_tokenizer_argument(e)
-    add_backend_argument(e)
+    add_model_arguments(e)
     e.set_defaults(run=cmd_eval)
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
@@ -246,9 +179,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens whose probability "
                    "reaches p (default 1: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (the i-th: seed + i)")
-    g.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
-    add_tokenizer_argument(g)
-    add_backend_argument(g)
+    add_model_arguments(g)
     g.set_defaults(run=cmd_generate)
     i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")
     i.add_argument("checkpoint", help="checkpoint folder or a step-N folder")
@@ -260,7 +191,5 @@ def add_parsers(sub) -> None:
     x.add_argument("--optimizer", action="store_true", help="include the optimizer state (optim/...)")
     x.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (the new file takes its "
                    "place only once it is complete)")
-    from mpi_tp.commands.hf import add_export_arguments, add_parser as add_import_hf
-    add_export_arguments(x)
+    hf.add_export_arguments(x)
     x.set_defaults(run=cmd_export)
-    add_import_hf(sub)
