@@ -16,47 +16,15 @@ import weakref
 import numpy
 
 from mpi_tp.core.standin.counters import counters
+from mpi_tp.core.standin.device import CUDARuntimeError, Device
 from mpi_tp.core.standin.dispatch import apply_ufunc, as_index, assigned, call
 from mpi_tp.core.standin.ndarray import ndarray
 from mpi_tp.core.standin.state import StrictnessError, settings
 
 
-class CUDARuntimeError(RuntimeError):
-    pass
-
-
 def _world_rank() -> int:
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_rank()
-
-
-class Device:
-    current = 0
-
-    def __init__(self, device=None):
-        self.id = Device.current if device is None else int(device)
-
-    def use(self):
-        if not 0 <= self.id < settings.devices:
-            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
-        Device.current = self.id
-
-    def synchronize(self):
-        counters.sync("device.synchronize")
-
-    def __enter__(self):
-        self._before = Device.current
-        self.use()
-        return self
-
-    def __exit__(self, *exc):
-        Device.current = self._before
-
-    def __eq__(self, other):
-        return isinstance(other, Device) and other.id == self.id
-
-    def __repr__(self):
-        return f"<CUDA Device {self.id} (stand-in)>"
 
 
 class Stream:

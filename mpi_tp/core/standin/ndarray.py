@@ -17,6 +17,7 @@ import numpy
 
 from mpi_tp.core.standin import dispatch
 from mpi_tp.core.standin.counters import counters
+from mpi_tp.core.standin.device import Device
 from mpi_tp.core.standin.dispatch import (
     FUSABLE,
     SYNCING,
@@ -75,7 +76,6 @@ class ndarray:
 
     @property
     def device(self):
-        from mpi_tp.core.standin.modules import Device
         return Device(0)
 
     def __len__(self):
