@@ -9,8 +9,7 @@ import importlib.util
 import sys
 
 import pytest
-
-from test_cli import MPIEXEC, OPEN_MPI, TINY, clean_env, mpirun, run_job
+from jobs import MPIEXEC, OPEN_MPI, TINY, clean_env, mpirun, run_job
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 NO_CUPY = pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,

@@ -9,7 +9,7 @@ import shutil
 import sys
 
 import pytest
-from test_cli import run_job
+from jobs import run_job
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")

@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from test_cli import MPIEXEC, run_job
+from jobs import MPIEXEC, run_job
 
 from mpi_tp.parallel.topology import split_sizes
 

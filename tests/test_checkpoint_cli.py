@@ -7,7 +7,7 @@ import os
 import h5py
 import numpy as np
 import pytest
-from test_cli import MPIEXEC, clean_env, mpirun, run_job  # noqa: F401  (shared launcher helpers)
+from jobs import MPIEXEC, clean_env, mpirun, run_job  # noqa: F401  (shared launcher helpers)
 
 from mpi_tp import checkpoint as ck
 

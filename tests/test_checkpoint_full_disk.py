@@ -17,10 +17,10 @@ import types
 
 import numpy as np
 import pytest
+from jobs import MPIEXEC, clean_env, run_job
 from mpi4py import MPI
 from test_checkpoint import CFG, meta, shared_dir, trained  # noqa: F401  (shared_dir is a fixture)
 from test_checkpoint_cli import TINY
-from test_cli import MPIEXEC, clean_env, run_job
 
 from mpi_tp import checkpoint as ck
 from mpi_tp.model.config import GPTConfig

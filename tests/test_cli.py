@@ -7,67 +7,24 @@ import argparse
 import importlib.util
 import json
 import os
-import re
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from jobs import (  # noqa: F401
+    LEARN,
+    MPIEXEC,
+    OPEN_MPI,
+    STOP,
+    TINY,
+    clean_env,
+    mpirun,
+    run_job,
+    train_layouts,
+)
 
-from mpi_tp.core.mpi_library import child_job_env, is_open_mpi
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
-TIMEOUT = 240
-
-
-def clean_env():
-    """The parent may itself be an MPI process: a fresh environment for the child job (mpi_library.child_job_env)."""
-    env = child_job_env()
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-# The launcher on PATH is the one of the library mpi4py loads (tests/run.sh runs the suite with each).
-OPEN_MPI = is_open_mpi()
-# What mpiexec forwards to every rank and then waits for them: SIGTERM under MPICH; Open MPI's ends the
-# ranks itself a quarter second after a SIGTERM of its own, and forwards SIGUSR1 (runtime.STOP_SIGNALS).
-STOP = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM
-# Open MPI's launcher adds its own report, between lines of dashes, when a rank exits non-zero
-# ("prterun detected that one or more processes exited with non-zero status ..."), and now and then a
-# line of its PMIx server's as the job comes down ("[host:pid] PMIX ERROR: PMIX_ERR_UNREACH in file
-# ..."); MPICH's adds none.
-LAUNCHER_REPORT = re.compile(r"^-{20,}\n(?:(?!-{20,}).*\n)*?.*prterun detected.*\n(?:(?!-{20,}).*\n)*-{20,}\n?"
-                             r"|^\[[^\]\n]+\] PMIX ERROR: PMIX_ERR_UNREACH .*\n?", re.MULTILINE)
-
-
-def ours(stderr: str) -> str:
-    """A job's stderr without its launcher's own report of a non-zero exit: what mpi_tp printed."""
-    return LAUNCHER_REPORT.sub("", stderr)
-
-
-def run_job(cmd, timeout=TIMEOUT, env=None, **kw):
-    """subprocess.run of an MPI job (a fresh environment, clean_env's unless given), its output captured as
-    text; stderr holds what the ranks printed, the launcher's report of a non-zero exit left out (ours)."""
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env() if env is None else env,
-                       **kw)
-    r.stderr = ours(r.stderr)
-    return r
-
-
-def mpirun(n, *args, timeout=TIMEOUT):
-    return run_job([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi_tp", *args], timeout=timeout)
-
-
-TINY = ["--n-layer", "2", "--n-head", "3", "--n-embd", "24", "--block-size", "16", "--batch-size", "8",
-        "--eval-batches", "4", "--log-every", "10", "--eval-every", "20", "--sample-len", "20"]
-
-
-# Long enough to learn something: ~10 s on 2 cores. Validation loss, on the default data, after 200 steps:
-# 2.66 nats/byte; unigram entropy 3.14; an untrained model (--steps 1) 5.46, near ln 256 = 5.55.
-LEARN = ["--steps", "200", "--warmup", "10", "--lr", "1e-2"]
 
 
 @pytest.mark.launcher
@@ -150,20 +107,11 @@ def test_micro_batches_end_to_end(tmp_path):
 def test_pipeline_end_to_end(tmp_path):
     """--pp 2 (1F1B, 2 micro-batches, 3 blocks on 2 stages) trains what --tp 2 trains: the same losses,
     and checkpoints holding the same tensors, optimizer state included (float64, dropout on)."""
-    import h5py
     common = ["--n-layer", "3", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--steps", "3",
               "--dtype", "float64", "--dropout", "0.1", "--log-every", "1", "--eval-every", "2",
               "--eval-batches", "1", "--sample-len", "8", "--batch-size", "2", "--micro-batches", "2"]
-    runs, tensors = {}, {}
-    for name, layout in (("tp", ["--tp", "2"]), ("pp", ["--pp", "2", "--schedule", "1f1b"])):
-        r = mpirun(2, "train", *common, *layout, "--out", str(tmp_path / name))
-        assert r.returncode == 0, r.stderr
-        runs[name] = json.load(open(tmp_path / name / "run.json"))
-        with h5py.File(tmp_path / name / "checkpoints" / "step-00000003" / "index.h5", "r") as f:
-            names = []
-            f.visit(lambda n: names.append(n) if n.startswith(("model/", "optim/")) and
-                    isinstance(f[n], h5py.Dataset) else None)
-            tensors[name] = {n: f[n][...] for n in names}
+    runs, tensors = train_layouts(tmp_path, common, {"tp": ["--tp", "2"], "pp": ["--pp", "2", "--schedule", "1f1b"]},
+                                  step=3)
     assert runs["pp"]["layout"] == {"world": 2, "tp": 1, "pp": 2, "dp": 1}
     assert abs(runs["pp"]["final_val_loss"] - runs["tp"]["final_val_loss"]) < 1e-9
     assert runs["pp"]["sample"] == runs["tp"]["sample"]
@@ -195,7 +143,7 @@ def test_trace_of_a_pipelined_run(tmp_path):
 def test_plan_emits_a_config_that_trains(tmp_path, nodes, ranks, pin):
     """mpi-tp plan --emit-config for this machine (calibrated, 2 ranks a node) at 2 and 4 ranks; the
     file trains unchanged under mpiexec with that many ranks, in the layout the plan chose."""
-    machine = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+    machine = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "planner",
                            "results", "machine_2ranks.json")
     config = tmp_path / "plan.json"
     r = subprocess.run([sys.executable, "-m", "mpi_tp", "plan", "--machine", machine, "--nodes", str(nodes),
@@ -280,11 +228,12 @@ def test_bench_pipeline_reports(tmp_path):
 
 
 def test_presets_are_valid(tmp_path):
-    """Every preset in experiments/configs loads and validates at the world size it names."""
+    """Every preset in experiments/training/configs loads and validates at the world size it names."""
     import argparse
 
     from mpi_tp.training.config_sources import add_arguments, resolve
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs")
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "training",
+                          "configs")
     presets = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
     assert presets
     for name in presets:

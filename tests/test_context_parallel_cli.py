@@ -6,7 +6,7 @@ import os
 import h5py
 import numpy as np
 import pytest
-from test_cli import MPIEXEC, mpirun
+from jobs import MPIEXEC, mpirun
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "11", "--batch-size", "2",

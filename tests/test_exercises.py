@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import MPIEXEC, mpirun, run_job
+from jobs import MPIEXEC, mpirun, run_job
 from test_docs import clean_env
 
 from mpi_tp.commands.exercise import cmd_exercise

@@ -8,8 +8,8 @@ import argparse
 import re
 
 import pytest
+from jobs import MPIEXEC, mpirun
 from mpi4py import MPI
-from test_cli import MPIEXEC, mpirun
 
 from mpi_tp.commands.explain import add_parser, cmd_explain
 from mpi_tp.core.errors import UserError

@@ -9,7 +9,7 @@ import math
 import re
 
 import pytest
-from test_cli import MPIEXEC, mpirun
+from jobs import MPIEXEC, mpirun
 
 from mpi_tp.parallel.topology import split_sizes
 

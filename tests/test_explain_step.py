@@ -6,7 +6,7 @@ by the closed forms. A broken collective makes the lesson fail; bad options are 
 import re
 
 import pytest
-from test_cli import mpirun
+from jobs import mpirun
 from test_explain import explain, needs_mpiexec, one_rank_pass
 from test_explain_vocab import off_by_a_millionth
 

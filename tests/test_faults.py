@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
+from jobs import MPIEXEC, STOP, clean_env, mpirun, run_job
 from test_checkpoint_cli import TINY, losses
-from test_cli import MPIEXEC, STOP, clean_env, mpirun, run_job
 
 from mpi_tp import checkpoint as ck
 

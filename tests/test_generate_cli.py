@@ -1,6 +1,7 @@
 """`mpi-tp generate` from a checkpoint: the same greedy text at 1 and 2 ranks and from the serial model,
 a batch of prompts equal to each alone, long prompts cropped (and said), a bad prompt refused clearly."""
 import pytest
+from jobs import MPIEXEC, TINY, mpirun  # noqa: F401  (shared launcher helpers)
 
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.inference.generate import Request, generate
@@ -8,7 +9,6 @@ from mpi_tp.inference.sampling import printable
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
-from test_cli import MPIEXEC, TINY, mpirun  # noqa: F401  (shared launcher helpers)
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("safetensors", reason="safetensors not installed (pip install -e '.[hf]')")
+from jobs import MPIEXEC  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from test_cli import MPIEXEC  # noqa: E402
 
 from mpi_tp import checkpoint as ck  # noqa: E402
 from mpi_tp.checkpoint.hf import hf_config  # noqa: E402

@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 
 pytest.importorskip("safetensors", reason="safetensors not installed (pip install -e '.[hf]')")
-from test_cli import mpirun  # noqa: E402
-from test_hf import LLAMA, TOL, float64_llama, loaded, needs_mpiexec, needs_oracle, numpy_folder  # noqa: E402
+from jobs import mpirun  # noqa: E402
+from test_hf import (  # noqa: E402
+    LLAMA,
+    TOL,
+    float64_llama,
+    loaded,
+    needs_mpiexec,
+    needs_oracle,
+    numpy_folder,
+)
 
 from mpi_tp.parallel.topology import Topology  # noqa: E402
 

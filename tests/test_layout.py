@@ -1,19 +1,15 @@
 """The layout rule, written once (mpi_tp.parallel.layout): resolve, check, describe, and the same one-line
 error from `mpi-tp train`, `mpi-tp bench` and `mpi-tp plan`."""
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+from jobs import MPIEXEC, clean_env
 
-from mpi_tp.core.mpi_library import child_job_env
 from mpi_tp.parallel.layout import RULE, Layout, TopologyError
 from mpi_tp.planning.costmodel import Plan
 from mpi_tp.training.config import TrainConfig
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 def test_resolve_gives_tp_or_dp_the_rest():
@@ -69,7 +65,7 @@ def test_train_bench_and_plan_say_the_same_line(tmp_path, world, pins):
     """The issue's two bad layouts: one line, word for word the same from the three commands."""
     machine = tmp_path / "m.json"
     machine.write_text(json.dumps({"name": f"{world} a node", "ranks_per_node": world, **MACHINE}))
-    env = {**child_job_env(), "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     mpi = [MPIEXEC, "-n", str(world), sys.executable, "-m", "mpi_tp"]
     runs = {"train": mpi + ["train", "--out", str(tmp_path / "o"), *pins], "bench": mpi + ["bench", *pins],
             "plan": [sys.executable, "-m", "mpi_tp", "plan", "--machine", str(machine), "--layers", "4", "--hidden",

@@ -5,8 +5,7 @@ import json
 
 import h5py
 import pytest
-
-from test_cli import MPIEXEC, TINY, mpirun  # noqa: F401  (shared launcher helpers)
+from jobs import MPIEXEC, TINY, mpirun, train_layouts  # noqa: F401  (shared launcher helpers)
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 LLAMA = ["--arch", "llama", "--n-kv-head", "1", "--intermediate-size", "40", "--rope-theta", "500",
@@ -38,16 +37,7 @@ def test_llama_pipeline_equals_tensor_parallel(tmp_path):
     common = [*LLAMA, "--n-layer", "3", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--steps", "3",
               "--dtype", "float64", "--dropout", "0.1", "--log-every", "1", "--eval-every", "2",
               "--eval-batches", "1", "--sample-len", "8", "--batch-size", "2", "--micro-batches", "2"]
-    runs, tensors = {}, {}
-    for name, layout in (("tp", ["--tp", "2"]), ("pp", ["--pp", "2"])):
-        r = mpirun(2, "train", *common, *layout, "--out", str(tmp_path / name))
-        assert r.returncode == 0, r.stderr
-        runs[name] = json.load(open(tmp_path / name / "run.json"))
-        with h5py.File(tmp_path / name / "checkpoints" / "step-00000003" / "index.h5", "r") as f:
-            names = []
-            f.visit(lambda n: names.append(n) if n.startswith(("model/", "optim/")) and
-                    isinstance(f[n], h5py.Dataset) else None)
-            tensors[name] = {n: f[n][...] for n in names}
+    runs, tensors = train_layouts(tmp_path, common, {"tp": ["--tp", "2"], "pp": ["--pp", "2"]}, step=3)
     assert abs(runs["pp"]["final_val_loss"] - runs["tp"]["final_val_loss"]) < 1e-9
     assert runs["pp"]["sample"] == runs["tp"]["sample"]
     assert tensors["pp"].keys() == tensors["tp"].keys() and "model/lm_head" in tensors["tp"]

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import steps as steps_helper
-from test_cli import MPIEXEC, mpirun
+from jobs import MPIEXEC, mpirun
 
 from mpi_tp import checkpoint as ck
 from mpi_tp.core.testing import all_true

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from test_cli import MPIEXEC, STOP, clean_env, mpirun
+from jobs import MPIEXEC, STOP, clean_env, mpirun
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.training import run_dir

@@ -16,8 +16,8 @@ import sys
 
 import numpy
 import pytest
+from jobs import MPIEXEC, mpirun
 from mpi4py import MPI
-from test_cli import MPIEXEC, mpirun
 
 from mpi_tp.core import backend, standin
 from mpi_tp.core.backend import BackendError

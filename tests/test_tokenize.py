@@ -5,7 +5,7 @@ import sys
 
 import numpy
 import pytest
-from test_cli import MPIEXEC, run_job
+from jobs import MPIEXEC, run_job
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.text.token_file import TokenFileError, read_tokens, write_tokens

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-
 from mpi_tp.core import kernels as kern
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.core.module import Module

@@ -69,8 +69,9 @@ class Layout:
         if small:
             return [f"every size must be at least 1, got {', '.join(small)}"]
         if world is not None and self.ranks != world:
-            out.append(f"no layout of {world} ranks can be expressed: the layout {self.describe()} needs {self.ranks} MPI ranks but the job has {world} ({RULE}): "
-                       f"launch with mpiexec -n {self.ranks}, or change --tp/--cp/--pp/--dp")
+            out.append(f"no layout of {world} ranks can be expressed: the layout {self.describe()} needs "
+                       f"{self.ranks} MPI ranks but the job has {world} ({RULE}): launch with mpiexec -n "
+                       f"{self.ranks}, or change --tp/--cp/--pp/--dp")
         if self.dp % self.ep:
             out.append(f"--ep {self.ep} must divide the data-parallel size --dp {self.dp}: the experts are split "
                        "among groups of ep consecutive data-parallel replicas")
