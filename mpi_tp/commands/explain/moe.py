@@ -31,6 +31,7 @@ from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.moe import MoEMLP, route
+from mpi_tp.parallel.layout import Layout
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
 F64 = numpy.float64
@@ -81,9 +82,7 @@ def plan(args, world: int) -> dict:
     for flag, v in (("--features", C), ("--batch", B), ("--seq", S), ("--moe-experts", E), ("--tp", tp)):
         if v < 1:
             raise UserError(f"{flag} must be a positive integer, got {v}")
-    if world % tp:
-        raise UserError(f"--tp {tp} must divide the {world} ranks of this job (ep = ranks / T)")
-    ep = world // tp
+    ep = Layout.resolve(world, tp=tp, dp=0).dp            # ep = dp = ranks / T (the world-size rule's own line)
     if E < ep:
         raise UserError(f"--moe-experts {E} cannot be divided among ep = {ep} ranks (some rank would hold none): "
                         f"use --moe-experts {ep} or more, or a larger --tp")

@@ -35,13 +35,14 @@ from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff
 from mpi_tp.model.config import fewest_heads
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.finalize import finalize_grads
+from mpi_tp.parallel.layout import Layout
 from mpi_tp.parallel.pipeline.stage import PipelineStage
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training import loop
 from mpi_tp.training.build import build
 from mpi_tp.training.config import TrainConfig
-from mpi_tp.training.optim import SGD, clip_coefficient, grad_norm, lr_at
+from mpi_tp.training.optim import SGD, lr_at
+from mpi_tp.training.step import train_step
 
 RTOL = 1e-10
 SEED = 7
@@ -91,10 +92,7 @@ def plan(args, world: int) -> TrainConfig:
         raise UserError(f"--moe-experts must be a positive integer, got {E}")
     if getattr(args, "vocab", None) is not None:
         raise UserError("--layer step trains on bytes (V = 256): drop --vocab")
-    if world % (D * P):
-        raise UserError(f"--dp {D} x --pp {P} = {D * P} does not divide the {world} ranks of this job: launch "
-                        f"with mpiexec -n {D * P} (or a multiple of it)")
-    T = world // (D * P)
+    T = Layout.resolve(world, tp=0, pp=P, dp=D).tp          # T = W / (D P): the world-size rule's own line
     if args.tp is not None and args.tp != T:
         raise UserError(f"--tp {args.tp}: T is the world size / (D P) = {T} here; drop --tp or change -n")
     if C < T:
@@ -140,14 +138,7 @@ def serial_step(cfg: TrainConfig, run, lr: float) -> tuple[float, float, dict, d
     before = {p.name: p.data.copy() for p in model.parameters()}
     x, y = run.sampler.batch(0)
     D, M, B = cfg.dp, cfg.micro_batches, cfg.batch_size
-    model.zero_grad()
-    loss = 0.0
-    for r in range(D * M):
-        loss += model.forward(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]) / (D * M)
-        model.backward(dout=1.0 / (D * M))
-    finalize_grads(model)
-    norm = grad_norm(model.parameters(), serial.tp)
-    opt.step(lr, grad_scale=clip_coefficient(norm, cfg.grad_clip))
+    loss, norm, _ = train_step(model, opt, x, y, slice(0, D * M * B), D * M, lr, cfg.grad_clip)   # the library's
     serial.free()
     return loss, norm, before, {p.name: p.data for p in model.parameters()}
 
