@@ -212,7 +212,8 @@ def rank_text(r: dict, cfg: TrainConfig, world: int) -> str:
     return "\n".join(lines)
 
 
-def describe(cfg: TrainConfig, world: int) -> str:
+def lesson_header(cfg: TrainConfig, world: int) -> str:
+    """What the lesson runs: the layout (Layout.describe's words), the model, the batch, the phases."""
     T, D, P = cfg.tp, cfg.dp, cfg.pp
     moe = (f"; block 1 is a mixture of experts: E = {cfg.moe_experts}, top-{cfg.moe_top_k}, ep = {cfg.ep}"
            if cfg.moe_experts else "")
@@ -234,6 +235,6 @@ def lesson(args, comm) -> bool:
     r = run_step(cfg, comm)
     texts = comm.gather(rank_text(r, cfg, world), root=0)         # a lesson, not a hot path: pickled once
     every = all_true(r["ok"], comm)
-    rank0_print(f"\n== step ==\n{describe(cfg, world)}\n" + "\n".join(texts or []) +
+    rank0_print(f"\n== step ==\n{lesson_header(cfg, world)}\n" + "\n".join(texts or []) +
                 f"\nstep: every rank equals the serial step: {'yes' if every else 'no'}", comm=comm)
     return every
