@@ -16,7 +16,7 @@ bench and plan. No MPI here: the planner lays out machines it does not run on.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from mpi_tp.core.errors import UserError
 
@@ -105,6 +105,3 @@ class Layout:
         out = {"world": self.ranks, "tp": self.tp, "pp": self.pp, "dp": self.dp}
         out.update({k: getattr(self, k) for k in ("ep", "cp") if getattr(self, k) > 1})
         return out
-
-    def fields(self) -> dict:
-        return asdict(self)
