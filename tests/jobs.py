@@ -52,7 +52,7 @@ def run_job(cmd, timeout=TIMEOUT, env=None, **kw):
     """subprocess.run of an MPI job (a fresh environment, clean_env's unless given), its output captured as
     text; stderr holds what the ranks printed, the launcher's report of a non-zero exit left out (ours)."""
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env() if env is None else env,
-                       **kw)
+                       check=False, **kw)
     r.stderr = ours(r.stderr)
     return r
 
@@ -69,7 +69,7 @@ def train_layouts(tmp_path, common, layouts: dict, step: int) -> tuple[dict, dic
     for name, layout in layouts.items():
         r = mpirun(2, "train", *common, *layout, "--out", str(tmp_path / name))
         assert r.returncode == 0, r.stderr
-        runs[name] = json.load(open(tmp_path / name / "run.json"))
+        runs[name] = json.loads((tmp_path / name / "run.json").read_text())
         with h5py.File(tmp_path / name / "checkpoints" / f"step-{step:08d}" / "index.h5", "r") as f:
             names = []
             f.visit(lambda n: names.append(n) if n.startswith(("model/", "optim/")) and

@@ -33,7 +33,7 @@ class Pass:
 
     @classmethod
     def start(cls, topo, S: int, sequence_parallel: bool = False, masks: Masks | None = None,
-              overlap: bool | None = None) -> "Pass":
+              overlap: bool | None = None) -> Pass:
         """The pass of a micro-batch of sequences of S positions on this rank of `topo` (overlap: the
         SequenceSplit's, None for its default)."""
         cp = ContextSplit(topo.cp, S) if topo.cp.size > 1 else None

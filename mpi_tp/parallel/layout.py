@@ -47,7 +47,7 @@ class Layout:
     zero: int = 0
 
     @classmethod
-    def resolve(cls, world: int, tp: int = 0, cp: int = 1, pp: int = 1, dp: int = 1, **options) -> "Layout":
+    def resolve(cls, world: int, tp: int = 0, cp: int = 1, pp: int = 1, dp: int = 1, **options) -> Layout:
         """The layout of a job of `world` ranks; tp = 0 (or dp = 0): what the other dimensions leave, at
         least 1. Checked: raises TopologyError with every rule it breaks (`check`)."""
         if tp == 0 or dp == 0:           # one dimension takes the rest (tp when both are free)
@@ -79,7 +79,7 @@ class Layout:
             out.append(f"zero must be 0 or 1, got {self.zero}")
         return out
 
-    def check(self, world: int | None = None) -> "Layout":
+    def check(self, world: int | None = None) -> Layout:
         """Raise TopologyError naming every rule broken (one line); returns the layout when it holds."""
         wrong = self.problems(world)
         if wrong:
