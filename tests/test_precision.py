@@ -6,7 +6,14 @@ import pytest
 from test_standin import cupy  # noqa: F401 (the fixture: the stand-in as the backend for one test)
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.precision import PRECISIONS, precision, round_bf16, round_to, stored_bytes, to_storage
+from mpi_tp.core.precision import (
+    PRECISIONS,
+    precision,
+    round_bf16,
+    round_to,
+    stored_bytes,
+    to_storage,
+)
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
 
