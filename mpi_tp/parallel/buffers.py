@@ -14,7 +14,7 @@ def check_buffer(x, what: str) -> None:
     """MPI reads raw memory: refuse views it would misread, before any rank enters the call."""
     if not x.flags.c_contiguous:
         raise ValueError(f"{what}: buffer must be C-contiguous (got strides {x.strides})")
-    if x.dtype.kind not in "fiu":
+    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":       # bfloat16: parallel.formats
         raise ValueError(f"{what}: unsupported dtype {x.dtype}")
 
 

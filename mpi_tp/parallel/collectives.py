@@ -24,6 +24,7 @@ from mpi_tp.core import backend
 from mpi_tp.parallel.buffers import (Pending, axis_back, axis_first, check_buffer, displacements, in_place,
                                      out_of_place)
 from mpi_tp.parallel.comm_stats import CommStats
+from mpi_tp.parallel.formats import reduction, wire
 
 TAG_UB_MINIMUM = 32767      # the least tag upper bound the MPI standard lets a library have
 
@@ -59,7 +60,7 @@ class Group:
         check_buffer(x, f"{self.name}.all_reduce")
         backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
-        in_place(lambda buf: self.comm.Allreduce(MPI.IN_PLACE, buf, op=op), x)
+        in_place(lambda buf: self.comm.Allreduce(MPI.IN_PLACE, wire(buf), op=reduction(op, x)), x)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(2 * x.nbytes))
         return x
 
@@ -75,7 +76,7 @@ class Group:
         t0 = time.perf_counter()
         self.stats.record(f"{self.name}/iall_reduce", x.nbytes, 0.0, self._ring(2 * x.nbytes), timed=False)
         return Pending(None, x, buf, (self.stats, f"{self.name}/iall_reduce", t0), ready=ready,
-                       start=lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op))
+                       start=lambda: self.comm.Iallreduce(MPI.IN_PLACE, wire(buf), op=reduction(op, x)))
 
     # -- point to point (pipeline stages) ----------------------------------
 
@@ -84,7 +85,7 @@ class Group:
         check_buffer(x, f"{self.name}.isend")
         buf = backend.stager().lend(x)
         t0 = time.perf_counter()
-        req = self.comm.Isend(buf, dest=dest, tag=tag)
+        req = self.comm.Isend(wire(buf), dest=dest, tag=tag)
         self.stats.record(f"{self.name}/send", x.nbytes, 0.0, float(x.nbytes), timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/send", t0), result=False)
 
@@ -94,7 +95,7 @@ class Group:
         check_buffer(x, f"{self.name}.irecv")
         buf = backend.stager().lend(x, copy=False)
         t0 = time.perf_counter()
-        req = self.comm.Irecv(buf, source=source, tag=tag)
+        req = self.comm.Irecv(wire(buf), source=source, tag=tag)
         self.stats.record(f"{self.name}/recv", x.nbytes, 0.0, timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/recv", t0))
 
@@ -117,7 +118,7 @@ class Group:
         front, out, counts, displs = self._gather_plan(x, sizes, axis, "all_gather")
         backend.stager().ready(front)       # queued device work is not communication
         t0 = time.perf_counter()
-        out_of_place(lambda send, recv: self.comm.Allgatherv(send, [recv, (counts, displs)]), front, out)
+        out_of_place(lambda send, recv: self.comm.Allgatherv(wire(send), [wire(recv), (counts, displs)]), front, out)
         self.stats.record(f"{self.name}/{kind}", out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes))
         return axis_back(out, axis, x.ndim, backend.array_module(x))
 
@@ -130,7 +131,7 @@ class Group:
         send = stager.lend(front, nonblocking=True)
         recv = stager.lend(out, copy=False, nonblocking=True)
         t0 = time.perf_counter()
-        req = self.comm.Iallgatherv(send, [recv, (counts, displs)])
+        req = self.comm.Iallgatherv(wire(send), [wire(recv), (counts, displs)])
         key = f"{self.name}/{kind}"
         self.stats.record(key, out.nbytes, 0.0, self._ring(out.nbytes), timed=False)
         xp = backend.array_module(x)
@@ -146,7 +147,7 @@ class Group:
         displs = [sum(counts[:r]) for r in range(self.size)]
         backend.stager().ready(flat)       # queued device work is not communication
         t0 = time.perf_counter()
-        in_place(lambda buf: self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)]), flat)
+        in_place(lambda buf: self.comm.Allgatherv(MPI.IN_PLACE, [wire(buf), (counts, displs)]), flat)
         self.stats.record(f"{self.name}/all_gather", flat.nbytes, time.perf_counter() - t0, self._ring(flat.nbytes))
         return flat
 
@@ -177,7 +178,7 @@ class Group:
         key = f"{self.name}/{kind}"
         self.stats.record(key, flat.nbytes, 0.0, self._ring(flat.nbytes), timed=False)
         return Pending(None, flat, buf, (self.stats, key, t0), ready=ready,
-                       start=lambda: self.comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, displacements(counts))]))
+                       start=lambda: self.comm.Iallgatherv(MPI.IN_PLACE, [wire(buf), (counts, displacements(counts))]))
 
     def reduce_scatter(self, x, sizes: list[int], axis: int, kind: str = "reduce_scatter"):
         """Sum x over the group and keep this rank's sizes[rank] entries along `axis` (Reduce_scatter)."""
@@ -186,7 +187,8 @@ class Group:
         front, out, counts = self._scatter_plan(x, sizes, axis, "reduce_scatter")
         backend.stager().ready(front)       # queued device work is not communication
         t0 = time.perf_counter()
-        out_of_place(lambda send, recv: self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM), front, out)
+        out_of_place(lambda send, recv: self.comm.Reduce_scatter(wire(send), wire(recv), counts,
+                                                                  op=reduction(MPI.SUM, x)), front, out)
         self.stats.record(f"{self.name}/{kind}", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return axis_back(out, axis, x.ndim, backend.array_module(x))
 
@@ -208,7 +210,8 @@ class Group:
         xp = backend.array_module(x)
         return Pending(None, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
                        send=(front, send), ready=ready,
-                       start=lambda: self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM))
+                       start=lambda: self.comm.Ireduce_scatter(wire(send), wire(recv), counts,
+                                                                       op=reduction(MPI.SUM, x)))
 
     def all_gather_last(self, x, sizes: list[int]):
         """Concatenate every rank's x along the last axis: (..., sizes[rank]) -> (..., sum(sizes))."""
@@ -221,7 +224,7 @@ class Group:
         check_buffer(x, f"{self.name}.broadcast")
         backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
-        in_place(lambda buf: self.comm.Bcast(buf, root=root), x)
+        in_place(lambda buf: self.comm.Bcast(wire(buf), root=root), x)
         self.stats.record(f"{self.name}/broadcast", x.nbytes, time.perf_counter() - t0)
         return x
 
@@ -233,9 +236,10 @@ class Group:
         backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         if self.rank == root:
-            in_place(lambda buf: self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root), x)
+            in_place(lambda buf: self.comm.Reduce(MPI.IN_PLACE, wire(buf), op=reduction(MPI.SUM, x), root=root), x)
         else:
-            in_place(lambda buf: self.comm.Reduce(buf, None, op=MPI.SUM, root=root), x, result=False)
+            in_place(lambda buf: self.comm.Reduce(wire(buf), None, op=reduction(MPI.SUM, x), root=root), x,
+                     result=False)
         self.stats.record(f"{self.name}/reduce", x.nbytes, time.perf_counter() - t0, self._ring(x.nbytes))
         return x
 
@@ -252,7 +256,7 @@ class Group:
         backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         out = backend.array_module(x).empty_like(x)
-        out_of_place(lambda send, recv: self.comm.Alltoall(send, recv), x, out)
+        out_of_place(lambda send, recv: self.comm.Alltoall(wire(send), wire(recv)), x, out)
         sent = x.nbytes * (self.size - 1) // self.size
         self.stats.record(f"{self.name}/all_to_all", sent, time.perf_counter() - t0, float(sent))
         return out
@@ -274,8 +278,8 @@ class Group:
         backend.stager().ready(x)       # queued device work is not communication
         t0 = time.perf_counter()
         out = backend.array_module(x).empty((sum(recv_rows),) + x.shape[1:], dtype=x.dtype)
-        out_of_place(lambda s, r: self.comm.Alltoallv([s, (send, displacements(send))],
-                                                       [r, (recv, displacements(recv))]), x, out)
+        out_of_place(lambda s, r: self.comm.Alltoallv([wire(s), (send, displacements(send))],
+                                                       [wire(r), (recv, displacements(recv))]), x, out)
         sent = (sum(send_rows) - send_rows[self.rank]) * per * x.itemsize
         self.stats.record(f"{self.name}/all_to_allv", sent, time.perf_counter() - t0, float(sent))
         return out
