@@ -20,9 +20,15 @@ do not care.
 from __future__ import annotations
 
 from mpi_tp.core import kernels_fused as fused
+from mpi_tp.core import kernels_half as half
 from mpi_tp.core.backend import array_module
 from mpi_tp.core.blas import matmul
-from mpi_tp.core.kernels_attention import _causal_bias, _sum_to, attention_backward, attention_forward  # noqa: F401
+from mpi_tp.core.kernels_attention import (  # noqa: F401
+    _causal_bias,
+    _sum_to,
+    attention_backward,
+    attention_forward,
+)
 from mpi_tp.core.kernels_fused import GELU_CUBIC, GELU_SCALE
 from mpi_tp.core.segment import segment_sum
 
@@ -44,7 +50,10 @@ def linear_forward(x, w, b=None):
     decoder's weights, mpi_tp.core.params.store_out_in, and the tied output layer's wte). With few rows
     (decoding: one position per sequence) the second is computed as (w_t @ x^T)^T (_few_rows): OpenBLAS's
     GEMM packs its operands and its kernel is 16 rows tall, so x @ w with 4 rows runs at a fraction of the
-    weight-read speed. Same product, other summation order: within float rounding."""
+    weight-read speed. Same product, other summation order: within float rounding. 16-bit x (bf16, fp16):
+    mpi_tp.core.kernels_half, fp32 accumulation rounded once."""
+    if half.is_half(x):
+        return half.linear_forward(x, w, b)
     K, O = w.shape
     x2 = x.reshape(-1, K)                              # (..., K) -> (N, K): one big GEMM
     if x2.shape[0] <= FEW_ROWS and w.T.flags.c_contiguous and not w.flags.c_contiguous:
@@ -96,6 +105,8 @@ def linear_backward(dout, cache, dw_out=None):
 def linear_backward_input(dout, w):
     """dx (..., K) alone: the half of linear_backward that needs no input (out = x @ w => dx = dout @ w^T).
     Sequence parallelism runs it while the input is being all-gathered again."""
+    if half.is_half(dout):
+        return half.linear_backward_input(dout, w)
     K, O = w.shape
     lead = dout.shape[:-1]
     return matmul(dout.reshape(-1, O), w.T).reshape(*lead, K)   # (N, O) @ (O, K) -> (..., K)
@@ -103,6 +114,8 @@ def linear_backward_input(dout, w):
 
 def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
     """dw (K, O) = x^T dout and db (O,) or None: the half of linear_backward that needs the input."""
+    if half.is_half(dout):
+        return half.linear_backward_weight(dout, x, has_bias, dw_out)
     K, O = x.shape[-1], dout.shape[-1]
     x2, dout2 = x.reshape(-1, K), dout.reshape(-1, O)      # (..., K) -> (N, K), (..., O) -> (N, O)
     dw = matmul(x2.T, dout2, out=dw_out)               # (K, N) @ (N, O) -> (K, O)

@@ -1,0 +1,73 @@
+"""The linear kernels on 16-bit storage (bf16, fp16): products accumulated in fp32, rounded once.
+
+    out, cache = linear_forward(x16, w16, b16)      # x16 (..., K), w16 (K, O): bf16 or fp16 arrays
+    dx16 = linear_backward_input(dout16, w16)
+    dw, db = linear_backward_weight(dout16, x16, has_bias, dw_out)   # dw_out fp32: Megatron's fp32 grads
+
+A GPU's tensor cores multiply 16-bit inputs exactly, add the products in fp32 and round the result
+once to the output's format (cuBLAS with an fp32 compute type; the bias is added in fp32 in the
+same epilogue). NumPy has no 16-bit GEMM (and no bfloat16 at all: ml_dtypes adds the storage), so
+the same arithmetic is written out: widen the operands to fp32 (exact: every 16-bit value is an fp32
+value), multiply in fp32 with the BLAS, add the bias, round once to the input's format (to nearest,
+ties to even: mpi_tp.core.precision). The inputs stay 16-bit in the cache, so a layer keeps half the
+bytes of an fp32 one for its backward; the widened copies live only inside a call. Summing in another
+order (another BLAS, a GPU) can move a result by one unit in the last place of the 16-bit format:
+tests/test_kernels_half.py compares with PyTorch within that.
+
+mpi_tp.core.kernels sends 16-bit arrays here (is_half); everything else stays there.
+"""
+from __future__ import annotations
+
+import numpy
+
+from mpi_tp.core.backend import array_module
+from mpi_tp.core.blas import matmul
+
+
+def is_half(a) -> bool:
+    """A 16-bit floating-point array: float16, or ml_dtypes' bfloat16 (NumPy; CuPy stores bf16 as fp32)."""
+    dtype = getattr(a, "dtype", None)
+    return dtype is not None and dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+
+
+def widen(a):
+    """fp32 values of a 16-bit array (exact)."""
+    return a.astype(array_module(a).float32)
+
+
+def narrow(a, dtype):
+    """fp32 a rounded once to `dtype` (to nearest, ties to even; past the format's largest: inf)."""
+    with numpy.errstate(over="ignore"):
+        return a.astype(dtype)
+
+
+def linear_forward(x, w, b=None):
+    """out = x @ w + b in x's 16-bit format, accumulated in fp32. x (..., K), w (K, O), b (O,) or None."""
+    K, O = w.shape
+    out = matmul(widen(x.reshape(-1, K)), widen(w))              # (N, K) @ (K, O) -> (N, O), fp32
+    if b is not None:
+        out += widen(b)                                           # in fp32, before the one rounding
+    return narrow(out, x.dtype).reshape(*x.shape[:-1], O), (x, w, b is not None)
+
+
+def linear_backward_input(dout, w):
+    """dx (..., K) = dout @ w^T in dout's format, accumulated in fp32."""
+    K, O = w.shape
+    dx = matmul(widen(dout.reshape(-1, O)), widen(w).T)           # (N, O) @ (O, K) -> (N, K), fp32
+    return narrow(dx, dout.dtype).reshape(*dout.shape[:-1], K)
+
+
+def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
+    """dw (K, O) = x^T dout and db (O,) or None, accumulated in fp32; rounded once to dout's format, or
+    written into dw_out in its own dtype (an fp32 gradient buffer keeps them unrounded)."""
+    K, O = x.shape[-1], dout.shape[-1]
+    d32 = widen(dout.reshape(-1, O))
+    dw = matmul(widen(x.reshape(-1, K)).T, d32)                   # (K, N) @ (N, O) -> (K, O), fp32
+    db = d32.sum(axis=0) if has_bias else None                    # (N, O) -> (O,), fp32
+    dtype = dout.dtype if dw_out is None else dw_out.dtype
+    if dw_out is not None:
+        dw_out[...] = dw                                          # its dtype: rounded once if 16-bit
+        dw = dw_out
+    else:
+        dw = narrow(dw, dtype)
+    return dw, (None if db is None else narrow(db, dtype))

@@ -1,0 +1,77 @@
+"""The linear kernels on 16-bit storage (mpi_tp.core.kernels_half) through mpi_tp.core.kernels: products
+accumulated in fp32 and rounded once to the inputs' format.
+
+Two references. The definition: the fp32 kernel on the widened inputs (exact: every 16-bit value is an
+fp32 value), rounded once with ml_dtypes / NumPy's float16 casts, must equal ours bit for bit (our
+GEMM is that same fp32 GEMM). PyTorch's bf16 and fp16 linear layers on the CPU (fp32 accumulation
+too, in oneDNN's order): an fp32 sum in another order differs by a few fp32 ulps, which can move the
+rounded result by one 16-bit ulp, so they must agree within one ulp of the format:
+|ours - torch| <= 2^-7 |torch| for bf16 (8 significant bits), 2^-10 |torch| for fp16 (11), plus the
+format's smallest normal for results near zero.
+"""
+import numpy as np
+import pytest
+
+from mpi_tp.core import kernels as kern
+from mpi_tp.core.kernels_half import is_half
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
+FORMATS = {"bf16": (np.dtype(ml_dtypes.bfloat16), 2.0 ** -7, 1.18e-38), "fp16": (np.dtype(np.float16), 2.0 ** -10,
+                                                                                    6.11e-5)}
+
+
+def operands(fmt, N=24, K=40, O=33, seed=0):
+    dtype = FORMATS[fmt][0]
+    rng = np.random.default_rng(seed)
+    x, w, b, dout = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                     for s in ((2, N // 2, K), (K, O), (O,), (2, N // 2, O)))
+    return x, w, b, dout
+
+
+def f32(a):
+    return a.astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_rounded_once_from_the_fp32_kernel(fmt):
+    dtype = FORMATS[fmt][0]
+    x, w, b, dout = operands(fmt)
+    out, cache = kern.linear_forward(x, w, b)
+    ref, _ = kern.linear_forward(f32(x), f32(w), f32(b))
+    assert out.dtype == dtype and np.array_equal(f32(out), f32(ref.astype(dtype)))
+    assert cache[0] is x and cache[0].itemsize == 2                  # the backward keeps the 16-bit input
+    dx, dw, db = kern.linear_backward(dout, cache)
+    rdx, rdw, rdb = kern.linear_backward(f32(dout), (f32(x), f32(w), True))
+    for name, got, want in (("dx", dx, rdx), ("dw", dw, rdw), ("db", db, rdb)):
+        assert got.dtype == dtype and np.array_equal(f32(got), f32(want.astype(dtype))), name
+
+
+def test_fp32_gradient_buffers_keep_the_sum_unrounded():
+    """Megatron's accumulate-in-fp32: dw written into an fp32 buffer is the fp32 sum, not its rounding."""
+    x, w, b, dout = operands("bf16")
+    buf = np.zeros(w.shape, dtype=np.float32)
+    dw, db = kern.linear_backward_weight(dout, x, True, dw_out=buf)
+    want, want_db = kern.linear_backward_weight(f32(dout), f32(x), True)
+    assert dw is buf and np.array_equal(buf, want) and db.dtype == np.float32 and np.array_equal(db, want_db)
+    assert not np.array_equal(buf, f32(buf.astype(ml_dtypes.bfloat16)))       # some bits below bf16's
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_within_one_ulp_of_pytorch(fmt):
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle (the hf-oracle extra)")
+    dtype, ulp, tiny = FORMATS[fmt]
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    x, w, b, dout = operands(fmt, N=64, K=256, O=96, seed=1)
+    tx, tw, tb = (torch.from_numpy(f32(a)).to(tdtype).requires_grad_() for a in (x, w, b))
+    ty = torch.nn.functional.linear(tx, tw.T, tb)                    # our w is (in, out): PyTorch's is (out, in)
+    ty.backward(torch.from_numpy(f32(dout)).to(tdtype))
+    out, cache = kern.linear_forward(x, w, b)
+    dx, dw, db = kern.linear_backward(dout, cache)
+    for name, ours, theirs in (("out", out, ty), ("dx", dx, tx.grad), ("dw", dw, tw.grad), ("db", db, tb.grad)):
+        t = theirs.detach().float().numpy()
+        assert np.all(np.abs(f32(ours) - t) <= ulp * np.abs(t) + tiny), f"{fmt} {name}"
+
+
+def test_only_16_bit_arrays_take_this_path():
+    assert is_half(np.zeros(2, np.float16)) and is_half(np.zeros(2, ml_dtypes.bfloat16))
+    assert not any(is_half(np.zeros(2, d)) for d in (np.float32, np.float64, np.int16, np.uint16))
