@@ -75,3 +75,55 @@ def test_within_one_ulp_of_pytorch(fmt):
 def test_only_16_bit_arrays_take_this_path():
     assert is_half(np.zeros(2, np.float16)) and is_half(np.zeros(2, ml_dtypes.bfloat16))
     assert not any(is_half(np.zeros(2, d)) for d in (np.float32, np.float64, np.int16, np.uint16))
+
+
+def _pairs():
+    from mpi_tp.core import kernels_llama as kl
+    C = 48
+    return {   # name: (forward, backward, input shapes, options)
+        "layernorm": (kern.layernorm_forward, kern.layernorm_backward, [(2, 7, C), (C,), (C,)], {"eps": 1e-5}),
+        "rmsnorm": (kl.rmsnorm_forward, kl.rmsnorm_backward, [(2, 7, C), (C,)], {"eps": 1e-5}),
+        "gelu": (kern.gelu_forward, kern.gelu_backward, [(2, 7, C)], {}),
+        "swiglu": (kl.swiglu_forward, kl.swiglu_backward, [(2, 7, C), (2, 7, C)], {}),
+    }
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("name", ["layernorm", "rmsnorm", "gelu", "swiglu"])
+def test_elementwise_kernels_are_the_fp32_pair_rounded_once(fmt, name):
+    """Statistics, tanh and sigmoid in fp32 on the widened inputs; the output and each gradient rounded once;
+    the cache holds the 16-bit inputs only (what a fused GPU kernel keeps)."""
+    dtype = FORMATS[fmt][0]
+    forward, backward, shapes, options = _pairs()[name]
+    rng = np.random.default_rng(3)
+    inputs = [(rng.standard_normal(s) + (1.0 if len(s) == 1 else 0.0)).astype(np.float32).astype(dtype)
+              for s in shapes]
+    out, cache = forward(*inputs, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32).astype(dtype)
+    ref, cache32 = forward(*map(f32, inputs), **options)
+    assert out.dtype == dtype and np.array_equal(f32(out), f32(ref.astype(dtype)))
+    assert all(a.itemsize == 2 for a in cache[0])
+    grads, want = backward(dout, cache), backward(f32(dout), cache32)
+    grads, want = (grads if isinstance(grads, tuple) else (grads,)), (want if isinstance(want, tuple) else (want,))
+    for i, (g, w) in enumerate(zip(grads, want)):
+        assert g.dtype == dtype and np.array_equal(f32(g), f32(w.astype(dtype))), f"{name} gradient {i}"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_layernorm_and_gelu_within_pytorchs(fmt):
+    """PyTorch's CPU LayerNorm and tanh-GELU in bf16/fp16 also compute in fp32 and round once: one ulp."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle (the hf-oracle extra)")
+    dtype, ulp, tiny = FORMATS[fmt]
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    rng = np.random.default_rng(4)
+    x = (3 * rng.standard_normal((4, 9, 64))).astype(np.float32).astype(dtype)
+    w, b = (rng.standard_normal(64).astype(np.float32).astype(dtype) for _ in range(2))
+    t = {k: torch.from_numpy(f32(v)).to(tdtype) for k, v in (("x", x), ("w", w), ("b", b))}
+    ln = torch.nn.functional.layer_norm(t["x"], (64,), t["w"], t["b"], 1e-5).float().numpy()
+    gelu = torch.nn.functional.gelu(t["x"], approximate="tanh").float().numpy()
+    assert np.all(np.abs(f32(kern.layernorm_forward(x, w, b)[0]) - ln) <= ulp * np.abs(ln) + tiny)
+    # For x below about -4, 1 + tanh(u) cancels in fp32 (tanh(u) is -1 within an fp32 ulp, 2^-24 there), and
+    # both sides hold that noise times x / 2 (PyTorch's tanh gives 0 where ours gives -1.5e-7 at x = -5):
+    # allowed on top of the one 16-bit ulp.
+    cancel = 2.0 ** -24 * np.abs(f32(x))
+    assert np.all(np.abs(f32(kern.gelu_forward(x)[0]) - gelu) <= ulp * np.abs(gelu) + tiny + cancel)

@@ -141,6 +141,8 @@ def _row_dot(a, b, xp):
 
 def layernorm_forward(x, w, b, eps=1e-5):
     """Normalise over the last axis (biased variance): out = (x - mean) * rstd * w + b."""
+    if half.is_half(x):                                # 16-bit: fp32 statistics, rounded once (kernels_half)
+        return half.forward_in_fp32(layernorm_forward, x, w, b, eps=eps)
     xp = array_module(x)
     C = x.shape[-1]
     if xp.__name__ != "numpy":                         # a GPU: 6 device operations, not 11 (kernels_fused)
@@ -161,6 +163,8 @@ def layernorm_forward(x, w, b, eps=1e-5):
 
 def layernorm_backward(dout, cache):
     """dx (..., C), dw (C,), db (C,)."""
+    if half.is_half(dout):
+        return half.backward_in_fp32(layernorm_forward, layernorm_backward, dout, cache)
     xhat, w, rstd = cache
     xp = array_module(dout)
     C = w.shape[0]
@@ -193,6 +197,8 @@ def _chunks(n: int):
 
 def gelu_forward(x):
     """Tanh approximation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
+    if half.is_half(x):
+        return half.forward_in_fp32(gelu_forward, x)
     xp = array_module(x)
     if xp.__name__ != "numpy":                         # a GPU: one kernel (mpi_tp.core.kernels_fused)
         out, t = fused.gelu_forward_tail(x)
@@ -215,6 +221,8 @@ def gelu_forward(x):
 
 def gelu_backward(dout, cache):
     """dx, same shape as x."""
+    if half.is_half(dout):
+        return half.backward_in_fp32(gelu_forward, gelu_backward, dout, cache)
     x, t = cache
     # out = 0.5 x (1 + t), t = tanh(u), u = a (x + c x^3)
     #   => dout/dx = 0.5 [(1 + t) + x (1 - t^2) a (1 + 3 c x^2)]

@@ -71,3 +71,28 @@ def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
     else:
         dw = narrow(dw, dtype)
     return dw, (None if db is None else narrow(db, dtype))
+
+
+# -- the elementwise and normalising kernels: computed in fp32 on the widened inputs, rounded once ------
+# LayerNorm and RMSNorm statistics, GELU's tanh, SwiGLU's sigmoid: all in fp32, as fused GPU kernels
+# compute them; the output rounded once to the input's format. The cache keeps only the 16-bit inputs
+# (the bytes a GPU keeps), and the backward computes the fp32 forward's cache again from them, so the
+# numbers are those of the fp32 kernel pair on the widened inputs, rounded once at the end, bit for bit.
+
+
+def forward_in_fp32(forward, *inputs, **options):
+    """forward(*inputs) computed in fp32 (16-bit inputs widened), its output rounded once to the first
+    input's format; the cache: the inputs as they came."""
+    out, _ = forward(*(widen(a) if is_half(a) else a for a in inputs), **options)
+    return narrow(out, inputs[0].dtype), (inputs, options)
+
+
+def backward_in_fp32(forward, backward, dout, cache):
+    """backward(dout) of forward_in_fp32's call: the fp32 cache computed again from the kept inputs, the
+    fp32 backward, each gradient rounded once to its input's format (a single gradient: dout's)."""
+    inputs, options = cache
+    _, cache32 = forward(*(widen(a) if is_half(a) else a for a in inputs), **options)
+    grads = backward(widen(dout), cache32)
+    if not isinstance(grads, tuple):
+        return narrow(grads, dout.dtype)
+    return tuple(g if g is None or not is_half(a) else narrow(g, a.dtype) for g, a in zip(grads, inputs))
