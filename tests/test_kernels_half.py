@@ -127,3 +127,44 @@ def test_layernorm_and_gelu_within_pytorchs(fmt):
     # allowed on top of the one 16-bit ulp.
     cancel = 2.0 ** -24 * np.abs(f32(x))
     assert np.all(np.abs(f32(kern.gelu_forward(x)[0]) - gelu) <= ulp * np.abs(gelu) + tiny + cancel)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("online", [False, True], ids=["dense", "online"])
+def test_attention_is_the_fp32_pair_rounded_once(fmt, online):
+    """q k^T, the softmax and its dropout, and the product with v in fp32; the output and dq, dk, dv rounded
+    once; the cache holds the 16-bit q, k, v only (the backward recomputes, as FlashAttention's does)."""
+    from mpi_tp.core import kernels_attention as ka
+    dtype = FORMATS[fmt][0]
+    forward, backward = ((ka.online_attention_forward, ka.online_attention_backward) if online
+                         else (kern.attention_forward, kern.attention_backward))
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((2, 3, 20, 8)).astype(np.float32).astype(dtype) for _ in range(4))
+    mask = rng.random((2, 3, 20, 20)) > 0.2
+    out, cache = forward(q, k, v, mask, 1.25, block=8)
+    ref, cache32 = forward(f32(q), f32(k), f32(v), mask, 1.25, block=8)
+    assert out.dtype == dtype and np.array_equal(f32(out), f32(ref.astype(dtype)))
+    assert [a.itemsize for a in cache[0][:3]] == [2, 2, 2]
+    for name, g, w in zip("qkv", backward(dout, cache), backward(f32(dout), cache32)):
+        assert g.dtype == dtype and np.array_equal(f32(g), f32(w.astype(dtype))), f"d{name}"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_embedding_and_cross_entropy_accumulate_in_fp32(fmt):
+    dtype = FORMATS[fmt][0]
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((11, 6)).astype(np.float32).astype(dtype)
+    ids = rng.integers(0, 11, (4, 9))                                      # ids repeat: their rows summed
+    out, cache = kern.embedding_forward(ids, table)
+    assert out.dtype == dtype and np.array_equal(f32(out), f32(table)[ids])          # a gather: exact
+    dout = rng.standard_normal(out.shape).astype(np.float32).astype(dtype)
+    dtable = kern.embedding_backward(dout, cache)
+    want = kern.embedding_backward(f32(dout), (ids, table.shape, np.dtype(np.float32)))
+    assert dtable.dtype == dtype and np.array_equal(f32(dtable), f32(want.astype(dtype)))
+    logits = (4 * rng.standard_normal((4, 9, 11))).astype(np.float32).astype(dtype)
+    loss, cache = kern.cross_entropy_forward(logits, ids)
+    loss32, cache32 = kern.cross_entropy_forward(f32(logits), ids)
+    assert isinstance(loss, float) and loss == loss32 and cache[0].dtype == np.float32   # fp32 throughout
+    dlogits = kern.cross_entropy_backward(0.5, cache)
+    assert dlogits.dtype == dtype and np.array_equal(f32(dlogits),
+                                                     f32(kern.cross_entropy_backward(0.5, cache32).astype(dtype)))

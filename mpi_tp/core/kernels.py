@@ -265,6 +265,8 @@ def embedding_backward(dout, cache):
     GPU, so the gradient, and a resumed run, are the same bits run after run.
     """
     ids, shape, dtype = cache
+    if half.is_half(dout):                             # 16-bit: summed in fp32, rounded once
+        return half.narrow(segment_sum(ids.reshape(-1), half.widen(dout.reshape(-1, shape[1])), shape[0]), dtype)
     dout2 = dout.reshape(-1, shape[1]).astype(dtype, copy=False)   # (B, S, C) -> (N, C), summed in wte's dtype
     return segment_sum(ids.reshape(-1), dout2, shape[0])           # (N, C) -> (V, C)
 
@@ -274,8 +276,12 @@ def embedding_backward(dout, cache):
 def cross_entropy_forward(logits, targets):
     """Mean over all positions of -log softmax(logits)[target], as a Python float.
 
-    logits (..., V), integer targets (...). The cache holds the probabilities.
+    logits (..., V), integer targets (...). The cache holds the probabilities. 16-bit logits: all of it in
+    fp32 (the probabilities kept in fp32, as Megatron's), dlogits rounded once to the logits' format.
     """
+    if half.is_half(logits):
+        loss, (probs, t, shape, _) = cross_entropy_forward(half.widen(logits), targets)
+        return loss, (probs, t, shape, logits.dtype)
     xp = array_module(logits)
     V = logits.shape[-1]
     logits2 = logits.reshape(-1, V)                    # (..., V) -> (N, V)
@@ -288,15 +294,15 @@ def cross_entropy_forward(logits, targets):
     # -log p[target] = log(sum exp) - shifted[target]; never log(0) for unlikely targets
     loss = float((xp.log(sumexp) - shifted[rows, t]).mean())
     probs /= sumexp[:, None]
-    return loss, (probs, t, logits.shape)
+    return loss, (probs, t, logits.shape, logits.dtype)
 
 
 def cross_entropy_backward(dloss, cache):
     """dlogits (..., V) = dloss * (softmax - onehot(target)) / N."""
     xp = array_module(cache[0])
-    probs, t, shape = cache
+    probs, t, shape, dtype = cache
     N = probs.shape[0]
     scale = float(dloss) / N                           # Python float: keeps float32
     dlogits = probs * scale                            # (N, V), fresh
     dlogits[xp.arange(N), t] -= scale
-    return dlogits.reshape(shape)                      # (N, V) -> (..., V)
+    return dlogits.reshape(shape).astype(dtype, copy=False)     # (N, V) -> (..., V), in the logits' format

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core import kernels_fused as fused
+from mpi_tp.core import kernels_half as half
 from mpi_tp.core.backend import array_module
 
 QUERY_BLOCK = 128        # query rows per block; at most this many rows, the dense (S, S) path
@@ -59,6 +60,7 @@ def _causal_bias(S, dtype, xp):
 def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None = None):
     """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
     (Any leading axes broadcast: grouped-query attention passes q (B, H_kv, R, S, hs), k and v (B, H_kv, 1, S, hs).)
+    16-bit q, k, v: the fp32 computation rounded once, the backward recomputing it (mpi_tp.core.kernels_half).
 
     Attention dropout: drop_mask, if given, is bool and broadcastable to (B, H, S, S), True
     where a probability is kept; the kept probabilities are scaled by drop_scale, 1/(1-p):
@@ -66,6 +68,8 @@ def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None
     (S, S) probabilities; nothing scaled is kept). block: query rows per block (default QUERY_BLOCK: the
     module docstring).
     """
+    if half.is_half(q):
+        return half.forward_in_fp32(attention_forward, q, k, v, drop_mask, drop_scale, block=block)
     xp = array_module(q)
     block = QUERY_BLOCK if block is None else block
     S, hs = q.shape[-2:]
@@ -128,6 +132,8 @@ def _softmax_backward(dp, row_dot, p):
 def attention_backward(dout, cache):
     """dq, dk, dv, like q, k and v: the forward's blocks again (see the module docstring), a few batch rows at
     a time on the CPU (_batch_rows: the (S, S) temporaries of one chunk stay in L2)."""
+    if half.is_half(dout):
+        return half.backward_in_fp32(attention_forward, attention_backward, dout, cache)
     q, k, v, probs, drop_mask, drop_scale, scale, block = cache
     xp = array_module(dout)
     if drop_mask is not None:
@@ -267,6 +273,8 @@ def online_attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int
     """attention_forward's result by the online softmax over tiles of block x block (default QUERY_BLOCK):
     no (S, S) array is held, at most one tile of scores; the cache keeps out and lse (B, H, S) instead of
     the probabilities. drop_mask as attention_forward's (each tile takes its part)."""
+    if half.is_half(q):
+        return half.forward_in_fp32(online_attention_forward, q, k, v, drop_mask, drop_scale, block=block)
     xp = array_module(q)
     block = QUERY_BLOCK if block is None else block
     S = q.shape[-2]
@@ -283,6 +291,8 @@ def online_attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int
 
 def online_attention_backward(dout, cache):
     """dq, dk, dv of online_attention_forward, tile by tile, the probabilities recomputed from lse."""
+    if half.is_half(dout):
+        return half.backward_in_fp32(online_attention_forward, online_attention_backward, dout, cache)
     q, k, v, out, lse, drop_mask, drop_scale, block = cache
     xp = array_module(dout)
     qs = q * (1.0 / math.sqrt(q.shape[-1]))
