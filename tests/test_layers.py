@@ -152,3 +152,27 @@ def test_parallel_mlp(topos, world):
     assert_close(par.forward(x), ser.forward(x), RTOL, "output")
     assert_close(par.backward(dout), ser.backward(dout), RTOL, "dinp")
     check_params(ser, par, world)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_vocab_parallel_cross_entropy_of_16_bit_logits_is_fp32(topos, fmt):
+    """bf16/fp16 logits: everything in fp32 (the all-reduces too), dlogits rounded once. Against the serial
+    fp32 kernel on the widened logits: the loss within fp32 rounding of a sum in another order (1e-6), each
+    dlogit within one ulp of the 16-bit format (its fp32 value may sit on the other side of a tie)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
+    dtype, ulp, sub = {"bf16": (np.dtype(ml_dtypes.bfloat16), 2.0 ** -7, 2.0 ** -133),    # sub: the spacing of
+                       "fp16": (np.dtype(np.float16), 2.0 ** -10, 2.0 ** -24)}[fmt]          # the subnormals
+    serial, tp = topos
+    V = 37
+    logits = (rand(4, 6, V) * 3).astype(np.float32).astype(dtype)
+    targets = np.random.default_rng(1).integers(0, V, (4, 6))
+    loss_ref, cache = kern.cross_entropy_forward(logits.astype(np.float32), targets)
+    dlogits_ref = kern.cross_entropy_backward(0.7, cache)
+    emb = VocabParallelEmbedding("wte", V, 4, tp.tp, F64)
+    ce = VocabParallelCrossEntropy(tp.tp, emb.start, emb.stop)
+    loss = ce.forward(np.ascontiguousarray(logits[..., emb.start:emb.stop]), targets)
+    assert isinstance(loss, float) and abs(loss - loss_ref) <= 1e-6 * abs(loss_ref)
+    dlogits = ce.backward(0.7)
+    want = dlogits_ref[..., emb.start:emb.stop]
+    assert dlogits.dtype == dtype
+    assert np.all(np.abs(dlogits.astype(np.float32) - want) <= ulp * np.abs(want) + sub)

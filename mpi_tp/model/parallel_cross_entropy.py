@@ -15,12 +15,17 @@ all-gather of N*V logits (Megatron-LM's vocab_parallel_cross_entropy):
 
 The backward needs no communication: dlogits = (softmax - onehot) / N, and each
 rank owns its columns of both.
+
+16-bit logits (bf16, fp16: mpi_tp.core.precision) are widened to fp32 first, as Megatron's
+`.float()` does: the maximum, the sum-exp, the loss and the kept softmax are fp32 (so are the two
+all-reduces), and dlogits is rounded once back to the logits' format.
 """
 from __future__ import annotations
 
 from mpi4py import MPI
 
 from mpi_tp.core import backend
+from mpi_tp.core.kernels_half import is_half, narrow, widen
 from mpi_tp.core.module import Module
 from mpi_tp.parallel.collectives import Group
 
@@ -35,6 +40,9 @@ class VocabParallelCrossEntropy(Module):
         """logits (B, S, V_i), targets (B, S) global token ids -> mean loss (same on every rank)."""
         xp = backend.array_module(logits)
         V_i = logits.shape[-1]
+        dtype = logits.dtype
+        if is_half(logits):
+            logits = widen(logits)                                     # fp32 from here on
         l = logits.reshape(-1, V_i)                                    # (N, V_i)
         N = l.shape[0]
         m = l.max(axis=1)                                              # (N,) local max
@@ -51,15 +59,15 @@ class VocabParallelCrossEntropy(Module):
         self.group.all_reduce(parts)                                   # global sum-exp, target logit
         loss = xp.log(parts[0]) - parts[1]                             # (N,)
         e /= parts[0][:, None]                                         # softmax columns of this rank
-        self.save_cache(e, col, mine, logits.shape)
+        self.save_cache(e, col, mine, logits.shape, dtype)
         return float(loss.mean())
 
     def backward(self, dloss: float = 1.0):
         """dlogits (B, S, V_i) = dloss * (softmax - onehot(target)) / N, on this rank's columns."""
-        probs, col, mine, shape = self.take_cache()
+        probs, col, mine, shape, dtype = self.take_cache()
         xp = backend.array_module(probs)
         N = probs.shape[0]
         rows = xp.arange(N)[mine]
         probs[rows, col[mine]] -= 1.0
         probs *= dloss / N
-        return probs.reshape(shape)
+        return narrow(probs.reshape(shape), dtype) if dtype.itemsize == 2 else probs.reshape(shape)
