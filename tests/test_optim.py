@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mpi_tp.core.params import fuse_last_axis, make_param
-from mpi_tp.training.optim import BLOCK, SGD, AdamW, clip_coefficient, lr_at
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.optim import BLOCK, SGD, AdamW, clip_coefficient, grad_norm, lr_at
 
 
 def params(seed=0):
@@ -97,3 +98,17 @@ def test_the_fused_adamw_update_gives_the_blocked_loops_numbers(dtype, monkeypat
         monkeypatch.setattr(optim_module.backend, "name", backend.name)
         results.append([p.data.copy() for p in params] + [a.copy() for k in ("m", "v") for a in opt.state[k]])
     assert all(np.array_equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_norm_of_16_bit_gradients_is_summed_in_fp32(dtype):
+    """fp16's dot product sums in fp16 and overflows past 65504 (these squares add to 2.7e5): the norm
+    squares and sums 16-bit gradients in fp32 (then float64 across storages), as the fp32 norm would."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    params = [make_param(f"p{i}", (30000,), dt, seed=i) for i in range(2)]
+    rng = np.random.default_rng(0)
+    for p in params:
+        p.grad[...] = (rng.standard_normal(30000) * 3).astype(np.float32).astype(dt)
+    want = np.sqrt(sum(float((p.grad.astype(np.float64) ** 2).sum()) for p in params))
+    assert grad_norm(params, Topology.serial().tp) == pytest.approx(want, rel=1e-6)

@@ -26,6 +26,7 @@ import numpy
 
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.kernels_half import is_half, widen
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.expert_parallel import expert_of
 
@@ -130,6 +131,8 @@ def grad_norm(spaces: list[Space], tp, pp=None, counted=None) -> float:
             shard = expert_of(seg.members[0])
             ep = shard.ep if shard is not None else ep
             x = g[seg.lo:seg.hi]
+            if is_half(x):                                      # 16-bit gradients: squared and summed in fp32
+                x = widen(x)
             squares[key][(0 if seg.members[0].sharded else 1) + (2 if shard is not None else 0)] += x @ x
     keys = list(squares)
     # one copy to the host for the whole model (a sync per storage would stall a GPU's queue each time);
