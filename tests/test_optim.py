@@ -112,3 +112,33 @@ def test_the_norm_of_16_bit_gradients_is_summed_in_fp32(dtype):
         p.grad[...] = (rng.standard_normal(30000) * 3).astype(np.float32).astype(dt)
     want = np.sqrt(sum(float((p.grad.astype(np.float64) ** 2).sum()) for p in params))
     assert grad_norm(params, Topology.serial().tp) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("opt_cls,opts", [(AdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                          (SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01))])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_parameters_are_updated_through_fp32_masters(opt_cls, opts, dtype):
+    """The update of 16-bit parameters is the fp32 optimizer's on fp32 masters, bit for bit (the same fp32
+    arithmetic on the same widened gradients), and the parameters are the masters rounded once; the
+    moments and masters are fp32 state, saved and loaded like the moments."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    half = [make_param("w", (50, 3), dt, seed=1, decay=True), make_param("b", (7,), dt, seed=2)]
+    wide = [make_param(p.name, p.data.shape, np.float32, decay=p.name == "w") for p in half]
+    for p, q in zip(half, wide):
+        q.data[...] = p.data.astype(np.float32)                 # the same starting values
+    opt, ref = opt_cls(half, **opts), opt_cls(wide, **opts)
+    assert opt.masters and not ref.masters and all(a.dtype == np.float32 for k in opt.state for a in opt.state[k])
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        for p, q in zip(half, wide):
+            p.grad[...] = rng.standard_normal(p.grad.shape).astype(np.float32).astype(dt)
+            q.grad[...] = p.grad.astype(np.float32)
+        opt.step(grad_scale=0.5)
+        ref.step(grad_scale=0.5)
+        for p, q, master in zip(half, wide, opt.state_tensors()["master"]):
+            assert np.array_equal(master, q.data), f"{p.name}: the masters are the fp32 run"
+            assert p.data.dtype == dt and np.array_equal(p.data, q.data.astype(dt)), f"{p.name}: rounded once"
+    again = opt_cls([make_param(p.name, p.data.shape, dt, decay=p.name == "w") for p in half], **opts)
+    again.load_state_tensors(opt.state_tensors())
+    assert all(np.array_equal(a, b) for k in opt.state for a, b in zip(again.state[k], opt.state[k]))

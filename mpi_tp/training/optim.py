@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core import backend
+from mpi_tp.core.kernels_half import is_half, narrow, widen
 from mpi_tp.core.params import Param, storages
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.training import optimizer_state as state_of
@@ -92,8 +93,14 @@ class _Optimizer:
         self.spaces = bucket_spaces(self.reducer) if self.reducer else storage_spaces(params)
         if self.reducer and {id(p) for p in params} != {id(p) for s in self.spaces for _, _, m in s.stores for p in m}:
             raise ValueError("the distributed optimizer needs the parameters of the reducer's model")
-        self.state = {k: [xp.zeros(s.size, s.params().dtype) for s in self.spaces] for k in kinds}
-        dtype = self.spaces[0].params().dtype if self.spaces else "float32"
+        # 16-bit parameters (bf16, fp16): the update runs on fp32 master copies, the moments are fp32 too,
+        # and each segment's parameters are the masters rounded once after its update (Micikevicius et al.
+        # 2018; the masters are state like the moments: sharded by ZeRO-1, saved as optim/master/<name>).
+        self.masters = bool(self.spaces) and is_half(self.spaces[0].params())
+        dtype = "float32" if self.masters else (self.spaces[0].params().dtype if self.spaces else "float32")
+        self.state = {k: [xp.zeros(s.size, dtype) for s in self.spaces] for k in kinds}
+        if self.masters:
+            self.state["master"] = [widen(s.params()) for s in self.spaces]
         n = min(BLOCK, max((s.size for s in self.spaces), default=1))
         self._scratch, self._scaled = xp.empty(n, dtype), xp.empty(n, dtype)
         self.t = 0
@@ -139,12 +146,18 @@ class _Optimizer:
 
     def _flat(self):
         """(param, grad, decay, *state) as flat views of one segment, for every segment of every space;
-        after each space of the distributed optimizer, its parameters' all-gather starts."""
+        after each space of the distributed optimizer, its parameters' all-gather starts. With fp32
+        masters the param yielded is the segment's master, and once the caller has updated it (the
+        generator resumes) the 16-bit parameters become the masters rounded once."""
+        kinds = [k for k in self.state if k != "master"]
         for j, space in enumerate(self.spaces):
             params, grads = space.params(), space.grads()
             for seg in space.segments:
                 part = slice(seg.lo, seg.hi)
-                yield (params[part], grads[part], seg.decay, *(arrays[j][part] for arrays in self.state.values()))
+                target = self.state["master"][j][part] if self.masters else params[part]
+                yield (target, grads[part], seg.decay, *(self.state[k][j][part] for k in kinds))
+                if self.masters:
+                    params[part] = narrow(target, params.dtype)
             if self.reducer is not None:
                 self.reducer.gather_params(space.index)
 
@@ -160,7 +173,10 @@ class _Optimizer:
         return self._scratch[:n]
 
     def _grad_block(self, g, grad_scale: float):
-        """The gradient block, times grad_scale (gradient clipping) when that is not 1."""
+        """The gradient block, times grad_scale (gradient clipping) when that is not 1; fp32 (16-bit ones
+        widened: exactly)."""
+        if is_half(g):
+            g = widen(g)
         if grad_scale == 1.0:
             return g
         out = self._scaled[:g.size]
@@ -232,6 +248,7 @@ class AdamW(_Optimizer):
         for p, g, decay, m, v in self._flat():
             shrink = 1.0 - lr * self.weight_decay if (self.weight_decay and decay) else None
             if backend.name() == "cupy":                        # one fused kernel and 3 copies a segment
+                g = widen(g) if is_half(g) else g
                 p[...], m[...], v[...] = adamw_update(p, g, m, v, grad_scale, 1.0 if shrink is None else shrink,
                                                       self.b1, self.b2, step_size, inv_sqrt_c2, self.eps)
                 continue
