@@ -5,7 +5,10 @@ import hashlib
 import os
 import shutil
 
+import numpy
+
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.precision import bfloat16
 
 FORMAT = "mpi_tp-checkpoint"
 VERSION = 1
@@ -75,3 +78,28 @@ def complete_steps(root: str) -> list[int]:
                     os.path.isfile(os.path.join(root, name, "index.h5")):
                 steps.append(int(name[5:]))
     return sorted(steps)
+
+
+# bfloat16 on disk: HDF5 has no bfloat16 type (h5py would store ml_dtypes' arrays as opaque 2-byte
+# records), so a bfloat16 tensor is stored as its uint16 words, the index naming its dtype "bfloat16";
+# any reader gets the exact values as (words.astype(uint32) << 16).view(float32).
+
+def dtype_name(dtype) -> str:
+    """What the index records as a tensor's dtype: NumPy's string ('<f4'), or 'bfloat16'."""
+    dtype = numpy.dtype(dtype)
+    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+
+
+def stored(array):
+    """The array as HDF5 holds it: a bfloat16 array's uint16 words (a view), anything else itself."""
+    return array.view(numpy.uint16) if array.dtype.name == "bfloat16" else array
+
+
+def stored_dtype(name: str):
+    """The dtype on disk for a dtype_name (bfloat16: uint16)."""
+    return numpy.dtype(numpy.uint16) if name == "bfloat16" else numpy.dtype(name)
+
+
+def as_saved(values, name: str):
+    """Values read from disk as the dtype the index names (bfloat16: the uint16 words viewed back)."""
+    return values.view(bfloat16()) if name == "bfloat16" else values

@@ -7,7 +7,16 @@ import os
 import h5py
 import numpy
 
-from mpi_tp.checkpoint.format import FORMAT, VERSION, CheckpointError, complete_steps, sha256_file, step_dir_name
+from mpi_tp.checkpoint.format import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    as_saved,
+    complete_steps,
+    sha256_file,
+    step_dir_name,
+    stored_dtype,
+)
 from mpi_tp.core import backend
 
 
@@ -108,13 +117,13 @@ class Checkpoint:
                                   "different model or optimizer")
         shape, split = list(t["shape"]), t["axis"]
         if split is None:                                   # replicated: one whole copy, in one shard
-            return self._read_piece(t["pieces"][0][0], name, ())
+            return as_saved(self._read_piece(t["pieces"][0][0], name, ()), t["dtype"])
         if axis is not None and axis != split:
             raise CheckpointError(f"{name}: saved split along axis {split}, requested along {axis}")
         if axis is None:
             start, stop = 0, shape[split]
         shape[split] = stop - start
-        out = numpy.empty(shape, dtype=numpy.dtype(t["dtype"]))
+        out = numpy.empty(shape, dtype=stored_dtype(t["dtype"]))        # bfloat16: its uint16 words
         covered = 0
         for r, a, b in t["pieces"]:
             lo, hi = max(a, start), min(b, stop)
@@ -128,7 +137,7 @@ class Checkpoint:
         if covered != stop - start:
             raise CheckpointError(f"{self.index_path}: the shards of {name!r} do not cover [{start}, {stop}) "
                                   "of its split axis: the index is inconsistent")
-        return out
+        return as_saved(out, t["dtype"])
 
     def __enter__(self):
         return self
@@ -214,15 +223,16 @@ def load_into(ckpt: Checkpoint, model, optimizer=None) -> None:
     """Fill this rank's shards (and the optimizer's) from the checkpoint, whatever layout saved it."""
     check_model_config(ckpt, model.cfg)
 
-    def read(group, p, like):
+    def read(group, p, shape, dtype):
         values = ckpt.read(f"{group}/{p.name}", p.axis, p.start, p.stop)
-        if values.shape != like.shape:
+        if values.shape != shape:
             raise CheckpointError(f"{group}/{p.name}: checkpoint slice {values.shape} does not fit the "
-                                  f"model's {like.shape}")
-        return backend.asarray(values.astype(like.dtype, copy=False))
+                                  f"model's {shape}")
+        return backend.asarray(values.astype(dtype, copy=False))
     for p in model.parameters():
-        p.data[...] = read("model", p, p.data)
-    if optimizer is not None:
-        kinds = optimizer.state.keys()
-        optimizer.load_state_tensors({k: [read(f"optim/{k}", p, p.data) for p in optimizer.params] for k in kinds})
+        p.data[...] = read("model", p, p.data.shape, p.data.dtype)
+    if optimizer is not None:            # each kind in its own dtype (fp32 masters and moments of 16-bit params)
+        dtypes = {k: (arrays[0].dtype if arrays else None) for k, arrays in optimizer.state.items()}
+        optimizer.load_state_tensors({k: [read(f"optim/{k}", p, p.data.shape, dtype or p.data.dtype)
+                                          for p in optimizer.params] for k, dtype in dtypes.items()})
         optimizer.t = int(ckpt.meta.get("optimizer_t", 0))

@@ -48,8 +48,21 @@ import h5py
 import numpy
 
 from mpi_tp.checkpoint.diskfile import DiskFile
-from mpi_tp.checkpoint.format import (FORMAT, VERSION, CheckpointError, complete_steps, fsync_path, put_in_place,
-                                      sha256_file, shard_name, state_tensors, step_dir_name)
+from mpi_tp.checkpoint.format import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    complete_steps,
+    dtype_name,
+    fsync_path,
+    put_in_place,
+    sha256_file,
+    shard_name,
+    state_tensors,
+    step_dir_name,
+    stored,
+    stored_dtype,
+)
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import failpoint, no_space
@@ -95,7 +108,7 @@ def _write_shard(path, tensors, step, fault=None):
     with contextlib.closing(disk), h5py.File(disk, "w") as f:
         for i, (group, p, data) in enumerate(tensors):
             name = f"{group}/{p.name}"
-            ds = f.create_dataset(name, data=backend.asnumpy(data), fletcher32=True)
+            ds = f.create_dataset(name, data=stored(backend.asnumpy(data)), fletcher32=True)   # bf16: its words
             ds.attrs["global_shape"] = p.global_shape
             ds.attrs["axis"] = -1 if p.axis is None else p.axis
             ds.attrs["start"], ds.attrs["stop"] = p.start, p.stop
@@ -112,7 +125,7 @@ def _write_index(path, shards, tensors, meta, fault=None, tokenizer_json=None):
     """The index: metadata, the layout table, a virtual dataset per full tensor, and the tokenizer.json
     the model reads text with (if any: meta/tokenizer.json, its text as UTF-8 bytes).
 
-    tensors: (name, global shape, dtype, split axis) of every tensor of every stage."""
+    tensors: (name, global shape, dtype name (format.dtype_name), split axis) of every tensor of every stage."""
     layout = {"shards": shards, "tensors": {}}
     disk = DiskFile(path, fault)
     with contextlib.closing(disk), h5py.File(disk, "w") as f:
@@ -122,9 +135,9 @@ def _write_index(path, shards, tensors, meta, fault=None, tokenizer_json=None):
             f.attrs[key] = json.dumps(value)
         for name, global_shape, dtype, axis in tensors:
             owners = [(r, s["pieces"][name]) for r, s in enumerate(shards) if name in s["pieces"]]
-            dtype = numpy.dtype(dtype)
-            layout["tensors"][name] = {"shape": list(global_shape), "dtype": dtype.str,
+            layout["tensors"][name] = {"shape": list(global_shape), "dtype": dtype,
                                        "axis": axis, "pieces": [[r, a, b] for r, (a, b) in owners]}
+            dtype = stored_dtype(dtype)                          # bfloat16: uint16 words on disk
             vds = h5py.VirtualLayout(shape=tuple(global_shape), dtype=dtype)
             for r, (a, b) in owners:
                 shape = list(global_shape)
@@ -223,7 +236,7 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         shards = [s for s in comm.allgather(record) if s]   # a few hundred bytes per rank, at save time only
         shards.sort(key=lambda s: s["file"])          # (ep rank, stage, tensor-parallel rank) order
         described, seen = [], set()                   # every stage's tensors, each once, in rank order
-        for rank_tensors in comm.allgather([(f"{g}/{p.name}", list(p.global_shape), numpy.dtype(d.dtype).str,
+        for rank_tensors in comm.allgather([(f"{g}/{p.name}", list(p.global_shape), dtype_name(d.dtype),
                                              p.axis) for g, p, d in mine]):
             described += [t for t in rank_tensors if t[0] not in seen]
             seen.update(t[0] for t in rank_tensors)
