@@ -168,3 +168,16 @@ def test_embedding_and_cross_entropy_accumulate_in_fp32(fmt):
     dlogits = kern.cross_entropy_backward(0.5, cache)
     assert dlogits.dtype == dtype and np.array_equal(f32(dlogits),
                                                      f32(kern.cross_entropy_backward(0.5, cache32).astype(dtype)))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_rope_is_the_fp32_rotation_rounded_once(fmt):
+    from mpi_tp.core import kernels_llama as kl
+    dtype = FORMATS[fmt][0]
+    cos, sin = kl.rope_tables(np.arange(7), 8, 10000.0, np.float32)
+    x, dout = (np.random.default_rng(s).standard_normal((2, 3, 7, 8)).astype(np.float32).astype(dtype) for s in (7, 8))
+    out, cache = kl.rope_forward(x, cos, sin)
+    ref, cache32 = kl.rope_forward(f32(x), cos, sin)
+    assert out.dtype == dtype and np.array_equal(f32(out), f32(ref.astype(dtype)))
+    dx = kl.rope_backward(dout, cache)
+    assert dx.dtype == dtype and np.array_equal(f32(dx), f32(kl.rope_backward(f32(dout), cache32).astype(dtype)))

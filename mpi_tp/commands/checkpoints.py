@@ -26,10 +26,12 @@ import h5py
 import numpy
 
 from mpi_tp import checkpoint as ckpt_io
+from mpi_tp.checkpoint.format import stored
 from mpi_tp.checkpoint.model import load_model, model_tokenizer
 from mpi_tp.commands import hf
 from mpi_tp.commands.common import add_model_arguments, on_rank0, use_backend
 from mpi_tp.core.errors import UserError, refuse_to_replace
+from mpi_tp.core.precision import dtype_of
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.inference.evaluate import evaluate_file
 from mpi_tp.inference.generate import Request, generate
@@ -110,11 +112,11 @@ def cmd_inspect(args, comm) -> int:
             total = 0
             print(f"  {'tensor':<34} {'shape':>14} {'dtype':>8} {'MB':>8}  split")
             for name, t in ck.tensors.items():
-                nbytes = int(numpy.prod(t["shape"])) * numpy.dtype(t["dtype"]).itemsize
+                nbytes = int(numpy.prod(t["shape"])) * dtype_of(t["dtype"]).itemsize
                 total += nbytes
                 split = "replicated" if t["axis"] is None else \
                     f"axis {t['axis']}: " + " ".join(f"{a}:{b}" for _, a, b in t["pieces"])
-                print(f"  {name:<34} {str(tuple(t['shape'])):>14} {numpy.dtype(t['dtype']).name:>8} "
+                print(f"  {name:<34} {str(tuple(t['shape'])):>14} {dtype_of(t['dtype']).name:>8} "
                       f"{nbytes / 1e6:>8.3f}  {split}")
             print(f"  {len(ck.tensors)} tensors, {total / 1e6:.2f} MB in {len(ck.shards)} shards")
             problems = ck.verify()
@@ -139,8 +141,14 @@ def cmd_export(args, comm) -> int:
         if os.path.isdir(out):
             raise UserError(f"export: {out} is a folder: give a file name")
         with ckpt_io.Checkpoint(args.checkpoint) as ck:
-            tensors = {name: ck.read(name) for name in ck.tensors if args.optimizer or name.startswith("model/")}
+            # bfloat16 tensors as their uint16 words, as in the checkpoint (neither HDF5 nor .npz has bfloat16);
+            # meta/bfloat16 lists them
+            tensors = {name: stored(ck.read(name)) for name in ck.tensors
+                       if args.optimizer or name.startswith("model/")}
+            half = [name for name in tensors if ck.tensors[name]["dtype"] == "bfloat16"]
             meta = {k: json.dumps(v) for k, v in ck.meta.items()}
+            if half:
+                meta["bfloat16"] = json.dumps(half)
         tmp = out + ".tmp" + (".npz" if out.endswith(".npz") else "")
         if out.endswith(".npz"):
             numpy.savez(tmp, **tensors, **{f"meta/{k}": numpy.array(v) for k, v in meta.items()})

@@ -77,7 +77,11 @@ def _rotate_half(x):
 
 def rope_forward(x, cos, sin):
     """Rotate each pair (j, j + hs/2) of the last axis by its angle: out = x * cos + rotate_half(x) * sin.
-    x (..., S, hs); cos, sin broadcastable to x, e.g. (S, hs), or (B, 1, 1, hs) for one position per row."""
+    x (..., S, hs); cos, sin broadcastable to x, e.g. (S, hs), or (B, 1, 1, hs) for one position per row.
+    16-bit x: in fp32, rounded once (kernels_half)."""
+    if half.is_half(x):                                 # the cache is the tables either way (linear in x)
+        out, _ = rope_forward(half.widen(x), *(half.widen(t) if half.is_half(t) else t for t in (cos, sin)))
+        return half.narrow(out, x.dtype), (cos, sin)
     out = x * cos
     out += _rotate_half(x) * sin
     return out, (cos, sin)
@@ -86,6 +90,9 @@ def rope_forward(x, cos, sin):
 def rope_backward(dout, cache):
     """dx: the inverse rotation of dout (a rotation's transpose is its inverse). The same angle at j and at
     j + hs/2 lets sin commute with rotate_half, whose transpose is its negative: dx = dout cos - R(dout) sin."""
+    if half.is_half(dout):
+        tables = tuple(half.widen(t) if half.is_half(t) else t for t in cache)
+        return half.narrow(rope_backward(half.widen(dout), tables), dout.dtype)
     cos, sin = cache
     dx = dout * cos
     dx -= _rotate_half(dout) * sin

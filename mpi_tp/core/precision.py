@@ -82,6 +82,12 @@ def bfloat16():
     return numpy.dtype(ml_dtypes.bfloat16)
 
 
+def dtype_of(dtype):
+    """numpy.dtype(dtype), with 'bfloat16' (as checkpoints and --precision bf16 name it) NumPy's through
+    ml_dtypes."""
+    return bfloat16() if str(dtype) == "bfloat16" else numpy.dtype(dtype)
+
+
 def round_bf16(x):
     """float32 x rounded to bfloat16's values, as float32 (to nearest, ties to even; inf and NaN kept).
 

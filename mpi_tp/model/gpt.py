@@ -40,6 +40,7 @@ import numpy
 
 from mpi_tp.core import backend
 from mpi_tp.core.module import Module
+from mpi_tp.core.precision import dtype_of
 from mpi_tp.model.block import Block
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.dropout import Dropout
@@ -74,7 +75,7 @@ class GPT(Module):
         cfg.validate(topo.tp.size, topo.ep.size)
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
-        self.cfg, self.topo, self.dtype = cfg, topo, numpy.dtype(dtype)
+        self.cfg, self.topo, self.dtype = cfg, topo, dtype_of(dtype)     # float32, float64, bfloat16, float16
         self.first, self.last = first, last
         self.dropout = Dropout(cfg.dropout, seed) if dropout is None else dropout
         # Sequence parallelism: between the parallel regions each rank holds its positions only.

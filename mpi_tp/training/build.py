@@ -160,10 +160,10 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
 def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out, lock) -> Run:
     topo = Topology.create(comm, layout=cfg.layout(comm.Get_size()))
     if topo.pp.size > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
-        model = build_stage(cfg.model_config(corpus.vocab_size), topo, cfg.dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
+        model = build_stage(cfg.model_config(corpus.vocab_size), topo, cfg.model_dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
                               cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
     else:
-        model = GPT(cfg.model_config(corpus.vocab_size), topo, dtype=cfg.dtype, seed=cfg.seed,
+        model = GPT(cfg.model_config(corpus.vocab_size), topo, dtype=cfg.model_dtype, seed=cfg.seed,
                     sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
     # the reducer moves the gradients (and, for the distributed optimizer, the parameters) into buckets:
     # before the optimizer reads them

@@ -107,9 +107,9 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     arch = (f" (llama: {mc.n_head} heads, {mc.kv_heads} key/value, MLP {mc.ffn}, "
             f"{'tied' if mc.tied else 'untied'} output layer)") if mc.llama else ""
     progress.say(f"mpi_tp {__version__}: {model.num_params():,} parameters{arch}, layout {topo.layout.describe()}"
-                 f"{pipeline}{experts}, {cfg.dtype} on {backend.name()}; data {corpus.name} ({corpus.data.size:,} "
-                 f"{corpus.unit}s, sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} nats/{corpus.unit}; "
-                 f"out {run.out}")
+                 f"{pipeline}{experts}, {precision_text(cfg)} on {backend.name()}; data {corpus.name} "
+                 f"({corpus.data.size:,} {corpus.unit}s, sha256 {corpus.sha256[:12]}); unigram entropy {entropy:.3f} "
+                 f"nats/{corpus.unit}; out {run.out}")
 
     losses, val_loss, skipped = [], float("nan"), 0
     if cfg.trace:
@@ -171,6 +171,11 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
         progress.say("--- sample ---\n" + record["sample"] + "\n--------------")
     progress.close(record)
     return record
+
+
+def precision_text(cfg: TrainConfig) -> str:
+    """The start-up line's number format: 'float32', or 'bf16 (fp32 masters)'."""
+    return cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} (fp32 masters)"
 
 
 def final_sample(run, cfg: TrainConfig) -> str:

@@ -30,10 +30,10 @@ import time
 
 import numpy
 
-from mpi_tp.core.mpi_library import library_version
 from mpi_tp import __version__
 from mpi_tp.core import backend, runtime
 from mpi_tp.core.blas import which as gemm_library
+from mpi_tp.core.mpi_library import library_version
 
 
 def held_memory(model, opt, comm) -> dict:

@@ -28,6 +28,7 @@ from mpi_tp.checkpoint.hf.config import hf_config
 from mpi_tp.checkpoint.hf.names import hf_shapes, pieces, region
 from mpi_tp.checkpoint.hf.read import INDEX, SINGLE, require_safetensors
 from mpi_tp.core.errors import refuse_to_replace
+from mpi_tp.core.precision import dtype_of
 from mpi_tp.model.config import GPTConfig
 
 DEFAULT_SHARD_BYTES = 5 * 10**9           # save_pretrained's default shard size in transformers 4
@@ -74,7 +75,7 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
                               "form for")
     require_safetensors()
     from safetensors.numpy import save_file
-    dtype = numpy.dtype(ckpt.tensors["model/wte"]["dtype"])
+    dtype = dtype_of(ckpt.tensors["model/wte"]["dtype"])
     shapes, parts = hf_shapes(cfg), hf_tensors(cfg)
     shards = _shards(shapes, dtype.itemsize, max_shard_bytes)
     tmp = out.rstrip(os.sep) + ".tmp"
