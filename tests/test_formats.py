@@ -15,7 +15,8 @@ from mpi4py import MPI
 from mpi_tp.core.precision import round_bf16
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.comm_stats import CommStats
-from mpi_tp.parallel.formats import _bf16_sum, reduction, widen
+from mpi_tp.parallel.formats import _bf16_sum, reduction
+from mpi_tp.parallel.formats import words_to_float32 as widen
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpi_tp.core import kernels as kern
-from mpi_tp.core.kernels_half import is_half
+from mpi_tp.core.precision import is_half
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a requirement: pip install -e .")
 FORMATS = {"bf16": (np.dtype(ml_dtypes.bfloat16), 2.0 ** -7, 1.18e-38), "fp16": (np.dtype(np.float16), 2.0 ** -10,

@@ -8,7 +8,7 @@ import shutil
 import numpy
 
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.precision import bfloat16
+from mpi_tp.core.precision import bfloat16, is_bf16
 
 FORMAT = "mpi_tp-checkpoint"
 VERSION = 1
@@ -86,13 +86,12 @@ def complete_steps(root: str) -> list[int]:
 
 def dtype_name(dtype) -> str:
     """What the index records as a tensor's dtype: NumPy's string ('<f4'), or 'bfloat16'."""
-    dtype = numpy.dtype(dtype)
-    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+    return "bfloat16" if is_bf16(dtype) else numpy.dtype(dtype).str
 
 
 def stored(array):
     """The array as HDF5 holds it: a bfloat16 array's uint16 words (a view), anything else itself."""
-    return array.view(numpy.uint16) if array.dtype.name == "bfloat16" else array
+    return array.view(numpy.uint16) if is_bf16(array) else array
 
 
 def stored_dtype(name: str):

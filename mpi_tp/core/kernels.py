@@ -30,6 +30,7 @@ from mpi_tp.core.kernels_attention import (  # noqa: F401
     attention_forward,
 )
 from mpi_tp.core.kernels_fused import GELU_CUBIC, GELU_SCALE
+from mpi_tp.core.kernels_loss import cross_entropy_backward, cross_entropy_forward  # noqa: F401
 from mpi_tp.core.segment import segment_sum
 
 CHUNK = 1 << 15          # elements per chunk of multi-pass elementwise work on the CPU (_chunks): 128 KB of
@@ -139,10 +140,9 @@ def _row_dot(a, b, xp):
     return xp.einsum("...c,...c->...", a, b)[..., None]
 
 
+@half.in_fp32
 def layernorm_forward(x, w, b, eps=1e-5):
     """Normalise over the last axis (biased variance): out = (x - mean) * rstd * w + b."""
-    if half.is_half(x):                                # 16-bit: fp32 statistics, rounded once (kernels_half)
-        return half.forward_in_fp32(layernorm_forward, x, w, b, eps=eps)
     xp = array_module(x)
     C = x.shape[-1]
     if xp.__name__ != "numpy":                         # a GPU: 6 device operations, not 11 (kernels_fused)
@@ -161,10 +161,9 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return out, (xhat, w, rstd)
 
 
+@half.backward_of(layernorm_forward)
 def layernorm_backward(dout, cache):
     """dx (..., C), dw (C,), db (C,)."""
-    if half.is_half(dout):
-        return half.backward_in_fp32(layernorm_forward, layernorm_backward, dout, cache)
     xhat, w, rstd = cache
     xp = array_module(dout)
     C = w.shape[0]
@@ -195,10 +194,9 @@ def _chunks(n: int):
     return [slice(a, a + CHUNK) for a in range(0, n, CHUNK)]
 
 
+@half.in_fp32
 def gelu_forward(x):
     """Tanh approximation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
-    if half.is_half(x):
-        return half.forward_in_fp32(gelu_forward, x)
     xp = array_module(x)
     if xp.__name__ != "numpy":                         # a GPU: one kernel (mpi_tp.core.kernels_fused)
         out, t = fused.gelu_forward_tail(x)
@@ -219,10 +217,9 @@ def gelu_forward(x):
     return out, (x, t)
 
 
+@half.backward_of(gelu_forward)
 def gelu_backward(dout, cache):
     """dx, same shape as x."""
-    if half.is_half(dout):
-        return half.backward_in_fp32(gelu_forward, gelu_backward, dout, cache)
     x, t = cache
     # out = 0.5 x (1 + t), t = tanh(u), u = a (x + c x^3)
     #   => dout/dx = 0.5 [(1 + t) + x (1 - t^2) a (1 + 3 c x^2)]
@@ -271,38 +268,4 @@ def embedding_backward(dout, cache):
     return segment_sum(ids.reshape(-1), dout2, shape[0])           # (N, C) -> (V, C)
 
 
-# ---------------------------------------------------------------- cross-entropy
-
-def cross_entropy_forward(logits, targets):
-    """Mean over all positions of -log softmax(logits)[target], as a Python float.
-
-    logits (..., V), integer targets (...). The cache holds the probabilities. 16-bit logits: all of it in
-    fp32 (the probabilities kept in fp32, as Megatron's), dlogits rounded once to the logits' format.
-    """
-    if half.is_half(logits):
-        loss, (probs, t, shape, _) = cross_entropy_forward(half.widen(logits), targets)
-        return loss, (probs, t, shape, logits.dtype)
-    xp = array_module(logits)
-    V = logits.shape[-1]
-    logits2 = logits.reshape(-1, V)                    # (..., V) -> (N, V)
-    t = targets.reshape(-1)                            # (...) -> (N,)
-    N = logits2.shape[0]
-    rows = xp.arange(N)
-    shifted = logits2 - logits2.max(axis=1, keepdims=True)  # (N, V), stable: max entry is 0
-    probs = xp.exp(shifted)                            # (N, V)
-    sumexp = probs.sum(axis=1)                         # (N, V) -> (N,)
-    # -log p[target] = log(sum exp) - shifted[target]; never log(0) for unlikely targets
-    loss = float((xp.log(sumexp) - shifted[rows, t]).mean())
-    probs /= sumexp[:, None]
-    return loss, (probs, t, logits.shape, logits.dtype)
-
-
-def cross_entropy_backward(dloss, cache):
-    """dlogits (..., V) = dloss * (softmax - onehot(target)) / N."""
-    xp = array_module(cache[0])
-    probs, t, shape, dtype = cache
-    N = probs.shape[0]
-    scale = float(dloss) / N                           # Python float: keeps float32
-    dlogits = probs * scale                            # (N, V), fresh
-    dlogits[xp.arange(N), t] -= scale
-    return dlogits.reshape(shape).astype(dtype, copy=False)     # (N, V) -> (..., V), in the logits' format
+# ---------------------------------------------------------------- cross-entropy: kernels_loss.py

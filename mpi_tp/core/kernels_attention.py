@@ -57,6 +57,7 @@ def _causal_bias(S, dtype, xp):
     return _BIAS[key]
 
 
+@half.in_fp32
 def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None = None):
     """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
     (Any leading axes broadcast: grouped-query attention passes q (B, H_kv, R, S, hs), k and v (B, H_kv, 1, S, hs).)
@@ -68,8 +69,6 @@ def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None
     (S, S) probabilities; nothing scaled is kept). block: query rows per block (default QUERY_BLOCK: the
     module docstring).
     """
-    if half.is_half(q):
-        return half.forward_in_fp32(attention_forward, q, k, v, drop_mask, drop_scale, block=block)
     xp = array_module(q)
     block = QUERY_BLOCK if block is None else block
     S, hs = q.shape[-2:]
@@ -129,11 +128,10 @@ def _softmax_backward(dp, row_dot, p):
     return dp
 
 
+@half.backward_of(attention_forward)
 def attention_backward(dout, cache):
     """dq, dk, dv, like q, k and v: the forward's blocks again (see the module docstring), a few batch rows at
     a time on the CPU (_batch_rows: the (S, S) temporaries of one chunk stay in L2)."""
-    if half.is_half(dout):
-        return half.backward_in_fp32(attention_forward, attention_backward, dout, cache)
     q, k, v, probs, drop_mask, drop_scale, scale, block = cache
     xp = array_module(dout)
     if drop_mask is not None:
@@ -269,12 +267,11 @@ def _tiles(S, block):
             yield slice(a, min(S, a + block)), slice(c, min(S, c + block)), c == a
 
 
+@half.in_fp32
 def online_attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None = None):
     """attention_forward's result by the online softmax over tiles of block x block (default QUERY_BLOCK):
     no (S, S) array is held, at most one tile of scores; the cache keeps out and lse (B, H, S) instead of
     the probabilities. drop_mask as attention_forward's (each tile takes its part)."""
-    if half.is_half(q):
-        return half.forward_in_fp32(online_attention_forward, q, k, v, drop_mask, drop_scale, block=block)
     xp = array_module(q)
     block = QUERY_BLOCK if block is None else block
     S = q.shape[-2]
@@ -289,10 +286,9 @@ def online_attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int
     return o, (q, k, v, o, m + xp.log(l), drop_mask, float(drop_scale), block)
 
 
+@half.backward_of(online_attention_forward)
 def online_attention_backward(dout, cache):
     """dq, dk, dv of online_attention_forward, tile by tile, the probabilities recomputed from lse."""
-    if half.is_half(dout):
-        return half.backward_in_fp32(online_attention_forward, online_attention_backward, dout, cache)
     q, k, v, out, lse, drop_mask, drop_scale, block = cache
     xp = array_module(dout)
     qs = q * (1.0 / math.sqrt(q.shape[-1]))

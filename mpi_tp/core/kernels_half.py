@@ -14,31 +14,14 @@ bytes of an fp32 one for its backward; the widened copies live only inside a cal
 order (another BLAS, a GPU) can move a result by one unit in the last place of the 16-bit format:
 tests/test_kernels_half.py compares with PyTorch within that.
 
-mpi_tp.core.kernels sends 16-bit arrays here (is_half); everything else stays there.
+mpi_tp.core.kernels sends 16-bit arrays here (precision.is_half); everything else stays there.
 """
 from __future__ import annotations
 
-import numpy
+import functools
 
-from mpi_tp.core.backend import array_module
 from mpi_tp.core.blas import matmul
-
-
-def is_half(a) -> bool:
-    """A 16-bit floating-point array: float16, or ml_dtypes' bfloat16 (NumPy; CuPy stores bf16 as fp32)."""
-    dtype = getattr(a, "dtype", None)
-    return dtype is not None and dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
-
-
-def widen(a):
-    """fp32 values of a 16-bit array (exact)."""
-    return a.astype(array_module(a).float32)
-
-
-def narrow(a, dtype):
-    """fp32 a rounded once to `dtype` (to nearest, ties to even; past the format's largest: inf)."""
-    with numpy.errstate(over="ignore"):
-        return a.astype(dtype)
+from mpi_tp.core.precision import is_half, narrow, widen
 
 
 def linear_forward(x, w, b=None):
@@ -96,3 +79,25 @@ def backward_in_fp32(forward, backward, dout, cache):
     if not isinstance(grads, tuple):
         return narrow(grads, dout.dtype)
     return tuple(g if g is None or not is_half(a) else narrow(g, a.dtype) for g, a in zip(grads, inputs))
+
+
+def in_fp32(forward):
+    """A kernel's forward whose 16-bit calls (its first input decides) go through forward_in_fp32."""
+    @functools.wraps(forward)
+    def dispatch(first, *inputs, **options):
+        if is_half(first):
+            return forward_in_fp32(forward, first, *inputs, **options)
+        return forward(first, *inputs, **options)
+    return dispatch
+
+
+def backward_of(forward):
+    """A kernel's backward whose 16-bit calls (dout decides) go through backward_in_fp32 with `forward`."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def dispatch(dout, cache):
+            if is_half(dout):
+                return backward_in_fp32(forward, backward, dout, cache)
+            return backward(dout, cache)
+        return dispatch
+    return decorate

@@ -21,10 +21,9 @@ from mpi_tp.core.backend import array_module
 
 # ---------------------------------------------------------------- rmsnorm
 
+@half.in_fp32
 def rmsnorm_forward(x, w, eps=1e-5):
     """Normalise over the last axis by the root mean square: out = x * rstd * w. x (..., C), w (C,)."""
-    if half.is_half(x):                                 # 16-bit: fp32 statistics, rounded once (kernels_half)
-        return half.forward_in_fp32(rmsnorm_forward, x, w, eps=eps)
     xp = array_module(x)
     C = x.shape[-1]
     ms = xp.einsum("...c,...c->...", x, x)[..., None]     # (..., C) -> (..., 1), sum of squares
@@ -35,10 +34,9 @@ def rmsnorm_forward(x, w, eps=1e-5):
     return xhat * w, (xhat, w, rstd)
 
 
+@half.backward_of(rmsnorm_forward)
 def rmsnorm_backward(dout, cache):
     """dx (..., C), dw (C,)."""
-    if half.is_half(dout):
-        return half.backward_in_fp32(rmsnorm_forward, rmsnorm_backward, dout, cache)
     xhat, w, rstd = cache
     xp = array_module(dout)
     C = w.shape[0]
@@ -107,21 +105,19 @@ def _sigmoid(g, xp):
     return xp.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(g.dtype, copy=False)
 
 
+@half.in_fp32
 def swiglu_forward(gate, up):
     """out = silu(gate) * up, silu(g) = g * sigmoid(g). gate, up (..., F) -> out (..., F)."""
-    if half.is_half(gate):
-        return half.forward_in_fp32(swiglu_forward, gate, up)
     xp = array_module(gate)
     s = _sigmoid(gate, xp)                              # kept for the backward
     silu = gate * s
     return silu * up, (gate, up, s, silu)
 
 
+@half.backward_of(swiglu_forward)
 def swiglu_backward(dout, cache):
     """[dgate | dup] (..., 2F): the gradient of the fused gate|up GEMM's output, written in place (no
     concatenation). silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))."""
-    if half.is_half(dout):
-        return half.backward_in_fp32(swiglu_forward, swiglu_backward, dout, cache)
     gate, up, s, silu = cache
     xp = array_module(dout)
     F = gate.shape[-1]

@@ -88,6 +88,28 @@ def dtype_of(dtype):
     return bfloat16() if str(dtype) == "bfloat16" else numpy.dtype(dtype)
 
 
+def is_bf16(x) -> bool:
+    """An array (or dtype) of NumPy's bfloat16 (ml_dtypes); CuPy has none (there bf16 is emulated in fp32)."""
+    return getattr(getattr(x, "dtype", x), "name", None) == "bfloat16"
+
+
+def is_half(x) -> bool:
+    """An array (or dtype) of a 16-bit floating-point format: float16, or bfloat16."""
+    dtype = getattr(x, "dtype", x)
+    return getattr(dtype, "itemsize", 0) == 2 and (dtype.kind == "f" or is_bf16(dtype))
+
+
+def widen(a):
+    """fp32 values of a 16-bit array (exact: every 16-bit value is an fp32 value)."""
+    return a.astype(backend.array_module(a).float32)
+
+
+def narrow(a, dtype):
+    """fp32 a rounded once to `dtype` (to nearest, ties to even; past the format's largest: inf)."""
+    with numpy.errstate(over="ignore"):
+        return a.astype(dtype)
+
+
 def round_bf16(x):
     """float32 x rounded to bfloat16's values, as float32 (to nearest, ties to even; inf and NaN kept).
 
@@ -110,9 +132,8 @@ def round_to(x, p: Precision):
     xp = backend.array_module(x)
     if p.name == "bf16":
         return round_bf16(x)
-    if p.name == "fp16":
-        with numpy.errstate(over="ignore"):          # past 65504 is inf: the format, not a mistake
-            return xp.asarray(x, dtype=xp.float32).astype(xp.float16).astype(xp.float32)
+    if p.name == "fp16":                              # past 65504 is inf: the format, not a mistake
+        return narrow(xp.asarray(x, dtype=xp.float32), xp.float16).astype(xp.float32)
     return xp.asarray(x, dtype=p.compute)
 
 
@@ -130,8 +151,7 @@ def to_storage(x, p: Precision):
     if p.name == "bf16":
         rounded = round_bf16(x)
         return rounded.astype(bfloat16()) if xp is numpy else rounded    # exact: already bf16's values
-    with numpy.errstate(over="ignore"):
-        return xp.asarray(x).astype(storage_dtype(p, xp))
+    return narrow(xp.asarray(x), storage_dtype(p, xp))
 
 
 def stored_bytes(p: Precision, xp=numpy) -> int:

@@ -135,22 +135,22 @@ class Masks:
         return out
 
 
-def region_mask(dropout: Masks, y, sp, layer, site, cp=None):
+def region_mask(masks: Masks, y, sp, layer, site, cp=None):
     """The bool dropout mask of a replicated activation y (B, S, C) or, under sequence parallelism
     (sp, a SequenceSplit), of this rank's positions y (B, S_i, C): only those are drawn. Under context
     parallelism (cp, a ContextSplit) the rows are this rank's chunks: each run of global positions drawn."""
     B, S_here, C = y.shape
     positions = slice(0, S_here) if sp is None else sp.positions
     if cp is None:
-        return dropout.keep(B, layer, site, positions.start * C, positions.stop * C).reshape(B, S_here, C)
-    runs = [dropout.keep(B, layer, site, a * C, b * C).reshape(B, b - a, C) for a, b in cp.global_runs(positions)]
+        return masks.keep(B, layer, site, positions.start * C, positions.stop * C).reshape(B, S_here, C)
+    runs = [masks.keep(B, layer, site, a * C, b * C).reshape(B, b - a, C) for a, b in cp.global_runs(positions)]
     return runs[0] if len(runs) == 1 else backend.xp().concatenate(runs, axis=1)
 
 
-def context_head_masks(dropout: Masks, B, heads, layer, cp):
+def context_head_masks(masks: Masks, B, heads, layer, cp):
     """Attention-probability masks of this rank's query positions against every key, bool (B, H_i, S_r, S):
     the serial model's rows at this rank's two chunks (context parallelism; ring attention slices them)."""
     S = cp.S
-    runs = [dropout.keep(B, layer, ATTENTION, a * S, b * S, heads).reshape(B, len(heads), b - a, S)
+    runs = [masks.keep(B, layer, ATTENTION, a * S, b * S, heads).reshape(B, len(heads), b - a, S)
             for a, b in cp.global_runs(slice(0, cp.length()))]
     return backend.xp().concatenate(runs, axis=2)

@@ -17,7 +17,7 @@ recomputation keeps it and replays the same forward (mpi_tp.model.block).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpi_tp.model.dropout import Masks
 from mpi_tp.parallel.context_parallel import ContextSplit
@@ -37,8 +37,13 @@ class Pass:
         """The pass of a micro-batch of sequences of S positions on this rank of `topo` (overlap: the
         SequenceSplit's, None for its default)."""
         cp = ContextSplit(topo.cp, S) if topo.cp.size > 1 else None
-        sp = SequenceSplit(topo.tp, S if cp is None else cp.length(), overlap) if sequence_parallel else None
-        return cls(S, cp, sp, masks)
+        ps = cls(S, cp, None, masks)
+        return replace(ps, sp=SequenceSplit(topo.tp, ps.local, overlap)) if sequence_parallel else ps
+
+    @property
+    def local(self) -> int:
+        """This rank's positions before sequence parallelism cuts them: S, or its context-parallel share."""
+        return self.S if self.cp is None else self.cp.length()
 
     @property
     def scale(self) -> float:

@@ -25,8 +25,8 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from mpi_tp.core import backend
-from mpi_tp.core.kernels_half import is_half, narrow, widen
 from mpi_tp.core.module import Module
+from mpi_tp.core.precision import is_half, narrow, widen
 from mpi_tp.parallel.collectives import Group
 
 
@@ -70,4 +70,4 @@ class VocabParallelCrossEntropy(Module):
         rows = xp.arange(N)[mine]
         probs[rows, col[mine]] -= 1.0
         probs *= dloss / N
-        return narrow(probs.reshape(shape), dtype) if dtype.itemsize == 2 else probs.reshape(shape)
+        return narrow(probs.reshape(shape), dtype) if is_half(dtype) else probs.reshape(shape)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 
 from mpi_tp.core import backend
+from mpi_tp.core.precision import is_bf16
 
 
 def check_buffer(x, what: str) -> None:
     """MPI reads raw memory: refuse views it would misread, before any rank enters the call."""
     if not x.flags.c_contiguous:
         raise ValueError(f"{what}: buffer must be C-contiguous (got strides {x.strides})")
-    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":       # bfloat16: parallel.formats
+    if x.dtype.kind not in "fiu" and not is_bf16(x):               # bfloat16: parallel.formats
         raise ValueError(f"{what}: unsupported dtype {x.dtype}")
 
 

@@ -14,14 +14,9 @@ from __future__ import annotations
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.core.precision import round_bf16
+from mpi_tp.core.precision import is_bf16, round_bf16
 
 _BF16_SUM = None
-
-
-def is_bf16(x) -> bool:
-    """A NumPy bfloat16 (ml_dtypes) array; CuPy has no such dtype (there bf16 is emulated in float32)."""
-    return getattr(x, "dtype", None) is not None and x.dtype.name == "bfloat16"
 
 
 def wire(buf):
@@ -41,7 +36,7 @@ def reduction(op, x):
     return _BF16_SUM
 
 
-def widen(words):
+def words_to_float32(words):
     """bfloat16 bits (uint16) as float32 values, exactly (bfloat16 is float32's upper half)."""
     return (words.astype(numpy.uint32) << 16).view(numpy.float32)
 
@@ -50,5 +45,5 @@ def _bf16_sum(inbuf, inoutbuf, datatype) -> None:
     """inout = bf16(float32(in) + float32(inout)), element by element, on the buffers' uint16 words."""
     a = numpy.frombuffer(inbuf, dtype=numpy.uint16)
     b = numpy.frombuffer(inoutbuf, dtype=numpy.uint16)
-    total = round_bf16(widen(a) + widen(b))
+    total = round_bf16(words_to_float32(a) + words_to_float32(b))
     b[...] = (total.view(numpy.uint32) >> 16).astype(numpy.uint16)

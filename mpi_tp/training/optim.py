@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core import backend
-from mpi_tp.core.kernels_half import is_half, narrow, widen
 from mpi_tp.core.params import Param, storages
+from mpi_tp.core.precision import is_half, narrow, widen
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.training import optimizer_state as state_of
 from mpi_tp.training.optimizer_state import bucket_spaces, storage_spaces

@@ -26,8 +26,8 @@ import numpy
 
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.kernels_half import is_half, widen
 from mpi_tp.core.params import storages
+from mpi_tp.core.precision import is_half, widen
 from mpi_tp.parallel.expert_parallel import expert_of
 
 

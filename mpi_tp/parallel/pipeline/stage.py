@@ -109,7 +109,7 @@ class PipelineStage:
     def _wire(self, B: int, ps):
         """The wire format of a micro-batch of B sequences with pass ps: under context parallelism this
         rank's S_r positions travel, under sequence parallelism its S_i of them."""
-        return wire_format(self.topo, ps.sp, B, ps.S if ps.cp is None else ps.cp.length(), self.cfg.n_embd)
+        return wire_format(self.topo, ps.sp, B, ps.local, self.cfg.n_embd)
 
     def _forward_only(self, x, y=None):
         """x (B, S) through every stage, one micro-batch: the loss (y given) or the last position's
