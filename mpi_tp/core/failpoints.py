@@ -10,6 +10,9 @@ MPI_TP_FAILPOINT=name[:STEP][,name[:STEP]...] arms the named points below:
     save-enospc-index                            the disk is full when rank 0 writes the index
     sigterm                                      send this process SIGTERM after the step
     nan-grad                                     poison a gradient with NaN after the backward pass
+    overflow                                     fp16 runs: the world's last rank alone writes inf into
+                                                 a gradient after the backward pass, as an overflow
+                                                 would (mpi_tp.training.loss_scale)
     sample-error:SEED                            rank 0's sampling fails (a RuntimeError) at the third
                                                  byte of every request with this seed (serving tests)
 """

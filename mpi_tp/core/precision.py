@@ -110,6 +110,14 @@ def narrow(a, dtype):
         return a.astype(dtype)
 
 
+def sum_rows(a, axis=0):
+    """a summed over `axis` as a GPU sums a 16-bit tensor (a bias's gradient): in fp32, rounded once to
+    a's format. fp32 and fp64 arrays are summed as themselves (a.sum: the same numbers as before)."""
+    if not is_half(a):
+        return a.sum(axis=axis)
+    return narrow(widen(a).sum(axis=axis), a.dtype)
+
+
 def round_bf16(x):
     """float32 x rounded to bfloat16's values, as float32 (to nearest, ties to even; inf and NaN kept).
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
+from mpi_tp.core.precision import sum_rows
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.dropout import region_mask
 from mpi_tp.model.forward_pass import Pass
@@ -61,7 +62,7 @@ class GPTEmbedding(Module):
         if m is not None:
             dx = masks.apply(dx, m)
         if self.wpe is not None:
-            self.wpe.grad[positions] += dx.sum(axis=0)
+            self.wpe.grad[positions] += sum_rows(dx)          # over the batch (fp32 sum at 16 bits)
             self.wpe.fresh = False
         self.wte.backward(dx)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
+from mpi_tp.core.precision import sum_rows
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.sequence_parallel import (
     enter_tp,
@@ -193,7 +194,7 @@ class RowParallelLinear(Module):
 
     def backward(self, dout):
         if self.bias is not None:
-            self.bias.accumulate(dout.reshape(-1, dout.shape[-1]).sum(axis=0))
+            self.bias.accumulate(sum_rows(dout.reshape(-1, dout.shape[-1])))     # fp32 sum at 16 bits
         cache, seq = self.take_cache()
         dout = leave_tp_backward(dout, self.group, seq)
         dx, _ = accumulate_weight([self.weight], lambda dw_out: kern.linear_backward(dout, cache, dw_out))

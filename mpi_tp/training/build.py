@@ -31,6 +31,7 @@ from mpi_tp.training.data import (
     load_corpus,
     split,
 )
+from mpi_tp.training.loss_scale import LossScaler
 from mpi_tp.training.optim import SGD, AdamW
 
 
@@ -54,6 +55,7 @@ class Run:
     lock: run_dir.RunLock | None = None    # rank 0's hold on `out` (mpi_tp.training.run_dir)
     tokenizer: object = None     # what the data's ids are (saved with each checkpoint); None: unknown,
     no_tokenizer: str = ""       # and why
+    scaler: LossScaler | None = None       # fp16's dynamic loss scale (mpi_tp.training.loss_scale)
 
     def close(self) -> None:
         """Give the run folder back (rank 0 removes its lock); the run may still be read."""
@@ -124,7 +126,7 @@ def changed_options(start, cfg: TrainConfig) -> list[str]:
     return [f"{k} {saved[k]} -> {mine[k]}" for k in mine if k in saved and k not in UNCOMPARED and saved[k] != mine[k]]
 
 
-def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
+def _restore(start, model, opt, cfg: TrainConfig, corpus, scaler=None) -> int:
     """Load a checkpoint into model and optimizer (load_into refuses another model: check_model_config);
     returns the step it was saved at. One without optimizer state (a Hugging Face folder, an import) leaves
     the optimizer fresh."""
@@ -138,6 +140,8 @@ def _restore(start, model, opt, cfg: TrainConfig, corpus) -> int:
                                       f"--optimizer {cfg.optimizer}")
     ckpt_io.load_into(start, model, opt if start.has_optimizer else None)
     ckpt_io.restore_rng(start, model)
+    if scaler is not None and cfg.resume and "loss_scale" in start.meta:
+        scaler.restore(start.meta["loss_scale"])        # a resumed fp16 run scales as the straight one
     return start.step
 
 
@@ -177,11 +181,12 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
     else:
         opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                   reducer=reducer)
+    scaler = cfg.loss_scaler()
     start = collective_setup(_find_start, cfg, out, comm=comm)
     first = 1
     if start is not None:
         with start:
-            first = collective_setup(_restore, start, model, opt, cfg, corpus, comm=comm) + 1
+            first = collective_setup(_restore, start, model, opt, cfg, corpus, scaler, comm=comm) + 1
         changed = changed_options(start, cfg) if cfg.resume else []
         rank0_print(f"continuing from {start.dir} (step {first - 1})" +
                     (f"; changed since: {', '.join(changed)}" if changed else ""), comm=comm)
@@ -190,4 +195,4 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
         tokenizer, why = None, (f"the model's vocabulary has {model.cfg.vocab_size} tokens, not the 256 bytes, "
                                 "and the data names no tokenizer")
     return Run(cfg, comm, topo, model, opt, reducer, corpus, sampler, val_batches, val_tokens, out, rows, first,
-               lock, tokenizer, why)
+               lock, tokenizer, why, scaler)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.parallel.layout import RULE, Layout
+from mpi_tp.training.loss_scale import LossScaler
 
 
 def opt(default, help, choices=None):
@@ -96,9 +97,17 @@ class TrainConfig:
     # numerics and reproducibility
     seed: int = opt(1337, "seed of the initial weights, the batches and dropout")
     dtype: str = opt("float32", "parameter and activation dtype", ["float32", "float64"])
-    precision: str = opt("fp32", "number format: 'fp32' (the --dtype above), or 'bf16': parameters, activations, "
-                         "gradients and their messages in bfloat16, products accumulated in fp32 and rounded once, "
-                         "the optimizer's master weights and moments in fp32 (mpi_tp.core.precision)", ["fp32", "bf16"])
+    precision: str = opt("fp32", "number format: 'fp32' (the --dtype above), or 'bf16' or 'fp16': parameters, "
+                         "activations, gradients and their messages in bfloat16 or float16, products accumulated in "
+                         "fp32 and rounded once, the optimizer's master weights and moments in fp32 "
+                         "(mpi_tp.core.precision); fp16 with dynamic loss scaling", ["fp32", "bf16", "fp16"])
+    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale to start from (mpi_tp.training.loss_scale)")
+    loss_scale_window: int = opt(1000, "fp16: double the loss scale after this many steps without an overflow "
+                                 "(0: never)")
+    loss_scale_backoff: float = opt(0.5, "fp16: multiply the loss scale by this after an overflow (that step is "
+                                    "skipped on every rank)")
+    min_loss_scale: float = opt(1.0, "fp16: the smallest loss scale; an overflow there is a divergence "
+                                "(--on-nonfinite decides)")
     backend: str = opt("numpy", "array backend (cupy = GPUs, one per rank)", ["numpy", "cupy"])
     # output, checkpoints and reporting
     out: str = opt("", "output folder (default runs/<date-time>); checkpoints go to OUT/checkpoints")
@@ -122,8 +131,28 @@ class TrainConfig:
 
     @property
     def model_dtype(self) -> str:
-        """What the model's arrays are stored in: --dtype, or bfloat16 under --precision bf16."""
-        return "bfloat16" if self.precision == "bf16" else self.dtype
+        """What the model's arrays are stored in: --dtype, or bfloat16 / float16 under --precision bf16 / fp16."""
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, self.dtype)
+
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16's dynamic loss scaler as configured; None for the other formats (they need none)."""
+        if self.precision != "fp16":
+            return None
+        return LossScaler(self.initial_loss_scale, self.loss_scale_window, self.loss_scale_backoff, self.min_loss_scale)
+
+    def _validate_loss_scale(self) -> None:
+        names = ("initial_loss_scale", "loss_scale_window", "loss_scale_backoff", "min_loss_scale")
+        if self.precision != "fp16":
+            default = {f.name: f.default for f in fields(self)}
+            changed = [f"--{n.replace('_', '-')}" for n in names if getattr(self, n) != default[n]]
+            if changed:
+                raise ConfigError(f"{', '.join(changed)}: loss scaling is for --precision fp16 (bf16 has fp32's "
+                                  "exponent range and needs none)")
+            return
+        try:
+            self.loss_scaler()
+        except ValueError as e:
+            raise ConfigError(f"fp16 loss scaling: {e}") from None
 
     def _validate_precision(self) -> None:
         """bf16's reach, in CLI terms (what is not there yet says so: issue 37)."""
@@ -189,6 +218,7 @@ class TrainConfig:
         self._validate_cp()
         self._validate_moe()
         self._validate_precision()
+        self._validate_loss_scale()
         lay = self.layout(world_size)          # the world-size rule and the others: Layout.check
         self._validate_arch()
         self.model_config().validate(lay.tp, lay.ep)

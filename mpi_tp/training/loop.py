@@ -35,6 +35,7 @@ from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
 from mpi_tp.training.data import unigram_entropy
 from mpi_tp.training.faults import Preemption
+from mpi_tp.training.loss_scale import Overflow
 from mpi_tp.training.optim import lr_at
 from mpi_tp.training.progress import (
     MoEMeter,
@@ -59,13 +60,13 @@ def run_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) -> t
     """The library step (mpi_tp.training.step) on the global batch of `step`: (loss, gradient norm, problem)."""
     x, y = run.sampler.batch(step - 1)
     return train_step(run.model, run.opt, x, y, run.rows, run.cfg.micro_batches, lr, run.cfg.grad_clip,
-                        run.reducer, meter, step)
+                        run.reducer, meter, step, run.scaler)
 
 
 def save(run: Run, step: int, progress: Progress) -> None:
     """A checkpoint of this step (collective over every rank)."""
     meta = {"config": run.model.cfg.to_dict(), "train_config": run.cfg.to_dict(), "optimizer_t": run.opt.t,
-            "rng": ckpt_io.rng_state(run.model),
+            "rng": ckpt_io.rng_state(run.model), **({"loss_scale": run.scaler.state()} if run.scaler else {}),
             "data": {"name": run.corpus.name, "sha256": run.corpus.sha256, "position": step,
                      "sampler": "batch(step) is a pure function of (seed, step)"}}
     t = time.perf_counter()
@@ -122,6 +123,9 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
             if problem is None:
                 skipped = 0
                 losses.append(loss)
+            elif isinstance(problem, Overflow):     # fp16: the scale backs off, the next step tries again
+                progress.say(f"step {step}: {problem}; step skipped")
+                progress.log({"step": step, "skipped": problem, "loss": loss, "loss_scale": run.scaler.scale})
             else:                         # the same on every rank: all act together
                 skipped += 1
                 if cfg.on_nonfinite == "stop" or skipped > 10:
@@ -138,7 +142,8 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                     val_loss = evaluate(model, run.val_batches)
                 progress.log({"step": step, "val_loss": val_loss})
             if problem is None and (step % cfg.log_every == 0 or last):
-                progress.step_line(step, losses, lr, norm, val_loss, meter.report() if meter else None)
+                progress.step_line(step, losses, lr, norm, val_loss, meter.report() if meter else None,
+                                   run.scaler.state() if run.scaler else None)
             stop = preemption.agreed()    # SIGTERM / SIGUSR1 on any rank: save, then leave cleanly (collective)
             if last or stop or (cfg.save_every and step % cfg.save_every == 0):
                 save(run, step, progress)
@@ -159,7 +164,8 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                    "final_val_loss": val_loss, "unigram_entropy": entropy, "train_seconds": train_s,
                    "tokens_per_s": len(losses) * run.tokens_per_step / train_s,
                    "communication": topo.stats.snapshot(),
-                   "memory_mib": held_memory(model, run.opt, comm)})
+                   "memory_mib": held_memory(model, run.opt, comm),
+                   **({"loss_scale": run.scaler.state()} if run.scaler else {})})
     mem = record["memory_mib"]
     state = max(mem["weights"][r] + mem["gradients"][r] + mem["optimizer"][r] for r in range(comm.Get_size()))
     progress.say(f"done in {fmt_time(train_s)}: validation loss {val_loss:.4f} nats/{corpus.unit} "
@@ -174,8 +180,9 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
 
 
 def precision_text(cfg: TrainConfig) -> str:
-    """The start-up line's number format: 'float32', or 'bf16 (fp32 masters)'."""
-    return cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} (fp32 masters)"
+    """The start-up line's number format: 'float32', 'bf16 (fp32 masters)', 'fp16 (fp32 masters, loss scale 65536)'."""
+    scaling = f", loss scale {cfg.initial_loss_scale:g}" if cfg.precision == "fp16" else ""
+    return cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} (fp32 masters{scaling})"
 
 
 def final_sample(run, cfg: TrainConfig) -> str:

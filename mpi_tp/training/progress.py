@@ -124,8 +124,9 @@ class Progress:
             self.metrics.flush()
 
     def step_line(self, step: int, losses: list, lr: float, norm: float, val_loss: float,
-                  moe: dict | None = None) -> None:
-        """Log the mean loss since the last line and print the progress line (moe: MoEMeter.report())."""
+                  moe: dict | None = None, scaling: dict | None = None) -> None:
+        """Log the mean loss since the last line and print the progress line (moe: MoEMeter.report();
+        scaling: fp16's LossScaler.state())."""
         cfg, now = self.run.cfg, time.perf_counter()
         n = min((step - 1) % cfg.log_every + 1, len(losses))
         comm_s = self.run.topo.stats.total_seconds() - self.comm_log
@@ -134,6 +135,8 @@ class Progress:
                  "step_s": span / max(n, 1), "tokens_per_s": n * self.run.tokens_per_step / span,
                  "comm_s": comm_s, "elapsed_s": now - self.t0}
         experts = ""
+        if scaling is not None:
+            entry.update(loss_scale=scaling["scale"], overflows=scaling["overflows"])
         if moe is not None:
             entry.update(moe)
             assigned = sum(sum(m["tokens_per_expert"]) + m["dropped"] for m in moe["moe"])

@@ -150,9 +150,10 @@ class PipelineStage:
         """As GPT.last_logits: the last position's logits over the whole vocabulary, (V,) on every rank."""
         return self._forward_only(idx)
 
-    def run_micro_batches(self, x, y, parts: list[slice], reducer=None, meter=None) -> list[float]:
+    def run_micro_batches(self, x, y, parts: list[slice], reducer=None, meter=None, loss_scale=1.0) -> list[float]:
         """Run the schedule over the micro-batches `parts` (rows of the global batch x, y): each one's
-        forward through every chunk and its backward, gradients accumulated (scaled by 1 / M). Returns
+        forward through every chunk and its backward, gradients accumulated (scaled by loss_scale / M:
+        gradient accumulation, and fp16's loss scaling, mpi_tp.training.loss_scale). Returns
         each micro-batch's loss on this stage (the last stage's cross-entropy, every stage's MoE terms);
         the library step (mpi_tp.training.step) zeroes the gradients first and completes them after.
 
@@ -194,7 +195,7 @@ class PipelineStage:
             chunk.restore_caches(kept.pop((m, j)))
             live -= held.pop((m, j), 0)
             hook = reducer.chunk(self.block_offsets[j]) if reducer is not None and m == final[j] else None
-            dx = chunk.backward(1.0 / M if chunk.last else from_wire(dout), reducer=hook, loss_scale=1.0 / M)
+            dx = chunk.backward(loss_scale / M if chunk.last else from_wire(dout), reducer=hook, loss_scale=loss_scale / M)
             return None if chunk.first else to_wire(dx)
 
         self.engine.run(forward, backward, shape, self.dtype)
