@@ -83,3 +83,26 @@ def test_what_bf16_does_not_run_with_yet_is_one_line(options, says):
     with pytest.raises(ConfigError, match=says) as e:
         TrainConfig(**{**BASE, "block_size": 16, **options}).validate(2 if options.get("cp") else 1)
     assert "\n" not in str(e.value)
+
+
+def test_fp32_grads_accumulate_and_reduce_in_fp32(out):
+    """--fp32-grads: every gradient fp32, the data-parallel messages twice the bytes of the 16-bit ones,
+    the losses as near the serial run as the 16-bit gradients' (they round less, not more)."""
+    layout = {2: dict(dp=2), 4: dict(tp=2, dp=2, zero=1)}.get(WORLD.Get_size())
+    if layout is None:
+        pytest.skip("a data-parallel layout: 2 or 4 ranks")
+    dp_bytes = {}
+    for wide_grads in (False, True):
+        cfg = TrainConfig(**{**BASE, **layout, "fp32_grads": wide_grads}, out=os.path.join(out, f"g{wide_grads}"))
+        run = build(cfg, WORLD)
+        try:
+            assert {p.grad.dtype.name for p in run.model.parameters()} == {"float32" if wide_grads else "bfloat16"}
+            got = np.array([run_step(run, step, cfg.lr)[0] for step in range(1, 4)])
+            sent = run.topo.stats.snapshot()         # the gradients' reductions, less the loss's float64 a step
+            dp_bytes[wide_grads] = sum(v["bytes"] for k, v in sent.items() if k.startswith("dp/") and "reduce" in k) - 8 * 3
+        finally:
+            run.close()
+    assert dp_bytes[True] == 2 * dp_bytes[False] > 0, dp_bytes
+    same = {"batch_size": BASE["batch_size"] * 2, "fp32_grads": True}
+    serial = WORLD.bcast(losses(out, "serial", comm=MPI.COMM_SELF, **same) if WORLD.Get_rank() == 0 else None)
+    assert np.all(np.abs(got - serial) <= ULP["bf16"] * serial), (got, serial)

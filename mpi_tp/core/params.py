@@ -109,6 +109,19 @@ def fuse_last_axis(params: list[Param]):
     return base, grad_base
 
 
+def widen_grads(params: list[Param]) -> None:
+    """Give 16-bit parameters fp32 gradients (Megatron's --accumulate-allreduce-grads-in-fp32): the
+    backward's contributions are added in fp32, and the data-parallel reduction carries fp32. Each
+    storage's gradient becomes one fp32 array of the same layout, its parameters' grads views of it."""
+    xp = backend.xp()
+    for base, grad_base, members in storages(params):
+        if grad_base.dtype.itemsize < 4:
+            wide = xp.zeros_like(grad_base, dtype=xp.float32)          # keeps the layout (order 'K')
+            wide[...] = grad_base
+            for p in members:
+                p.grad_base, p.grad = wide, (wide[p.view] if p.view else wide)
+
+
 def storages(params: list[Param]) -> list[tuple]:
     """The distinct contiguous arrays behind params: [(base, grad_base, [params viewing it])]."""
     out, seen = [], {}

@@ -84,7 +84,7 @@ def _make_bucket(stores, ready_after, blocks, group: Group, distributed: bool) -
     # replicated key/value shards, then sp_partial ones, last, each kind together
     stores = sorted(stores, key=lambda s: (s[2][0].sp_partial, s[2][0].replicas is not None))
     n = sum(base.size for base, _, _ in stores)
-    grads = xp.zeros(n, dtype=stores[0][0].dtype)
+    grads = xp.zeros(n, dtype=stores[0][1].dtype)          # the gradients' own (fp32 grads of a 16-bit model)
     params = xp.empty(n, dtype=stores[0][0].dtype) if distributed else None
     at, sp_at, placed = 0, n, []
     rep_at, rep_stop, rep_group = n, n, None

@@ -14,6 +14,7 @@ from mpi4py import MPI
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError, refuse_to_replace
+from mpi_tp.core.params import widen_grads
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.chunks import build_stage
 from mpi_tp.model.gpt import GPT
@@ -169,6 +170,8 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
     else:
         model = GPT(cfg.model_config(corpus.vocab_size), topo, dtype=cfg.model_dtype, seed=cfg.seed,
                     sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
+    if cfg.fp32_grads:
+        widen_grads(model.parameters())
     # the reducer moves the gradients (and, for the distributed optimizer, the parameters) into buckets:
     # before the optimizer reads them
     reducer = GradReducer(model, topo.dpcp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical",

@@ -101,6 +101,9 @@ class TrainConfig:
                          "activations, gradients and their messages in bfloat16 or float16, products accumulated in "
                          "fp32 and rounded once, the optimizer's master weights and moments in fp32 "
                          "(mpi_tp.core.precision); fp16 with dynamic loss scaling", ["fp32", "bf16", "fp16"])
+    fp32_grads: bool = opt(False, "bf16/fp16: accumulate the gradients in fp32 and reduce them over data "
+                           "parallelism in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32): twice the "
+                           "gradient bytes and data-parallel wire bytes, no 16-bit rounding of their sums")
     initial_loss_scale: float = opt(65536.0, "fp16: the loss scale to start from (mpi_tp.training.loss_scale)")
     loss_scale_window: int = opt(1000, "fp16: double the loss scale after this many steps without an overflow "
                                  "(0: never)")
@@ -141,6 +144,8 @@ class TrainConfig:
         return LossScaler(self.initial_loss_scale, self.loss_scale_window, self.loss_scale_backoff, self.min_loss_scale)
 
     def _validate_loss_scale(self) -> None:
+        if self.fp32_grads and self.precision == "fp32":
+            raise ConfigError("--fp32-grads is for --precision bf16 or fp16 (fp32 gradients are fp32 already)")
         names = ("initial_loss_scale", "loss_scale_window", "loss_scale_backoff", "min_loss_scale")
         if self.precision != "fp16":
             default = {f.name: f.default for f in fields(self)}

@@ -181,8 +181,9 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
 
 def precision_text(cfg: TrainConfig) -> str:
     """The start-up line's number format: 'float32', 'bf16 (fp32 masters)', 'fp16 (fp32 masters, loss scale 65536)'."""
+    grads = ", fp32 gradients" if cfg.fp32_grads else ""
     scaling = f", loss scale {cfg.initial_loss_scale:g}" if cfg.precision == "fp16" else ""
-    return cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} (fp32 masters{scaling})"
+    return cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} (fp32 masters{grads}{scaling})"
 
 
 def final_sample(run, cfg: TrainConfig) -> str:
