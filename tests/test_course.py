@@ -2,9 +2,9 @@
 
     python -m pytest tests/test_course.py
 
-- docs/course.md keeps its shape: the ten lessons in the order of the map
+- docs/course.md keeps its shape: the eleven lessons in the order of the map
   (split, block, vocabulary, SP, DP, pipeline, experts, inference, cost model,
-  scaling), each with its time, a ```bash block, a figure that exists and a
+  scaling, mixed precision), each with its time, a ```bash block, a figure that exists and a
   question or exercise to check it.
 - Every line of a ```bash block of the two pages runs from the repository root
   and exits 0, except a line marked `# expected to FAIL`: a broken exercise
@@ -46,7 +46,7 @@ from mpi_tp.course import registry
 
 COURSE, EXERCISES = ROOT / "docs" / "course.md", ROOT / "docs" / "exercises.md"
 TOPICS = ["split", "block", "vocabulary", "sequence parallelism", "step", "pipeline", "experts",
-          "inference", "cost model", "scaling"]
+          "inference", "cost model", "scaling", "mixed precision"]
 TIMEOUT = 300
 EXPECT_FAIL = "# expected to FAIL"
 
@@ -56,7 +56,7 @@ def lessons() -> list[str]:
     return re.split(r"^## (?=\d+\. )", COURSE.read_text(), flags=re.M)[1:]
 
 
-def test_the_course_has_its_ten_lessons_in_order():
+def test_the_course_has_its_lessons_in_order():
     found = lessons()
     assert len(found) == len(TOPICS), f"docs/course.md has {len(found)} lessons, the map has {len(TOPICS)}"
     for n, (text, topic) in enumerate(zip(found, TOPICS), 1):
