@@ -126,16 +126,27 @@ class TrainConfig:
         return "bfloat16" if self.precision == "bf16" else self.dtype
 
     def _validate_precision(self) -> None:
-        """bf16's reach, in CLI terms (what is not there yet says so: issue 37)."""
+        """bf16's reach, in CLI terms: every layout (tp, sp, cp, pp, dp, ZeRO-1, ep) on NumPy; what it does
+        not run with is one line each."""
         if self.precision == "fp32":
             return
-        not_yet = [(self.dtype != "float32", f"--dtype {self.dtype} (bf16 keeps fp32 masters: leave --dtype float32)"),
-                   (self.cp > 1, "--cp (ring attention computes in the storage format: not yet in fp32)"),
-                   (self.moe_experts > 0, "--moe-experts (the router's arithmetic: not yet)"),
-                   (self.backend != "numpy", "--backend cupy (CuPy has no bfloat16 dtype: not yet emulated)")]
-        wrong = [what for bad, what in not_yet if bad]
-        if wrong:
-            raise ConfigError(f"--precision {self.precision} does not run with {'; '.join(wrong)}")
+        if self.dtype != "float32":
+            raise ConfigError(f"--precision {self.precision} with --dtype {self.dtype}: bf16 keeps fp32 masters "
+                              "(leave --dtype float32), or train in float64 with --precision fp32")
+        if self.backend != "numpy":     # emulating it (fp32 storage rounded to bf16) would save no byte
+            raise ConfigError(f"--precision {self.precision} runs on --backend numpy only: CuPy has no bfloat16 "
+                              "dtype (cupy/cupy#7527) and mpi_tp does not emulate it; use --backend numpy, or "
+                              "--precision fp32 on CuPy")
+        if self.init_from:
+            from mpi_tp.checkpoint import open_checkpoint
+            with open_checkpoint(self.init_from) as saved:
+                saved_dtype = saved.meta.get("dtypes")
+            if saved_dtype == "float64":
+                raise ConfigError(f"--init-from {self.init_from} holds a float64 model, and --precision "
+                                  f"{self.precision} starts from float32 or bf16 weights: continue it with "
+                                  "--precision fp32 --dtype float64, or write it as float32 first (mpi-tp export "
+                                  "CHECKPOINT DIR --format hf, then mpi-tp import-hf DIR OUT --dtype float32) and "
+                                  "start from OUT")
 
     def model_config(self, vocab_size: int = 256) -> GPTConfig:
         """The model to build; vocab_size: the data's, when the vocab_size option is 0."""
