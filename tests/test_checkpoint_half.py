@@ -46,3 +46,32 @@ def test_16_bit_parameters_and_fp32_masters_round_trip_at_any_layout(world, shar
             assert np.array_equal(whole[k][i][p.index()], mine[k][i]), f"optim/{k}/{p.name}"
     serial.free()
     topo.free()
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_16_bit_model_from_an_fp32_checkpoint_takes_its_weights_as_masters(world, shared_dir, with_optimizer):  # noqa: F811
+    """A bf16 run started from an fp32 checkpoint (--init-from): the masters are the checkpoint's fp32
+    weights exactly (not the bf16 parameters widened, and not this model's random start), the moments the
+    checkpoint's, or fresh zeros from a checkpoint without optimizer state (an import)."""
+    topo = Topology.create(world)
+    model = GPT(GPTConfig(**CFG), topo, dtype="float32", seed=5)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    x = np.random.default_rng(0).integers(0, 37, (3, 8))
+    assert train_step(model, opt, x, x, slice(0, 3))[2] is None
+    ck.save(shared_dir, 1, model, opt if with_optimizer else None, meta(model, opt))
+    serial = Topology.serial()
+    wide = GPT(GPTConfig(**CFG), serial, dtype="float32", seed=0)
+    wide_opt = AdamW(wide.parameters(), lr=1e-2)
+    half = GPT(GPTConfig(**CFG), serial, dtype=np.dtype(ml_dtypes.bfloat16), seed=0)
+    half_opt = AdamW(half.parameters(), lr=1e-2)
+    with ck.Checkpoint(shared_dir) as c:
+        ck.load_into(c, wide, wide_opt)
+        ck.load_into(c, half, half_opt)
+    masters = half_opt.state_tensors()["master"]
+    for p, w, m in zip(half.parameters(), wide.parameters(), masters):
+        assert m.dtype == np.float32 and np.array_equal(m, w.data), p.name
+        assert np.array_equal(p.data, w.data.astype(p.data.dtype)), p.name          # rounded once
+    for kind in ("m", "v"):
+        for a, b in zip(half_opt.state_tensors()[kind], wide_opt.state_tensors()[kind]):
+            assert np.array_equal(a, b) and (with_optimizer or not a.any())
+    assert half_opt.t == (1 if with_optimizer else 0)

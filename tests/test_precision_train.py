@@ -76,8 +76,7 @@ def test_a_resumed_bf16_run_is_bitwise_the_straight_one(out):
     assert np.array_equal(rest, straight[2:]), (rest, straight)
 
 
-@pytest.mark.parametrize("options,says", [(dict(dtype="float64"), "--dtype float64"), (dict(cp=2), "--cp"),
-                                          (dict(moe_experts=2), "--moe-experts"), (dict(backend="cupy"), "cupy"),
+@pytest.mark.parametrize("options,says", [(dict(dtype="float64"), "--dtype float64"), (dict(backend="cupy"), "cupy"),
                                           (dict(precision="fp8"), "choose one of fp32, bf16, fp16")])
 def test_what_bf16_does_not_run_with_yet_is_one_line(options, says):
     with pytest.raises(ConfigError, match=says) as e:

@@ -25,7 +25,8 @@ Where the arrays live. NumPy has float16 but no bfloat16: bf16 storage is ml_dty
 well-kept package: JAX's). CuPy has float16 but no bfloat16 dtype (cupy/cupy#7527): there bf16 is
 emulated, float32 storage whose values are rounded to bf16 (`round_bf16`, integer arithmetic on the
 bits, the same on both array modules), so the numbers are bf16's and the bytes are fp32's; memory
-accounting then says 4 bytes per value, not 2.
+accounting then says 4 bytes per value, not 2. (These helpers do that; training refuses --precision
+bf16 on CuPy, mpi_tp.training.config: the emulation would save no byte.)
 """
 from __future__ import annotations
 
@@ -110,12 +111,20 @@ def narrow(a, dtype):
         return a.astype(dtype)
 
 
+def computed(a):
+    """a in the format its arithmetic runs in: a 16-bit array widened to fp32, an fp32 or fp64 one itself."""
+    return widen(a) if is_half(a) else a
+
+
+def stored(a, dtype):
+    """A result computed in fp32 (or wider) in the inputs' `dtype`: rounded once to 16 bits, else itself."""
+    return a if a.dtype == dtype else narrow(a, dtype)
+
+
 def sum_rows(a, axis=0):
     """a summed over `axis` as a GPU sums a 16-bit tensor (a bias's gradient): in fp32, rounded once to
-    a's format. fp32 and fp64 arrays are summed as themselves (a.sum: the same numbers as before)."""
-    if not is_half(a):
-        return a.sum(axis=axis)
-    return narrow(widen(a).sum(axis=axis), a.dtype)
+    a's format (NumPy would add bf16 in bf16: 1000 ones give 256). fp32 and fp64 arrays: a.sum itself."""
+    return stored(computed(a).sum(axis=axis), a.dtype)
 
 
 def round_bf16(x):

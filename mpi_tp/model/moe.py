@@ -39,6 +39,13 @@ which would communicate once per expert: here f and g happen once for all local 
 Backward: the gates are differentiated (the top-k selection and the admissions are piecewise
 constant), then the softmax; the aux loss reaches p through P, the z-loss through lse, both
 times the loss scale; the experts' gradient comes back by the inverse all-to-alls.
+
+16-bit models (bf16, fp16): the router in fp32, as Megatron's --moe-router-dtype fp32 and every
+MoE recipe run it: z = x W_r from the widened x and W_r, not rounded (a rounded logit moves a
+near tie between two experts), then the softmax, the top-k, the gates, both losses and the
+combine's weighted sum in fp32, y rounded once. What travels and what the experts compute stays
+16-bit: the rows of the all-to-alls, the experts' GEMMs (mpi_tp.core.kernels_half), g's all-reduce.
+The backward sums in fp32 too (dgate, dz, the k choices' dx with the router's), rounding once.
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
+from mpi_tp.core.precision import computed, stored
 from mpi_tp.model.experts import Expert, SwiGLUExpert
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
 from mpi_tp.parallel.sequence_parallel import (
@@ -180,7 +188,8 @@ class MoEMLP(Module):
         B, S, C = x.shape
         N, E, k = B * S, self.E, self.k
         x2 = x.reshape(N, C)
-        z, router = kern.linear_forward(x2, self.router.data)                  # (N, C) -> (N, E)
+        z, _ = kern.linear_forward(computed(x2), computed(self.router.data))  # (N, C) -> (N, E), fp32 for 16 bits
+        router = (x2, self.router.data, False)                               # the cache: x and W_r as stored
         p, lse, choice, gate = route(z, k)
         keep = admitted(choice.reshape(B, S, k), E, 0.0 if self.dropless else self.capacity)
         aux, daux = balance_loss(p.reshape(B, S, E), choice.reshape(B, S, k), E)
@@ -201,7 +210,7 @@ class MoEMLP(Module):
         out = xp.zeros((N, k, C), dtype=x.dtype)                             # FFN_{c_nj}(x_n), 0 if dropped
         out[n_idx, j_idx] = y_send
         w = gate * keep                                                      # a g (N, k)
-        y = xp.einsum("nk,nkc->nc", w, out)
+        y = stored(xp.einsum("nk,nkc->nc", w, computed(out)), x.dtype)      # in fp32, rounded once (16 bits)
         self.save_cache(router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse)
         self.stats = {"aux_loss": aux, "z_loss": zl, "tokens_per_expert": kept,
                       "dropped": int(N * k - int(kept.sum()))}
@@ -214,13 +223,14 @@ class MoEMLP(Module):
         N, _, C = out.shape
         dy = dout.reshape(N, C)
         # y = sum_j w_j out_j
-        dgate = xp.einsum("nkc,nc->nk", out, dy) * keep
-        dy_send = w[n_idx, j_idx, None] * dy[n_idx]                           # (M, C): admitted rows only
+        dy_c = computed(dy)
+        dgate = xp.einsum("nkc,nc->nk", computed(out), dy_c) * keep
+        dy_send = stored(w[n_idx, j_idx, None] * dy_c[n_idx], dout.dtype)   # (M, C): admitted rows only
         dy_recv = self.dispatcher.combine_backward(dy_send, plan)
         dx_send = self.dispatcher.dispatch_backward(self._experts_backward(dy_recv, plan.expert_rows), plan)
         dfull = xp.zeros_like(out)
         dfull[n_idx, j_idx] = dx_send
-        dx = dfull.sum(axis=1)                                               # (N, k, C) -> (N, C)
+        dx = computed(dfull).sum(axis=1)                                     # (N, k, C) -> (N, C)
         # The router: gates, the aux loss through P, softmax, the z-loss through lse.
         dp = gate_backward(dgate, p, choice, gate)
         if self.aux_weight:
@@ -228,10 +238,11 @@ class MoEMLP(Module):
         dz = p * (dp - (dp * p).sum(axis=1, keepdims=True))
         if self.z_weight:
             dz += (self.loss_scale * self.z_weight) * dlse[:, None] * p      # d lse / dz = p
-        dx_r, dw, _ = kern.linear_backward(dz, router)
-        self.router.accumulate(dw)
+        x2, w_r, _ = router
+        dx_r, dw, _ = kern.linear_backward(dz, (computed(x2), computed(w_r), False))   # fp32 for 16 bits
+        self.router.accumulate(dw)                                           # rounded once into a 16-bit grad
         dx += dx_r
-        return dx.reshape(dout.shape)
+        return stored(dx, dout.dtype).reshape(dout.shape)
 
     def _experts_forward(self, x_recv, rows):
         """x_recv (R, C), whole on every tp rank (f), expert by expert -> outputs (R, C) after one g."""
@@ -254,7 +265,7 @@ class MoEMLP(Module):
         at = 0
         for expert, n in zip(self.experts, rows):
             if expert.proj_bias is not None:
-                expert.proj_bias.accumulate(dy[at:at + n].sum(axis=0))
+                expert.proj_bias.accumulate(computed(dy[at:at + n]).sum(axis=0))   # an fp32 sum
             dx[at:at + n] = expert.backward(dy[at:at + n])
             at += n
         return copy_to_tp_backward(dx, self.tp)

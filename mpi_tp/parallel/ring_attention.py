@@ -25,6 +25,15 @@ sends of K and V; backward N - 1 of K and V and N of dK and dV, each 2 B H_kv S_
 (tests/test_context_parallel.py checks the counts against this closed form). The time a rank spends
 blocked in the waits is counted as "cp/ring_wait" (what the overlap did not hide).
 
+16-bit q, k, v (bf16, fp16): the arithmetic in fp32 and the messages in the 16-bit format, as a GPU's
+flash attention and ring attention do it. The K/V blocks travel as they are (2 bytes a value); each
+block is widened on arrival (exact) and its scores, the running m, l and o and the lse are fp32; the
+output is rounded once, at the end. The backward keeps that 16-bit output and the fp32 lse (FlashAttention
+2's cache: D = rowsum(dout * out) from the stored output, in fp32), accumulates dq and each hop's dK, dV in
+fp32 and rounds dq once; dK and dV travel in the 16-bit format, so the partial sums are rounded once per
+hop: N roundings of a sum of N ranks' contributions (within N u sum_j |c_j|, u the format's unit
+roundoff: tests/test_precision_layouts.py), the price of half the bytes on the ring.
+
 Dropout: a block's mask is the part of the serial model's (B, H, S, S) mask at its (query, key)
 positions (mpi_tp.model.dropout keys every element by its global position), drawn by the caller.
 """
@@ -35,6 +44,7 @@ import time
 
 from mpi_tp.core.backend import array_module
 from mpi_tp.core.kernels_attention import _sum_to, online_block, online_block_backward
+from mpi_tp.core.precision import computed, stored
 
 TAG = 31
 
@@ -86,17 +96,18 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
     """Causal attention of this rank's queries over the whole sequence. q (..., S_r, hs), k and v
     (..., S_r, hs) (leading axes broadcast: grouped-query attention). mask_of(src, rows, cols), if
     given, is the bool dropout mask of this rank's query rows against rank src's key rows.
-    Returns out (like q) and the cache for ring_backward."""
+    Returns out (like q) and the cache for ring_backward. 16-bit inputs: see the module docstring."""
     xp, scale = array_module(q), 1.0 / math.sqrt(q.shape[-1])
-    qs = q * scale
-    m = xp.full(q.shape[:-1], -math.inf, dtype=q.dtype)
-    l, o = xp.zeros(q.shape[:-1], dtype=q.dtype), xp.zeros(q.shape, dtype=q.dtype)
-    kv = xp.stack((k, v))                                    # (2, ..., S_r, hs): one message
-    for src, kv in _around(split, kv, xp):
+    qs = computed(q) * scale
+    m = xp.full(q.shape[:-1], -math.inf, dtype=qs.dtype)     # the softmax's statistics: fp32 or wider
+    l, o = xp.zeros(q.shape[:-1], dtype=qs.dtype), xp.zeros(q.shape, dtype=qs.dtype)
+    mine = xp.stack((k, v))                                  # (2, ..., S_r, hs): one message, q's format
+    for src, kv in _around(split, mine, xp):
+        kv_c = computed(kv)                                  # widened once per block, not per tile
         for rows, cols, diag in blocks(split, src):
-            online_block(qs, kv[0], kv[1], rows, cols, diag, m, l, o,
+            online_block(qs, kv_c[0], kv_c[1], rows, cols, diag, m, l, o,
                          None if mask_of is None else mask_of(src, rows, cols), drop_scale)
-    out = o / l[..., None]
+    out = stored(o / l[..., None], q.dtype)                 # rounded once (16 bits)
     return out, (q, k, v, out, m + xp.log(l), split, mask_of, drop_scale)
 
 
@@ -105,22 +116,25 @@ def ring_backward(dout, cache):
     q, k, v, out, lse, split, mask_of, drop_scale = cache
     xp, group = array_module(q), split.group
     n, r, scale = group.size, group.rank, 1.0 / math.sqrt(q.shape[-1])
-    qs = q * scale
-    D = xp.einsum("...td,...td->...t", dout, out)            # rowsum(dout * out)
-    dq = xp.zeros(q.shape, dtype=q.dtype)
-    kv = xp.stack((k, v))                                    # (2, ..., S_r, hs): one message
-    grads = {"held": xp.zeros(kv.shape, dtype=kv.dtype)}       # dK, dV of the block held, travelling with it
+    q_c = computed(q)
+    qs, dout_c = q_c * scale, computed(dout)
+    D = xp.einsum("...td,...td->...t", dout_c, computed(out))   # rowsum(dout * out), fp32 for 16 bits
+    dq = xp.zeros(q.shape, dtype=q_c.dtype)
+    mine = xp.stack((k, v))                                  # (2, ..., S_r, hs): one message
+    # dK, dV of the block held, travelling with it in k's format; summed in q_c's (fp32 for 16 bits)
+    grads = {"held": xp.zeros(mine.shape, dtype=q_c.dtype)}
 
     def hand_on(src):                                           # this block's gradients go on with it
         if n == 1:
             return []
-        dkv = grads["held"]
-        grads["held"] = xp.empty(dkv.shape[:-2] + (split.length((src - 1) % n), dkv.shape[-1]), dtype=dkv.dtype)
+        dkv = stored(grads["held"], k.dtype)                   # the message: rounded once per hop
+        grads["held"] = xp.empty(dkv.shape[:-2] + (split.length((src - 1) % n), dkv.shape[-1]), dtype=k.dtype)
         return [group.isend(dkv, (r + 1) % n, TAG + 1), group.irecv(grads["held"], (r - 1) % n, TAG + 1)]
-    for src, kv in _around(split, kv, xp, hand_on):
-        dkv = grads["held"]
+    for src, kv in _around(split, mine, xp, hand_on):
+        dkv = grads["held"] = computed(grads["held"])
+        kv_c = computed(kv)
         for rows, cols, diag in blocks(split, src):
-            online_block_backward(qs, q, kv[0], kv[1], rows, cols, diag, lse, D, dout, dq, dkv[0], dkv[1],
+            online_block_backward(qs, q_c, kv_c[0], kv_c[1], rows, cols, diag, lse, D, dout_c, dq, dkv[0], dkv[1],
                                   None if mask_of is None else mask_of(src, rows, cols), drop_scale)
-    dkv = grads["held"]                                         # this rank's own, home after the N-th hop
-    return dq, _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)
+    dkv = stored(grads["held"], k.dtype)                       # this rank's own, home after the N-th hop
+    return stored(dq, q.dtype), _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)

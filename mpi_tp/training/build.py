@@ -139,7 +139,13 @@ def _restore(start, model, opt, cfg: TrainConfig, corpus, scaler=None) -> int:
     if saved_opt != cfg.optimizer:
         raise ckpt_io.CheckpointError(f"checkpoint {start.dir} holds {saved_opt} state but this run uses "
                                       f"--optimizer {cfg.optimizer}")
-    ckpt_io.load_into(start, model, opt if start.has_optimizer else None)
+    if cfg.precision != "fp32" and start.meta.get("dtypes") == "float64":
+        raise ckpt_io.CheckpointError(
+            f"--init-from {start.dir} holds a float64 model, and --precision {cfg.precision} starts from float32 "
+            "or 16-bit weights: continue it with --precision fp32 --dtype float64, or write it as float32 first "
+            "(mpi-tp export CHECKPOINT DIR --format hf, then mpi-tp import-hf DIR OUT --dtype float32) and start "
+            "from OUT")
+    ckpt_io.load_into(start, model, opt)        # no optimizer state saved: fresh moments, masters = the weights
     ckpt_io.restore_rng(start, model)
     if scaler is not None and cfg.resume and "loss_scale" in start.meta:
         scaler.restore(start.meta["loss_scale"])        # a resumed fp16 run scales as the straight one
