@@ -57,7 +57,7 @@ from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
-from mpi_tp.core.precision import computed, stored
+from mpi_tp.core.precision import computed, stored, sum_rows
 from mpi_tp.model.experts import Expert, SwiGLUExpert
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
 from mpi_tp.parallel.sequence_parallel import (
@@ -265,7 +265,7 @@ class MoEMLP(Module):
         at = 0
         for expert, n in zip(self.experts, rows):
             if expert.proj_bias is not None:
-                expert.proj_bias.accumulate(computed(dy[at:at + n]).sum(axis=0))   # an fp32 sum
+                expert.proj_bias.accumulate(sum_rows(dy[at:at + n]))        # an fp32 sum at 16 bits
             dx[at:at + n] = expert.backward(dy[at:at + n])
             at += n
         return copy_to_tp_backward(dx, self.tp)
