@@ -1,7 +1,9 @@
 """The planner's memory per rank (mpi_tp.planning.memory) against what a real run keeps, at small shapes and
 every layout of the pass: weights and gradients, the optimizer's state (the distributed optimizer's share
 included), the activations of one micro-batch (sequence parallelism, dropout), and a pipeline stage's peak
-under 1F1B. Sizes divide by 1 ... 4, so the shares are even and the counts exact.
+under 1F1B, in fp32 and in bf16 (2-byte values and gradients, fp32 masters and moments and per-row
+statistics: `mpi-tp plan --precision bf16`). Sizes divide by 1 ... 4, so the shares are even and the counts
+exact.
 
     mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_memory_model.py   (N = 1 .. 4)
 """
@@ -15,7 +17,7 @@ from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.planning.costmodel import Plan, Workload
-from mpi_tp.planning.machines import Machine
+from mpi_tp.planning.machines import Machine, with_precision
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.training.optim import AdamW
 from mpi_tp.training.step import forward_backward
@@ -39,14 +41,16 @@ def state_bytes(params, opt):
     return grads + sum(p.base.nbytes for p in stores), sum(a.nbytes for arrays in opt.state.values() for a in arrays)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_memory_per_rank_equals_a_real_runs(world, dropout):
-    bad = []
+def test_memory_per_rank_equals_a_real_runs(world, dropout, precision):
+    bad, machine = [], with_precision(CPU, precision)
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[precision]
     for tp, dp in layouts(world.Get_size()):
         for sp, zero in ((False, False), (True, dp > 1)):
             topo = Topology.create(world, tp=tp, dp=dp)
             cfg = GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=H, n_embd=C, dropout=dropout)
-            model = GPT(cfg, topo, dtype="float32", sequence_parallel=sp)
+            model = GPT(cfg, topo, dtype=dtype, sequence_parallel=sp)
             reducer = GradReducer(model, topo.dp, distributed=zero)
             opt = AdamW(model.parameters(), reducer=reducer)
             x = np.zeros((B, S), dtype=np.int64)
@@ -54,14 +58,14 @@ def test_memory_per_rank_equals_a_real_runs(world, dropout):
             acts = sum(block.activation_bytes() for block in model.h)
             weights_grads, optimizer = state_bytes(model.parameters(), opt)
             w = Workload(L, C, H, S, global_batch=B * dp, vocab=V, dropout=dropout > 0)
-            mem = memory_per_rank(CPU, w, Plan(tp=tp, dp=dp, micro_batch=B, sp=sp, zero=int(zero)))
+            mem = memory_per_rank(machine, w, Plan(tp=tp, dp=dp, micro_batch=B, sp=sp, zero=int(zero)))
             what = f"tp={tp} dp={dp} sp={sp} zero={zero}"
             bad += [] if acts == mem["activations"] else [(what, "activations", acts, mem["activations"])]
             # a bucket's n elements split over D ranks: the shares differ by one element at most
             share = 4 * len(reducer.buckets) if zero else 0
             bad += [] if abs(weights_grads - mem["weights_grads"]) <= share else [(what, "weights", weights_grads,
                                                                                     mem["weights_grads"])]
-            bad += [] if abs(optimizer - mem["optimizer"]) <= 2 * share else [(what, "optimizer", optimizer,
+            bad += [] if abs(optimizer - mem["optimizer"]) <= 3 * share else [(what, "optimizer", optimizer,
                                                                                 mem["optimizer"])]
             topo.free()
     assert all_true(not bad, world), bad

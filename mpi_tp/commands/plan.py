@@ -4,6 +4,7 @@
     mpi-tp plan ... --tp 8 --pp 12 --recompute                 # pins: any published layout's own row
     mpi-tp plan ... --explain 'tp4 pp12 dp8 b2 +recompute'     # one layout, term by term
     mpi-tp plan ... --emit-config best.json                    # the winner as a config `mpi-tp train` runs
+    mpi-tp plan ... --precision bf16                           # values, wire bytes and state at bf16's width
 
 Every bad input is one line and exit 2 (checked before anything is searched); an empty search says
 what could not be expressed.
@@ -18,7 +19,7 @@ import sys
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning.costmodel import Plan, Workload
-from mpi_tp.planning.machines import PRESETS, machine
+from mpi_tp.planning.machines import PRESETS, machine, state_bytes, with_precision
 from mpi_tp.planning.plan_table import legend, size_text, table
 from mpi_tp.planning.planner import LONG, links_text, plan, price
 
@@ -31,6 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("--machine", default="dgx-a100",
                    help="a preset (dgx-2h, dgx-a100, dgx-h100) or a JSON file from `mpi-tp calibrate`")
     p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="the number format trained in, as `mpi-tp train --precision`: bytes per value (activations, "
+                        "collectives) and the model state per parameter (fp32: 4 + 4 + 8 bytes; bf16, fp16: 2 + 2 + "
+                        "12, the fp32 masters and moments, ZeRO-1 sharding the 12); default: the machine's own "
+                        "(presets: Megatron's bf16 with fp32 gradients, 18 bytes; calibrated: fp32)")
     for flag in MODEL_FLAGS:                      # required, unless --legend is all that is asked
         p.add_argument(flag, type=int, default=None, help="the model: required (unless --legend alone)")
     p.add_argument("--vocab", type=int, default=51200)
@@ -97,6 +103,8 @@ def _check(args):
     if args.virtual_stages and args.schedule == "1f1b":
         raise UserError("--virtual-stages needs the interleaved schedule (--schedule interleaved)")
     m = machine(args.machine)
+    if args.precision:
+        m = with_precision(m, args.precision)
     ranks, pinned = args.nodes * m.ranks_per_node, (args.tp or 1) * (args.cp or 1) * (args.pp or 1)
     if ranks % pinned:                 # the world-size rule's own message (dp, or tp, takes the rest)
         Layout.resolve(ranks, tp=args.tp or 0, cp=args.cp or 1, pp=args.pp or 1, dp=0 if args.tp else 1)
@@ -221,7 +229,8 @@ def cmd_plan(args, comm) -> int:
         print(f"wrote {args.emit_config}: {best.describe()}; run it with mpiexec -n {best.ranks} mpi-tp train "
               f"--config {args.emit_config}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"], "ranked": [
+        print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"],
+                          "bytes_per_value": m.bytes_per_value, "state_bytes_per_param": state_bytes(m), "ranked": [
             {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"],
              "achieved": r["achieved"]}
             for r in result["ranked"]]}, default=float))

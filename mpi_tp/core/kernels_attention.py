@@ -61,7 +61,7 @@ def _causal_bias(S, dtype, xp):
 def attention_forward(q, k, v, drop_mask=None, drop_scale=1.0, block: int | None = None):
     """Causal softmax(q k^T / sqrt(hs)) v per head. q, k, v (B, H, S, hs) -> out (B, H, S, hs).
     (Any leading axes broadcast: grouped-query attention passes q (B, H_kv, R, S, hs), k and v (B, H_kv, 1, S, hs).)
-    16-bit q, k, v: the fp32 computation rounded once, the backward recomputing it (mpi_tp.core.kernels_half).
+    16-bit q, k, v: the fp32 computation rounded once, the probabilities kept in 16 bits (mpi_tp.core.kernels_half).
 
     Attention dropout: drop_mask, if given, is bool and broadcastable to (B, H, S, S), True
     where a probability is kept; the kept probabilities are scaled by drop_scale, 1/(1-p):

@@ -57,28 +57,54 @@ def linear_backward_weight(dout, x, has_bias=False, dw_out=None):
 
 
 # -- the elementwise and normalising kernels: computed in fp32 on the widened inputs, rounded once ------
-# LayerNorm and RMSNorm statistics, GELU's tanh, SwiGLU's sigmoid: all in fp32, as fused GPU kernels
-# compute them; the output rounded once to the input's format. The cache keeps only the 16-bit inputs
-# (the bytes a GPU keeps), and the backward computes the fp32 forward's cache again from them, so the
-# numbers are those of the fp32 kernel pair on the widened inputs, rounded once at the end, bit for bit.
+# LayerNorm and RMSNorm statistics, GELU's tanh, SwiGLU's sigmoid, attention's softmax: all in fp32, as
+# fused GPU kernels compute them; the output rounded once to the input's format. The cache is the fp32
+# kernel's own, at the width Megatron keeps it: the activation-sized arrays (the normalised input, the
+# tanh, the softmax output, the sigmoid) rounded once to the input's format, the inputs themselves as they
+# came (no copy), the per-row statistics (LayerNorm's 1/std, the online softmax's log-sum-exp) in fp32. So
+# a 16-bit layer keeps half the bytes of an fp32 one (mpi_tp.planning.activations counts them), and the
+# backward, the fp32 backward on that cache widened, differs from the fp32 pair's by the rounding of the
+# kept arrays: tests/test_kernels_half.py derives and checks the bound, kernel by kernel.
+
+
+def _is_statistic(a, first) -> bool:
+    """A per-row statistic of the cache, kept in fp32: fewer axes than the kernel's first input (lse
+    (B, H, S) beside q (B, H, S, hs)) or a last axis of 1 (rstd (..., 1))."""
+    return a.ndim < first.ndim or a.shape[-1] == 1
 
 
 def forward_in_fp32(forward, *inputs, **options):
     """forward(*inputs) computed in fp32 (16-bit inputs widened), its output rounded once to the first
-    input's format; the cache: the inputs as they came."""
-    out, _ = forward(*(widen(a) if is_half(a) else a for a in inputs), **options)
-    return narrow(out, inputs[0].dtype), (inputs, options)
+    input's format; the cache: the fp32 kernel's, in the same layout, narrowed as said above."""
+    wide = [widen(a) if is_half(a) else a for a in inputs]
+    out32, cache32 = forward(*wide, **options)
+    dtype = inputs[0].dtype
+    out = narrow(out32, dtype)
+    same = {id(w): a for w, a in zip(wide, inputs)}                # an input: the caller's own array
+    same[id(out32)] = out                                          # the output (the online softmax keeps it)
+
+    def kept(item):
+        if isinstance(item, tuple):
+            return tuple(kept(i) for i in item)
+        if id(item) in same:
+            return same[id(item)]
+        if getattr(item, "dtype", None) is None or item.dtype.kind != "f" or _is_statistic(item, wide[0]):
+            return item                                            # masks, numbers, fp32 statistics
+        return narrow(item, dtype)                                 # an activation: 16 bits
+    return out, kept(cache32)
 
 
-def backward_in_fp32(forward, backward, dout, cache):
-    """backward(dout) of forward_in_fp32's call: the fp32 cache computed again from the kept inputs, the
-    fp32 backward, each gradient rounded once to its input's format (a single gradient: dout's)."""
-    inputs, options = cache
-    _, cache32 = forward(*(widen(a) if is_half(a) else a for a in inputs), **options)
-    grads = backward(widen(dout), cache32)
+def backward_in_fp32(backward, dout, cache):
+    """backward(dout) of forward_in_fp32's call: the fp32 backward on the kept cache widened (exact), each
+    gradient rounded once to dout's format (a kernel's 16-bit inputs and dout share one format)."""
+    def wide(item):
+        if isinstance(item, tuple):
+            return tuple(wide(i) for i in item)
+        return widen(item) if is_half(item) else item
+    grads = backward(widen(dout), wide(cache))
     if not isinstance(grads, tuple):
         return narrow(grads, dout.dtype)
-    return tuple(g if g is None or not is_half(a) else narrow(g, a.dtype) for g, a in zip(grads, inputs))
+    return tuple(None if g is None else narrow(g, dout.dtype) for g in grads)
 
 
 def in_fp32(forward):
@@ -92,12 +118,13 @@ def in_fp32(forward):
 
 
 def backward_of(forward):
-    """A kernel's backward whose 16-bit calls (dout decides) go through backward_in_fp32 with `forward`."""
+    """A kernel's backward whose 16-bit calls (dout decides) go through backward_in_fp32 (`forward`: the
+    pair's forward, named on the page so that a reader sees which cache it takes)."""
     def decorate(backward):
         @functools.wraps(backward)
         def dispatch(dout, cache):
             if is_half(dout):
-                return backward_in_fp32(forward, backward, dout, cache)
+                return backward_in_fp32(backward, dout, cache)
             return backward(dout, cache)
         return dispatch
     return decorate

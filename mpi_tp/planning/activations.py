@@ -8,7 +8,7 @@ number of S B C, H S^2 B or S B elements, values or 1-byte dropout masks:
 
     term                          elements    TP      paper (16-bit)   here (float32)     bytes
     LayerNorm inputs              2 S B C     whole   4 S B C          8 S B C   (the normalised input)
-    LayerNorm 1/std               2 S B       whole   -                8 S B     (ours: (B, S, 1) each)
+    LayerNorm 1/std               2 S B       whole   -                8 S B     (ours: (B, S, 1), fp32)
     q/k/v input                   S B C       whole   2 S B C          4 S B C
     q, k                          2 S B C     1/T     4 S B C          8 S B C
     softmax output                H S^2 B     1/T     2 H S^2 B        4 H S^2 B
@@ -23,6 +23,10 @@ number of S B C, H S^2 B or S B elements, values or 1-byte dropout masks:
     MLP projection input          4 S B C     1/T     8 S B C          16 S B C
     MLP dropout mask              S B C       whole   S B C            S B C     (with dropout)
 
+At 16 bits (--precision bf16 or fp16) every value above takes 2 bytes, as in the paper, and the
+per-row statistics (1/std, the online softmax's log-sum-exp) stay fp32, 4 bytes, as Megatron's do
+(mpi_tp.core.kernels_half keeps the fp32 kernels' caches that way): the layer's bytes are 0.50x
+fp32's, less the statistics' (1/C of a LayerNorm's) share.
 "whole": every tensor-parallel rank keeps all of it under plain tensor parallelism; sequence
 parallelism divides every term by T (the column layers keep their input's shard and gather it
 again in the backward pass). The paper's sum: S B C (34 + 5 H S / C) bytes at T = 1,
@@ -56,16 +60,17 @@ class Term:
     ours: bool             # kept by this implementation
     core: bool = False     # the attention core: not kept under selective recomputation
     online: bool | None = None   # True: kept only by the online softmax (S >= ONLINE_FROM), False: only without it
+    statistic: bool = False      # a per-row statistic: fp32 (4 bytes) at 16 bits, the value width otherwise
 
 
 TERMS = (
     Term("LayerNorm inputs", "SBC", 2, False, False, True, True),
-    Term("LayerNorm 1/std", "SB", 2, False, False, False, True),
+    Term("LayerNorm 1/std", "SB", 2, False, False, False, True, statistic=True),
     Term("q/k/v input", "SBC", 1, False, False, True, True),
     Term("q, k", "SBC", 2, False, True, True, True),
     Term("softmax output", "HSSB", 1, False, True, True, True, core=True, online=False),
     Term("attention output", "SBC", 1, False, True, False, True, online=True),
-    Term("attention log-sum-exp", "HSB", 1, False, True, False, True, online=True),
+    Term("attention log-sum-exp", "HSB", 1, False, True, False, True, online=True, statistic=True),
     Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True),
     Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True),
     Term("v", "SBC", 1, False, True, True, True),
@@ -80,15 +85,18 @@ TERMS = (
 
 
 def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = False, dropout: bool = False,
-                     recompute: str = "none", value_bytes: int = 4, paper: bool = False) -> dict:
+                     recompute: str = "none", value_bytes: int | None = None, paper: bool = False) -> dict:
     """{term: bytes per layer} on the rank that keeps the most (sizes that divide by T: exact).
 
-    paper: Korthikanti et al.'s count (2-byte values, dropout always on); else this code's with
-    value_bytes per value (4: float32) and masks only when dropout is on."""
+    paper: Korthikanti et al.'s count (dropout always on; values of value_bytes, default 2 as in the
+    paper); else this code's with value_bytes per value (default 4: float32; statistics fp32 at 2) and
+    masks only when dropout is on."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute {recompute!r}: one of {RECOMPUTE}")
+    if value_bytes is None:
+        value_bytes = 2 if paper else 4
     if paper:
-        value_bytes, dropout = 2, True
+        dropout = True
     units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B, "HSB": H * S * B}
     online = not paper and S >= ONLINE_FROM
     if recompute == "full":                           # the block's input alone
@@ -100,11 +108,11 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
         if t.core and recompute == "selective" and not online:      # (the online cache is kept whole)
             continue
         n = t.count * units[t.unit] / (T if (t.split or sp) else 1)
-        out[t.name] = n * (1 if t.mask else value_bytes)
+        out[t.name] = n * (1 if t.mask else max(value_bytes, 4) if t.statistic else value_bytes)
     return out
 
 
-def activation_bytes_per_layer(S, B, C, H, T=1, sp=False, dropout=False, recompute="none", value_bytes=4,
+def activation_bytes_per_layer(S, B, C, H, T=1, sp=False, dropout=False, recompute="none", value_bytes=None,
                                paper=False) -> float:
     """The sum of activation_terms."""
     return sum(activation_terms(S, B, C, H, T, sp, dropout, recompute, value_bytes, paper).values())

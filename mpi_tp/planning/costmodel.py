@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
-from mpi_tp.planning.machines import Machine
+from mpi_tp.planning.machines import Machine, state_bytes
 
 
 @dataclass
@@ -225,12 +225,13 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     de = d // lay.ep                                           # the experts' (edp; cp is 1 with experts)
     per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
     gather, dp_comm = 0.0, 0.0
-    for n_bytes, g, g_node in (((params_rank - experts_rank) * 4, d, per_node),
-                               (experts_rank * 4, de, max(1, per_node // lay.ep))):
+    state = state_bytes(m)           # the gradients' and the weights' bytes per parameter
+    for n, g, g_node in ((params_rank - experts_rank, d, per_node), (experts_rank, de, max(1, per_node // lay.ep))):
+        n_bytes = n * state["grads"]
         if g < 2 or n_bytes == 0:
             continue
         if lay.zero:                 # ZeRO-1: the parameters' all-gather after the update (not hidden)
-            gather += ring_all_gather(n_bytes, g, da, dbw)
+            gather += ring_all_gather(n * state["weights"], g, da, dbw)
         if hierarchical_dp:
             dp_comm += hierarchical_all_reduce(n_bytes, g, g_node, m)
         elif lay.zero:

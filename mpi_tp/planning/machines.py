@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.precision import precision
 
 
 @dataclass
@@ -135,3 +136,22 @@ def machine(name_or_path: str) -> Machine:
     except FileNotFoundError:
         raise UserError(f"unknown machine {name_or_path!r}: use one of {', '.join(PRESETS)} or a JSON "
                          "file from `mpi-tp calibrate`") from None
+
+
+def state_bytes(m: Machine) -> dict:
+    """Bytes per parameter of the model state by kind: weights at the machine's bytes per value, fp32
+    masters for 16-bit weights, AdamW's two moments (fp32, or the weights' wider format), the gradients
+    what state_bytes_per_param leaves (the weights' width for mpi_tp; 4 for the presets' Megatron)."""
+    v = m.bytes_per_value
+    master, moments = (4 if v < 4 else 0), 2 * max(v, 4)
+    return {"weights": v, "grads": m.state_bytes_per_param - v - master - moments, "master": master,
+            "moments": moments}
+
+
+def with_precision(m: Machine, name: str, grad_bytes: int | None = None) -> Machine:
+    """m training at --precision `name` as mpi_tp does: values of that width, the state of
+    mpi_tp.planning.memory's table. grad_bytes: the gradients' width when it differs from the weights'
+    (4: reduced in fp32, Megatron's accumulate-in-fp32; the hook for bf16 gradients reduced in fp32)."""
+    v = precision(name).bytes_per_value
+    state = 2 * v + (4 if v < 4 else 0) + 2 * max(v, 4) + ((grad_bytes or v) - v)
+    return replace(m, bytes_per_value=v, state_bytes_per_param=state)

@@ -1,10 +1,17 @@
 """Memory per rank in the cost model: model state, activations held for the backward pass, logits.
 
-Weights, gradients and optimizer state of the rank's layers (the distributed
-optimizer, ZeRO-1, divides the state by D and keeps a 1/D share of the
-gradients besides them), plus activations: per layer, term by term, this
-code's count (float32, 1-byte dropout masks) or Korthikanti et al.'s for
-Megatron-style 16-bit training (mpi_tp.planning.activations), times the
+Weights, gradients and optimizer state of the rank's layers, by the bytes per parameter
+machines.state_bytes reads off the machine (or `mpi-tp plan --precision`: machines.with_precision):
+
+    precision          weights  grads  fp32 masters  AdamW m, v   total   ZeRO-1 over D
+    fp32               4        4      -             4 + 4        16      4 + 4 + 8/D (+ 4/D)
+    bf16, fp16         2        2      4             4 + 4        16      2 + 2 + 12/D (+ 2/D)
+    presets (Megatron) 2        4      4             4 + 4        18      (fp32 gradients: Megatron's main_grad)
+
+(the distributed optimizer, ZeRO-1, divides the masters and moments by D and keeps a 1/D share
+of the gradients besides them, the bracket), plus activations: per layer, term by term, this
+code's count (values at the bytes per value, statistics fp32, 1-byte dropout masks) or Korthikanti
+et al.'s for Megatron-style training (mpi_tp.planning.activations), times the
 micro-batches in flight (at most P under 1F1B on the first stage, which holds
 the most); with recomputation only each layer's input and one layer's full
 activations. Context parallelism (cp = N) leaves S / N positions on a rank,
@@ -17,7 +24,7 @@ import math
 
 from mpi_tp.planning import activations
 from mpi_tp.planning.costmodel import Plan, Workload
-from mpi_tp.planning.machines import Machine
+from mpi_tp.planning.machines import Machine, state_bytes
 
 
 def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan) -> float:
@@ -26,7 +33,8 @@ def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan) -> float:
     S, B, C, H, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, w.n_head, lay.tp
     ring = "selective" if lay.cp > 1 else "none"        # ring attention keeps no (S, S) array
     if m.activations == "korthikanti":
-        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=ring, paper=True)
+        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=ring, paper=True,
+                                                      value_bytes=m.bytes_per_value)
     return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=ring,
                                                   value_bytes=m.bytes_per_value)
 
@@ -47,13 +55,13 @@ def params_per_rank(w: Workload, lay: Plan) -> float:
 
 def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
     """Bytes per rank: model state and activations (the first pipeline stage, which holds the most)."""
-    params_rank = params_per_rank(w, lay)
-    weights_grads = params_rank * 8 if m.state_bytes_per_param >= 16 else params_rank * 4
-    optimizer = params_rank * (m.state_bytes_per_param - (8 if m.state_bytes_per_param >= 16 else 4))
+    params_rank, state = params_per_rank(w, lay), state_bytes(m)
+    weights_grads = params_rank * (state["weights"] + state["grads"])
+    optimizer = params_rank * (state["master"] + state["moments"])
     shares = lay.dp * lay.cp         # the ranks holding the same weights (the reducer's group)
     if lay.zero and shares > 1:      # the distributed optimizer: its share of the state, and of the gradients
         optimizer /= shares
-        weights_grads += params_rank * 4 / shares
+        weights_grads += params_rank * state["grads"] / shares
     layers = math.ceil(w.n_layer / lay.pp)
     in_flight = min(lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch)))
     per_layer = activation_bytes_per_layer(m, w, lay)
@@ -62,7 +70,8 @@ def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
         acts = in_flight * layers * layer_inputs + per_layer
     else:
         acts = in_flight * layers * per_layer
-    logits = lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * 4 * 2    # logits and softmax, float32
+    # the logits at the value width, the cross-entropy's softmax in fp32 (or wider)
+    logits = lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
     total = weights_grads + optimizer + acts + logits
     return {"total": total, "weights_grads": weights_grads, "optimizer": optimizer, "activations": acts,
             "logits": logits}

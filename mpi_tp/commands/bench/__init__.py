@@ -1,6 +1,7 @@
 """`mpi-tp bench`: timed measurements against this machine's limits, one module per kind.
 
     step.py        training steps (the command's parser, --sweep; --zero 1, activation bytes per layer)
+    accounting.py  memory per rank by kind and wire bytes by role, at the width of --precision
     yardsticks.py  the GEMM peak, a bare all-reduce, model FLOPs, the environment
     pipeline.py    pipelined steps (--pp): the bubble and the stage-to-stage bytes
     inference.py   cached decoding (--inference): prefill, decode steps, the memory limit

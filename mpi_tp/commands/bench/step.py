@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 mpi-tp bench --shape c                  # T = 1, one BLAS thread
     mpiexec -n 2 mpi-tp bench --shape c --json out.jsonl      # T = 2, one thread per rank
     mpiexec -n 2 mpi-tp bench --sweep                         # step time against the work
+    mpiexec -n 2 mpi-tp bench --dp 2 --precision bf16 --json out.jsonl   # bf16, fp32 masters: bytes at 2
 
 Per step: the library's training step (mpi_tp.training.step: forward + loss,
 backward, gradient clipping and AdamW), after warm-up steps; a step's time is the
@@ -26,6 +27,7 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.commands.bench import accounting
 from mpi_tp.commands.bench import inference as bench_inference
 from mpi_tp.commands.bench import moe as bench_moe
 from mpi_tp.commands.bench.pipeline import print_pipeline, run_pipeline_shape
@@ -37,6 +39,7 @@ from mpi_tp.commands.bench.yardsticks import (
 )
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.precision import dtype_of
 from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -62,7 +65,8 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
     (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
     zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather).
-    cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp)."""
+    cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp).
+    dtype "bfloat16": --precision bf16 (fp32 masters and moments; accounting: bench.accounting)."""
     topo = Topology.create(comm, tp=tp or None, dp=dp, cp=cp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
                 sequence_parallel=sequence_parallel)
@@ -77,7 +81,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     acts = comm.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
     model.backward()
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
-    comm_s, comm_bytes, comm_wire = [], [], []
+    comm_s, comm_bytes, comm_wire, roles = [], [], [], []
     for i in range(warmup + steps):
         topo.stats.reset()
         trace = topo.stats.trace = Trace(synchronize=True)   # each phase's time includes its queued GPU work
@@ -96,19 +100,22 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
             comm_s.append({k: v["seconds"] for k, v in topo.stats.snapshot().items()})
             comm_bytes.append(topo.stats.total_bytes())
             comm_wire.append(sum(v["wire_bytes"] for v in topo.stats.snapshot().values()))
+            roles.append(accounting.wire_bytes(topo.stats.snapshot(), reducer))
     step = numpy.array(phases["step"])
     flops = model_flops(C, L, S, B) * topo.dp.size          # the global batch
     kinds = sorted({k for d in comm_s for k in d})
     comm_med = {k: float(numpy.median([d.get(k, 0.0) for d in comm_s])) for k in kinds}
     peak = gemm_peak(comm)
     peak = comm.allreduce(peak, op=MPI.SUM) / comm.Get_size()
-    ar = allreduce_overhead(topo, (B, S, C), dtype)
+    ar = allreduce_overhead(topo, (B, S, C), dtype_of(dtype))
+    memory = accounting.memory_per_rank(params, opt)
     med = float(numpy.median(step))
     result = {
         "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": topo.tp.size,
         "cp": topo.cp.size,
         "dp": topo.dp.size, "dp_mode": dp_mode if dp > 1 else None, "sequence_parallel": sequence_parallel,
-        "dtype": dtype, "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
+        "dtype": dtype, "precision": "bf16" if dtype == "bfloat16" else "fp32" if dtype == "float32" else dtype,
+        "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
                                                    "max": 1e3 * step.max()},
         "tokens_per_s": B * S * topo.dp.size / med, "model_gflop_per_step": flops / 1e9,
         "model_gflops_per_rank": flops / med / comm.Get_size() / 1e9, "gemm_peak_gflops_per_rank": peak,
@@ -118,14 +125,15 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "wire_bytes_per_step": int(numpy.median(comm_wire)) if comm_wire else 0,      # sent per rank (ring)
         "allreduce_BSC_ms": {k: 1e3 * v for k, v in ar.items()},
         "peak_rss_mb_per_rank": comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX) / 1024,
-        "state_mb_per_rank": (2 * sum(p.data.nbytes for p in params)                 # weights, grads
-                              + sum(a.nbytes for arrays in opt.state.values() for a in arrays)) / 2**20,
+        "state_mb_per_rank": memory["total"] / 2**20,                 # weights, grads, masters, moments
+        "memory_per_rank": memory,                                     # bytes by kind (bench.accounting)
+        "wire_bytes_by_role": accounting.median(roles),               # tp, dp_grads, dp_params: sent per rank
         "optimizer_state_mb_per_rank": sum(a.nbytes for arrays in opt.state.values() for a in arrays) / 2**20,
         "zero": zero and topo.dp.size > 1,
         "activation_bytes_per_layer": acts,                 # block 0's caches after a forward, largest rank
         "activation_bytes_per_layer_formula": activation_bytes_per_layer(
             S / cp, B, C, H, topo.tp.size, sequence_parallel, recompute="selective" if cp > 1 else "none",
-            value_bytes=numpy.dtype(dtype).itemsize),          # cp: S / cp positions, no (S, S) array
+            value_bytes=dtype_of(dtype).itemsize),             # cp: S / cp positions, no (S, S) array
         "comm_per_step": {k: {"calls": v["calls"], "bytes": v["bytes"], "wire_bytes": v["wire_bytes"]}
                           for k, v in topo.stats.snapshot().items()},       # the last step's, by group/kind
     }
@@ -141,6 +149,8 @@ def print_table(r: dict, comm) -> None:
     ph = r["phases_ms"]
     comm_txt = ", ".join(f"{k} {v:.1f}" for k, v in r["comm_ms"].items()) or "none"
     ar = r["allreduce_BSC_ms"]
+    mem, wire = r["memory_per_rank"], r["wire_bytes_by_role"]
+    parts = [f"{k} {mem[k] / mem['params']:.2f}" for k in ("weights", "grads", "master", "moments") if mem[k]]
     ar_txt = (f"; one (B,S,C) all-reduce {ar['mpi_tp']:.2f} ms vs bare Allreduce {ar['bare']:.2f} ms"
               if ar else "")
     layout = f"tp={r['tp']}" + (f" cp={r['cp']}" if r.get("cp", 1) > 1 else "") + (f" dp={r['dp']} ({r['dp_mode']})" if r["dp"] > 1 else "") + \
@@ -158,7 +168,9 @@ def print_table(r: dict, comm) -> None:
         f"{r['peak_rss_mb_per_rank']:.0f} MB per rank (model state {r['state_mb_per_rank']:.0f} MB, of which "
         f"optimizer {r['optimizer_state_mb_per_rank']:.0f} MB)\n"
         f"  activations {r['activation_bytes_per_layer'] / 2**20:.2f} MiB per layer (formula "
-        f"{r['activation_bytes_per_layer_formula'] / 2**20:.2f}, docs/parallelism.md#activation-memory)", comm=comm)
+        f"{r['activation_bytes_per_layer_formula'] / 2**20:.2f}, docs/parallelism.md#activation-memory)\n"
+        f"  {r['precision']}: {mem['bytes_per_param']:.2f} bytes per parameter ({' + '.join(parts)}); sent per rank: "
+        f"{', '.join(f'{k} {v / 1e6:.3f} MB' for k, v in wire.items() if not isinstance(v, str))}", comm=comm)
 
 
 def add_parser(sub) -> None:
@@ -173,6 +185,9 @@ def add_parser(sub) -> None:
     b.add_argument("--steps", type=int, default=10, help="timed steps per shape (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the model in bfloat16 with fp32 masters and moments (as `mpi-tp train --precision "
+                        "bf16`); --json reports activation bytes, wire bytes and memory per rank at that width")
     b.add_argument("--tp", type=int, default=0, help=f"tensor-parallel size (0: ranks / (cp * pp * dp); {RULE})")
     b.add_argument("--dp", type=int, default=1, help="data-parallel replicas; batch is per replica")
     b.add_argument("--dp-compare", action="store_true",
@@ -215,6 +230,7 @@ def _shapes(args, ranks: int) -> list[tuple]:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.tp < 0:
         raise UserError(f"--tp must be at least 0 (0: what cp x pp x dp leave), got {args.tp}")
+    accounting.check_precision(args)
     args.layout = Layout.resolve(ranks, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, zero=args.zero,
                                  sp=args.sequence_parallel, virtual=args.virtual_stages)
     if args.cp > 1 and (args.pp > 1 or args.inference or args.moe):
@@ -256,6 +272,7 @@ def cmd_bench(args, comm) -> int:
     if args.moe:
         return bench_moe.cmd_moe(args, comm, shapes, env)
     modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
+    dtype = "bfloat16" if args.precision == "bf16" else args.dtype
     for C, H, L, S, B in shapes:
         if args.pp > 1:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
@@ -269,7 +286,7 @@ def cmd_bench(args, comm) -> int:
                     f.write(json.dumps(r) + "\n")
             continue
         for mode in modes:
-            r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype, dp=args.dp, dp_mode=mode,
+            r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, dtype, dp=args.dp, dp_mode=mode,
                           sequence_parallel=args.sequence_parallel, zero=bool(args.zero), cp=args.cp,
                           tp=args.layout.tp)
             r["environment"] = env

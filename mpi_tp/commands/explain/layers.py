@@ -225,6 +225,9 @@ def run(args, comm) -> bool:
     if args.layer == "cp":
         from mpi_tp.commands.explain.ring import lesson as ring_lesson
         return ring_lesson(args, comm)
+    if args.layer == "precision":
+        from mpi_tp.commands.explain.precision import lesson as precision_lesson
+        return precision_lesson(args, comm)
     p = collective_setup(plan, args, comm.Get_size(), comm=comm)
     cfg, T = p["cfg"], comm.Get_size()
     kinds = LAYERS + explain_vocab.LAYERS if args.layer == "all" else (args.layer,)
@@ -261,12 +264,14 @@ def run(args, comm) -> bool:
 def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="a live lesson: one tiny layer split over the ranks, against its serial self",
                        description=__doc__.split("\n\n")[0])
-    e.add_argument("--layer", choices=LAYERS + explain_vocab.LAYERS + ("all", "pipeline", "moe", "step", "cp"),
+    e.add_argument("--layer", choices=LAYERS + explain_vocab.LAYERS + ("all", "pipeline", "moe", "step", "cp",
+                                                                       "precision"),
                    default="mlp",
                    help="the layer to show (default mlp); embedding, loss: the vocabulary split; pipeline: the "
                         "schedules on P = world size stages, drawn from the run's own timestamps; moe: a "
                         "mixture-of-experts layer at ep = world size; step: one training step of a tiny GPT; "
-                        "cp: ring attention at cp = world size (context parallelism)")
+                        "cp: ring attention at cp = world size (context parallelism); precision: a block's "
+                        "activation bytes and the state per parameter at bf16 beside fp32 (explain/precision.py)")
     e.add_argument("--features", type=int, default=8, help="channels C (default 8)")
     e.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")

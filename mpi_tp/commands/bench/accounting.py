@@ -1,0 +1,69 @@
+"""What a bench step keeps and sends, at the width it runs in (`mpi-tp bench --precision`): memory per rank by
+kind and wire bytes by role, read off the live model, optimizer and counters (nothing estimated here; the
+planner's estimate of the same is mpi_tp.planning.memory, set beside these in docs/precision.md).
+
+    memory_per_rank(params, opt)    {"weights", "grads", "master", "moments", "total", "params", "bytes_per_param"}
+    wire_bytes(snapshot, reducer)   {"tp", "dp_grads", "dp_params", "other"}: bytes each rank sends per step
+
+Mixed-precision AdamW keeps 2 + 2 + 12 bytes per parameter (bf16 weights and gradients, fp32 masters and
+two moments; ZeRO-1 keeps a 1/D share of the 12, and a 1/D share of the gradients besides them), fp32
+AdamW 4 + 4 + 8. The data-parallel gradient reduction moves the gradients in the reducer's buckets'
+dtype (`grad_reduce_dtype`: the 16-bit format today; fp32 once gradients may be reduced in fp32).
+"""
+from __future__ import annotations
+
+import numpy
+
+from mpi_tp.core.errors import UserError
+
+GRAD_KINDS = ("iall_reduce", "reduce_scatter")                 # the reducer's gradient collectives (non-blocking)
+REDUCER_GROUPS = ("dp", "dpcp", "edp")                          # ... and the groups it reduces over
+
+
+def memory_per_rank(params, opt) -> dict:
+    """Bytes of model state this rank keeps, each storage once (a tied or fused weight shares one)."""
+    stores = {id(p.base): p for p in params}.values()
+    grads = sum(p.grad_base.nbytes for p in stores)
+    reducer = getattr(opt, "reducer", None)
+    if reducer is not None and reducer.distributed:             # ZeRO-1's averaged gradient share
+        grads += sum(b.grad_share.nbytes for b in reducer.buckets if b.grad_share is not None)
+    state = {k: sum(a.nbytes for a in arrays) for k, arrays in opt.state.items()}
+    out = {"weights": sum(p.base.nbytes for p in stores), "grads": grads, "master": state.pop("master", 0),
+           "moments": sum(state.values())}
+    n = sum(p.base.size for p in stores)
+    out.update(total=sum(out.values()), params=n)
+    out["bytes_per_param"] = out["total"] / n
+    return out
+
+
+def wire_bytes(snapshot: dict, reducer=None) -> dict:
+    """Wire bytes this rank sent in the counted step (CommStats.snapshot), by role: tensor-parallel
+    collectives (the sp/kv gradient sums included), the data-parallel gradient reduction (all-reduce or
+    ZeRO-1's reduce-scatter), ZeRO-1's all-gather of the updated parameters, and the rest (the loss's
+    and the gradient norm's few bytes, pipeline sends). grad_reduce_dtype: what the buckets reduce in."""
+    out = {"tp": 0, "dp_grads": 0, "dp_params": 0, "other": 0}
+    for key, v in snapshot.items():
+        group, kind = key.split("/", 1)
+        role = ("tp" if group == "tp" else "dp_grads" if group in REDUCER_GROUPS and kind in GRAD_KINDS
+                else "dp_params" if group in REDUCER_GROUPS and kind == "all_gather" else "other")
+        out[role] += v["wire_bytes"]
+    if reducer is not None and reducer.buckets:
+        out["grad_reduce_dtype"] = str(reducer.buckets[0].grads.dtype)
+    return out
+
+
+def median(rows: list) -> dict:
+    """The per-step median of each role's bytes over the timed steps (the dtype as it is)."""
+    return {k: v if isinstance(v, str) else int(numpy.median([r[k] for r in rows])) for k, v in rows[-1].items()}
+
+
+def check_precision(args) -> None:
+    """--precision bf16 runs what `mpi-tp train --precision bf16` runs (training steps of tp, sp, dp, ZeRO-1 on
+    NumPy), and says in one line what it does not."""
+    if args.precision != "bf16":
+        return
+    wrong = [flag for flag, on in (("--dtype float64", args.dtype == "float64"), ("--cp", args.cp > 1),
+                                   ("--pp", args.pp > 1), ("--inference", args.inference), ("--moe", args.moe),
+                                   ("--backend cupy", args.backend == "cupy")) if on]
+    if wrong:
+        raise UserError(f"--precision bf16 does not run with {'; '.join(wrong)}: drop it, or bench fp32")
