@@ -23,13 +23,14 @@ def small_peak(monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_bf16_bytes_are_half_of_fp32s(world, small_peak):
+@pytest.mark.parametrize("narrow", ["bfloat16", "float16"])
+def test_16_bit_bytes_are_half_of_fp32s(world, small_peak, narrow):
     n, bad = world.Get_size(), []
     for tp, dp in {(n, 1), (1, n)}:
         runs = {d: bench.run_shape(world, *SHAPE, steps=1, warmup=0, dtype=d, dp=dp, zero=dp > 1, tp=tp)
-                for d in ("float32", "bfloat16")}
-        r32, r16 = runs["float32"], runs["bfloat16"]
-        what = f"tp={tp} dp={dp}"
+                for d in ("float32", narrow)}
+        r32, r16 = runs["float32"], runs[narrow]
+        what = f"{narrow} tp={tp} dp={dp}"
         acts = r16["activation_bytes_per_layer"] / r32["activation_bytes_per_layer"]
         bad += [] if abs(acts - 0.5) <= 0.01 else [(what, "activations", acts)]          # 0.5 within 2%
         bad += [(what, "formula", r["precision"]) for r in (r32, r16)
@@ -37,7 +38,7 @@ def test_bf16_bytes_are_half_of_fp32s(world, small_peak):
         w32, w16 = r32["wire_bytes_by_role"], r16["wire_bytes_by_role"]
         bad += [] if (w16["dp_grads"], w16["dp_params"]) == (w32["dp_grads"] // 2, w32["dp_params"] // 2) else \
             [(what, "dp wire", w16, w32)]
-        bad += [] if dp == 1 or (w16["dp_grads"] > 0 and w16["grad_reduce_dtype"] == "bfloat16") else [(what, "dp")]
+        bad += [] if dp == 1 or (w16["dp_grads"] > 0 and w16["grad_reduce_dtype"] == narrow) else [(what, "dp")]
         # tp: the activations' all-reduces at 2 bytes; the vocabulary-parallel loss's row statistics in fp32
         bad += [] if tp == 1 or 0.5 <= w16["tp"] / w32["tp"] <= 0.52 else [(what, "tp wire", w16["tp"] / w32["tp"])]
         m32, m16 = r32["memory_per_rank"], r16["memory_per_rank"]

@@ -52,7 +52,15 @@ def run(precision: str, ranks: int, extra: list[str]) -> dict:
             "skipped": [(m["step"], m["loss_scale"]) for m in metrics if "skipped" in m],
             "final_val_loss": summary["final_val_loss"], "tokens_per_s": summary["tokens_per_s"],
             "train_seconds": summary["train_seconds"], "loss_scale": summary.get("loss_scale"),
-            "environment": summary["environment"]}
+            "load_average_1min_at_end": os.getloadavg()[0]}      # > ranks: something else shared the cores
+
+
+def bench_environment() -> dict:
+    """The machine as `mpi-tp bench` stamps it (CPU, cores, BLAS, MPI library, date)."""
+    from mpi4py import MPI
+
+    from mpi_tp.commands.bench.yardsticks import environment
+    return environment(MPI.COMM_SELF)
 
 
 def gradient_magnitudes(steps=(1, 10, 100, 300)) -> list[dict]:
@@ -64,7 +72,6 @@ def gradient_magnitudes(steps=(1, 10, 100, 300)) -> list[dict]:
     from mpi_tp.training.config import TrainConfig
     from mpi_tp.training.loop import run_step
     from mpi_tp.training.optim import lr_at
-    from mpi_tp.training.progress import environment
     cfg = TrainConfig(out=os.path.join(tempfile.mkdtemp(prefix="precision-gradients-"), "run"), sample_len=0)
     run, rows = build(cfg, MPI.COMM_SELF), []
     try:
@@ -74,7 +81,7 @@ def gradient_magnitudes(steps=(1, 10, 100, 300)) -> list[dict]:
                 g = numpy.abs(numpy.concatenate([x.ravel() for x in run.opt.grads()]))
                 rows.append({"step": step, "entries": int(g.size), "below_fp16_subnormal": float(numpy.mean(g < 2.0 ** -24)),
                              "below_fp16_normal": float(numpy.mean(g < 2.0 ** -14)), "median": float(numpy.median(g)),
-                             "max": float(g.max()), "environment": environment(MPI.COMM_SELF)})
+                             "max": float(g.max()), "environment": bench_environment()})
                 print(f"step {step}: {100 * rows[-1]['below_fp16_subnormal']:.2f}% of entries below 2^-24, "
                       f"{100 * rows[-1]['below_fp16_normal']:.1f}% below 2^-14; median {rows[-1]['median']:.2e}")
     finally:
@@ -129,6 +136,8 @@ def main() -> None:
         return
     if not args.replot:
         rows = [run(p, args.ranks, args.train_options) for p in FORMATS]
+        env = bench_environment()           # after the runs: this process joins MPI only now (as a singleton)
+        rows = [{**row, "environment": env} for row in rows]
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:
             f.writelines(json.dumps({**row, "script": command}) + "\n" for row in rows)
@@ -137,7 +146,8 @@ def main() -> None:
     fp32 = next(r for r in rows if r["precision"] == "fp32")
     for r in rows:
         print(f"{r['precision']}: validation {r['final_val_loss']:.4f} ({100 * (r['final_val_loss'] / fp32['final_val_loss'] - 1):+.2f}% "
-              f"of fp32), {r['tokens_per_s']:,.0f} tok/s ({r['train_seconds']:.0f} s), skipped {len(r['skipped'])}")
+              f"of fp32), {r['tokens_per_s']:,.0f} tok/s ({r['train_seconds']:.0f} s, load {r.get('load_average_1min_at_end', 0):.1f}), "
+              f"skipped {len(r['skipped'])}")
     plot(rows, rows[0].get("script", command))
 
 

@@ -58,12 +58,12 @@ def median(rows: list) -> dict:
 
 
 def check_precision(args) -> None:
-    """--precision bf16 runs what `mpi-tp train --precision bf16` runs (training steps of tp, sp, dp, ZeRO-1 on
-    NumPy), and says in one line what it does not."""
-    if args.precision != "bf16":
+    """--precision bf16 / fp16 bench training steps of tp, sp, dp, ZeRO-1 (bf16 on NumPy only, as `mpi-tp train`
+    runs it), and say in one line what they do not."""
+    if args.precision == "fp32":
         return
     wrong = [flag for flag, on in (("--dtype float64", args.dtype == "float64"), ("--cp", args.cp > 1),
                                    ("--pp", args.pp > 1), ("--inference", args.inference), ("--moe", args.moe),
-                                   ("--backend cupy", args.backend == "cupy")) if on]
+                                   ("--backend cupy", args.backend == "cupy" and args.precision == "bf16")) if on]
     if wrong:
-        raise UserError(f"--precision bf16 does not run with {'; '.join(wrong)}: drop it, or bench fp32")
+        raise UserError(f"--precision {args.precision} does not run with {'; '.join(wrong)}: drop it, or bench fp32")

@@ -50,7 +50,10 @@ from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
 from mpi_tp.planning.activations import activation_bytes_per_layer
 from mpi_tp.training.optim import AdamW
+from mpi_tp.training.loss_scale import LossScaler
 from mpi_tp.training.step import train_step
+
+PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}      # --precision of a model dtype
 
 SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
     "a": (256, 4, 4, 128, 8),
@@ -66,7 +69,8 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
     zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather).
     cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp).
-    dtype "bfloat16": --precision bf16 (fp32 masters and moments; accounting: bench.accounting)."""
+    dtype "bfloat16" / "float16": --precision bf16 / fp16 (fp32 masters and moments; accounting:
+    bench.accounting; fp16 steps with train's dynamic loss scale, its overflow check included)."""
     topo = Topology.create(comm, tp=tp or None, dp=dp, cp=cp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
                 sequence_parallel=sequence_parallel)
@@ -74,6 +78,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero)
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
+    scaler = LossScaler() if dtype == "float16" else None
     rng = numpy.random.default_rng(seed)
     x, y = rng.integers(0, 256, (B * topo.dp.size, S)), rng.integers(0, 256, (B * topo.dp.size, S))
     rows = topo.replica_rows(B)
@@ -87,7 +92,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         trace = topo.stats.trace = Trace(synchronize=True)   # each phase's time includes its queued GPU work
         comm.Barrier()
         t0 = time.perf_counter()
-        train_step(model, opt, x, y, rows, 1, grad_clip=1.0, reducer=reducer)     # the library's step
+        train_step(model, opt, x, y, rows, 1, grad_clip=1.0, reducer=reducer, scaler=scaler)  # the library's step
         backend.synchronize()
         t = time.perf_counter() - t0
         topo.stats.trace = None
@@ -114,7 +119,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": topo.tp.size,
         "cp": topo.cp.size,
         "dp": topo.dp.size, "dp_mode": dp_mode if dp > 1 else None, "sequence_parallel": sequence_parallel,
-        "dtype": dtype, "precision": "bf16" if dtype == "bfloat16" else "fp32" if dtype == "float32" else dtype,
+        "dtype": dtype, "precision": PRECISION_OF.get(dtype, dtype),
         "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
                                                    "max": 1e3 * step.max()},
         "tokens_per_s": B * S * topo.dp.size / med, "model_gflop_per_step": flops / 1e9,
@@ -185,9 +190,10 @@ def add_parser(sub) -> None:
     b.add_argument("--steps", type=int, default=10, help="timed steps per shape (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: the model in bfloat16 with fp32 masters and moments (as `mpi-tp train --precision "
-                        "bf16`); --json reports activation bytes, wire bytes and memory per rank at that width")
+    b.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16 / fp16: the model in bfloat16 / float16 with fp32 masters and moments (as `mpi-tp "
+                        "train --precision`, fp16 with its loss scale); --json reports activation bytes, wire "
+                        "bytes and memory per rank at that width")
     b.add_argument("--tp", type=int, default=0, help=f"tensor-parallel size (0: ranks / (cp * pp * dp); {RULE})")
     b.add_argument("--dp", type=int, default=1, help="data-parallel replicas; batch is per replica")
     b.add_argument("--dp-compare", action="store_true",
@@ -272,7 +278,7 @@ def cmd_bench(args, comm) -> int:
     if args.moe:
         return bench_moe.cmd_moe(args, comm, shapes, env)
     modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
-    dtype = "bfloat16" if args.precision == "bf16" else args.dtype
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(args.precision, args.dtype)
     for C, H, L, S, B in shapes:
         if args.pp > 1:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
