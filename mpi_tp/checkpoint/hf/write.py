@@ -64,8 +64,7 @@ def _assemble(ckpt, name: str, shape: tuple, parts: list, dtype):
 
 
 def _largest(dtype) -> float:
-    import ml_dtypes  # (NumPy's finfo has no bfloat16; ml_dtypes' knows every format)
-    return float(ml_dtypes.finfo(dtype).max)
+    return float(ml_dtypes.finfo(dtype).max)          # (NumPy's finfo has no bfloat16; ml_dtypes' knows both)
 
 
 def export_dtype(ckpt, dtype: str | None = None):
@@ -111,7 +110,11 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
     files, weight_map = [], {}
     for i, names in enumerate(shards):
         file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _assemble(ckpt, name, shapes[name], parts[name], dtype) for name in names}
+        try:
+            tensors = {name: _assemble(ckpt, name, shapes[name], parts[name], dtype) for name in names}
+        except CheckpointError:
+            shutil.rmtree(tmp, ignore_errors=True)          # a refused export leaves nothing behind
+            raise
         save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})   # transformers asks "pt"
         weight_map.update({name: file for name in names})
         files.append(file)
