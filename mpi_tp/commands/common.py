@@ -18,12 +18,12 @@ PRECISION_HELP = ("the model's number format: fp32, bf16 or fp16 (default: {defa
                   "sampling reads the 16-bit logits widened exactly. --dtype float64 is the exact mode")
 
 
-def add_format_arguments(parser, default: str, dtypes=("float32", "float64")) -> None:
+def add_format_arguments(parser, default: str) -> None:
     """--precision or --dtype (one of the two): the format a saved model is loaded or written in; default: what
     the help says when neither is given (model_dtype returns None then)."""
     formats = parser.add_mutually_exclusive_group()
     formats.add_argument("--precision", choices=INFERENCE_PRECISIONS, help=PRECISION_HELP.format(default=default))
-    formats.add_argument("--dtype", choices=dtypes, help=f"the dtype by name (default: {default})")
+    formats.add_argument("--dtype", choices=["float32", "float64"], help=f"the dtype by name (default: {default})")
 
 
 def model_dtype(args) -> str | None:

@@ -87,7 +87,8 @@ class KVCache:
         """Where a decode step over rows 0 .. rows - 1 writes and looks, each row at column lengths[b]:
         (n, bias, index) with n = the longest row + 1; bias (rows, 1, 1, n), -inf past each row's new
         column (in the scores' dtype: fp32 for a 16-bit cache), and index (rows, columns) on the device for
-        the writes; both None when all rows are level. at: lengths[:rows] already on the device. Made once per step, reused by every block."""
+        the writes; both None when all rows are level. at: lengths[:rows] already on the device. Made once
+        per step, reused by every block."""
         cols = self.lengths[:self.rows]
         n = int(cols.max()) + 1
         if n > self.size:

@@ -220,7 +220,7 @@ def _bf16_slice(path: str, tensor: str, idx: tuple):
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-    begin, end = header[tensor]["data_offsets"]
+    begin = header[tensor]["data_offsets"][0]
     shape = tuple(header[tensor]["shape"])
     raw = numpy.memmap(path, dtype="<u2", mode="r", offset=8 + n + begin, shape=shape)
     return numpy.array(raw[idx], dtype=numpy.uint16).view(bfloat16())
