@@ -11,23 +11,27 @@ half an ulp. Two computations that round in other places (the decoder's one-row 
 size, whose all-reduce adds T rounded partial sums) each stay within (2L + 3)/2 ulps of the exact value where
 the layers do not amplify errors (these do not: measured below), so their logits differ by at most
 BOUND = (2L + 3) ulps of the logits' largest magnitude: 7 at L = 2. Measured at 1-3 ranks on the models
-here: at most 2.0 between tp sizes, and 0 (bit for bit) between the cached decoder and the uncached forward
-at the same size (the prefill is the training attention kernel, a step its one-query form; the same fp32
-sums), which is asserted within half an ulp: the decoder that computed its scores and softmax in bf16
-(before this change) differed by 1.2 ulps (GPT-2) and 1.5 (Llama) and fails it. The cross-entropy moves by at most twice the largest logit change
+here: at most 2.0 between tp sizes. The cached decoder against the uncached forward at the same size runs
+the same kernels (the prefill is the training attention kernel, a step its one-query form), so their fp32
+sums differ only where a BLAS sums another shape in another order, and a 16-bit result differs only where
+such a difference crosses a rounding boundary: rare. Asserted: at least 75% of the steps bit for bit (the
+rest within BOUND); measured 100% at bf16 and fp16 at 1-3 ranks, where the decoder that computed its scores
+and softmax in the 16-bit format (before this change) had 0% (bf16) and 1-16% (fp16) at 1-2 ranks, 1.4-1.8
+ulps off.
+The cross-entropy moves by at most twice the largest logit change
 (log-sum-exp is 1-Lipschitz in the largest coordinate), so eval's losses are compared within 2 BOUND.
 """
 import ml_dtypes
 import numpy
 import pytest
-from decoding import join_step_leave
+from decoding import full_last, join_step_leave
 from mpi4py import MPI
 
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.checkpoint.model import load_model
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.testing import all_true
-from mpi_tp.inference.decode import Decoder
+from mpi_tp.inference.decode import Decoder, window
 from mpi_tp.inference.evaluate import evaluate_file
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.inference.kv_cache import KVCache
@@ -37,6 +41,7 @@ from mpi_tp.parallel.topology import Topology
 
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
 ULP = 2.0**-8                      # bf16's spacing relative to a value's scale (7 fraction bits)
+ULPS = {"bfloat16": ULP, "float16": 2.0**-11}     # (fp16: 10 fraction bits)
 GPT2 = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=5, n_embd=20)       # uneven at 2, 3, 4
 LLAMA = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=6, n_embd=24, arch="llama", n_kv_head=3,
                   intermediate_size=40)
@@ -57,30 +62,50 @@ def build(cfg, world, seed=3, dtype="bfloat16"):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("arch", list(CONFIGS))
-def test_the_cache_holds_bf16_keys_and_values(world, arch):
+@pytest.mark.parametrize("dtype", list(ULPS))
+def test_the_cache_holds_16_bit_keys_and_values(world, arch, dtype):
     cfg = CONFIGS[arch]
-    model, topo = build(cfg, world)
+    model, topo = build(cfg, world, dtype=dtype)
     dec = Decoder(model, 3)
     dec.prefill([[1, 2, 3], [4]])
     wide = KVCache(GPT(cfg, topo, dtype="float32", seed=3).eval(), 3)
-    assert all(a.dtype == BF16 for a in dec.cache.k + dec.cache.v)
+    assert all(a.dtype == model.dtype and a.dtype.itemsize == 2 for a in dec.cache.k + dec.cache.v)
     assert dec.cache.nbytes == KVCache.bytes_for(model, 3) == wide.nbytes // 2 > 0        # half fp32's bytes
     assert float(numpy.abs(dec.cache.k[0][1, :, 0].astype(numpy.float32)).max()) > 0      # the prefill wrote it
     topo.free()
 
 
+def cached_differences(model, uncached, rng, steps=30) -> numpy.ndarray:
+    """Rows of 5, 1 and 3 tokens decoded `steps` steps (sliding past block_size): each row's logits at each
+    step less the uncached forward of its window (decoding.full_last), the largest per row and step."""
+    S, V = model.cfg.block_size, model.cfg.vocab_size
+    rows = [list(rng.integers(0, V, n)) for n in (5, 1, 3)]
+    dec, diffs = Decoder(model, len(rows)), []
+    logits = dec.prefill(rows)
+    for _ in range(steps):
+        diffs += [float(numpy.abs(logits[b] - full_last(uncached, r[-window(len(r), S):])).max())
+                  for b, r in enumerate(rows)]
+        nxt = rng.integers(0, V, len(rows))
+        for r, i in zip(rows, nxt):
+            r.append(int(i))
+        logits = dec.step(nxt)
+    return numpy.array(diffs)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("arch", list(CONFIGS))
-def test_cached_decode_equals_the_uncached_bf16_forward(world, arch):
-    """Rows joining, stepping, leaving and sliding: every step's logits against the uncached bf16 forward of
-    the same model at the same size, within half an ulp (measured: bit for bit)."""
-    cfg = CONFIGS[arch]
-    model, topo = build(cfg, world)
-    uncached = GPT(cfg, topo, dtype="bfloat16", seed=3).eval()
-    scale = numpy.abs(uncached.full_logits(numpy.arange(12)[None] % 37)).max()
-    _, rows, worst = join_step_leave(model, uncached, PLAN, LEAVING, 30, numpy.random.default_rng(1))
-    assert max(len(r) for r in rows) > cfg.block_size
-    assert all_true(worst <= 0.5 * ULP * scale, world), f"{worst / (ULP * scale):.2f} ulps"
+@pytest.mark.parametrize("dtype", list(ULPS))
+def test_cached_decode_equals_the_uncached_16_bit_forward(world, arch, dtype):
+    """Every step's logits against the uncached forward of the same model at the same size and format: most
+    bit for bit, the rest within BOUND (see the module docstring)."""
+    cfg, ulp = CONFIGS[arch], ULPS[dtype]
+    model, topo = build(cfg, world, dtype=dtype)
+    uncached = GPT(cfg, topo, dtype=dtype, seed=3).eval()
+    scale = numpy.abs(uncached.full_logits(numpy.arange(12)[None] % 37).astype(numpy.float64)).max()
+    diffs = cached_differences(model, uncached, numpy.random.default_rng(1))
+    exact = float((diffs == 0).mean())
+    assert all_true(exact >= 0.75, world), f"{exact:.0%} of the steps bit for bit"
+    assert all_true(diffs.max() <= (2 * cfg.n_layer + 3) * ulp * scale, world), diffs.max() / (ulp * scale)
     topo.free()
 
 
