@@ -54,10 +54,11 @@ def test_bfloat16_read_exactly(tmp_path):
     arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in hf_shapes(CFG).items()}
     exact = write_bf16(os.path.join(folder, "model.safetensors"), arrays)
     with HFFolder(folder) as f:
-        assert f.meta["dtypes"] == "float32"
+        assert f.meta["dtypes"] == "bfloat16"                       # the folder's format: read as it is stored
         q = f.read("model/h/1/attn/k/weight", 1, 4, 12)               # columns [C + 4, C + 12) of c_attn
-        assert np.array_equal(q, exact["transformer.h.1.attn.c_attn.weight"][:, 24:32])
-        assert np.array_equal(f.read("model/wte", 0, 50, 97), exact["transformer.wte.weight"][50:])
+        assert q.dtype.name == "bfloat16"
+        assert np.array_equal(q.astype(np.float32), exact["transformer.h.1.attn.c_attn.weight"][:, 24:32])
+        assert np.array_equal(f.read("model/wte", 0, 50, 97).astype(np.float32), exact["transformer.wte.weight"][50:])
 
 
 def test_original_gpt2_names_and_buffers(tmp_path):

@@ -6,6 +6,7 @@
     mpi-tp inspect runs/X/checkpoints           # layout, tensors, full integrity check
     mpi-tp export runs/X/checkpoints model.h5   # one self-contained file of full tensors (.h5 or .npz)
     mpi-tp export runs/X/checkpoints gpt2-folder --format hf    # a folder transformers loads
+    mpiexec -n 2 mpi-tp generate --checkpoint gpt2-folder --precision bf16   # 16-bit weights and KV cache
 
 eval and generate rebuild the saved model at tensor-parallel size = world size,
 whatever size saved it (or read a Hugging Face folder: mpi_tp.commands.hf), on the
@@ -14,7 +15,8 @@ array is made), and read text with the model's own tokenizer (the folder's
 tokenizer.json, or the one the checkpoint keeps; bytes when it has none;
 --tokenizer to choose another): mpi_tp.checkpoint.model loads both, and
 mpi_tp.inference.evaluate computes eval's loss. inspect and export work on rank 0;
-export --format hf is mpi_tp.commands.hf's, and so is import-hf.
+export --format hf is mpi_tp.commands.hf's, and so is import-hf. --precision (mpi_tp.commands.common) loads
+the model in fp32, bf16 or fp16 whatever it was saved in (mpi_tp.checkpoint.model says how values convert).
 """
 from __future__ import annotations
 
@@ -29,7 +31,12 @@ from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.checkpoint.format import stored
 from mpi_tp.checkpoint.model import load_model, model_tokenizer
 from mpi_tp.commands import hf
-from mpi_tp.commands.common import add_model_arguments, on_rank0, use_backend
+from mpi_tp.commands.common import (
+    add_model_arguments,
+    model_dtype,
+    on_rank0,
+    use_backend,
+)
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.precision import dtype_of
 from mpi_tp.core.runtime import collective_setup, rank0_print
@@ -56,7 +63,7 @@ def _positive_float(value: str) -> float:
 def cmd_eval(args, comm) -> int:
     use_backend(args, comm)
     corpus = collective_setup(load_corpus, args.data, comm=comm)
-    model, ck = load_model(args.checkpoint, comm, args.dtype)
+    model, ck = load_model(args.checkpoint, comm, model_dtype(args))
     tok = model_tokenizer(args.tokenizer, ck, comm)
     if corpus.tokenizer is None and tok.kind != "bytes":          # a text: through the model's tokenizer
         corpus.data = numpy.asarray(tok.encode(corpus.data.tobytes()), dtype=numpy.int64)
@@ -85,7 +92,7 @@ def cmd_generate(args, comm) -> int:
     """Every prompt continued, in one batch, with a KV cache (mpi_tp.inference.generate); a prompt
     longer than block_size keeps its last block_size tokens (said on stderr)."""
     use_backend(args, comm)
-    model, ck = load_model(args.checkpoint, comm, args.dtype)
+    model, ck = load_model(args.checkpoint, comm, model_dtype(args))
     tok = model_tokenizer(args.tokenizer, ck, comm)
     S = model.cfg.block_size
     prompts = [tok.encode(p) for p in (args.prompt or ["The "])]
@@ -133,6 +140,9 @@ def cmd_export(args, comm) -> int:
         out = args.out
         if args.format == "hf":
             return hf.export_hf(args)
+        if args.dtype is not None:
+            raise UserError(f"export --dtype {args.dtype}: only --format hf converts; an .h5 or .npz export keeps "
+                            "the checkpoint's tensors as they are")
         ext = "npz" if out.endswith(".npz") else "h5" if out.endswith((".h5", ".hdf5")) else None
         if ext is None or args.format not in (None, ext):
             raise UserError(f"export: {out!r} should end in .h5 or .npz (or pass --format hf for a Hugging "

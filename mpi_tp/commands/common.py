@@ -1,19 +1,43 @@
 """What several commands share: the options of the commands that run a saved model (eval, generate, serve:
---dtype, --tokenizer, --backend) and use_backend, and `on_rank0` for the commands that one process does under
-mpiexec (inspect, export, tokenize).
+--precision or --dtype, --tokenizer, --backend), model_dtype and use_backend, and `on_rank0` for the commands
+that one process does under mpiexec (inspect, export, tokenize).
 
 The model and its tokenizer come from the library (mpi_tp.checkpoint.model: load_model, model_tokenizer).
 """
 from __future__ import annotations
 
 from mpi_tp.core import backend
+from mpi_tp.core.precision import precision, storage_dtype
 from mpi_tp.core.runtime import collective_setup
+
+INFERENCE_PRECISIONS = ("fp32", "bf16", "fp16")       # --precision of eval, generate, serve, import-hf
+PRECISION_HELP = ("the model's number format: fp32, bf16 or fp16 (default: {default}). A checkpoint saved wider "
+                  "is rounded once on load (to nearest, ties to even; fp16 refuses weights past its largest, "
+                  "65504), a narrower one widened exactly. At 16 bits every product accumulates in fp32 and is "
+                  "rounded once, softmax and norms run in fp32, the KV cache holds 16-bit keys and values, and "
+                  "sampling reads the 16-bit logits widened exactly. --dtype float64 is the exact mode")
+
+
+def add_format_arguments(parser, default: str) -> None:
+    """--precision or --dtype (one of the two): the format a saved model is loaded or written in; default: what
+    the help says when neither is given (model_dtype returns None then)."""
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument("--precision", choices=INFERENCE_PRECISIONS, help=PRECISION_HELP.format(default=default))
+    formats.add_argument("--dtype", choices=["float32", "float64"], help=f"the dtype by name (default: {default})")
+
+
+def model_dtype(args) -> str | None:
+    """The dtype name --precision or --dtype asks for ('bfloat16' for bf16), or None: as saved."""
+    if getattr(args, "precision", None):
+        return storage_dtype(precision(args.precision)).name
+    return args.dtype
 
 
 def add_model_arguments(parser) -> None:
-    """--dtype, --tokenizer and --backend: how a command that loads a saved model (eval, generate, serve) runs it
-    (mpi_tp.checkpoint.model: load_model takes the dtype, model_tokenizer the tokenizer; use_backend)."""
-    parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: as saved)")
+    """--precision (or --dtype), --tokenizer and --backend: how a command that loads a saved model (eval, generate,
+    serve) runs it (mpi_tp.checkpoint.model: load_model takes model_dtype(args), model_tokenizer the tokenizer;
+    use_backend)."""
+    add_format_arguments(parser, "as saved: a bf16 checkpoint or Hugging Face folder runs at bf16")
     parser.add_argument("--tokenizer", default="auto", help="what the text is as ids: 'auto' (the default: the "
                         "model's own, its folder's tokenizer.json or the one its checkpoint keeps, else bytes), "
                         "'bytes', a tokenizer.json, or a folder holding one")

@@ -15,7 +15,7 @@ import argparse
 import os
 
 from mpi_tp.checkpoint.model import load_model, model_tokenizer
-from mpi_tp.commands.common import add_model_arguments, use_backend
+from mpi_tp.commands.common import add_model_arguments, model_dtype, use_backend
 from mpi_tp.inference.serving.server import Stop, serve
 
 
@@ -45,7 +45,7 @@ def _seconds(value: str) -> float:
 def cmd_serve(args, comm) -> int:
     stop = Stop().install()          # before the (slow) load: a Ctrl-C then still ends the job cleanly
     use_backend(args, comm)          # before any array is made
-    model, ck = load_model(args.checkpoint, comm, args.dtype)
+    model, ck = load_model(args.checkpoint, comm, model_dtype(args))
     tokenizer = model_tokenizer(args.tokenizer, ck, comm)
     return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
                  max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop, batching=args.batching,

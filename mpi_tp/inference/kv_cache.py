@@ -27,6 +27,15 @@ row's length, so no later step sees them either.
 Per block and new position the communication is that of the forward pass: the
 q/k/v column split needs none, the output projection's row split one
 all-reduce of (rows, t, C); the cache itself is never communicated.
+
+16-bit models (bf16, fp16: mpi-tp generate --precision): the cache stores the
+16-bit keys and values (half an fp32 cache's bytes) and the attention is the
+training forward's arithmetic: a prefill runs the training kernel itself
+(kernels_attention.attention_forward), a step its one-query form
+(`step_attention`); both widen q, k and v to fp32 (exact), compute the scores,
+the softmax and the product with v in fp32 and round the output once to the
+16-bit format (kernels_half.in_fp32). The linear layers around them are the
+model's own (16-bit kernels: fp32 accumulation, one rounding).
 """
 from __future__ import annotations
 
@@ -35,7 +44,9 @@ import math
 import numpy
 
 from mpi_tp.core import backend
-from mpi_tp.core.kernels_attention import softmax_rows
+from mpi_tp.core import kernels_half as half
+from mpi_tp.core.kernels_attention import attention_forward, softmax_rows
+from mpi_tp.core.precision import is_half
 
 
 class KVCache:
@@ -48,13 +59,21 @@ class KVCache:
         self.k = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.v = [xp.zeros(shape, dtype=model.dtype) for _ in model.h]
         self.slots, self.size, self.dtype = slots, cfg.block_size, model.dtype
+        self.compute = xp.float32 if is_half(model.dtype) else model.dtype     # the scores' and softmax's dtype
         self.lengths = numpy.zeros(slots, dtype=numpy.int64)     # columns filled, per row
         self.rows = 0                                             # running rows: 0 .. rows - 1
-        self._causal = {}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
+
+    @staticmethod
+    def bytes_for(model, slots: int) -> int:
+        """What KVCache(model, slots) holds on this rank, without making it: 2 L slots H_kv_i S hs values of
+        the model's dtype (2 bytes each at bf16 and fp16)."""
+        attn = model.h[0].attn if model.h else None
+        per = 0 if attn is None else slots * attn.H_kv_i * model.cfg.block_size * attn.hs
+        return 2 * len(model.h) * per * model.dtype.itemsize
 
     def move(self, src: int, dst: int) -> None:
         """Row src's filled columns into row dst (a finished row's slot reused)."""
@@ -64,19 +83,12 @@ class KVCache:
             v[dst, :, :n] = v[src, :, :n]
         self.lengths[dst] = n
 
-    def causal_bias(self, t: int):
-        """(t, t): 0 on and below the diagonal, -inf above; made on the device once per t."""
-        if t not in self._causal:
-            xp = backend.xp()
-            i = xp.arange(t)
-            self._causal[t] = xp.where(i[None, :] <= i[:, None], 0.0, -math.inf).astype(self.dtype)
-        return self._causal[t]
-
     def step_mask(self, at):
         """Where a decode step over rows 0 .. rows - 1 writes and looks, each row at column lengths[b]:
         (n, bias, index) with n = the longest row + 1; bias (rows, 1, 1, n), -inf past each row's new
-        column, and index (rows, columns) on the device for the writes; both None when all rows are
-        level. at: lengths[:rows] already on the device. Made once per step, reused by every block."""
+        column (in the scores' dtype: fp32 for a 16-bit cache), and index (rows, columns) on the device for
+        the writes; both None when all rows are level. at: lengths[:rows] already on the device. Made once
+        per step, reused by every block."""
         cols = self.lengths[:self.rows]
         n = int(cols.max()) + 1
         if n > self.size:
@@ -84,14 +96,20 @@ class KVCache:
         if cols.min() == cols.max():
             return n, None, None
         xp = backend.xp()
-        bias = xp.where(xp.arange(n)[None, :] <= at[:, None], 0.0, -math.inf).astype(self.dtype)
+        bias = xp.where(xp.arange(n)[None, :] <= at[:, None], 0.0, -math.inf).astype(self.compute)
         return n, bias[:, None, None, :], (xp.arange(self.rows), at)
 
 
-def _softmax_times_v(att, v):
-    """Softmax over the last axis of the masked scores (B, H, t, n) (kernels_attention.softmax_rows: in place on
-    the CPU), then times v (B, H, n, hs) (grouped: (B, H_kv, R, t, n) times (B, H_kv, 1, n, hs))."""
-    return softmax_rows(att) @ v                                                # (B, H, t, hs)
+@half.in_fp32
+def step_attention(q, k, v, bias=None):
+    """One query per row against its cached columns: softmax(q k^T / sqrt(hs) + bias) v. q (A, H, 1, hs), k and v
+    (A, H, n, hs) (grouped: q (A, H_kv, R, 1, hs), k and v (A, H_kv, 1, n, hs)); bias broadcastable to the scores
+    (A, H, 1, n), -inf past a row's length, or None. -> (out (A, H, 1, hs), None). 16-bit q, k, v: computed in
+    fp32, the output rounded once (kernels_half.in_fp32); the scores scaled as the training kernel scales them."""
+    att = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.swapaxes(-1, -2)            # (A, H, 1, n)
+    if bias is not None:
+        att += bias
+    return softmax_rows(att) @ v, None                                          # (A, H, 1, hs)
 
 
 def _project(attn, y):
@@ -99,17 +117,6 @@ def _project(attn, y):
     y = attn.ungroup(y)
     B, _, t, _ = y.shape
     return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.hs))
-
-
-def _scores(attn, q, k):
-    """q (B, H_i, t, hs) against keys (B, H_kv_i, n, hs): scaled scores (B, H_i, t, n), grouped as
-    (B, H_kv_i, R_i, t, n) under grouped-query attention (each key/value head serves R_i query heads)."""
-    q, k, _ = attn.grouped(q, k, k)
-    return (q * (1.0 / math.sqrt(attn.hs))) @ k.swapaxes(-1, -2)
-
-
-def _values(attn, v):
-    return v if attn.H_kv_i == attn.H_i else v[:, :, None]
 
 
 def attend_prefill(attn, x, cache: KVCache, j: int, rows):
@@ -122,9 +129,8 @@ def attend_prefill(attn, x, cache: KVCache, j: int, rows):
         raise ValueError(f"the cache holds {cache.size} positions: {t} do not fit")
     cache.k[j][rows, :, :t] = k
     cache.v[j][rows, :, :t] = v
-    att = _scores(attn, q, k)                                        # (J, H_i, t, t) or (J, H_kv_i, R_i, t, t)
-    att += cache.causal_bias(t)
-    return _project(attn, _softmax_times_v(att, _values(attn, v)))
+    y, _ = attention_forward(*attn.grouped(q, k, v))                 # the training kernel: causal, (J, H_i, t, hs)
+    return _project(attn, y)
 
 
 def attend_step(attn, x, cache: KVCache, j: int, mask, angles=None):
@@ -140,7 +146,8 @@ def attend_step(attn, x, cache: KVCache, j: int, mask, angles=None):
     else:
         cache.k[j][index[0], :, index[1]] = k[:, :, 0]
         cache.v[j][index[0], :, index[1]] = v[:, :, 0]
-    att = _scores(attn, q, cache.k[j][:A, :, :n])                    # (A, H_i, 1, n) or (A, H_kv_i, R_i, 1, n)
-    if bias is not None:
-        att += bias if att.ndim == 4 else bias[:, None]                     # (rows, 1, 1, n) (, 1)
-    return _project(attn, _softmax_times_v(att, _values(attn, cache.v[j][:A, :, :n])))
+    q, k, v = attn.grouped(q, cache.k[j][:A, :, :n], cache.v[j][:A, :, :n])
+    if bias is not None and q.ndim == 5:
+        bias = bias[:, None]                                                # (rows, 1, 1, 1, n): grouped
+    y, _ = step_attention(q, k, v, bias)                             # (A, H_i, 1, hs) or (A, H_kv_i, R_i, 1, hs)
+    return _project(attn, y)

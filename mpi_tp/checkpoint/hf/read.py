@@ -9,8 +9,14 @@
 `Checkpoint.read` does, so `checkpoint.load_into` fills a model from either; the
 slice comes from safetensors' `safe_open(...).get_slice`, which reads those bytes
 only, so no rank ever holds a whole tensor it does not keep (a vocabulary-split
-wte: its V_i rows). bfloat16 (which NumPy lacks) is read through a memory map of
-the same bytes and widened to float32 exactly. No torch.
+wte: its V_i rows). bfloat16 (which safetensors' NumPy reader lacks) is read
+through a memory map of the same bytes as ml_dtypes' bfloat16, unchanged. No torch.
+
+The folder's format (meta "dtypes", what eval, generate, serve and import-hf load
+it as by default) is its tensors' (config.json's torch_dtype is only a hint):
+bfloat16, float16, float32 or float64 when every tensor has it; the widest present
+when they differ (float32 for bfloat16 beside float16), so nothing is rounded
+unless --precision asks.
 """
 from __future__ import annotations
 
@@ -22,10 +28,19 @@ import numpy
 
 from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.checkpoint.hf.config import HFConfigError, gpt_config, read_config
-from mpi_tp.checkpoint.hf.names import IGNORED_SUFFIXES, PREFIXES, TIED_HEAD, hf_shapes, pieces, region
+from mpi_tp.checkpoint.hf.names import (
+    IGNORED_SUFFIXES,
+    PREFIXES,
+    TIED_HEAD,
+    hf_shapes,
+    pieces,
+    region,
+)
+from mpi_tp.core.precision import bfloat16
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+WIDER = ("F64", "F32")        # the format of a folder whose tensors differ: the first of these present (else F32)
 
 
 def is_hf_folder(path: str) -> bool:
@@ -75,8 +90,8 @@ class HFFolder:
     """A Hugging Face GPT-2 or Llama folder, opened and checked (names, shapes, dtypes: every tensor the model needs
     is there, nothing is left that mpi_tp would not use); reads like a Checkpoint.
 
-    meta: {"config": the GPTConfig as a dict, "dtypes": "float64" if the weights are, else "float32",
-    "source": where it came from}; step 0; no optimizer state.
+    meta: {"config": the GPTConfig as a dict, "dtypes": the folder's format (folder_dtype), "source": where it
+    came from}; step 0; no optimizer state.
     """
 
     has_optimizer = False
@@ -97,8 +112,7 @@ class HFFolder:
         self.prefix = self._prefix()
         self.pieces = pieces(self.cfg, self.prefix)
         self.dtypes = self._check()
-        wide = "float64" if "F64" in self.dtypes.values() else "float32"
-        self.meta = {"config": self.cfg.to_dict(), "dtypes": wide,
+        self.meta = {"config": self.cfg.to_dict(), "dtypes": folder_dtype(self.dtypes.values()),
                      "source": {"format": "huggingface", "path": os.path.abspath(path),
                                 "model_type": self.hf_config.get("model_type")}}
 
@@ -191,14 +205,22 @@ class HFFolder:
         self.close()
 
 
+def folder_dtype(dtypes) -> str:
+    """The format of a folder whose tensors have these safetensors dtypes: theirs if they agree, else the widest
+    (every 16-bit value is an fp32 value: nothing is rounded)."""
+    kinds = set(dtypes)
+    if len(kinds) == 1:
+        return DTYPES[kinds.pop()]
+    return DTYPES[next((k for k in WIDER if k in kinds), "F32")]
+
+
 def _bf16_slice(path: str, tensor: str, idx: tuple):
-    """A bfloat16 tensor's slice as float32, exactly (bfloat16 is float32's upper 16 bits), from a
-    memory map of the file: only the pages of the slice are read."""
+    """A bfloat16 tensor's slice, its 16-bit words as they are (ml_dtypes' bfloat16), from a memory map of the
+    file: only the pages of the slice are read."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-    begin, end = header[tensor]["data_offsets"]
+    begin = header[tensor]["data_offsets"][0]
     shape = tuple(header[tensor]["shape"])
     raw = numpy.memmap(path, dtype="<u2", mode="r", offset=8 + n + begin, shape=shape)
-    bits = numpy.asarray(raw[idx]).astype(numpy.uint32) << 16
-    return bits.view(numpy.float32)
+    return numpy.array(raw[idx], dtype=numpy.uint16).view(bfloat16())

@@ -10,6 +10,11 @@
     OUT/tokenizer.json                            the tokenizer the checkpoint keeps (if any; its eos ids
                                                   go into config.json)
 
+The tensors are in the checkpoint's dtype (a bf16 checkpoint: BF16, its 16-bit words as they are, so a BF16
+folder imported and exported comes back byte for byte), or in `dtype` (export --dtype): widened exactly, or
+each value rounded once to the nearest (ties to even; ml_dtypes and NumPy convert float64 directly); a value
+that the new format cannot hold (fp16 past 65504) is refused by name, not written as inf.
+
 Runs on one rank: each Hugging Face tensor is assembled from the checkpoint's full tensors
 (GPT-2's c_attn from q, k and v; Llama's linear weights transposed), and one shard's tensors
 are in memory at a time. The folder is written as OUT.tmp and renamed into place once complete, so a failed export never replaces
@@ -21,6 +26,7 @@ import json
 import os
 import shutil
 
+import ml_dtypes
 import numpy
 
 from mpi_tp.checkpoint.format import CheckpointError, put_in_place
@@ -32,6 +38,7 @@ from mpi_tp.core.precision import dtype_of
 from mpi_tp.model.config import GPTConfig
 
 DEFAULT_SHARD_BYTES = 5 * 10**9           # save_pretrained's default shard size in transformers 4
+EXPORT_DTYPES = ("float32", "bfloat16", "float16", "float64")     # export --dtype (safetensors F32, BF16, F16, F64)
 
 
 def hf_tensors(cfg: GPTConfig) -> dict[str, list]:
@@ -43,11 +50,28 @@ def hf_tensors(cfg: GPTConfig) -> dict[str, list]:
 
 
 def _assemble(ckpt, name: str, shape: tuple, parts: list, dtype):
+    """Hugging Face tensor `name` in `dtype`, each value converted once; one CheckpointError if a finite value
+    becomes inf (past the format's largest)."""
     full = numpy.empty(shape, dtype=dtype)
     for ours, piece in parts:
         values = ckpt.read(f"model/{ours}")
-        full[region(piece, len(shape))] = values.T if piece.transposed else values
+        with numpy.errstate(over="ignore"):                    # past the largest: inf, refused below
+            full[region(piece, len(shape))] = values.T if piece.transposed else values
+        if numpy.isfinite(values).all() and not numpy.isfinite(full[region(piece, len(shape))]).all():
+            raise CheckpointError(f"export --dtype {dtype.name}: model/{ours} holds values past {dtype.name}'s "
+                                  f"largest ({_largest(dtype):g}): export it as bfloat16 or float32")
     return full
+
+
+def _largest(dtype) -> float:
+    return float(ml_dtypes.finfo(dtype).max)          # (NumPy's finfo has no bfloat16; ml_dtypes' knows both)
+
+
+def export_dtype(ckpt, dtype: str | None = None):
+    """The dtype export writes: `dtype` (one of EXPORT_DTYPES), or None: the checkpoint's own."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"export --dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    return dtype_of(dtype or ckpt.tensors["model/wte"]["dtype"])
 
 
 def _shards(shapes: dict, itemsize: int, limit: int) -> list[list[str]]:
@@ -63,8 +87,10 @@ def _shards(shapes: dict, itemsize: int, limit: int) -> list[list[str]]:
     return shards
 
 
-def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write checkpoint `ckpt` (a Checkpoint) as the Hugging Face folder `out`; returns its files."""
+def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           dtype: str | None = None) -> list[str]:
+    """Write checkpoint `ckpt` (a Checkpoint) as the Hugging Face folder `out`, its tensors in `dtype` (one of
+    EXPORT_DTYPES; None: the checkpoint's); returns its files."""
     refuse_to_replace(out, overwrite, "export")
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"export: {out} is a file; a Hugging Face model is a folder: give a folder name")
@@ -75,7 +101,7 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
                               "form for")
     require_safetensors()
     from safetensors.numpy import save_file
-    dtype = dtype_of(ckpt.tensors["model/wte"]["dtype"])
+    dtype = export_dtype(ckpt, dtype)
     shapes, parts = hf_shapes(cfg), hf_tensors(cfg)
     shards = _shards(shapes, dtype.itemsize, max_shard_bytes)
     tmp = out.rstrip(os.sep) + ".tmp"
@@ -84,7 +110,11 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
     files, weight_map = [], {}
     for i, names in enumerate(shards):
         file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _assemble(ckpt, name, shapes[name], parts[name], dtype) for name in names}
+        try:
+            tensors = {name: _assemble(ckpt, name, shapes[name], parts[name], dtype) for name in names}
+        except CheckpointError:
+            shutil.rmtree(tmp, ignore_errors=True)          # a refused export leaves nothing behind
+            raise
         save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})   # transformers asks "pt"
         weight_map.update({name: file for name in names})
         files.append(file)

@@ -15,6 +15,7 @@ import time
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import STOP_SIGNALS, collective_setup
 from mpi_tp.inference.decode import Decoder
+from mpi_tp.inference.kv_cache import KVCache
 from mpi_tp.inference.serving.http import HTTPServer
 from mpi_tp.inference.serving.metrics import Metrics
 from mpi_tp.inference.serving.protocol import follow
@@ -85,6 +86,8 @@ def serve(model, comm, name: str, host: str = "127.0.0.1", port: int = 8000, max
     print(f"serving {name} on http://{where}:{httpd.server_address[1]} (tp={comm.Get_size()})", flush=True)
     log(f"{batching} batching of up to {max_batch} rows; at most {max_queue} waiting, {max_connections} "
         f"connections, {read_timeout:g} s to send a request")
+    log(f"{model.dtype.name} weights; the KV cache holds {KVCache.bytes_for(model, max_batch) / 2**20:.2f} MiB per "
+        f"rank ({model.dtype.itemsize} bytes a value)")
     scheduler.run()
     log(f"{stop.requested}: stopped after {scheduler.stats['requests_served']} request(s) in "
         f"{scheduler.stats['steps']} step(s)")
