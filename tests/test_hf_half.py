@@ -114,7 +114,10 @@ def test_bf16_logits_against_transformers_bf16(world, shared_dir, arch):  # noqa
         ours, r64 = model.full_logits(IDS[:, :S]).astype(np.float64), exact.full_logits(IDS[:, :S])
         ulp = ULP * float(np.abs(r64).max())
         worst = max(worst, float(np.abs(ours - ref[S]).max()) / ulp)
-        assert np.abs(ours - r64).max() <= np.abs(ref[S] - r64).max() + ulp, S
+        # ours may round more than transformers' serial forward: at T ranks each row-parallel layer's partial
+        # sums are rounded on every rank and summed in bf16 (T - 1 roundings more): one ulp per rank allowed
+        T = model.topo.tp.size
+        assert np.abs(ours - r64).max() <= np.abs(ref[S] - r64).max() + T * ulp, S
     assert all_true(worst <= 2 * CFG.n_layer + 3, world), f"{worst:.2f} ulps from transformers' bf16 logits"
 
 

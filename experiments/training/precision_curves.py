@@ -100,21 +100,30 @@ def plot(rows: list[dict], command: str) -> None:
         return
     sys.path.insert(0, os.path.join(HERE, "..", "bench"))     # experiments/bench/scaling.py
     from scaling import stamp
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(10, 4.2))
+    base = dict(next(r for r in rows if r["precision"] == "fp32")["train"])
     for row in rows:
         steps, losses = zip(*row["train"])
+        load = row.get("load_average_1min_at_end")
         line, = ax.plot(steps, losses, lw=1, label=f"{row['precision']}: validation {row['final_val_loss']:.4f}, "
-                                                   f"{row['tokens_per_s']:,.0f} tok/s")
+                                                   f"{row['tokens_per_s']:,.0f} tok/s" + (f" (load {load:.1f})" if load else ""))
         vs, vl = zip(*row["val"])
         ax.plot(vs, vl, "o", color=line.get_color(), ms=4)
+        both = [(s, v - base[s]) for s, v in row["train"] if s in base]
+        dx.plot(*zip(*both), lw=1, color=line.get_color(), label=row["precision"])
         for step, _ in row["skipped"]:
-            ax.axvline(step, color=line.get_color(), lw=0.5, ls=":")
+            for a in (ax, dx):
+                a.axvline(step, color=line.get_color(), lw=0.5, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte); dots: validation")
-    ax.set_title("The README model at fp32, bf16 and fp16 (fp32 masters); dotted: fp16 steps skipped for overflow",
-                 fontsize=8)
-    ax.legend(fontsize=8)
+    ax.set_title("The README model at fp32, bf16 and fp16 (fp32 masters)", fontsize=9)
+    ax.legend(fontsize=7)
     ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
+    dx.axhline(0, color="gray", lw=0.5)
+    dx.set_xlabel("step")
+    dx.set_ylabel("training loss minus fp32's at the same step")
+    dx.set_title("The difference (dotted: an fp16 step skipped for an overflow)", fontsize=9)
+    dx.legend(fontsize=7)
     fig.text(0.01, 0.005, stamp(rows[0]["environment"], command), fontsize=5.5, va="bottom")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     os.makedirs(os.path.dirname(FIGURE), exist_ok=True)
