@@ -60,3 +60,15 @@ def test_bench_json_and_refusals(tmp_path):
     assert row["memory_per_rank"]["master"] * 2 == row["memory_per_rank"]["moments"] > 0
     r = mpirun(2, "bench", "--custom", "32,2,2,16,2", "--pp", "2", "--precision", "bf16", timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not run with --pp" in r.stderr, r.stderr
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp32_grads_double_the_gradient_bytes(world, small_peak):
+    """bench's --fp32-grads: the data-parallel gradient reduction at 4 bytes a value (train's option), the
+    parameters' all-gather still at 2."""
+    n = world.Get_size()
+    runs = {wide: bench.run_shape(world, *SHAPE, steps=1, warmup=0, dtype="bfloat16", dp=n, zero=True, tp=1,
+                                  fp32_grads=wide) for wide in (False, True)}
+    w16, w32 = runs[False]["wire_bytes_by_role"], runs[True]["wire_bytes_by_role"]
+    assert (w32["grad_reduce_dtype"], w16["grad_reduce_dtype"]) == ("float32", "bfloat16")
+    assert w32["dp_grads"] == 2 * w16["dp_grads"] > 0 and w32["dp_params"] == w16["dp_params"] > 0

@@ -39,6 +39,7 @@ from mpi_tp.commands.bench.yardsticks import (
 )
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.params import widen_grads
 from mpi_tp.core.precision import dtype_of
 from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
@@ -63,18 +64,21 @@ SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
 
 
 def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, dp=1, dp_mode="overlap",
-              sequence_parallel=False, zero=False, cp=1, tp=0) -> dict:
+              sequence_parallel=False, zero=False, cp=1, tp=0, fp32_grads=False) -> dict:
     """Time training steps at one shape. dp > 1: data parallelism with B sequences per replica;
     dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
     (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
     zero: the distributed optimizer (reduce-scatter, AdamW on each rank's share, all-gather).
     cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp).
     dtype "bfloat16" / "float16": --precision bf16 / fp16 (fp32 masters and moments; accounting:
-    bench.accounting; fp16 steps with train's dynamic loss scale, its overflow check included)."""
+    bench.accounting; fp16 steps with train's dynamic loss scale, its overflow check included);
+    fp32_grads: their gradients in fp32 (train's --fp32-grads: the reduction at 4 bytes a value)."""
     topo = Topology.create(comm, tp=tp or None, dp=dp, cp=cp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
                 sequence_parallel=sequence_parallel)
     params = model.parameters()
+    if fp32_grads:
+        widen_grads(params)
     reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero)
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
@@ -194,6 +198,9 @@ def add_parser(sub) -> None:
                    help="bf16 / fp16: the model in bfloat16 / float16 with fp32 masters and moments (as `mpi-tp "
                         "train --precision`, fp16 with its loss scale); --json reports activation bytes, wire "
                         "bytes and memory per rank at that width")
+    b.add_argument("--fp32-grads", action="store_true",
+                   help="with --precision bf16/fp16: gradients accumulated and reduced in fp32 (as `mpi-tp train "
+                        "--fp32-grads`); --json's wire_bytes_by_role.grad_reduce_dtype says float32")
     b.add_argument("--tp", type=int, default=0, help=f"tensor-parallel size (0: ranks / (cp * pp * dp); {RULE})")
     b.add_argument("--dp", type=int, default=1, help="data-parallel replicas; batch is per replica")
     b.add_argument("--dp-compare", action="store_true",
@@ -294,7 +301,7 @@ def cmd_bench(args, comm) -> int:
         for mode in modes:
             r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, dtype, dp=args.dp, dp_mode=mode,
                           sequence_parallel=args.sequence_parallel, zero=bool(args.zero), cp=args.cp,
-                          tp=args.layout.tp)
+                          tp=args.layout.tp, fp32_grads=args.fp32_grads)
             r["environment"] = env
             print_table(r, comm)
             if args.json and comm.Get_rank() == 0:
