@@ -50,8 +50,8 @@ from mpi_tp.parallel.pipeline.schedules import schedule
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
 from mpi_tp.planning.activations import activation_bytes_per_layer
-from mpi_tp.training.optim import AdamW
 from mpi_tp.training.loss_scale import LossScaler
+from mpi_tp.training.optim import AdamW
 from mpi_tp.training.step import train_step
 
 PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}      # --precision of a model dtype
