@@ -18,8 +18,21 @@ from mpi_tp.parallel.topology import Topology
 S = 13
 
 
-def whole(shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape)
+def whole(shape, seed, dtype="float64"):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def ring_case(world, grouped, dropout, dtype="float64"):
+    """One cp group over the world; the whole sequence's q, k, v, dout (grouped-query shapes when grouped)
+    in dtype, a dropout mask (about 70% kept) or None, and the take of this rank's rows:
+    (topo, split, (q, k, v, dout), mask, mine)."""
+    topo = Topology.create(world, tp=1, cp=world.Get_size())
+    split = ContextSplit(topo.cp, S)
+    B, hs = 2, 4
+    qshape, kshape = ((B, 2, 3, S, hs), (B, 2, 1, S, hs)) if grouped else ((B, 3, S, hs), (B, 3, S, hs))
+    tensors = whole(qshape, 1, dtype), whole(kshape, 2, dtype), whole(kshape, 3, dtype), whole(qshape, 4, dtype)
+    mask = whole(qshape[:-1] + (S,), 5) > -0.5 if dropout else None
+    return topo, split, tensors, mask, lambda a: split.take(a, axis=a.ndim - 2)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -27,15 +40,9 @@ def whole(shape, seed):
                          ids=["mha", "gqa", "mha-dropout", "gqa-dropout"])
 def test_ring_attention_equals_the_serial_kernel(world, grouped, dropout):
     n = world.Get_size()
-    topo = Topology.create(world, tp=1, cp=n)
-    split = ContextSplit(topo.cp, S)
-    B, hs = 2, 4
-    qshape, kshape = ((B, 2, 3, S, hs), (B, 2, 1, S, hs)) if grouped else ((B, 3, S, hs), (B, 3, S, hs))
-    q, k, v, dout = whole(qshape, 1), whole(kshape, 2), whole(kshape, 3), whole(qshape, 4)
-    mask = whole(qshape[:-1] + (S,), 5) > -0.5 if dropout else None          # about 70% kept
+    topo, split, (q, k, v, dout), mask, mine = ring_case(world, grouped, dropout)
     ref, cache = kern.attention_forward(q, k, v, mask, 1.4)
     dq, dk, dv = kern.attention_backward(dout, cache)
-    mine = lambda a: split.take(a, axis=a.ndim - 2)                          # noqa: E731 (this rank's rows)
     pos = split.positions
 
     def mask_of(src, rows, cols):

@@ -29,6 +29,7 @@ import os
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_context_parallel import ring_case
 from test_moe import moved_rows
 from test_precision_train import BASE
 
@@ -39,7 +40,6 @@ from mpi_tp.core.precision import bfloat16, narrow, widen
 from mpi_tp.core.testing import all_true
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.context_parallel import ContextSplit
 from mpi_tp.parallel.ring_attention import ring_backward, ring_forward
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.build import build
@@ -49,7 +49,6 @@ from mpi_tp.training.loop import run_step, train
 WORLD = MPI.COMM_WORLD
 U = 2.0 ** -8
 BF16 = bfloat16()
-S = 13                                                   # uneven chunks at every cp size
 MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_aux_weight": 0.05, "moe_z_weight": 0.01}
 LLAMA = {"arch": "llama", "n_kv_head": 1}
 TINY = {"vocab_size": 37, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 16, "dropout": 0.0}
@@ -72,13 +71,7 @@ def whole(shape, seed, dtype=BF16):
 @pytest.mark.parametrize("grouped, dropout", [(False, False), (True, True)], ids=["mha", "gqa-dropout"])
 def test_ring_attention_at_bf16_is_the_fp32_ring_rounded_once(world, grouped, dropout):
     n = world.Get_size()
-    topo = Topology.create(world, tp=1, cp=n)
-    split = ContextSplit(topo.cp, S)
-    B, hs = 2, 4
-    qshape, kshape = ((B, 2, 3, S, hs), (B, 2, 1, S, hs)) if grouped else ((B, 3, S, hs), (B, 3, S, hs))
-    q, k, v, dout = whole(qshape, 1), whole(kshape, 2), whole(kshape, 3), whole(qshape, 4)
-    mask = whole(qshape[:-1] + (S,), 5, "float64") > -0.5 if dropout else None
-    mine = lambda a: split.take(a, axis=a.ndim - 2)                          # this rank's rows
+    topo, split, (q, k, v, dout), mask, mine = ring_case(world, grouped, dropout, BF16)
     pos = split.positions
 
     def mask_of(src, rows, cols):
