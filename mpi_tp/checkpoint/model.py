@@ -26,7 +26,7 @@ from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.checkpoint.read import load_into, open_checkpoint
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.precision import dtype_of, is_half
+from mpi_tp.core.precision import dtype_of, is_half, precision_of
 from mpi_tp.core.runtime import collective_setup
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -37,7 +37,7 @@ def check_format(dtype, cfg: GPTConfig, path: str) -> None:
     """One UserError if the model of `cfg` cannot run in `dtype` here."""
     if not is_half(dtype):
         return
-    name = {"bfloat16": "bf16", "float16": "fp16"}[dtype.name]
+    name = precision_of(dtype).name
     if backend.xp() is not numpy:
         raise UserError(f"{path} at {name}: --backend cupy runs fp32 and float64 models for now (CuPy has no "
                         "bfloat16 dtype; fp16 there is not yet tested): pass --precision fp32 (exact from 16 bits)")

@@ -44,6 +44,7 @@ class Precision:
 
     name: str
     bits: int
+    dtype: str               # what its arrays are stored in on NumPy (dtype_of turns "bfloat16" into ml_dtypes')
     compute: str             # what products accumulate in, and what the statistics are computed in
     master: str              # the optimizer's copy of the weights and its moments
     loss_scaling: bool       # fp16's dynamic loss scaling (bf16 and the wide formats need none)
@@ -59,11 +60,17 @@ class Precision:
 
 
 PRECISIONS = {
-    "fp32": Precision("fp32", 32, "float32", "float32", False),
-    "bf16": Precision("bf16", 16, "float32", "float32", False),
-    "fp16": Precision("fp16", 16, "float32", "float32", True),
-    "fp64": Precision("fp64", 64, "float64", "float64", False),
+    "fp32": Precision("fp32", 32, "float32", "float32", "float32", False),
+    "bf16": Precision("bf16", 16, "bfloat16", "float32", "float32", False),
+    "fp16": Precision("fp16", 16, "float16", "float32", "float32", True),
+    "fp64": Precision("fp64", 64, "float64", "float64", "float64", False),
 }
+
+
+def precision_of(dtype) -> Precision:
+    """The Precision whose arrays are stored in `dtype` (a name or a dtype: 'bfloat16' -> bf16)."""
+    name = getattr(dtype, "name", str(dtype))
+    return next(p for p in PRECISIONS.values() if p.dtype == name)
 
 
 def precision(name: str) -> Precision:
@@ -159,7 +166,7 @@ def storage_dtype(p: Precision, xp=numpy):
     float32 (values rounded to bf16) on CuPy; fp16 float16 on both."""
     if p.name == "bf16":
         return bfloat16() if xp is numpy else xp.dtype(xp.float32)
-    return xp.dtype({"fp32": "float32", "fp16": "float16", "fp64": "float64"}[p.name])
+    return xp.dtype(p.dtype)
 
 
 def to_storage(x, p: Precision):

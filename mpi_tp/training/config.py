@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from mpi_tp.core.precision import precision
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.training.loss_scale import LossScaler
@@ -135,7 +136,7 @@ class TrainConfig:
     @property
     def model_dtype(self) -> str:
         """What the model's arrays are stored in: --dtype, or bfloat16 / float16 under --precision bf16 / fp16."""
-        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, self.dtype)
+        return self.dtype if self.precision == "fp32" else precision(self.precision).dtype
 
     def loss_scaler(self) -> LossScaler | None:
         """fp16's dynamic loss scaler as configured; None for the other formats (they need none)."""

@@ -40,7 +40,7 @@ from mpi_tp.commands.bench.yardsticks import (
 from mpi_tp.core import backend
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.params import widen_grads
-from mpi_tp.core.precision import dtype_of
+from mpi_tp.core.precision import dtype_of, precision, precision_of
 from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -53,8 +53,6 @@ from mpi_tp.planning.activations import activation_bytes_per_layer
 from mpi_tp.training.loss_scale import LossScaler
 from mpi_tp.training.optim import AdamW
 from mpi_tp.training.step import train_step
-
-PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}      # --precision of a model dtype
 
 SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
     "a": (256, 4, 4, 128, 8),
@@ -123,7 +121,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "shape": {"n_embd": C, "n_head": H, "n_layer": L, "block_size": S, "batch": B}, "tp": topo.tp.size,
         "cp": topo.cp.size,
         "dp": topo.dp.size, "dp_mode": dp_mode if dp > 1 else None, "sequence_parallel": sequence_parallel,
-        "dtype": dtype, "precision": PRECISION_OF.get(dtype, dtype),
+        "dtype": dtype, "precision": precision_of(dtype).name,
         "steps": steps, "step_ms": {"median": 1e3 * med, "min": 1e3 * step.min(),
                                                    "max": 1e3 * step.max()},
         "tokens_per_s": B * S * topo.dp.size / med, "model_gflop_per_step": flops / 1e9,
@@ -285,7 +283,7 @@ def cmd_bench(args, comm) -> int:
     if args.moe:
         return bench_moe.cmd_moe(args, comm, shapes, env)
     modes = ["overlap", "after", "none"] if args.dp_compare else ["overlap"]
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(args.precision, args.dtype)
+    dtype = args.dtype if args.precision == "fp32" else precision(args.precision).dtype
     for C, H, L, S, B in shapes:
         if args.pp > 1:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
