@@ -54,17 +54,21 @@ def linear_forward(x, w, b=None):
     weight-read speed. Same product, other summation order: within float rounding. 16-bit x (bf16, fp16):
     mpi_tp.core.kernels_half, fp32 accumulation rounded once."""
     if half.is_half(x):
-        return half.linear_forward(x, w, b)
+        return half.linear_forward(x, w, b, product)
     K, O = w.shape
-    x2 = x.reshape(-1, K)                              # (..., K) -> (N, K): one big GEMM
-    if x2.shape[0] <= FEW_ROWS and w.T.flags.c_contiguous and not w.flags.c_contiguous:
-        out = _few_rows(x2, w.T)
-    else:
-        out = matmul(x2, w)                            # (N, K) @ (K, O) -> (N, O)
+    out = product(x.reshape(-1, K), w)                 # (..., K) -> (N, K) @ (K, O) -> (N, O): one big GEMM
     if b is not None:
         out += b                                       # fresh temporary: safe in place
     out = out.reshape(*x.shape[:-1], O)                # (N, O) -> (..., O)
     return out, (x, w, b is not None)
+
+
+def product(x2, w):
+    """x2 (N, K) @ w (K, O), in the form fastest for w's layout: _few_rows for a weight stored (out, in)
+    and few rows, else one GEMM (the 16-bit kernels use it on the widened operands, which keep w's layout)."""
+    if x2.shape[0] <= FEW_ROWS and w.T.flags.c_contiguous and not w.flags.c_contiguous:
+        return _few_rows(x2, w.T)
+    return matmul(x2, w)
 
 
 def _few_rows(x2, w_t):

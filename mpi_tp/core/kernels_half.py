@@ -24,10 +24,11 @@ from mpi_tp.core.blas import matmul
 from mpi_tp.core.precision import is_half, narrow, widen
 
 
-def linear_forward(x, w, b=None):
-    """out = x @ w + b in x's 16-bit format, accumulated in fp32. x (..., K), w (K, O), b (O,) or None."""
+def linear_forward(x, w, b=None, product=matmul):
+    """out = x @ w + b in x's 16-bit format, accumulated in fp32. x (..., K), w (K, O), b (O,) or None.
+    product: how to multiply the widened (N, K) and (K, O) (kernels.product: the layout's fastest form)."""
     K, O = w.shape
-    out = matmul(widen(x.reshape(-1, K)), widen(w))              # (N, K) @ (K, O) -> (N, O), fp32
+    out = product(widen(x.reshape(-1, K)), widen(w))             # (N, K) @ (K, O) -> (N, O), fp32
     if b is not None:
         out += widen(b)                                           # in fp32, before the one rounding
     return narrow(out, x.dtype).reshape(*x.shape[:-1], O), (x, w, b is not None)
