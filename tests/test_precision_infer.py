@@ -45,7 +45,8 @@ ULPS = {"bfloat16": ULP, "float16": 2.0**-11}     # (fp16: 10 fraction bits)
 GPT2 = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=5, n_embd=20)       # uneven at 2, 3, 4
 LLAMA = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=6, n_embd=24, arch="llama", n_kv_head=3,
                   intermediate_size=40)
-CONFIGS = {"gpt2": GPT2, "llama": LLAMA}
+MOE = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=5, n_embd=20, moe_experts=4, moe_top_k=2)
+CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "moe": MOE}
 PLAN = {0: [[1, 2, 3, 4, 5]], 2: [[6], [7, 8]], 9: [[9, 9, 9]], 11: [list(range(12))], 20: [[3]]}
 LEAVING = {6: [0], 10: [1, 2], 19: [0]}             # rows join, leave and slide past block_size (12)
 
@@ -197,11 +198,14 @@ def test_fp16_refuses_a_weight_past_its_largest(world, tmp_path_factory):
     topo.free()
 
 
-def test_a_mixture_of_experts_model_stays_wide(tmp_path):
+def test_a_mixture_of_experts_model_loads_at_16_bits(tmp_path):
+    """Its router runs in fp32 at 16 bits (model/moe.py), so it decodes like the dense models above (CONFIGS'
+    "moe" runs the cached-decode and tp tests)."""
     cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=1, n_head=2, n_embd=8, moe_experts=2)
     ckpt_io.save(str(tmp_path), 0, GPT(cfg, Topology.serial(), seed=1), None, {"config": cfg.to_dict()})
-    with pytest.raises(UserError, match="mixture-of-experts model runs in fp32 or float64 for now"):
-        load_model(str(tmp_path), MPI.COMM_SELF, "bfloat16")
+    model, _ = load_model(str(tmp_path), MPI.COMM_SELF, "bfloat16")
+    assert model.dtype == BF16 and model.cfg.moe_experts == 2
+    model.topo.free()
 
 
 def test_cupy_runs_16_bit_models_not_yet(tmp_path, monkeypatch):

@@ -41,9 +41,6 @@ def check_format(dtype, cfg: GPTConfig, path: str) -> None:
     if backend.xp() is not numpy:
         raise UserError(f"{path} at {name}: --backend cupy runs fp32 and float64 models for now (CuPy has no "
                         "bfloat16 dtype; fp16 there is not yet tested): pass --precision fp32 (exact from 16 bits)")
-    if cfg.moe_experts:
-        raise UserError(f"{path} at {name}: a mixture-of-experts model runs in fp32 or float64 for now (its router "
-                        "is not yet computed in fp32): pass --precision fp32")
 
 
 def load_model(path: str, comm, dtype: str | None = None):
