@@ -277,7 +277,8 @@ def add_parser(sub) -> None:
                         "activation bytes and the state per parameter at bf16 beside fp32 (explain/precision.py)")
     e.add_argument("--features", type=int, default=8, help="channels C (default 8)")
     e.add_argument("--heads", type=int, default=None,
-                   help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
+                   help="attention heads (default: the fewest, at least 2, that divide C and give every rank one; "
+                        "with --layer cp, where the ranks split the sequence, the fewest, at least 2, dividing C)")
     e.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads H_kv dividing the heads: grouped-query attention, the attention (and "
                         "block) of a Llama model; shows which key/value heads each rank holds, split or "
