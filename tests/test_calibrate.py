@@ -48,7 +48,7 @@ def test_layer_overhead_is_a_time_per_layer():
 
 
 def test_calibrate_writes_a_machine_the_planner_reads(tmp_path):
-    out = tmp_path / "m.json"
+    out = tmp_path / "new" / "m.json"                # a folder that does not exist yet: created (lesson 9's case)
     r = subprocess.run([sys.executable, "-m", "mpi_tp", "calibrate", "--out", str(out), "--name", "ci"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -66,6 +66,17 @@ def test_calibrate_writes_a_machine_the_planner_reads(tmp_path):
     out.write_text(json.dumps(data))
     bad = subprocess.run(plan.args, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "gemm_curve" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("where,says", [("file/m.json", "cannot create the folder"), ("file", "exists already"),
+                                        ("", "is a folder")])
+def test_a_bad_out_is_one_line_before_measuring(tmp_path, where, says):
+    """--out is checked before the measuring (it used to end, after it, in a traceback and MPI_Abort)."""
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "mpi_tp", "calibrate", "--out", str(tmp_path / where)]
+                       + (["--overwrite"] if where == "" else []), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 def test_fit_ring_keeps_the_small_messages():

@@ -162,7 +162,7 @@ def test_narayanan_table1_layouts_and_throughput():
     checked = [r for r in compare() if r["gpus"] >= 1024]
     assert [r["name"] for r in checked] == ["76B", "145B", "310B", "530B", "1T"]
     for r in checked:
-        assert r["rank"] is not None and r["rank"] < 3, r
+        assert r["rank"] is not None and r["rank"] <= 3, r            # among the first three, from 1
         assert r["memory_gb"] <= 80, r
         assert abs(r["error"]) <= 0.10, r
 

@@ -90,6 +90,17 @@ def test_every_choice_can_be_pinned():
     one_line_error(bad, "tp3 pp1 dp1 b1")
 
 
+def test_explain_prints_seconds_and_the_micro_batch_count_apart():
+    """--explain printed the micro-batch count with the step's parts, in seconds ("micro_batches 16 s")."""
+    r = run_plan("--machine", "dgx-a100", "--layers", "24", "--hidden", "1024", "--heads", "16", "--seq", "1024",
+                 "--global-batch", "64", "--explain", "tp2 pp2 dp2 b2")
+    assert r.returncode == 0, r.stderr
+    assert "  micro_batches 16 per replica and step\n" in r.stdout, r.stdout           # 64 / (dp 2 x b 2)
+    parts = [line.split() for line in r.stdout.splitlines()[1:] if line.startswith("  ") and "memory" not in line
+             and "micro_batches" not in line and "stay" not in line]
+    assert parts and all(len(p) == 3 and p[2] == "s" and float(p[1]) >= 0 for p in parts), r.stdout
+
+
 def test_uneven_stages_are_searched():
     """A 70-layer model on 384 GPUs (48 DGX A100 nodes): its published layout, 4 x 12 x 8, is a candidate."""
     w = Workload(n_layer=70, n_embd=14336, n_head=112, seq=2048, global_batch=2048, vocab=250880)

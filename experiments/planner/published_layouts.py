@@ -10,7 +10,7 @@ published layout (full recomputation, no sequence parallelism or ZeRO, as in
 2021) and its teraFLOP/s per GPU, counted as the paper counts them (eq. 3: the
 recomputed forward included); and `plan` ranks every layout of that many GPUs:
 "rank" is the place of the published (t, p) among the distinct (t, p) pairs,
-each at its best predicted time (0: the planner's first choice).
+each at its best predicted time (1: the planner's first choice, as `mpi-tp plan` numbers its rows).
 """
 import json
 import os
@@ -63,7 +63,7 @@ def compare(m=PRESETS["dgx-a100"], rank_layouts=True, path=TABLE, even_stages=Tr
                 if pair not in pairs:
                     pairs.append(pair)
             r["planner_pairs"] = pairs[:5]
-            r["rank"] = pairs.index((lay.tp, lay.pp)) if (lay.tp, lay.pp) in pairs else None
+            r["rank"] = pairs.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in pairs else None
         out.append(r)
     return out
 

@@ -152,6 +152,9 @@ def parse_layout(text: str, ranks: int) -> Plan:
     return lay
 
 
+COUNTS = ("total", "micro_batches")       # step_time's entries that are not a part of the step in seconds
+
+
 def explain_one(m, w: Workload, lay: Plan, result: dict) -> str:
     """One layout's terms: its row, each part of the step, memory, links, and where it ranks."""
     r = price(m, w, lay)
@@ -162,7 +165,8 @@ def explain_one(m, w: Workload, lay: Plan, result: dict) -> str:
     lines = [f"{lay.describe()}: {t['total']:.4g} s per step, {size_text(mem['total'])} per rank "
              f"({'fits' if r['fits'] else 'over'} {m.mem_bytes / 1e9:.0f} GB); {where}; "
              f"{r['achieved']['flops_per_rank'] / 1e12:.1f} TFLOP/s per rank"]
-    lines += [f"  {k:<13} {v:.4g} s" for k, v in t.items() if isinstance(v, float | int) and k != "total"]
+    lines += [f"  {k:<13} {v:.4g} s" for k, v in t.items() if isinstance(v, float | int) and k not in COUNTS]
+    lines.append(f"  {'micro_batches':<13} {t['micro_batches']:g} per replica and step")   # a count, not seconds
     lines += [f"  memory {k:<10} {size_text(v)}" for k, v in mem.items() if k != "total"]
     lines.append("  " + links_text(t, lay))
     return "\n".join(lines)

@@ -33,7 +33,7 @@ from dataclasses import replace
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.core.errors import refuse_to_replace
+from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.mpi_library import library_version
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.model.config import GPTConfig
@@ -260,9 +260,26 @@ def summary(m: Machine, T: int) -> str:
     return "\n".join(lines)
 
 
+def prepare_out(path: str, overwrite: bool) -> None:
+    """Make sure the measurement can be written before measuring (rank 0): an existing file only with
+    --overwrite, never a folder; a missing parent folder is created, as `train --out` creates its own."""
+    refuse_to_replace(path, overwrite, "calibrate --out")
+    if os.path.isdir(path):
+        raise UserError(f"calibrate --out {path} is a folder: name a file, e.g. --out {os.path.join(path, 'machine.json')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"calibrate --out {path}: cannot create the folder {folder} ({e.strerror}): "
+                        "choose a path in a folder you can write") from None
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"calibrate --out {path}: the folder {folder} is not writable: choose a path in a folder "
+                        "you can write")
+
+
 def cmd_calibrate(args, comm) -> int:
-    collective_setup(lambda: refuse_to_replace(args.out, args.overwrite, "calibrate --out")
-                     if comm.Get_rank() == 0 else None, comm=comm)      # before minutes of measuring
+    collective_setup(lambda: prepare_out(args.out, args.overwrite)
+                     if comm.Get_rank() == 0 else None, comm=comm)      # before the measuring
     m = calibrate(comm, args.name)
     if comm.Get_rank() == 0:
         m.save(args.out)

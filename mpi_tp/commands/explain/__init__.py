@@ -7,6 +7,7 @@ against its serial self, one module per subject.
     pipeline.py   the pipeline schedules, drawn from the run's own timestamps
     moe.py        a mixture-of-experts layer at ep = world size
     precision.py  a block's activation bytes and 16 bytes per parameter at bf16 beside fp32
+    ring.py       context parallelism: ring attention at cp = world size, its causal grid, work and bytes
     common.py     the wire-byte closed forms and the collective lines every lesson prints
 """
 from mpi_tp.commands.explain.layers import add_parser, cmd_explain

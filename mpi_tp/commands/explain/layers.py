@@ -213,6 +213,12 @@ def memory_line(p: dict, T: int, kept: tuple, kept_plain: tuple) -> str:
 
 def run(args, comm) -> bool:
     """Print the lesson of each requested layer from rank 0; True when every check passed."""
+    if args.layer == "cp":                            # before the default --seq: its own is 4N
+        from mpi_tp.commands.explain.ring import lesson as ring_lesson
+        collective_setup(explain_step.refuse_step_options, args, comm=comm)
+        return ring_lesson(args, comm)
+    if args.seq is None:
+        args.seq = 4
     if args.layer == "step":
         return explain_step.lesson(args, comm)
     collective_setup(explain_step.refuse_step_options, args, comm=comm)
@@ -222,9 +228,6 @@ def run(args, comm) -> bool:
         return pipeline_lesson(comm, args.micro_batches)
     if args.layer == "moe":
         return explain_moe.lesson(args, comm)
-    if args.layer == "cp":
-        from mpi_tp.commands.explain.ring import lesson as ring_lesson
-        return ring_lesson(args, comm)
     if args.layer == "precision":
         from mpi_tp.commands.explain.precision import lesson as precision_lesson
         return precision_lesson(args, comm)
@@ -274,13 +277,14 @@ def add_parser(sub) -> None:
                         "activation bytes and the state per parameter at bf16 beside fp32 (explain/precision.py)")
     e.add_argument("--features", type=int, default=8, help="channels C (default 8)")
     e.add_argument("--heads", type=int, default=None,
-                   help="attention heads (default: the fewest, at least 2, that divide C and give every rank one)")
+                   help="attention heads (default: the fewest, at least 2, that divide C and give every rank one; "
+                        "with --layer cp, where the ranks split the sequence, the fewest, at least 2, dividing C)")
     e.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads H_kv dividing the heads: grouped-query attention, the attention (and "
                         "block) of a Llama model; shows which key/value heads each rank holds, split or "
                         "replicated (default: none, GPT-2's multi-head attention)")
     e.add_argument("--batch", type=int, default=2, help="batch B (default 2)")
-    e.add_argument("--seq", type=int, default=4, help="sequence length S (default 4)")
+    e.add_argument("--seq", type=int, default=None, help="sequence length S (default 4; with --layer cp 4N)")
     e.add_argument("--sequence-parallel", action="store_true", help="split the activations along the sequence")
     e.add_argument("--micro-batches", type=int, default=None,
                    help="with --layer pipeline: micro-batches per step (default 2 P); with --layer step: per "

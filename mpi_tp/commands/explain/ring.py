@@ -1,15 +1,20 @@
 """`mpi-tp explain --layer cp`: a live lesson in context parallelism, the ring attention of N = world size ranks.
 
     mpiexec -n 2 mpi-tp explain --layer cp                  # S = 4N positions, two chunks per rank
-    mpiexec -n 4 mpi-tp explain --layer cp --seq 11         # uneven chunks
+    mpiexec -n 3 mpi-tp explain --layer cp --seq 12         # 2N divides S: equal work at every step
+    mpiexec -n 2 mpi-tp explain --layer cp --heads 4 --kv-heads 2    # grouped-query attention
 
 Every rank holds two chunks of the sequence (chunk r and chunk 2N - 1 - r: mpi_tp.parallel.context_parallel)
-and runs one causal attention (float64, random q, k, v of B sequences, H heads) as ring attention. Rank 0
-draws the causal (query, key) grid with, at each entry, the ring step at which the rank holding that query
-computes it (rows grouped by rank), the entries each rank computes at each step beside what a plain split
-into N runs would give (the idle ranks it leaves), and the ring's messages counted on the group "cp" beside
-the closed form: N - 1 sends of K and V forward, N - 1 of K and V and N of dK and dV backward, each
-2 B H S_r hs values. The output and the gradients are checked against the serial attention kernel.
+and runs one causal attention (float64, random q of B sequences and H heads of hs = C / H, k and v of H_kv
+heads, each shared by H / H_kv query heads) as ring attention. Rank 0 draws the causal (query, key) grid
+with, at each entry, the ring step at which the rank holding that query computes it (rows grouped by rank),
+the entries each rank computes at each step beside what a plain split into N runs would give (the idle
+ranks it leaves), and the ring's messages counted on the group "cp" beside the closed form: N - 1 sends
+of K and V forward, N - 1 of K and V and N of dK and dV backward, each 2 B H_kv S_r hs values. The output
+and the gradients are checked against the serial attention kernel.
+
+It takes --batch, --features, --heads, --kv-heads and --seq (default 4N); an option of the other lessons,
+or a sequence shorter than the 2N chunks, is refused in one line (plan).
 """
 from __future__ import annotations
 
@@ -17,11 +22,17 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import kernels as kern
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.runtime import collective_setup
+from mpi_tp.model.config import fewest_heads
 from mpi_tp.parallel.context_parallel import ContextSplit
 from mpi_tp.parallel.ring_attention import blocks, ring_backward, ring_forward
 from mpi_tp.parallel.topology import Topology
 
-B, H, HS = 2, 2, 4
+# the options of the other lessons (flag, attribute, its value when not given): refused here
+OTHER_LESSONS = (("--sequence-parallel", "sequence_parallel", False), ("--micro-batches", "micro_batches", None),
+                 ("--vocab", "vocab", None), ("--moe-experts", "moe_experts", None), ("--moe-top-k", "moe_top_k", 2),
+                 ("--moe-capacity", "moe_capacity", 1.0), ("--tp", "tp", None))
 MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
@@ -58,27 +69,54 @@ def _plain_work(N: int, S: int) -> list[list[int]]:
     return [[sizes[r] * sizes[(r - s) % N] if (r - s) % N <= r else 0 for s in range(N)] for r in range(N)]
 
 
+def plan(args, N: int) -> dict:
+    """The lesson's sizes from the options, checked (a UserError says what to change): B, S, H, H_kv, hs."""
+    for flag, name, absent in OTHER_LESSONS:
+        if getattr(args, name, absent) != absent:
+            raise UserError(f"{flag} does not apply to --layer cp (ring attention at cp = world size), which takes "
+                            "--batch, --features, --heads, --kv-heads and --seq: drop it")
+    B, C = args.batch, args.features
+    S = 4 * N if args.seq is None else args.seq
+    for flag, v in (("--features", C), ("--batch", B), ("--seq", S)):
+        if v < 1:
+            raise UserError(f"{flag} must be a positive integer, got {v}")
+    if S < 2 * N:
+        raise UserError(f"--seq {S} cannot be cut into 2N = {2 * N} chunks, two per rank: use --seq {2 * N} or more "
+                        f"(the default is 4N = {4 * N}), or fewer ranks")
+    H = fewest_heads(C, 1) if args.heads is None else args.heads
+    if H < 1 or C % H:
+        raise UserError(f"--heads {H} must divide --features {C} (the head size is C / H)")
+    H_kv = H if args.kv_heads is None else args.kv_heads
+    if H_kv < 1 or H % H_kv:
+        raise UserError(f"--kv-heads {H_kv} must divide the {H} heads (each key/value head serves H / H_kv of them)")
+    return {"B": B, "S": S, "H": H, "H_kv": H_kv, "hs": C // H}
+
+
 def lesson(args, comm) -> bool:
     N = comm.Get_size()
-    S = args.seq if args.seq >= 2 * N else 4 * N
+    p = collective_setup(plan, args, N, comm=comm)
+    B, S, H, H_kv, HS = p["B"], p["S"], p["H"], p["H_kv"], p["hs"]
     topo = Topology.create(comm, tp=1, cp=N)
     split = ContextSplit(topo.cp, S)
     rng = numpy.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal((B, H, S, HS)) for _ in range(4))
+    # grouped: q (B, H_kv, H / H_kv, S, hs), k and v (B, H_kv, 1, S, hs), broadcast over the query heads they serve
+    q, dout = (rng.standard_normal((B, H_kv, H // H_kv, S, HS)) for _ in range(2))
+    k, v = (rng.standard_normal((B, H_kv, 1, S, HS)) for _ in range(2))
     ref, cache = kern.attention_forward(q, k, v)
     dq, dk, dv = kern.attention_backward(dout, cache)
-    mine = split.take
+    mine = split.take                                    # this rank's positions: axis 3
     topo.stats.reset()
-    out, c = ring_forward(mine(q, 2), mine(k, 2), mine(v, 2), split)
+    out, c = ring_forward(mine(q, 3), mine(k, 3), mine(v, 3), split)
     forward = topo.stats.snapshot()
-    got = ring_backward(mine(dout, 2), c)
+    got = ring_backward(mine(dout, 3), c)
     both = topo.stats.snapshot()
-    err = max(float(numpy.abs(a - mine(b, 2)).max()) for a, b in zip((out, *got), (ref, dq, dk, dv)))
+    err = max(float(numpy.abs(a - mine(b, 3)).max()) for a, b in zip((out, *got), (ref, dq, dk, dv)))
     ok = bool(comm.allreduce(int(err <= 1e-12), op=MPI.MIN))
     sends = comm.gather((forward.get("cp/send", {}).get("calls", 0), both.get("cp/send", {}).get("calls", 0),
                          both.get("cp/send", {}).get("bytes", 0), split.length()), root=0)
     if comm.Get_rank() == 0:
-        print(f"context parallelism over N = {N} ranks (the world), float64: B = {B}, H = {H} heads of hs = {HS}, "
+        kv = f", H_kv = {H_kv} key/value heads (each serves {H // H_kv})" if H_kv != H else ""
+        print(f"context parallelism over N = {N} ranks (the world), float64: B = {B}, H = {H} heads of hs = {HS}{kv}, "
               f"S = {S} positions in 2N = {2 * N} chunks of {split.sizes}")
         for r in range(N):
             pos = split.positions_of(r).tolist()
@@ -95,14 +133,14 @@ def lesson(args, comm) -> bool:
         flat = sum(max(w[s] for w in plain) for s in range(N))
         print(f"  busiest-rank total: two ends {ring}, plain split {flat} (every score once: {S * (S + 1) // 2}; "
               f"ideal per rank {S * (S + 1) / 2 / N:.1f})")
-        print("\nmessages of one layer (counted on the group cp; a message: K and V, or dK and dV, 2 B H S_r hs "
+        print("\nmessages of one layer (counted on the group cp; a message: K and V, or dK and dV, 2 B H_kv S_r hs "
               "float64 values):")
-        unit = 2 * B * H * HS * 8                         # bytes of K and V (or dK and dV) per position held
+        unit = 2 * B * H_kv * HS * 8                        # bytes of K and V (or dK and dV) per position held
         for r, (f, total, nbytes, length) in enumerate(sends):
             held = [split.length((r - s) % N) for s in range(N)]           # the block held at step s
-            closed = unit * (2 * sum(held[:N - 1]) + S)
-            print(f"  rank {r}: {f} sends forward (N - 1 = {N - 1}), {total} in all (3N - 2 = {3 * N - 2}); "
-                  f"{nbytes} bytes, closed form 2 B H hs 8 (2 sum_(s<N-1) S_(r-s) + S) = {closed}: "
+            closed = unit * (2 * sum(held[:N - 1]) + S) if N > 1 else 0     # one rank: the ring sends nothing
+            print(f"  rank {r}: {f} sends forward (N - 1 = {N - 1}), {total} in all (3N - 2 = {3 * N - 2}{', none on one rank' if N == 1 else ''}); "
+                  f"{nbytes} bytes, closed form 2 B H_kv hs 8 (2 sum_(s<N-1) S_(r-s) + S) = {closed}: "
                   f"{'equal' if nbytes == closed else 'DIFFERENT'}")
             ok &= nbytes == closed
         print(f"\noutput, dq, dk, dv against the serial attention: max |difference| {err:.2e}: "
