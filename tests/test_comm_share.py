@@ -72,20 +72,21 @@ def test_comm_seconds_of_a_step_are_at_most_the_step(trained, layout):
 @pytest.mark.launcher
 @pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "pp2-1f1b"])
 def test_run_json_keeps_the_steps_traffic_apart(trained, layout):
-    """run.json's communication by phase: the training steps' calls and bytes of a 4-step run are twice a
-    2-step run's (dense: every step moves the same); evaluations (every 2 steps) and checkpoint saves (every
-    2 steps, the last step's included) land in their own parts, twice as many too; setup's and the log
-    lines' ("other") the same in both."""
-    _, short = trained(layout, 2)
-    _, run = trained(layout)
-    assert set(run["communication"]) == PHASES | {"steps_run"}
-    assert (short["communication"]["steps_run"], run["communication"]["steps_run"]) == (2, 4)
+    """run.json's communication by phase: the training steps' calls and bytes of a 4-step run are 4 times a
+    1-step run's (dense: every step moves the same); evaluations (every 2 steps) and checkpoint saves (every
+    2 steps, the last step's included) land in their own parts, twice as many in 4 steps as in 2; setup's
+    and the log lines' ("other") the same in every run."""
+    runs = {n: trained(layout, n)[1]["communication"] for n in (1, 2, STEPS)}
+    run = runs[STEPS]
+    assert set(run) == PHASES | {"steps_run"}
+    assert [runs[n]["steps_run"] for n in (1, 2, STEPS)] == [1, 2, STEPS]
 
-    def counts(r, phase):
-        return {k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in r["communication"][phase].items()}
-    for phase in ("train_steps", "evaluation", "checkpoints"):
-        assert counts(run, phase) == {k: tuple(2 * n for n in v) for k, v in counts(short, phase).items()}, phase
-    assert counts(run, "other") == counts(short, "other")
+    def counts(c, phase, times=1):
+        return {k: (times * v["calls"], times * v["bytes"], times * v["wire_bytes"]) for k, v in c[phase].items()}
+    assert counts(run, "train_steps") == counts(runs[1], "train_steps", STEPS)
+    for phase in ("evaluation", "checkpoints"):
+        assert counts(run, phase) == counts(runs[2], phase, 2), phase
+    assert counts(run, "other") == counts(runs[2], "other") == counts(runs[1], "other")
     assert counts(run, "train_steps"), "no step traffic counted"
     if layout == "dp2-zero1":
         # ZeRO-1's checkpoint gathers every rank's optimizer share: in "checkpoints", not in the steps
