@@ -44,7 +44,7 @@ def test_train_end_to_end(tmp_path):
     # frequencies (the unigram entropy) fails
     assert run["final_val_loss"] < run["unigram_entropy"] - 0.2, (run["final_val_loss"], run["unigram_entropy"])
     assert json.loads((out / "config.json").read_text())["n_head"] == 3
-    assert run["communication"]["tp/all_reduce"]["calls"] > 0
+    assert run["communication"]["train_steps"]["tp/all_reduce"]["calls"] > 0
     assert run["environment"]["gemm"] in ("mkl", "numpy")             # what multiplied, what kept memory
     assert ("mpi-tp" in run["environment"]["malloc"] or os.environ.get("MPI_TP_MALLOC") == "system"
             or any(k.startswith("MALLOC_") for k in os.environ))

@@ -6,6 +6,7 @@ Used by mpi_tp.parallel.collectives.Group only: a layer never sees these.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from mpi_tp.core import backend
 from mpi_tp.core.precision import is_bf16
@@ -50,6 +51,9 @@ class Pending:
     never blocks the host (it starts MPI only when the copy is done, and a finished operation's copy
     back goes on the copy stream), so that calling it inside the backward pass (the data-parallel
     buckets) keeps the GPU busy; wait() blocks.
+
+    Seconds counted (record: (stats, key, t0)): the time inside the start, test(), wait() and cancel()
+    only, what the rank was held (CommStats.blocked); the trace shows the whole flight, t0 to completion.
     """
 
     def __init__(self, request, x, buf, record, result: bool = True, then=None, send=None, start=None,
@@ -58,7 +62,11 @@ class Pending:
         self.result, self._then, self.value, self._send = result, then, x, send
         self._start, self._ready, self.finished = start, ready, request is None and start is None
         if start is not None and ready is None:
-            self._begin()
+            with self._blocked():
+                self._begin()
+
+    def _blocked(self):
+        return nullcontext() if self._record is None else self._record[0].blocked(self._record[1])
 
     def _begin(self) -> None:
         self.request, self._start = self._start(), None
@@ -68,29 +76,33 @@ class Pending:
         but with the copy back to the device left on the copy stream)."""
         if self.finished:
             return True
-        if self._start is not None:
-            if not self._ready.done:
-                return False
-            self._begin()
-        if self.request.Test():
-            self._done(blocking=False)
+        if self._start is not None and not self._ready.done:
+            return False
+        with self._blocked():
+            if self._start is not None:
+                self._begin()
+            if self.request.Test():
+                self._done(blocking=False)
         return self.finished
 
     def wait(self):
         if not self.finished:
             if self._start is not None:
-                self._ready.synchronize()
-                self._begin()
-            self.request.Wait()
-            self._done(blocking=True)
+                self._ready.synchronize()       # the device's copy: not communication yet
+            with self._blocked():
+                if self._start is not None:
+                    self._begin()
+                self.request.Wait()
+                self._done(blocking=True)
         return self.value
 
     def cancel(self) -> None:
         """Withdraw a receive that is no longer wanted (a pipeline run that failed part-way), so that it
         cannot match a later message; completes the request whether or not a message had arrived."""
         if not self.finished and self.request is not None:
-            self.request.Cancel()
-            self.request.Wait()
+            with self._blocked():
+                self.request.Cancel()
+                self.request.Wait()
             backend.stager().give_back(self.x, self.buf, copy=False)
             if self._send is not None:
                 backend.stager().give_back(*self._send, copy=False)
@@ -104,8 +116,7 @@ class Pending:
             self.value = self._then(self.x)
         stats, key, t0 = self._record
         now = time.perf_counter()
-        stats.seconds[key] += now - t0                           # from start to completion
-        if stats.trace is not None:
+        if stats.trace is not None:                              # the flight, from start to completion
             stats.trace.complete(key, "comm", t0, now, bytes=int(self.x.nbytes))
         self.finished = True
 

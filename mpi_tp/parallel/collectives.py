@@ -8,7 +8,8 @@ sequence-parallel forms in `sequence_parallel`) are what layers call.
 All transfers use mpi4py's buffer (uppercase) methods on contiguous arrays,
 so nothing is pickled (the buffers and the started operations: `buffers`). Device (CuPy) arrays go to MPI directly or through
 pooled pinned host buffers (mpi_tp.core.gpu.Stager). Each call is recorded in `CommStats` (calls, bytes,
-wire bytes, seconds per group and kind); one-rank groups return before any MPI call and
+wire bytes, seconds per group and kind: the seconds the rank was held in the calls, a non-blocking
+operation's start, tests and wait, not its flight); one-rank groups return before any MPI call and
 record nothing, since nothing is communicated.
 
 What the counters mean (buffer bytes, wire bytes): mpi_tp.parallel.comm_stats.
@@ -86,7 +87,7 @@ class Group:
         buf = backend.stager().lend(x)
         t0 = time.perf_counter()
         req = self.comm.Isend(wire(buf), dest=dest, tag=tag)
-        self.stats.record(f"{self.name}/send", x.nbytes, 0.0, float(x.nbytes), timed=False)
+        self.stats.record(f"{self.name}/send", x.nbytes, time.perf_counter() - t0, float(x.nbytes), timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/send", t0), result=False)
 
     def irecv(self, x, source: int, tag: int) -> "Pending":
@@ -96,7 +97,7 @@ class Group:
         buf = backend.stager().lend(x, copy=False)
         t0 = time.perf_counter()
         req = self.comm.Irecv(wire(buf), source=source, tag=tag)
-        self.stats.record(f"{self.name}/recv", x.nbytes, 0.0, timed=False)
+        self.stats.record(f"{self.name}/recv", x.nbytes, time.perf_counter() - t0, timed=False)
         return Pending(req, x, buf, (self.stats, f"{self.name}/recv", t0))
 
     def _gather_plan(self, x, sizes: list[int], axis: int, what: str):
@@ -133,7 +134,7 @@ class Group:
         t0 = time.perf_counter()
         req = self.comm.Iallgatherv(wire(send), [wire(recv), (counts, displs)])
         key = f"{self.name}/{kind}"
-        self.stats.record(key, out.nbytes, 0.0, self._ring(out.nbytes), timed=False)
+        self.stats.record(key, out.nbytes, time.perf_counter() - t0, self._ring(out.nbytes), timed=False)
         xp = backend.array_module(x)
         return Pending(req, out, recv, (self.stats, key, t0), then=lambda o: axis_back(o, axis, x.ndim, xp),
                        send=(front, send))

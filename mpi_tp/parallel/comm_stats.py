@@ -14,33 +14,44 @@ what one all-reduce moves (docs/notation.md, "Bytes"; docs/costmodel.md
 derives them). An all-to-all (expert parallelism's token exchange) counts, as
 bytes and wire bytes alike, what this rank sends to the other ranks: its
 block for itself stays where it is.
+
+Seconds (`seconds`) are the time this rank was held in communication: inside
+a blocking collective's call, or inside the calls that start, test, wait for
+or cancel a non-blocking operation (not the time it was in flight while the
+rank computed: a pipeline's receive posted early, a data-parallel bucket's
+all-reduce under the backward pass). The intervals never overlap: a wait
+inside another (ring attention's `cp/ring_wait` around its sends' and
+receives' waits) is counted once, by the outer one. So the seconds summed
+over every key are at most the wall time they were counted over, and
+`mpi-tp train`'s `comm` share is at most 100%.
+
+Phases: every count also lands in the phase the run was in (`phase`: the
+training steps, evaluation, checkpoints; "other" outside them: setup, the
+logged steps' reports), so that run.json keeps a step's traffic apart from
+the run's one-time traffic (`phases()`).
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import contextmanager
+
+OTHER = "other"           # the phase of whatever is counted outside a named one
 
 
-class CommStats:
-    """Calls, bytes and seconds of every collective, keyed by "group/kind" (e.g. "tp/all_reduce")."""
+class Counters:
+    """Calls, buffer bytes, wire bytes and seconds, keyed by "group/kind"."""
 
     def __init__(self):
         self.calls = defaultdict(int)
         self.bytes = defaultdict(int)
         self.wire = defaultdict(float)
         self.seconds = defaultdict(float)
-        self.trace = None            # a mpi_tp.parallel.trace.Trace: every call also becomes an event
 
-    def record(self, key: str, nbytes: int, seconds: float, wire: float = 0.0, timed: bool = True) -> None:
-        """Count one call. timed: it has just ended, `seconds` after it began (a non-blocking start
-        is not: its time, and its trace event, come when it completes)."""
+    def add(self, key: str, nbytes: int, wire: float) -> None:
         self.calls[key] += 1
         self.bytes[key] += int(nbytes)
         self.wire[key] += wire
-        self.seconds[key] += seconds
-        if self.trace is not None and timed:
-            now = time.perf_counter()
-            self.trace.complete(key, "comm", now - seconds, now, bytes=int(nbytes))
 
     def reset(self) -> None:
         for d in (self.calls, self.bytes, self.wire, self.seconds):
@@ -56,3 +67,63 @@ class CommStats:
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+
+class CommStats(Counters):
+    """Calls, bytes and seconds of every collective, keyed by "group/kind" (e.g. "tp/all_reduce"), in all
+    and by phase."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = None            # a mpi_tp.parallel.trace.Trace: every call also becomes an event
+        self.phase = OTHER
+        self._phases = defaultdict(Counters)
+        self._depth = 0              # > 0: inside a timed wait, whose time already counts
+
+    def record(self, key: str, nbytes: int, seconds: float, wire: float = 0.0, timed: bool = True) -> None:
+        """Count one call. timed: it has just ended, `seconds` after it began (a non-blocking start
+        is not: its trace event comes when it completes; `seconds` is then the start call's own time)."""
+        self.add(key, nbytes, wire)
+        self._phases[self.phase].add(key, nbytes, wire)
+        self._held(key, seconds)
+        if self.trace is not None and timed:
+            now = time.perf_counter()
+            self.trace.complete(key, "comm", now - seconds, now, bytes=int(nbytes))
+
+    def _held(self, key: str, seconds: float) -> None:
+        if self._depth == 0:         # inside an outer wait, that wait counts the time
+            self.seconds[key] += seconds
+            self._phases[self.phase].seconds[key] += seconds
+
+    @contextmanager
+    def blocked(self, key: str, trace: bool = False):
+        """Count the time inside as held in communication under `key` (a non-blocking operation's test,
+        wait or start; ring attention's wait for a step's messages), once: waits nested inside add none.
+        trace: the interval also becomes a trace event."""
+        t0 = time.perf_counter()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            now = time.perf_counter()
+            self._held(key, now - t0)
+            if trace and self.trace is not None and self._depth == 0:
+                self.trace.complete(key, "comm", t0, now)
+
+    @contextmanager
+    def in_phase(self, name: str):
+        """Count what happens inside as phase `name` (e.g. "train_steps")."""
+        before, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = before
+
+    def phases(self) -> dict:
+        """{phase: snapshot of what was counted in it}; their sum is snapshot()."""
+        return {name: c.snapshot() for name, c in sorted(self._phases.items())}
+
+    def reset(self) -> None:
+        super().reset()
+        self._phases.clear()

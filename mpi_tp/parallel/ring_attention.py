@@ -40,7 +40,6 @@ positions (mpi_tp.model.dropout keys every element by its global position), draw
 from __future__ import annotations
 
 import math
-import time
 
 from mpi_tp.core.backend import array_module
 from mpi_tp.core.kernels_attention import _sum_to, online_block, online_block_backward
@@ -84,12 +83,14 @@ def _around(split, kv, xp, after=None):
 
 
 def _wait(group, pending) -> None:
-    """Wait for a step's messages; the time blocked here is counted (cp/ring_wait)."""
+    """Wait for a step's messages; the time blocked here is counted once, as cp/ring_wait (the sends'
+    and receives' own waits inside add none: CommStats.blocked)."""
     if pending:
-        t0 = time.perf_counter()
-        for req in pending:
-            req.wait()
-        group.stats.record(f"{group.name}/ring_wait", 0, time.perf_counter() - t0)
+        key = f"{group.name}/ring_wait"
+        with group.stats.blocked(key, trace=True):
+            for req in pending:
+                req.wait()
+        group.stats.record(key, 0, 0.0, timed=False)
 
 
 def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):

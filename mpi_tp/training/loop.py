@@ -30,6 +30,7 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.comm_stats import OTHER
 from mpi_tp.parallel.trace import Trace, span
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
@@ -45,6 +46,9 @@ from mpi_tp.training.progress import (
     held_memory,
 )
 from mpi_tp.training.step import train_step
+
+TRAIN_STEPS = "train_steps"
+PHASES = (TRAIN_STEPS, "evaluation", "checkpoints", OTHER)
 
 
 def evaluate(model: GPT, batches) -> float:
@@ -70,7 +74,8 @@ def save(run: Run, step: int, progress: Progress) -> None:
             "data": {"name": run.corpus.name, "sha256": run.corpus.sha256, "position": step,
                      "sampler": "batch(step) is a pure function of (seed, step)"}}
     t = time.perf_counter()
-    path = ckpt_io.save(run.ckpt_root, step, run.model, run.opt, meta, keep=run.cfg.keep, tokenizer=run.tokenizer)
+    with run.topo.stats.in_phase("checkpoints"):
+        path = ckpt_io.save(run.ckpt_root, step, run.model, run.opt, meta, keep=run.cfg.keep, tokenizer=run.tokenizer)
     progress.say(f"saved {path} in {time.perf_counter() - t:.2f} s")
 
 
@@ -119,7 +124,8 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     try:
         for step in range(run.first, cfg.steps + 1):
             lr = lr_at(step - 1, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-            loss, norm, problem = run_step(run, step, lr, meter)
+            with topo.stats.in_phase(TRAIN_STEPS):
+                loss, norm, problem = run_step(run, step, lr, meter)
             if problem is None:
                 skipped = 0
                 losses.append(loss)
@@ -138,7 +144,7 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
                 os.kill(os.getpid(), signal.SIGTERM)
             last = step == cfg.steps
             if step % cfg.eval_every == 0 or last:
-                with span(topo.stats.trace, "evaluate", "compute", step=step):
+                with span(topo.stats.trace, "evaluate", "compute", step=step), topo.stats.in_phase("evaluation"):
                     val_loss = evaluate(model, run.val_batches)
                 progress.log({"step": step, "val_loss": val_loss})
             if problem is None and (step % cfg.log_every == 0 or last):
@@ -163,7 +169,7 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     record.update({"steps": cfg.steps, "first_step": run.first, "final_train_loss": sum(tail) / len(tail),
                    "final_val_loss": val_loss, "unigram_entropy": entropy, "train_seconds": train_s,
                    "tokens_per_s": len(losses) * run.tokens_per_step / train_s,
-                   "communication": topo.stats.snapshot(),
+                   "communication": communication(topo.stats, cfg.steps - run.first + 1),
                    "memory_mib": held_memory(model, run.opt, comm),
                    **({"loss_scale": run.scaler.state()} if run.scaler else {})})
     mem = record["memory_mib"]
@@ -177,6 +183,15 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
         progress.say("--- sample ---\n" + record["sample"] + "\n--------------")
     progress.close(record)
     return record
+
+
+def communication(stats, steps_run: int) -> dict:
+    """run.json's "communication": the counters by phase (README, "run.json"): train_steps, every step this
+    process ran (forward, backward, gradient reductions, the optimizer's gathers): divided by steps_run,
+    one step's; evaluation, checkpoints, and other (setup, the logged steps' reports): once per run or
+    per estimate, save or log line, not per step."""
+    phases = stats.phases()
+    return {"steps_run": steps_run, **{name: phases.get(name, {}) for name in PHASES}}
 
 
 def precision_text(cfg: TrainConfig) -> str:

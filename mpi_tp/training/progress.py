@@ -5,6 +5,11 @@
     run.json         summary: data hash, layout, final losses, timings, communication, memory per
                      rank (held_memory), sample
 
+comm_s (metrics.jsonl, and the progress line's `comm` share of the window's wall time): the
+seconds rank 0 was held in communication since the line before (CommStats: the intervals never
+overlap, so the share is at most 100%). run.json's communication: the counters by phase
+(mpi_tp.training.loop.communication; README, "Training").
+
 A mixture-of-experts run's logged steps also hold (MoEMeter) cross_entropy, aux_loss and
 z_loss, means over the same steps as `loss`, which is the loss trained on and printed:
 cross_entropy + moe_aux_weight * aux_loss + moe_z_weight * z_loss (aux_loss and z_loss
