@@ -46,7 +46,7 @@ from mpi_tp.course import registry
 
 COURSE, EXERCISES = ROOT / "docs" / "course.md", ROOT / "docs" / "exercises.md"
 TOPICS = ["split", "block", "vocabulary", "sequence parallelism", "step", "pipeline", "experts",
-          "inference", "cost model", "scaling", "mixed precision"]
+          "inference", "cost model", "scaling", "mixed precision", "hugging face", "distributed optimizer"]
 TIMEOUT = 300
 EXPECT_FAIL = "# expected to FAIL"
 
