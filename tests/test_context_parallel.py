@@ -63,7 +63,7 @@ def test_ring_attention_equals_the_serial_kernel(world, grouped, dropout):
 @pytest.mark.mpi(min_size=1)
 def test_the_chunks_hold_every_position_once_and_balance_the_work(world):
     """Every position on one rank; at each ring step after the first every rank computes the same number
-    of scores (S a multiple of 2N: chunks alike), where a plain split into N runs would leave rank 0 idle."""
+    of scores (S a multiple of 2Z: chunks alike), where a plain split into Z runs would leave rank 0 idle."""
     from mpi_tp.parallel.ring_attention import blocks
     n = world.Get_size()
     topo = Topology.create(world, tp=1, cp=n)

@@ -1,4 +1,4 @@
-"""`mpi-tp train --cp N` over mpiexec: the serial run's losses and checkpoint, and one line for what cp does
+"""`mpi-tp train --cp Z` over mpiexec: the serial run's losses and checkpoint, and one line for what cp does
 not run."""
 import json
 import os

@@ -268,8 +268,8 @@ def test_receives_posted_ahead_hide_all_but_the_fill_and_the_drain():
 
 
 def test_context_parallelism_priced_and_planned():
-    """cp = N: the ring's 3N - 2 messages of 2 B (S/N) C / T values per layer and micro-batch on the link its
-    T N consecutive ranks cross, compute and activations per rank over S / N, the gradient reduction over N D;
+    """cp = Z: the ring's 3Z - 2 messages of 2 B (S/Z) C / T values per layer and micro-batch on the link its
+    T Z consecutive ranks cross, compute and activations per rank over S / Z, the gradient reduction over Z D;
     and the planner takes cp > 1 for a sequence too long for one rank's memory (from LONG positions on)."""
     from mpi_tp.planning.memory import memory_per_rank
     from mpi_tp.planning.planner import LONG

@@ -2,9 +2,10 @@
 
     python -m pytest tests/test_course.py
 
-- docs/course.md keeps its shape: the eleven lessons in the order of the map
+- docs/course.md keeps its shape: the fourteen lessons in the order of the map
   (split, block, vocabulary, SP, DP, pipeline, experts, inference, cost model,
-  scaling, mixed precision), each with its time, a ```bash block, a figure that exists and a
+  scaling, mixed precision, context parallelism, Hugging Face, distributed
+  optimizer), each with its time, a ```bash block, a figure that exists and a
   question or exercise to check it.
 - Every line of a ```bash block of the two pages runs from the repository root
   and exits 0, except a line marked `# expected to FAIL`: a broken exercise
@@ -46,7 +47,8 @@ from mpi_tp.course import registry
 
 COURSE, EXERCISES = ROOT / "docs" / "course.md", ROOT / "docs" / "exercises.md"
 TOPICS = ["split", "block", "vocabulary", "sequence parallelism", "step", "pipeline", "experts",
-          "inference", "cost model", "scaling", "mixed precision", "context parallelism"]
+          "inference", "cost model", "scaling", "mixed precision", "context parallelism", "hugging face",
+          "distributed optimizer"]
 TIMEOUT = 300
 EXPECT_FAIL = "# expected to FAIL"
 

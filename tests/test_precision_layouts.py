@@ -9,8 +9,8 @@ The bounds, with u = 2^-8 (bf16's unit roundoff):
   bf16 output that D = rowsum(dout * out) reads) rounded once: bit for bit. The K/V blocks travel in
   bf16 and are widened exactly; every score, statistic and sum is the fp32 ring's arithmetic in its order.
 - Its dk and dv: the partial sums travel in bf16, rounded once per hop. With c_j rank j's queries'
-  contribution, every partial sum is at most sum_j |c_j| in size, so after N hops |dk - dk_fp32| <=
-  N u sum_j |c_j| (allowed with 1% and fp32's 2^-20 on top: the two sides' fp32 additions differ too).
+  contribution, every partial sum is at most sum_j |c_j| in size, so after Z hops |dk - dk_fp32| <=
+  Z u sum_j |c_j| (allowed with 1% and fp32's 2^-20 on top: the two sides' fp32 additions differ too).
 - The MoE router: its logits, probabilities, choices, gates, aux and z-losses are the fp32 layer's on
   the widened weights and input, bit for bit (nothing of the router is rounded to bf16). The layer's
   output and gradients pass through at most 6 roundings of bf16 (the experts' GEMMs and GELU, the
@@ -231,7 +231,7 @@ def standin(monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_float16_runs_on_the_standin_with_the_numpy_paths_numbers(world, standin):
-    """A float16 GPT (at 1 rank with experts, gpt2 and llama; at N ranks ring attention over cp = N): the
+    """A float16 GPT (at 1 rank with experts, gpt2 and llama; at Z ranks ring attention over cp = Z): the
     loss and every gradient on the stand-in equal NumPy's bit for bit."""
     n = world.Get_size()
     x, y = (np.random.default_rng([10, i]).integers(0, 37, (2, 8)) for i in range(2))

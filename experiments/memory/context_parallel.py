@@ -9,7 +9,7 @@ A GPT of C 128, 4 heads, 2 blocks, vocabulary 256, batch 1, float32, no dropout,
 reducer's gradient all-reduce over cp; no optimizer): the median step time (the slowest rank's), the
 activations the blocks keep after a forward (their caches: Block.activation_bytes, the largest rank),
 and the ring's waits (cp/ring_wait: the time a rank sat blocked on the ring's messages). The same
-messages sent alone (the 3N - 2 per layer of ring_attention's closed form, each K and V of this rank's
+messages sent alone (the 3Z - 2 per layer of ring_attention's closed form, each K and V of this rank's
 S_r positions, around the same ring with nothing to compute) give the ring's bare communication time;
 hidden = 1 - waits / bare. A budget of 1 GiB of activations per rank stands in for a device's memory:
 at cp 1 the sizes past it are not run (the formula's bytes are recorded as "does not fit"). cp 4 runs
@@ -117,7 +117,7 @@ def _without_ring_messages(comm, topo, model, reducer, x, steps=3) -> float:
 
 
 def _bare_ring(topo, split, N, repeats=3) -> float:
-    """Seconds per step of the ring's messages alone: 3N - 2 hops per layer of this rank's K and V."""
+    """Seconds per step of the ring's messages alone: 3Z - 2 hops per layer of this rank's K and V."""
     from mpi4py import MPI
     group, r = topo.cp, topo.cp.rank
     best = []

@@ -1,19 +1,19 @@
 """Context parallelism: the sequence itself split over the ranks of a cp group, for the whole block.
 
-Legend (docs/notation.md): S = sequence, N = cp (the group's size), r = this rank's place in it.
+Legend (docs/notation.md): S = sequence, Z = the cp group's size, r = this rank's place in it.
 
 Sequence parallelism splits the positions only between the tensor-parallel regions, and attention
-still sees the whole sequence. Context parallelism splits them everywhere: each rank holds S / N
+still sees the whole sequence. Context parallelism splits them everywhere: each rank holds S / Z
 positions of every sequence from the embedding to the loss, and holds every weight (whole, or its
 tensor-parallel shard), so the weights' gradients are summed over cp as over dp (the gradient
 reducer's group is cp x dp: Topology.dpcp). Every layer but attention acts on each position alone
 and runs unchanged on a rank's positions; attention needs every earlier position's keys and values,
 which travel around the ring of the cp ranks (mpi_tp.parallel.ring_attention).
 
-Which positions: the sequence is cut into 2N chunks (sizes differ by at most one: S need not divide),
-and rank r holds chunks r and 2N - 1 - r, one from each end:
+Which positions: the sequence is cut into 2Z chunks (sizes differ by at most one: S need not divide),
+and rank r holds chunks r and 2Z - 1 - r, one from each end:
 
-    N = 2, S = 8:   chunks  [0 1][2 3][4 5][6 7]     rank 0: chunks 0, 3 = positions 0 1 6 7
+    Z = 2, S = 8:   chunks  [0 1][2 3][4 5][6 7]     rank 0: chunks 0, 3 = positions 0 1 6 7
                                                      rank 1: chunks 1, 2 = positions 2 3 4 5
 
 Why both ends: under the causal mask a query sees only earlier keys. With a plain split (rank r the
@@ -26,7 +26,7 @@ second chunk sees both of that rank's chunks whole (and its first sees neither):
 either way, and a causal pair of half blocks at the step with its own keys.
 
 The embedding and the rotary angles use each position's global index; the loss of a rank is the sum
-over its positions divided by the replica's whole count, times N (so that the reducer's average over
+over its positions divided by the replica's whole count, times Z (so that the reducer's average over
 cp x dp sums over cp and averages over dp), and the reported loss is that sum over cp (one scalar
 all-reduce).
 """
@@ -40,7 +40,7 @@ from mpi_tp.parallel.topology import TopologyError, offsets, split_sizes
 
 
 class ContextSplit:
-    """The cut of one sequence length S over the cp group: 2N chunks, two per rank (frozen: a micro-batch's
+    """The cut of one sequence length S over the cp group: 2Z chunks, two per rank (frozen: a micro-batch's
     pass builds it once, mpi_tp.model.forward_pass)."""
 
     def __init__(self, group: Group, S: int):
@@ -95,5 +95,5 @@ class ContextSplit:
 
 def loss_weight(split: ContextSplit, local: int) -> float:
     """The factor on a rank's mean loss over its `local` positions that makes the reducer's average over
-    cp x dp the whole sequence's mean (see the module docstring): N local / S."""
+    cp x dp the whole sequence's mean (see the module docstring): Z local / S."""
     return split.group.size * local / split.S

@@ -1,9 +1,9 @@
 """Ring attention: causal attention over a sequence split by context parallelism (mpi_tp.parallel.context_parallel).
 
-Legend (docs/notation.md): N = cp ranks, r = this rank, S_r its positions (two chunks), hs head size.
+Legend (docs/notation.md): Z = cp ranks, r = this rank, S_r its positions (two chunks), hs head size.
 
-Each rank keeps its queries; the keys and values travel. At step s = 0 ... N-1 rank r holds the keys
-and values of rank r - s (mod N): it starts sending them on to rank r + 1 and receiving the next
+Each rank keeps its queries; the keys and values travel. At step s = 0 ... Z-1 rank r holds the keys
+and values of rank r - s (mod Z): it starts sending them on to rank r + 1 and receiving the next
 ones from rank r - 1 (Isend / Irecv), then computes the attention of its queries against the block it
 holds while the next one is in flight. A query's softmax is over every key it sees, in blocks that
 arrive one by one, so each block's scores are merged into a running maximum m, sum l and output o
@@ -19,9 +19,9 @@ chunk is skipped, the same chunk is causal (the triangle), an earlier one is who
 Backward (FlashAttention's, block by block): p = e^(s - lse) again from q, k and lse (no (S, S) array
 is kept), D = rowsum(dout * out), ds = p (dp - D). The keys and values go around the ring once more,
 now with their gradients dK and dV beside them: each rank adds its queries' contributions to the
-block it holds and passes block and gradients on, and after the N-th hop the gradients are back with
-the rank that owns them. Messages per layer and rank (counted on the group "cp"): forward N - 1
-sends of K and V; backward N - 1 of K and V and N of dK and dV, each 2 B H_kv S_r hs values
+block it holds and passes block and gradients on, and after the Z-th hop the gradients are back with
+the rank that owns them. Messages per layer and rank (counted on the group "cp"): forward Z - 1
+sends of K and V; backward Z - 1 of K and V and Z of dK and dV, each 2 B H_kv S_r hs values
 (tests/test_context_parallel.py checks the counts against this closed form). The time a rank spends
 blocked in the waits is counted as "cp/ring_wait" (what the overlap did not hide).
 
@@ -31,7 +31,7 @@ block is widened on arrival (exact) and its scores, the running m, l and o and t
 output is rounded once, at the end. The backward keeps that 16-bit output and the fp32 lse (FlashAttention
 2's cache: D = rowsum(dout * out) from the stored output, in fp32), accumulates dq and each hop's dK, dV in
 fp32 and rounds dq once; dK and dV travel in the 16-bit format, so the partial sums are rounded once per
-hop: N roundings of a sum of N ranks' contributions (within N u sum_j |c_j|, u the format's unit
+hop: Z roundings of a sum of Z ranks' contributions (within Z u sum_j |c_j|, u the format's unit
 roundoff: tests/test_precision_layouts.py), the price of half the bytes on the ring.
 
 Dropout: a block's mask is the part of the serial model's (B, H, S, S) mask at its (query, key)
@@ -137,5 +137,5 @@ def ring_backward(dout, cache):
         for rows, cols, diag in blocks(split, src):
             online_block_backward(qs, q_c, kv_c[0], kv_c[1], rows, cols, diag, lse, D, dout_c, dq, dkv[0], dkv[1],
                                   None if mask_of is None else mask_of(src, rows, cols), drop_scale)
-    dkv = stored(grads["held"], k.dtype)                       # this rank's own, home after the N-th hop
+    dkv = stored(grads["held"], k.dtype)                       # this rank's own, home after the Z-th hop
     return stored(dq, q.dtype), _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)

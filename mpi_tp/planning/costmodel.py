@@ -22,13 +22,13 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  combine, forward and backward) over the ep group, each sending k B S C values x
                  (ep - 1)/ep from a rank (tp ranks send their own copies), ep - 1 steps of alpha;
                  an expert's gradients are reduced over the dp / ep replicas holding it
-    context par. (cp = N > 1) each rank computes S / N positions (the GEMMs, the attention's
-                 S^2 / N score entries, the elementwise work and the tensor-parallel messages all
-                 shrink by N) and its ring passes 3N - 2 messages of K and V per layer and micro-
-                 batch, 2 B (S / N) C / T values each (mpi_tp.parallel.ring_attention): the forward's
-                 and the backward's N - 1 K/V messages hide behind the block computed meanwhile
-                 (pp_overlap of them), the backward's N dK/dV messages do not; the gradient
-                 reduction runs over N D ranks (the cp and dp ranks hold the same weights)
+    context par. (cp = Z > 1) each rank computes S / Z positions (the GEMMs, the attention's
+                 S^2 / Z score entries, the elementwise work and the tensor-parallel messages all
+                 shrink by Z) and its ring passes 3Z - 2 messages of K and V per layer and micro-
+                 batch, 2 B (S / Z) C / T values each (mpi_tp.parallel.ring_attention): the forward's
+                 and the backward's Z - 1 K/V messages hide behind the block computed meanwhile
+                 (pp_overlap of them), the backward's Z dK/dV messages do not; the gradient
+                 reduction runs over Z D ranks (the cp and dp ranks hold the same weights)
     data par.    one all-reduce of the rank's gradients (params / (T P) values) over D; the
                  engine starts it during the last micro-batch's backward pass, which hides
                  dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides).
@@ -197,7 +197,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         rows = w.top_k * b * s * h * m.bytes_per_value * (lay.ep - 1) / lay.ep
         ep_comm = micro * moe * 4 * ((lay.ep - 1) * ea + rows / ebw)
     cp_comm = 0.0
-    if c > 1:                       # the ring: 3N - 2 messages of K and V (or their gradients) per layer
+    if c > 1:                       # the ring: 3Z - 2 messages of K and V (or their gradients) per layer
         ca, cbw = _link(links["cp"], m)
         kv = 2 * b * s * h / t * m.bytes_per_value
         cp_comm = micro * layers * ((3 * c - 2) * ca + (2 * (c - 1) * (1 - m.pp_overlap) + c) * kv / cbw)

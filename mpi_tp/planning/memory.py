@@ -14,9 +14,9 @@ code's count (values at the bytes per value, statistics fp32, 1-byte dropout mas
 et al.'s for Megatron-style training (mpi_tp.planning.activations), times the
 micro-batches in flight (at most P under 1F1B on the first stage, which holds
 the most); with recomputation only each layer's input and one layer's full
-activations. Context parallelism (cp = N) leaves S / N positions on a rank,
+activations. Context parallelism (cp = Z) leaves S / Z positions on a rank,
 and its ring attention keeps q, k and v but no (S, S) array (the terms of
-selective recomputation at S / N); the optimizer state is shared over N D.
+selective recomputation at S / Z); the optimizer state is shared over Z D.
 """
 from __future__ import annotations
 
