@@ -1,6 +1,6 @@
 """`mpi-tp explain --layer cp` at the world size of the run: every option it takes is honoured (the sizes
 printed, the ring's bytes those of B, H_kv, hs and S, grouped-query attention equal to the serial kernel),
-and every other one, or a sequence it cannot cut into 2N chunks, is one line (MPI tests, 1 to 4 ranks)."""
+and every other one, or a sequence it cannot cut into 2Z chunks, is one line (MPI tests, 1 to 4 ranks)."""
 import argparse
 import re
 
@@ -26,7 +26,7 @@ def ring_bytes(out):
 
 
 def sent(N, S, B, H_kv, hs):
-    """What rank r sends in one layer: N - 1 K/V blocks forward and backward, N dK/dV, 2 B H_kv hs 8 bytes each
+    """What rank r sends in one layer: Z - 1 K/V blocks forward and backward, Z dK/dV, 2 B H_kv hs 8 bytes each
     position of the block held (rank r - s's two chunks at step s)."""
     sizes = split_sizes(S, 2 * N)
     held = [[sizes[(r - s) % N] + sizes[2 * N - 1 - (r - s) % N] for s in range(N)] for r in range(N)]
@@ -58,7 +58,7 @@ def test_the_default_sequence_is_4N(capsys, world):
     status, out = ring(capsys, world)
     assert status == 0
     if world.Get_rank() == 0:
-        assert f"B = 2, H = 2 heads of hs = 4, S = {4 * N} positions in 2N = {2 * N} chunks" in out, out
+        assert f"B = 2, H = 2 heads of hs = 4, S = {4 * N} positions in 2Z = {2 * N} chunks" in out, out
 
 
 @MPI_TEST
@@ -81,6 +81,6 @@ def test_what_it_cannot_do_is_one_line(capsys, world, argv, says):
 @MPI_TEST
 def test_a_sequence_shorter_than_2N_is_refused_not_changed(capsys, world):
     N = world.Get_size()
-    with pytest.raises(UserError, match=rf"--seq {2 * N - 1} cannot be cut into 2N = {2 * N} chunks"):
+    with pytest.raises(UserError, match=rf"--seq {2 * N - 1} cannot be cut into 2Z = {2 * N} chunks"):
         ring(capsys, world, "--seq", str(2 * N - 1))
     assert capsys.readouterr().out == ""

@@ -15,7 +15,7 @@ from mpi_tp.planning.costmodel import Workload
 LEGEND = (
     ("#", "rank of the layout, fastest first (only layouts that fit in memory)"),
     ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
-               "sequences; cpN: N context-parallel ranks (each sequence split over them, ring attention); epN: a "
+               "sequences; cpZ: Z context-parallel ranks (each sequence split over them, ring attention); epN: a "
                "mixture of experts' experts over N of the D replicas; vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
                "+zero1 ZeRO-1; +recompute full activation recomputation")),
     ("step s", "predicted seconds per training step (step ms: milliseconds, when every row is under 0.1 s; "
@@ -25,8 +25,8 @@ LEGEND = (
     ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
                 "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta (+sp: as all-gathers and reduce-scatters, and "
                 "2 more all-gathers of the column layers' inputs)")),
-    ("cp comm", ("context parallelism's ring: 3N - 2 messages of K and V (or their gradients) per layer and "
-                "micro-batch, 2 B (S/N) C / T values each; the machine's pp_overlap of the K/V messages hidden "
+    ("cp comm", ("context parallelism's ring: 3Z - 2 messages of K and V (or their gradients) per layer and "
+                "micro-batch, 2 B (S/Z) C / T values each; the machine's pp_overlap of the K/V messages hidden "
                 "behind the attention computed meanwhile")),
     ("ep comm", ("a mixture of experts' all-to-alls: 4 per MoE block and micro-batch (dispatch and combine, "
                 "forward and backward), each sending k B S C (ep-1)/ep values from a rank")),

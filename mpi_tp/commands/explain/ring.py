@@ -1,20 +1,20 @@
-"""`mpi-tp explain --layer cp`: a live lesson in context parallelism, the ring attention of N = world size ranks.
+"""`mpi-tp explain --layer cp`: a live lesson in context parallelism, the ring attention of Z = world size ranks.
 
-    mpiexec -n 2 mpi-tp explain --layer cp                  # S = 4N positions, two chunks per rank
-    mpiexec -n 3 mpi-tp explain --layer cp --seq 12         # 2N divides S: equal work at every step
+    mpiexec -n 2 mpi-tp explain --layer cp                  # S = 4Z positions, two chunks per rank
+    mpiexec -n 3 mpi-tp explain --layer cp --seq 12         # 2Z divides S: equal work at every step
     mpiexec -n 2 mpi-tp explain --layer cp --heads 4 --kv-heads 2    # grouped-query attention
 
-Every rank holds two chunks of the sequence (chunk r and chunk 2N - 1 - r: mpi_tp.parallel.context_parallel)
+Every rank holds two chunks of the sequence (chunk r and chunk 2Z - 1 - r: mpi_tp.parallel.context_parallel)
 and runs one causal attention (float64, random q of B sequences and H heads of hs = C / H, k and v of H_kv
 heads, each shared by H / H_kv query heads) as ring attention. Rank 0 draws the causal (query, key) grid
 with, at each entry, the ring step at which the rank holding that query computes it (rows grouped by rank),
-the entries each rank computes at each step beside what a plain split into N runs would give (the idle
-ranks it leaves), and the ring's messages counted on the group "cp" beside the closed form: N - 1 sends
-of K and V forward, N - 1 of K and V and N of dK and dV backward, each 2 B H_kv S_r hs values. The output
+the entries each rank computes at each step beside what a plain split into Z runs would give (the idle
+ranks it leaves), and the ring's messages counted on the group "cp" beside the closed form: Z - 1 sends
+of K and V forward, Z - 1 of K and V and Z of dK and dV backward, each 2 B H_kv S_r hs values. The output
 and the gradients are checked against the serial attention kernel.
 
-It takes --batch, --features, --heads, --kv-heads and --seq (default 4N); an option of the other lessons,
-or a sequence shorter than the 2N chunks, is refused in one line (plan).
+It takes --batch, --features, --heads, --kv-heads and --seq (default 4Z); an option of the other lessons,
+or a sequence shorter than the 2Z chunks, is refused in one line (plan).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _grid(split, N: int, S: int) -> list[str]:
 
 
 def _work(split, N: int) -> list[list[int]]:
-    """Score entries each rank computes at each ring step, (N, N)."""
+    """Score entries each rank computes at each ring step, (Z, Z)."""
     return [[sum((rw.stop - rw.start) * (c.stop - c.start) for rw, c, _ in blocks(split, (r - s) % N, r))
              for s in range(N)] for r in range(N)]
 
@@ -81,8 +81,8 @@ def plan(args, N: int) -> dict:
         if v < 1:
             raise UserError(f"{flag} must be a positive integer, got {v}")
     if S < 2 * N:
-        raise UserError(f"--seq {S} cannot be cut into 2N = {2 * N} chunks, two per rank: use --seq {2 * N} or more "
-                        f"(the default is 4N = {4 * N}), or fewer ranks")
+        raise UserError(f"--seq {S} cannot be cut into 2Z = {2 * N} chunks, two per rank: use --seq {2 * N} or more "
+                        f"(the default is 4Z = {4 * N}), or fewer ranks")
     H = fewest_heads(C, 1) if args.heads is None else args.heads
     if H < 1 or C % H:
         raise UserError(f"--heads {H} must divide --features {C} (the head size is C / H)")
@@ -116,8 +116,8 @@ def lesson(args, comm) -> bool:
                          both.get("cp/send", {}).get("bytes", 0), split.length()), root=0)
     if comm.Get_rank() == 0:
         kv = f", H_kv = {H_kv} key/value heads (each serves {H // H_kv})" if H_kv != H else ""
-        print(f"context parallelism over N = {N} ranks (the world), float64: B = {B}, H = {H} heads of hs = {HS}{kv}, "
-              f"S = {S} positions in 2N = {2 * N} chunks of {split.sizes}")
+        print(f"context parallelism over Z = {N} ranks (the world), float64: B = {B}, H = {H} heads of hs = {HS}{kv}, "
+              f"S = {S} positions in 2Z = {2 * N} chunks of {split.sizes}")
         for r in range(N):
             pos = split.positions_of(r).tolist()
             print(f"  rank {r}: chunks {split.chunks(r)}: positions {pos}")
@@ -139,8 +139,8 @@ def lesson(args, comm) -> bool:
         for r, (f, total, nbytes, length) in enumerate(sends):
             held = [split.length((r - s) % N) for s in range(N)]           # the block held at step s
             closed = unit * (2 * sum(held[:N - 1]) + S) if N > 1 else 0     # one rank: the ring sends nothing
-            print(f"  rank {r}: {f} sends forward (N - 1 = {N - 1}), {total} in all (3N - 2 = {3 * N - 2}{', none on one rank' if N == 1 else ''}); "
-                  f"{nbytes} bytes, closed form 2 B H_kv hs 8 (2 sum_(s<N-1) S_(r-s) + S) = {closed}: "
+            print(f"  rank {r}: {f} sends forward (Z - 1 = {N - 1}), {total} in all (3Z - 2 = {3 * N - 2}{', none on one rank' if N == 1 else ''}); "
+                  f"{nbytes} bytes, closed form 2 B H_kv hs 8 (2 sum_(s<Z-1) S_(r-s) + S) = {closed}: "
                   f"{'equal' if nbytes == closed else 'DIFFERENT'}")
             ok &= nbytes == closed
         print(f"\noutput, dq, dk, dv against the serial attention: max |difference| {err:.2e}: "
