@@ -69,7 +69,7 @@ def _near(a, b) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def _wire_hint(fb: Feedback, guess, wire, P, D, g, p, zero) -> None:
+def _wire_hint(fb: Feedback, guess, P, D, g, zero) -> None:
     ring = (D - 1) / D * P
     if zero and _near(guess, 2 * 2 * ring * g):
         fb.hint("ZeRO-1 does not add an all-gather to the all-reduce: it replaces the all-reduce. A ring "
@@ -120,7 +120,7 @@ def zero_bytes(student, comm, path=None) -> bool:
             if guess_w is not None and not _near(guess_w, wire):
                 fb.problems.append(f"wire bytes at {where}: you predicted {guess_w:g}, the counters measured "
                                    f"{wire:g}: off by {guess_w - wire:+g} ({guess_w / wire:.3g}x)")
-                _wire_hint(fb, guess_w, wire, P, D, g, p, zero)
+                _wire_hint(fb, guess_w, P, D, g, zero)
             if guess_s is not None and not _near(guess_s, mean):
                 fb.problems.append(f"optimizer state bytes at {where}: you predicted {guess_s:g}, the optimizer "
                                    f"keeps {mean:g} per rank (mean over the {D} ranks): off by "
