@@ -26,7 +26,9 @@ the last bucket, started by `finish`. Per bucket and step:
      optimizer updates (mpi_tp.training.optimizer_state); the parameters, also
      kept in one flat buffer per bucket, are then all-gathered (`gather_params`,
      `dp/all_gather`). A reduce-scatter and an all-gather move what one
-     all-reduce moves (docs/costmodel.md), so ZeRO-1 costs no extra traffic.
+     all-reduce moves (docs/costmodel.md) when gradients and parameters have
+     one width, so ZeRO-1 costs no extra traffic (fp32 gradients of a 16-bit
+     model: less, the all-gather carrying 2 bytes a value).
 
 Without a spare core, MPI progresses a non-blocking collective only when the
 process calls into MPI; `block_done` therefore also tests the outstanding
