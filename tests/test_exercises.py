@@ -3,7 +3,7 @@ PASSES, and a different planted bug (a mutation of the solution) is caught by ea
 also fails a bias shared out over the partial sums before g, whose sum is right.
 
 The in-process tests are MPI tests (1, 2, 3 and 4 ranks): exercises 1-4 need 2 or more ranks (at
-T = 1 they are bad input, exit 2), exercise 5 runs at any T. The command-line tests (--copy, --list,
+T = 1 they are bad input, exit 2), exercises 5 and 6 run at any T. The command-line tests (--copy, --list,
 bad input) start their own jobs and run in the one-rank pass.
 """
 import argparse
