@@ -2,8 +2,8 @@
 PASSES, and a different planted bug (a mutation of the solution) is caught by each checker; exercise 1's
 also fails a bias shared out over the partial sums before g, whose sum is right.
 
-The in-process tests are MPI tests (1, 2, 3 and 4 ranks): every exercise but 5 needs 2 or more ranks (at
-T = 1 they are bad input, exit 2), exercise 5 runs at any T. The command-line tests (--copy, --list,
+The in-process tests are MPI tests (1, 2, 3 and 4 ranks): exercises 1-4, 7 and 8 need 2 or more ranks (at
+T = 1 they are bad input, exit 2), exercises 5 and 6 run at any T. The command-line tests (--copy, --list,
 bad input) start their own jobs and run in the one-rank pass.
 """
 import argparse
@@ -33,9 +33,14 @@ BROKEN = {
         "are held by no rank", "wrong vectors for token ids"],
     5: ["buffer bytes at B = 2, S = 4, C = 8, V = 37, L = 2", "you predicted 2048", "you counted one pass",
         "in 13 all-reduces"],
+    6: ["messages at Z = ", "the counters of the group cp measured", "bytes sent at B = 2, H = 2, H_kv = 2, S = 13",
+        "that is the plain split's work", "how many hops is that?"],
     8: ["wire bytes at fp32, ZeRO-1: P = ", "(2x)", "it replaces the all-reduce",
         "optimizer state bytes at fp32, ZeRO-1", "its 1/D share of each bucket only", "fp32 master copies"],
 }
+# exercise: what the shipped broken version's report must say at T = 1 (default: that nothing is communicated)
+AT_ONE = {6: ["scores at S = 13, Z = 1, per ring step: you predicted [169], the ring computed [127]",
+              "that is the plain split's work"]}
 # exercise: what the broken version's report says once, not repeated (T >= 2)
 ONCE = {4: ["come out as zeros", "the rows [V_start, V_start + V_i) of the ranks are"]}
 # exercise: (a different bug planted in the solution: old -> new, what the report must say)
@@ -51,6 +56,7 @@ MUTATIONS = {
     4: ("local = ids - self.start", "local = ids", "wrong vectors for token ids"),
     5: ("return 2 * (T - 1) / T * buffer_bytes", "return (T - 1) / T * buffer_bytes",
         "2 (T-1)/T n wire bytes per rank"),
+    6: ("    return per * (kv + kv + S)", "    return per * (kv + kv + S) * H // H_kv", "K and V have H_kv heads, not H"),
     8: ("return ring * grad_bytes + ring * param_bytes", "return 2 * ring * grad_bytes",
         "the all-gather the updated parameters (param_bytes a value)"),
 }
@@ -78,7 +84,7 @@ def test_shipped_version_fails_with_its_message_and_the_solution_passes(capsys, 
     assert status == 1
     if world.Get_rank() == 0:
         assert out.rstrip().endswith("FAIL") and "hint: " in out, out
-        for text in BROKEN[number] if T > 1 else ["at T = 1 nothing is communicated"]:
+        for text in BROKEN[number] if T > 1 else AT_ONE.get(number, ["at T = 1 nothing is communicated"]):
             assert text in out, out
         for text in ONCE.get(number, []) if T > 1 else []:
             assert out.count(text) == 1, out
@@ -99,8 +105,9 @@ def test_a_planted_bug_is_caught(capsys, world, tmp_path, number):
     old, new, message = MUTATIONS[number]
     source = Path(ex.source(solution=True)).read_text()
     assert old in source, f"the mutation of exercise {number} no longer applies"
-    if number == 5 and world.Get_size() == 1:             # wire bytes are 0 at T = 1: plant another bug
-        old, new, message = "        return 0\n", "        pass\n", "at T = 1 nothing is communicated"
+    if number in (5, 6) and world.Get_size() == 1:        # nothing is sent at T = 1: plant another bug
+        old, new, message = "        return 0\n", "        pass\n", {5: "at T = 1 nothing is communicated",
+                                                                   6: "at Z = 1 the ring sends nothing"}[number]
     planted = tmp_path / f"mutant{number}.py"             # each rank its own file (tmp_path differs)
     planted.write_text(source.replace(old, new))
     status, out = run(capsys, world, number, file=str(planted))
@@ -159,7 +166,7 @@ def test_a_file_without_the_function_is_bad_input(capsys, world, tmp_path):
         run(capsys, world, 5, file=str(tmp_path / "missing.py"))
 
 
-@pytest.mark.parametrize("number,message", [("9", "no exercise 9: choose 1 to"), ("x", "no exercise x"),
+@pytest.mark.parametrize("number,message", [("99", f"no exercise 99: choose 1 to {len(EXERCISES)}"), ("x", "no exercise x"),
                                             (None, "give an exercise number")])
 def test_bad_numbers_are_bad_input(capsys, world, number, message):
     with pytest.raises(UserError, match=message) as e:
@@ -188,7 +195,7 @@ def test_command_line_statuses(tmp_path):
     (tmp_path / "mine.py").write_text("x = 1\n")
     r = mpirun(2, "exercise", "1", timeout=60)
     assert r.returncode == 1 and r.stdout.count("exercise 1:") == 1 and "FAIL" in r.stdout, r.stderr
-    for args, message in ((["6"], "no exercise 6"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
+    for args, message in ((["99"], "no exercise 99"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
                           (["5", "--file", str(tmp_path / "mine.py")], "does not define buffer_bytes, wire_bytes"),
                           (["1"], "exercise 1 needs 2 or more ranks")):
         r = mpirun(1, "exercise", *args, timeout=60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 
-from mpi_tp.course import checks, step_bytes, vocab, zero_bytes
+from mpi_tp.course import checks, ring_bytes, step_bytes, vocab, zero_bytes
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ EXERCISES = (
              "mpiexec -n 2 mpi-tp explain --layer block, --layer embedding, --layer loss (each part's collectives); "
              "once you have tried: mpi-tp explain --layer step, docs/learn.md section 7",
              answer=("explain --layer step", "tensor_parallelism.md", "step_counters.png")),
+    Exercise(6, "one layer of ring attention", "ex6_ring_bytes", ("messages", "sent_bytes", "scores"),
+             ring_bytes.ring_bytes, 1, 2,
+             "the docstrings of mpi_tp/parallel/context_parallel.py and ring_attention.py; once you have tried: "
+             "mpiexec -n 2 mpi-tp explain --layer cp (docs/course.md, lesson 12)",
+             answer=("explain --layer cp",)),
     Exercise(8, "ZeRO-1's bytes: what it sends, what it keeps", "ex8_zero_bytes", ("dp_wire_bytes", "state_bytes"),
              zero_bytes.zero_bytes, 2, 2, "docs/course.md lesson 14 (its opening); once you have tried: "
              "docs/parallelism.md, 'ZeRO-1: the distributed optimizer'",
