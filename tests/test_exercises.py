@@ -33,6 +33,9 @@ BROKEN = {
         "are held by no rank", "wrong vectors for token ids"],
     5: ["buffer bytes at B = 2, S = 4, C = 8, V = 37, L = 2", "you predicted 2048", "you counted one pass",
         "in 13 all-reduces"],
+    7: ["model.layers.0.self_attn.q_proj.weight (32, 32) at H = 4, H_kv = ", "you said rows [32, 32) (nothing)",
+        "this rank holds rows [", "sharing out the key/value heads leaves some ranks none",
+        "key/value head 0 (a replica, also on rank"],
 }
 # exercise: what the broken version's report says once, not repeated (T >= 2)
 ONCE = {4: ["come out as zeros", "the rows [V_start, V_start + V_i) of the ranks are"]}
@@ -49,6 +52,8 @@ MUTATIONS = {
     4: ("local = ids - self.start", "local = ids", "wrong vectors for token ids"),
     5: ("return 2 * (T - 1) / T * buffer_bytes", "return (T - 1) / T * buffer_bytes",
         "2 (T-1)/T n wire bytes per rank"),
+    7: ("        return 1, q.start * hs, q.stop * hs", "        return 0, q.start * hs, q.stop * hs",
+        "o_proj is cut along axis 1 (columns): torch.nn.Linear stores a weight (out, in)"),
 }
 
 
@@ -155,7 +160,8 @@ def test_a_file_without_the_function_is_bad_input(capsys, world, tmp_path):
         run(capsys, world, 5, file=str(tmp_path / "missing.py"))
 
 
-@pytest.mark.parametrize("number,message", [("9", "no exercise 9: choose 1 to 5"), ("x", "no exercise x"),
+@pytest.mark.parametrize("number,message", [("9", f"no exercise 9: choose 1 to {max(e.number for e in EXERCISES)}"),
+                                            ("x", "no exercise x"),
                                             (None, "give an exercise number")])
 def test_bad_numbers_are_bad_input(capsys, world, number, message):
     with pytest.raises(UserError, match=message) as e:
@@ -184,7 +190,7 @@ def test_command_line_statuses(tmp_path):
     (tmp_path / "mine.py").write_text("x = 1\n")
     r = mpirun(2, "exercise", "1", timeout=60)
     assert r.returncode == 1 and r.stdout.count("exercise 1:") == 1 and "FAIL" in r.stdout, r.stderr
-    for args, message in ((["6"], "no exercise 6"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
+    for args, message in ((["9"], "no exercise 9"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
                           (["5", "--file", str(tmp_path / "mine.py")], "does not define buffer_bytes, wire_bytes"),
                           (["1"], "exercise 1 needs 2 or more ranks")):
         r = mpirun(1, "exercise", *args, timeout=60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 
-from mpi_tp.course import checks, step_bytes, vocab
+from mpi_tp.course import checks, hf_split, step_bytes, vocab
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ EXERCISES = (
              "mpiexec -n 2 mpi-tp explain --layer block, --layer embedding, --layer loss (each part's collectives); "
              "once you have tried: mpi-tp explain --layer step, docs/learn.md section 7",
              answer=("explain --layer step", "tensor_parallelism.md", "step_counters.png")),
+    Exercise(7, "the slices of a Hugging Face folder at T ranks", "ex7_hf_split", ("shard",), hf_split.hf_split, 2, 3,
+             "docs/course.md, lesson 13; once you have tried: mpi-tp inspect of lesson 13's checkpoints, "
+             "mpiexec -n 3 mpi-tp explain --layer attention --kv-heads 2, mpi_tp/model/heads.py",
+             answer=("mpi-tp inspect /tmp/mpi_tp_course/llama", "explain --layer attention --kv-heads",
+                     "model/heads.py")),
 )
 
 
