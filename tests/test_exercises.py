@@ -225,3 +225,36 @@ def test_a_rank_that_raises_alone_aborts_instead_of_hanging(tmp_path):
     r = run_job([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "exercise", "1", "--file", str(student)],
                 timeout=90, env=env)
     assert r.returncode != 0 and "the ranks are out of step" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+# exercise 7: other bugs planted in the solution's shard, each with what the report must say and the world sizes at
+# which it shows (the query heads shared out evenly, ignoring their key/value head, are right except at T = 2, where
+# H = 6 over H_kv = 3 gives 4 + 2 query heads, not 3 + 3).
+EX7_PLANTED = {
+    "q heads split evenly": ("        return range(kv.start * R, kv.stop * R), kv", "        return range(*share(H, T, rank)), kv",
+                             [("q_proj.weight (48, 48) at H = 6, H_kv = 3: you said rows [0, 24) (query heads 0-2), "
+                               "this rank holds rows [0, 32) (query heads 0-3)"),
+                              "H_kv = 3 >= T = 2: the key/value heads are shared out"], (2,)),
+    "vocabulary rows even": ("        return (0, *share(shape[0], T, rank))\n    return None",
+                             "        return 0, rank * (shape[0] // T), (rank + 1) * (shape[0] // T)\n    return None",
+                             ["model.embed_tokens.weight (37, 32)", "embed_tokens: 37 rows over T = ",
+                              "split_sizes gives the first n % T ranks one more"], (2, 3, 4)),
+    "norms not whole": ("    return None                                           # the norms", "    return 0",
+                        ["returned 0: give (axis, start, stop), three ints, or None (the whole tensor)"], (2, 3, 4)),
+}
+
+
+@MPI_TEST
+@pytest.mark.parametrize("planted", list(EX7_PLANTED))
+def test_exercise_7_catches_other_bugs(capsys, world, tmp_path, planted):
+    old, new, messages, sizes = EX7_PLANTED[planted]
+    if world.Get_size() not in sizes:
+        pytest.skip(f"'{planted}' shows at T in {sizes}")
+    source = Path(get(7).source(solution=True)).read_text()
+    assert source.count(old) == 1, f"the planted bug '{planted}' no longer applies"
+    mutant = tmp_path / "planted7.py"
+    mutant.write_text(source.replace(old, new))
+    status, out = run(capsys, world, 7, file=str(mutant))
+    assert status == 1
+    if world.Get_rank() == 0:
+        assert out.rstrip().endswith("FAIL") and all(m in out for m in messages), out
