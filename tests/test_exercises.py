@@ -241,6 +241,11 @@ EX7_PLANTED = {
                               "split_sizes gives the first n % T ranks one more"], (2, 3, 4)),
     "norms not whole": ("    return None                                           # the norms", "    return 0",
                         ["returned 0: give (axis, start, stop), three ints, or None (the whole tensor)"], (2, 3, 4)),
+    "raises on rank 1 alone": ('    part = name.split(".")[-2]',
+                               ('    if rank == 1 and H_kv == 1:\n        raise RuntimeError("rank 1 alone")\n'
+                                '    part = name.split(".")[-2]'),
+                               ["rank 1: shard('model.embed_tokens.weight', (37, 32), 4, 1,", "raised RuntimeError"],
+                               (2, 3, 4)),       # and the other ranks stop with it: no model built by some ranks only
 }
 
 

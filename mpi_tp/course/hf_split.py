@@ -16,6 +16,7 @@ import numpy
 
 from mpi_tp.checkpoint.hf.names import hf_shapes, pieces, region
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.testing import all_true
 from mpi_tp.course.common import SEED, Feedback, finish, needs_ranks
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -146,7 +147,7 @@ def hf_split(student, comm, path=None) -> bool:
     wrong, compared = [], 0
     for model_args in MODELS:
         n = _check_model(fb, student, topo, model_args, wrong)
-        if n < 0:
+        if not all_true(n >= 0, comm):          # every rank stops at the same model, or none does
             break
         compared += n
     if wrong:
