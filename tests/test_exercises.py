@@ -35,6 +35,9 @@ BROKEN = {
         "in 13 all-reduces"],
     6: ["messages at Z = ", "the counters of the group cp measured", "bytes sent at B = 2, H = 2, H_kv = 2, S = 13",
         "that is the plain split's work", "how many hops is that?"],
+    7: ["model.layers.0.self_attn.q_proj.weight (32, 32) at H = 4, H_kv = ", "you said rows [32, 32) (nothing)",
+        "this rank holds rows [", "sharing out the key/value heads leaves some ranks none",
+        "key/value head 0 (a replica, also on rank"],
     8: ["wire bytes at fp32, ZeRO-1: P = ", "(2x)", "it replaces the all-reduce",
         "optimizer state bytes at fp32, ZeRO-1", "its 1/D share of each bucket only", "fp32 master copies"],
 }
@@ -57,6 +60,8 @@ MUTATIONS = {
     5: ("return 2 * (T - 1) / T * buffer_bytes", "return (T - 1) / T * buffer_bytes",
         "2 (T-1)/T n wire bytes per rank"),
     6: ("    return per * (kv + kv + S)", "    return per * (kv + kv + S) * H // H_kv", "K and V have H_kv heads, not H"),
+    7: ("        return 1, q.start * hs, q.stop * hs", "        return 0, q.start * hs, q.stop * hs",
+        "o_proj is cut along axis 1 (columns): torch.nn.Linear stores a weight (out, in)"),
     8: ("return ring * grad_bytes + ring * param_bytes", "return 2 * ring * grad_bytes",
         "the all-gather the updated parameters (param_bytes a value)"),
 }
@@ -166,7 +171,8 @@ def test_a_file_without_the_function_is_bad_input(capsys, world, tmp_path):
         run(capsys, world, 5, file=str(tmp_path / "missing.py"))
 
 
-@pytest.mark.parametrize("number,message", [("99", f"no exercise 99: choose 1 to {len(EXERCISES)}"), ("x", "no exercise x"),
+@pytest.mark.parametrize("number,message", [("9", f"no exercise 9: choose 1 to {max(e.number for e in EXERCISES)}"),
+                                            ("x", "no exercise x"),
                                             (None, "give an exercise number")])
 def test_bad_numbers_are_bad_input(capsys, world, number, message):
     with pytest.raises(UserError, match=message) as e:
@@ -195,7 +201,7 @@ def test_command_line_statuses(tmp_path):
     (tmp_path / "mine.py").write_text("x = 1\n")
     r = mpirun(2, "exercise", "1", timeout=60)
     assert r.returncode == 1 and r.stdout.count("exercise 1:") == 1 and "FAIL" in r.stdout, r.stderr
-    for args, message in ((["99"], "no exercise 99"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
+    for args, message in ((["9"], "no exercise 9"), (["5", "--file", "/nonexistent/exercise5.py"], "no such file"),
                           (["5", "--file", str(tmp_path / "mine.py")], "does not define buffer_bytes, wire_bytes"),
                           (["1"], "exercise 1 needs 2 or more ranks")):
         r = mpirun(1, "exercise", *args, timeout=60)
@@ -230,3 +236,41 @@ def test_a_rank_that_raises_alone_aborts_instead_of_hanging(tmp_path):
     r = run_job([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi_tp", "exercise", "1", "--file", str(student)],
                 timeout=90, env=env)
     assert r.returncode != 0 and "the ranks are out of step" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+# exercise 7: other bugs planted in the solution's shard, each with what the report must say and the world sizes at
+# which it shows (the query heads shared out evenly, ignoring their key/value head, are right except at T = 2, where
+# H = 6 over H_kv = 3 gives 4 + 2 query heads, not 3 + 3).
+EX7_PLANTED = {
+    "q heads split evenly": ("        return range(kv.start * R, kv.stop * R), kv", "        return range(*share(H, T, rank)), kv",
+                             [("q_proj.weight (48, 48) at H = 6, H_kv = 3: you said rows [0, 24) (query heads 0-2), "
+                               "this rank holds rows [0, 32) (query heads 0-3)"),
+                              "H_kv = 3 >= T = 2: the key/value heads are shared out"], (2,)),
+    "vocabulary rows even": ("        return (0, *share(shape[0], T, rank))\n    return None",
+                             "        return 0, rank * (shape[0] // T), (rank + 1) * (shape[0] // T)\n    return None",
+                             ["model.embed_tokens.weight (37, 32)", "embed_tokens: 37 rows over T = ",
+                              "split_sizes gives the first n % T ranks one more"], (2, 3, 4)),
+    "norms not whole": ("    return None                                           # the norms", "    return 0",
+                        ["returned 0: give (axis, start, stop), three ints, or None (the whole tensor)"], (2, 3, 4)),
+    "raises on rank 1 alone": ('    part = name.split(".")[-2]',
+                               ('    if rank == 1 and H_kv == 1:\n        raise RuntimeError("rank 1 alone")\n'
+                                '    part = name.split(".")[-2]'),
+                               ["rank 1: shard('model.embed_tokens.weight', (37, 32), 4, 1,", "raised RuntimeError"],
+                               (2, 3, 4)),       # and the other ranks stop with it: no model built by some ranks only
+}
+
+
+@MPI_TEST
+@pytest.mark.parametrize("planted", list(EX7_PLANTED))
+def test_exercise_7_catches_other_bugs(capsys, world, tmp_path, planted):
+    old, new, messages, sizes = EX7_PLANTED[planted]
+    if world.Get_size() not in sizes:
+        pytest.skip(f"'{planted}' shows at T in {sizes}")
+    source = Path(get(7).source(solution=True)).read_text()
+    assert source.count(old) == 1, f"the planted bug '{planted}' no longer applies"
+    mutant = tmp_path / "planted7.py"
+    mutant.write_text(source.replace(old, new))
+    status, out = run(capsys, world, 7, file=str(mutant))
+    assert status == 1
+    if world.Get_rank() == 0:
+        assert out.rstrip().endswith("FAIL") and all(m in out for m in messages), out

@@ -42,6 +42,11 @@ def _watchdog(comm, seconds: float) -> threading.Timer:
     return timer
 
 
+def _last() -> int:
+    """The highest exercise number (the numbers need not be consecutive)."""
+    return max(e.number for e in EXERCISES)
+
+
 def _exercise(number):
     if number is None:
         raise UserError("give an exercise number (mpi-tp exercise 1) or --list")
@@ -50,7 +55,7 @@ def _exercise(number):
     except ValueError:
         found = None
     if found is None:
-        raise UserError(f"no exercise {number}: choose 1 to {len(EXERCISES)} (mpi-tp exercise --list)")
+        raise UserError(f"no exercise {number}: choose 1 to {_last()} (mpi-tp exercise --list)")
     return found
 
 
@@ -108,7 +113,7 @@ def cmd_exercise(args, comm) -> int:
 def add_parser(sub) -> None:
     e = sub.add_parser("exercise", help="exercises with feedback: fix a broken layer, predict the bytes of a step",
                        description=__doc__.split("\n\n")[0])
-    e.add_argument("number", nargs="?", metavar="N", help=f"the exercise, 1 to {len(EXERCISES)}")
+    e.add_argument("number", nargs="?", metavar="N", help=f"the exercise, 1 to {_last()}")
     e.add_argument("--list", action="store_true", help="list the exercises")
     how = e.add_mutually_exclusive_group()
     how.add_argument("--copy", nargs="?", const=".", metavar="DIR",

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 
-from mpi_tp.course import checks, ring_bytes, step_bytes, vocab, zero_bytes
+from mpi_tp.course import checks, hf_split, ring_bytes, step_bytes, vocab, zero_bytes
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ EXERCISES = (
              "the docstrings of mpi_tp/parallel/context_parallel.py and ring_attention.py; once you have tried: "
              "mpiexec -n 2 mpi-tp explain --layer cp (docs/course.md, lesson 12)",
              answer=("explain --layer cp",)),
+    Exercise(7, "the slices of a Hugging Face folder at T ranks", "ex7_hf_split", ("shard",), hf_split.hf_split, 2, 3,
+             "docs/course.md, lesson 13; once you have tried: mpi-tp inspect of lesson 13's checkpoints, "
+             "mpiexec -n 3 mpi-tp explain --layer attention --kv-heads 2, mpi_tp/model/heads.py",
+             answer=("mpi-tp inspect /tmp/mpi_tp_course/llama", "explain --layer attention --kv-heads",
+                     "model/heads.py")),
     Exercise(8, "ZeRO-1's bytes: what it sends, what it keeps", "ex8_zero_bytes", ("dp_wire_bytes", "state_bytes"),
              zero_bytes.zero_bytes, 2, 2, "docs/course.md lesson 14 (its opening); once you have tried: "
              "docs/parallelism.md, 'ZeRO-1: the distributed optimizer'",
