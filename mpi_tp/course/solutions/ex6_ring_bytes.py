@@ -8,7 +8,7 @@ and V (or dK and dV) of the block held, rank r - s's: 2 B H_kv S_(r-s) hs
 values (H_kv heads, not H: each key/value head serves H / H_kv query heads).
 The Z gradient messages carry every rank's block once, S positions.
 
-The scores: rank r's chunks are a = r and b = 2Z - 1 - r. At step 0 (its own
+The scores: rank r holds chunk a, which is r, and chunk b, which is 2Z - 1 - r. At step 0 (its own
 keys) the pairs (a, a), (b, a), (b, b); against a lower rank's chunks a' < a
 and b' > b, both of its chunks see a' (and neither sees b'); against a higher
 rank's, a' > a and b' < b, only b sees both. No argument but S, Z, r, s counts:
