@@ -9,6 +9,7 @@ the line of the student's file it came from.
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import os
 import re
 import sys
@@ -97,6 +98,14 @@ class Feedback:
             where = f" at line {line} of {os.path.basename(self.path)}" if line else ""
             self.problem(f"{what} raised {type(e).__name__}{where}: {e}")
             return None, False
+
+    def predict(self, fn, name: str, args: tuple):
+        """A prediction exercise's number: fn(*args), or None with a problem if it raised or is not a number."""
+        value, ok = self.attempt(f"{name}{args}", fn, *args)
+        if ok and not isinstance(value, numbers.Real):
+            self.problems.append(f"{name}{args} returned {value!r}, not a number")
+            return None
+        return value
 
     def compare(self, what: str, actual, expected, scale: float | None = None) -> float:
         """Record a problem when `actual` is not the serial layer's `expected`; returns the error."""

@@ -8,8 +8,6 @@ buffer_bytes(B, S, C, V, L, T, itemsize) and wire_bytes(...).
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy
 
 from mpi_tp.course.common import SEED, Feedback, finish, needs_ranks
@@ -39,14 +37,6 @@ def measure(topo: Topology, B: int, S: int, C: int, V: int, L: int, dtype) -> tu
             sum(topo.stats.calls[k] for k in keys))
 
 
-def _predict(fb: Feedback, fn, name: str, args: tuple):
-    value, ok = fb.attempt(f"{name}{args}", fn, *args)
-    if ok and not isinstance(value, numbers.Real):
-        fb.problems.append(f"{name}{args} returned {value!r}, not a number")
-        return None
-    return value
-
-
 def step_bytes(student, comm, path=None) -> bool:
     """Exercise 5: buffer_bytes and wire_bytes of the student's file against a real step's counters."""
     T = comm.Get_size()
@@ -60,8 +50,8 @@ def step_bytes(student, comm, path=None) -> bool:
             continue
         args = (B, S, C, V, L, T, itemsize)
         where = f"B = {B}, S = {S}, C = {C}, V = {V}, L = {L}, T = {T}, itemsize {itemsize}"
-        guess_n = _predict(fb, student.buffer_bytes, "buffer_bytes", args)
-        guess_w = _predict(fb, student.wire_bytes, "wire_bytes", args)
+        guess_n = fb.predict(student.buffer_bytes, "buffer_bytes", args)
+        guess_w = fb.predict(student.wire_bytes, "wire_bytes", args)
         act = B * S * C * itemsize
         if guess_n is not None and abs(guess_n - n) > 0.5:
             fb.problems.append(f"buffer bytes at {where}: you predicted {guess_n:g}, the counters measured {n} "

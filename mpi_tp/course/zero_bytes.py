@@ -16,8 +16,6 @@ element per bucket: the prediction is compared with their mean over the D ranks.
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy
 from mpi4py import MPI
 
@@ -55,14 +53,6 @@ def measure(topo: Topology, dtype: str, fp32_grads: bool, zero: bool) -> tuple[i
     state = sum(a.nbytes for arrays in opt.state.values() for a in arrays)
     return (P, stores[0][1].dtype.itemsize, stores[0][0].dtype.itemsize, roles["dp_grads"] + roles["dp_params"],
             state, len(reducer.buckets))
-
-
-def _predict(fb: Feedback, fn, name: str, args: tuple):
-    value, ok = fb.attempt(f"{name}{args}", fn, *args)
-    if ok and not isinstance(value, numbers.Real):
-        fb.problems.append(f"{name}{args} returned {value!r}, not a number")
-        return None
-    return value
 
 
 def _near(a, b) -> bool:
@@ -115,8 +105,8 @@ def zero_bytes(student, comm, path=None) -> bool:
             how = "ZeRO-1" if zero else "all-reduce"
             args = (P, D, g, p, zero)
             where = f"{label}, {how}: P = {P}, D = {D}, grad_bytes {g}, param_bytes {p}"
-            guess_w = _predict(fb, student.dp_wire_bytes, "dp_wire_bytes", args)
-            guess_s = _predict(fb, student.state_bytes, "state_bytes", args)
+            guess_w = fb.predict(student.dp_wire_bytes, "dp_wire_bytes", args)
+            guess_s = fb.predict(student.state_bytes, "state_bytes", args)
             if guess_w is not None and not _near(guess_w, wire):
                 fb.problems.append(f"wire bytes at {where}: you predicted {guess_w:g}, the counters measured "
                                    f"{wire:g}: off by {guess_w - wire:+g} ({guess_w / wire:.3g}x)")
