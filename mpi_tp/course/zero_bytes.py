@@ -19,11 +19,11 @@ from __future__ import annotations
 import numpy
 from mpi4py import MPI
 
-from mpi_tp.commands.bench import accounting
 from mpi_tp.core.params import storages, widen_grads
 from mpi_tp.course.common import SEED, Feedback, finish, needs_ranks
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.comm_stats import wire_bytes_by_role
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import AdamW
@@ -47,7 +47,7 @@ def measure(topo: Topology, dtype: str, fp32_grads: bool, zero: bool) -> tuple[i
     x, y = (rng.integers(0, V, (B * topo.dp.size, S)) for _ in range(2))
     topo.stats.reset()
     train_step(model, opt, x, y, topo.replica_rows(B), 1, reducer=reducer)
-    roles = accounting.wire_bytes({k: {"wire_bytes": w} for k, w in topo.stats.wire.items()})
+    roles = wire_bytes_by_role({k: {"wire_bytes": w} for k, w in topo.stats.wire.items()})
     stores = storages(params)
     P = sum(base.size for base, _, _ in stores)
     state = sum(a.nbytes for arrays in opt.state.values() for a in arrays)

@@ -127,3 +127,23 @@ class CommStats(Counters):
     def reset(self) -> None:
         super().reset()
         self._phases.clear()
+
+
+GRAD_KINDS = ("iall_reduce", "reduce_scatter")                 # the reducer's gradient collectives (non-blocking)
+REDUCER_GROUPS = ("dp", "dpcp", "edp")                          # ... and the groups it reduces over
+
+
+def wire_bytes_by_role(snapshot: dict, reducer=None) -> dict:
+    """Wire bytes this rank sent in the counted step (CommStats.snapshot), by role: tensor-parallel
+    collectives (the sp/kv gradient sums included), the data-parallel gradient reduction (all-reduce or
+    ZeRO-1's reduce-scatter), ZeRO-1's all-gather of the updated parameters, and the rest (the loss's
+    and the gradient norm's few bytes, pipeline sends). grad_reduce_dtype: what the buckets reduce in."""
+    out = {"tp": 0, "dp_grads": 0, "dp_params": 0, "other": 0}
+    for key, v in snapshot.items():
+        group, kind = key.split("/", 1)
+        role = ("tp" if group == "tp" else "dp_grads" if group in REDUCER_GROUPS and kind in GRAD_KINDS
+                else "dp_params" if group in REDUCER_GROUPS and kind == "all_gather" else "other")
+        out[role] += v["wire_bytes"]
+    if reducer is not None and reducer.buckets:
+        out["grad_reduce_dtype"] = str(reducer.buckets[0].grads.dtype)
+    return out

@@ -3,7 +3,7 @@ kind and wire bytes by role, read off the live model, optimizer and counters (no
 planner's estimate of the same is mpi_tp.planning.memory, set beside these in docs/precision.md).
 
     memory_per_rank(params, opt)    {"weights", "grads", "master", "moments", "total", "params", "bytes_per_param"}
-    wire_bytes(snapshot, reducer)   {"tp", "dp_grads", "dp_params", "other"}: bytes each rank sends per step
+    (wire bytes by role, {"tp", "dp_grads", "dp_params", "other"}: mpi_tp.parallel.comm_stats.wire_bytes_by_role)
 
 Mixed-precision AdamW keeps 2 + 2 + 12 bytes per parameter (bf16 weights and gradients, fp32 masters and
 two moments; ZeRO-1 keeps a 1/D share of the 12, and a 1/D share of the gradients besides them), fp32
@@ -15,9 +15,6 @@ from __future__ import annotations
 import numpy
 
 from mpi_tp.core.errors import UserError
-
-GRAD_KINDS = ("iall_reduce", "reduce_scatter")                 # the reducer's gradient collectives (non-blocking)
-REDUCER_GROUPS = ("dp", "dpcp", "edp")                          # ... and the groups it reduces over
 
 
 def memory_per_rank(params, opt) -> dict:
@@ -33,22 +30,6 @@ def memory_per_rank(params, opt) -> dict:
     n = sum(p.base.size for p in stores)
     out.update(total=sum(out.values()), params=n)
     out["bytes_per_param"] = out["total"] / n
-    return out
-
-
-def wire_bytes(snapshot: dict, reducer=None) -> dict:
-    """Wire bytes this rank sent in the counted step (CommStats.snapshot), by role: tensor-parallel
-    collectives (the sp/kv gradient sums included), the data-parallel gradient reduction (all-reduce or
-    ZeRO-1's reduce-scatter), ZeRO-1's all-gather of the updated parameters, and the rest (the loss's
-    and the gradient norm's few bytes, pipeline sends). grad_reduce_dtype: what the buckets reduce in."""
-    out = {"tp": 0, "dp_grads": 0, "dp_params": 0, "other": 0}
-    for key, v in snapshot.items():
-        group, kind = key.split("/", 1)
-        role = ("tp" if group == "tp" else "dp_grads" if group in REDUCER_GROUPS and kind in GRAD_KINDS
-                else "dp_params" if group in REDUCER_GROUPS and kind == "all_gather" else "other")
-        out[role] += v["wire_bytes"]
-    if reducer is not None and reducer.buckets:
-        out["grad_reduce_dtype"] = str(reducer.buckets[0].grads.dtype)
     return out
 
 

@@ -44,6 +44,7 @@ from mpi_tp.core.precision import dtype_of, precision, precision_of
 from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.comm_stats import wire_bytes_by_role
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.parallel.pipeline.schedules import schedule
@@ -107,7 +108,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
             comm_s.append({k: v["seconds"] for k, v in topo.stats.snapshot().items()})
             comm_bytes.append(topo.stats.total_bytes())
             comm_wire.append(sum(v["wire_bytes"] for v in topo.stats.snapshot().values()))
-            roles.append(accounting.wire_bytes(topo.stats.snapshot(), reducer))
+            roles.append(wire_bytes_by_role(topo.stats.snapshot(), reducer))
     step = numpy.array(phases["step"])
     flops = model_flops(C, L, S, B) * topo.dp.size          # the global batch
     kinds = sorted({k for d in comm_s for k in d})
