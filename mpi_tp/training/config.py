@@ -145,8 +145,6 @@ class TrainConfig:
         return LossScaler(self.initial_loss_scale, self.loss_scale_window, self.loss_scale_backoff, self.min_loss_scale)
 
     def _validate_loss_scale(self) -> None:
-        if self.fp32_grads and self.precision == "fp32":
-            raise ConfigError("--fp32-grads is for --precision bf16 or fp16 (fp32 gradients are fp32 already)")
         names = ("initial_loss_scale", "loss_scale_window", "loss_scale_backoff", "min_loss_scale")
         if self.precision != "fp16":
             default = {f.name: f.default for f in fields(self)}
@@ -164,6 +162,8 @@ class TrainConfig:
         """16 bits' reach, in CLI terms: every layout (tp, sp, cp, pp, dp, ZeRO-1, ep); bf16 on NumPy, fp16
         on NumPy and CuPy; what they do not run with is one line each (a float64 checkpoint: build)."""
         if self.precision == "fp32":
+            if self.fp32_grads:
+                raise ConfigError("--fp32-grads is for --precision bf16 or fp16 (fp32 gradients are fp32 already)")
             return
         if self.dtype != "float32":
             raise ConfigError(f"--precision {self.precision} with --dtype {self.dtype}: 16-bit training keeps fp32 "

@@ -42,7 +42,7 @@ def check_precision(args) -> None:
     """--precision bf16 / fp16 bench training steps of tp, sp, dp, ZeRO-1 (bf16 on NumPy only, as `mpi-tp train`
     runs it), and say in one line what they do not."""
     if args.precision == "fp32":
-        if getattr(args, "fp32_grads", False):
+        if args.fp32_grads:
             raise UserError("--fp32-grads is for --precision bf16 or fp16 (fp32 gradients are fp32 already)")
         return
     wrong = [flag for flag, on in (("--dtype float64", args.dtype == "float64"), ("--cp", args.cp > 1),
