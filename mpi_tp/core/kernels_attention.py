@@ -234,9 +234,9 @@ def online_block(qs, k, v, rows, cols, diag, m, l, o, mask=None, drop_scale=1.0)
     m[..., rows] = m_new
 
 
-def online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, dv, mask=None, drop_scale=1.0):
+def online_block_backward(qs, q, k, v, rows, cols, diag, lse, delta, dout, dq, dk, dv, mask=None, drop_scale=1.0):
     """One block's share of the gradients (FlashAttention's backward): p = e^(s - lse) again from q and k,
-    dp = dout v^T, ds = p (dp - D) with D = rowsum(dout * out); dq[rows] += ds k scale, dk[cols] += ds^T q
+    dp = dout v^T, ds = p (dp - delta) with delta = rowsum(dout * out); dq[rows] += ds k scale, dk[cols] += ds^T q
     scale, dv[cols] += p_kept^T dout, summed over broadcast (grouped-query) axes to dk's and dv's shapes."""
     xp = array_module(qs)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -253,7 +253,7 @@ def online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, d
         dp *= drop_scale
     n = cols.stop - cols.start
     dv[..., cols, :] += _sum_to(kept.swapaxes(-1, -2) @ g, dv.shape[:-2] + (n, dv.shape[-1]))
-    dp = _softmax_backward(dp, D[..., rows, None], p)                # ds
+    dp = _softmax_backward(dp, delta[..., rows, None], p)                # ds
     dq[..., rows, :] += (dp @ k[..., cols, :]) * scale
     d = _sum_to(dp.swapaxes(-1, -2) @ q[..., rows, :], dk.shape[:-2] + (n, dk.shape[-1]))
     d *= scale
@@ -292,9 +292,9 @@ def online_attention_backward(dout, cache):
     q, k, v, out, lse, drop_mask, drop_scale, block = cache
     xp = array_module(dout)
     qs = q * (1.0 / math.sqrt(q.shape[-1]))
-    D = xp.einsum("...td,...td->...t", dout, out)                   # rowsum(dout * out)
+    delta = xp.einsum("...td,...td->...t", dout, out)                   # rowsum(dout * out)
     dq, dk, dv = (xp.zeros(a.shape, dtype=q.dtype) for a in (q, k, v))
     for rows, cols, diag in _tiles(q.shape[-2], block):
-        online_block_backward(qs, q, k, v, rows, cols, diag, lse, D, dout, dq, dk, dv,
+        online_block_backward(qs, q, k, v, rows, cols, diag, lse, delta, dout, dq, dk, dv,
                               None if drop_mask is None else drop_mask[..., rows, cols], drop_scale)
     return dq, dk, dv

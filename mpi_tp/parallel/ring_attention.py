@@ -1,6 +1,7 @@
 """Ring attention: causal attention over a sequence split by context parallelism (mpi_tp.parallel.context_parallel).
 
 Legend (docs/notation.md): Z = cp ranks, r = this rank, S_r its positions (two chunks), hs head size.
+When 2Z divides S every S_r is S / Z; otherwise the ranks' S_r differ by a position or two.
 
 Each rank keeps its queries; the keys and values travel. At step s = 0 ... Z-1 rank r holds the keys
 and values of rank r - s (mod Z): it starts sending them on to rank r + 1 and receiving the next
@@ -17,11 +18,12 @@ chunk) pairs are computed follows from the chunk order alone: a later key chunk 
 chunk is skipped, the same chunk is causal (the triangle), an earlier one is whole.
 
 Backward (FlashAttention's, block by block): p = e^(s - lse) again from q, k and lse (no (S, S) array
-is kept), D = rowsum(dout * out), ds = p (dp - D). The keys and values go around the ring once more,
+is kept), delta = rowsum(dout * out), ds = p (dp - delta). The keys and values go around the ring once more,
 now with their gradients dK and dV beside them: each rank adds its queries' contributions to the
 block it holds and passes block and gradients on, and after the Z-th hop the gradients are back with
 the rank that owns them. Messages per layer and rank (counted on the group "cp"): forward Z - 1
-sends of K and V; backward Z - 1 of K and V and Z of dK and dV, each 2 B H_kv S_r hs values
+sends of K and V; backward Z - 1 of K and V and Z of dK and dV. A message at step s carries rank
+(r - s) mod Z's block, 2 B H_kv S_(r-s) hs values (2 B H_kv (S/Z) hs when 2Z divides S)
 (tests/test_context_parallel.py checks the counts against this closed form). The time a rank spends
 blocked in the waits is counted as "cp/ring_wait" (what the overlap did not hide).
 
@@ -29,7 +31,7 @@ blocked in the waits is counted as "cp/ring_wait" (what the overlap did not hide
 flash attention and ring attention do it. The K/V blocks travel as they are (2 bytes a value); each
 block is widened on arrival (exact) and its scores, the running m, l and o and the lse are fp32; the
 output is rounded once, at the end. The backward keeps that 16-bit output and the fp32 lse (FlashAttention
-2's cache: D = rowsum(dout * out) from the stored output, in fp32), accumulates dq and each hop's dK, dV in
+2's cache: delta = rowsum(dout * out) from the stored output, in fp32), accumulates dq and each hop's dK, dV in
 fp32 and rounds dq once; dK and dV travel in the 16-bit format, so the partial sums are rounded once per
 hop: Z roundings of a sum of Z ranks' contributions (within Z u sum_j |c_j|, u the format's unit
 roundoff: tests/test_precision_layouts.py), the price of half the bytes on the ring.
@@ -119,7 +121,7 @@ def ring_backward(dout, cache):
     n, r, scale = group.size, group.rank, 1.0 / math.sqrt(q.shape[-1])
     q_c = computed(q)
     qs, dout_c = q_c * scale, computed(dout)
-    D = xp.einsum("...td,...td->...t", dout_c, computed(out))   # rowsum(dout * out), fp32 for 16 bits
+    delta = xp.einsum("...td,...td->...t", dout_c, computed(out))   # rowsum(dout * out), fp32 for 16 bits
     dq = xp.zeros(q.shape, dtype=q_c.dtype)
     mine = xp.stack((k, v))                                  # (2, ..., S_r, hs): one message
     # dK, dV of the block held, travelling with it in k's format; summed in q_c's (fp32 for 16 bits)
@@ -135,7 +137,7 @@ def ring_backward(dout, cache):
         dkv = grads["held"] = computed(grads["held"])
         kv_c = computed(kv)
         for rows, cols, diag in blocks(split, src):
-            online_block_backward(qs, q_c, kv_c[0], kv_c[1], rows, cols, diag, lse, D, dout_c, dq, dkv[0], dkv[1],
+            online_block_backward(qs, q_c, kv_c[0], kv_c[1], rows, cols, diag, lse, delta, dout_c, dq, dkv[0], dkv[1],
                                   None if mask_of is None else mask_of(src, rows, cols), drop_scale)
     dkv = stored(grads["held"], k.dtype)                       # this rank's own, home after the Z-th hop
     return stored(dq, q.dtype), _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)
