@@ -25,6 +25,12 @@ def train(model, opt, steps, per_replica, batch=global_batch, micro_batches=None
     return np.array(losses)
 
 
+def node_by_node_calls(stats) -> int:
+    """The calls a hierarchical all-reduce made (mpi_tp.parallel.hierarchical: its groups are named
+    "<group>_intra" and "<group>_inter"): the proof that a reduction went node by node, not flat."""
+    return sum(n for key, n in stats.calls.items() if key.split("/")[0].endswith(("_intra", "_inter")))
+
+
 def assert_losses(losses, ref_losses, what):
     """A parallel run's losses against the serial model's: the first within 1e-10, every one within 1e-8."""
     assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")

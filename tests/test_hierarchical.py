@@ -1,8 +1,9 @@
 """Hierarchical all-reduce equals the flat one, on emulated nodes (MPI_TP_FAKE_NODES)."""
 import numpy as np
 import pytest
+from steps import node_by_node_calls
 
-from mpi_tp.core.testing import assert_close
+from mpi_tp.core.testing import all_true, assert_close
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.collectives import Group
@@ -56,5 +57,7 @@ def test_training_with_hierarchical_dp(world, fake_nodes):
         model.backward(reducer=reducer)
         finalize_grads(model, reducer)
         grads.append([p.grad.copy() for p in model.parameters()])
+        if world.Get_size() > 1:        # the hierarchical step went node by node; the flat one did not
+            assert all_true((node_by_node_calls(topo.stats) > 0) == hier, world), (hier, dict(topo.stats.calls))
     for a, b in zip(*grads):
         assert_close(b, a, 1e-13, "gradient")

@@ -248,6 +248,10 @@ def test_sequence_parallel_overlap_changes_no_number(world):
         grads.append({p.name: p.grad.copy() for p in model.parameters()})
         calls = topo.stats.calls.get("tp/regather", 0)
         assert calls == (2 * CFG["n_layer"] + 1 if world.Get_size() > 1 else 0), calls
+        # the proof that Megatron's order ran: only it starts dX's reduce-scatter without waiting (the
+        # plain order's is blocking), once per column layer
+        started = topo.stats.started.get("tp/reduce_scatter", 0)
+        assert started == (calls if overlap else 0), (overlap, started, calls)
         topo.free()
     scale = max(float(np.abs(g).max()) for g in grads[0].values())
     worst = max(float(np.abs(grads[0][k] - grads[1][k]).max()) for k in grads[0]) / scale

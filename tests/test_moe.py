@@ -6,6 +6,7 @@ model on the same global batch: losses, gradient norms and weights over 5 AdamW 
 """
 import numpy as np
 import pytest
+from steps import node_by_node_calls
 
 from mpi_tp.core.testing import all_true, assert_close, gather_full, max_rel_diff
 from mpi_tp.model.config import ConfigError, GPTConfig
@@ -216,9 +217,12 @@ def test_hierarchical_reduction_matches_flat(world):
             model = GPT(cfg, topo, dtype="float64", seed=3)
             model.forward(x[mine], y[mine])
             reducer = GradReducer(model, topo.dp, bucket_mb=0.001, hierarchical=hierarchical)
+            topo.stats.reset()
             model.backward(reducer=reducer)
             finalize_grads(model, reducer)
             grads.append([p.grad.copy() for p in model.parameters()])
+            went = node_by_node_calls(topo.stats) > 0          # the hierarchical reducer went node by node
+            assert all_true(went == hierarchical, world), f"tp={tp} dp={dp} ep={ep} hierarchical={hierarchical}"
         scale = max(np.abs(g).max() for g in grads[0])
         worst = max(np.abs(a - b).max() for a, b in zip(*grads)) / scale
         assert all_true(worst < 1e-13, world), f"hierarchical differs at tp={tp} dp={dp} ep={ep}: {worst:.1e}"

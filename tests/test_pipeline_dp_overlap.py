@@ -17,6 +17,7 @@ from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
 
+from steps import node_by_node_calls
 from test_pipeline import B, STEPS, cfg, serial, train_stage  # the same model, batches and reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -100,6 +101,7 @@ def test_hierarchical_reduces_after_the_schedule(world):
     losses, stage, _, started = pipelined(topo, pp * 2 + 1, "interleaved", pp, 2, 0.001, hierarchical=True)
     topo.stats.trace = None
     assert all_true(started == [0] * STEPS and "dp/iall_reduce" not in topo.stats.calls, world)
+    assert all_true(node_by_node_calls(topo.stats) > 0 or dp == 1, world), "the gradients were not reduced node by node"
     assert_close(losses, ref_losses, 1e-10, "losses, hierarchical")
     for p in stage.parameters():
         if not p.name.endswith("attn/k/bias"):

@@ -79,16 +79,27 @@ class CommStats(Counters):
         self.phase = OTHER
         self._phases = defaultdict(Counters)
         self._depth = 0              # > 0: inside a timed wait, whose time already counts
+        # non-blocking operations started, by key: what only an overlapped schedule does (the tests read
+        # it to prove an overlap ran: its numbers equal the blocking order's)
+        self.started = defaultdict(int)
 
     def record(self, key: str, nbytes: int, seconds: float, wire: float = 0.0, timed: bool = True) -> None:
-        """Count one call. timed: it has just ended, `seconds` after it began (a non-blocking start
-        is not: its trace event comes when it completes; `seconds` is then the start call's own time)."""
+        """Count one call. timed: it has just ended, `seconds` after it began; timed=False: a non-blocking
+        operation was started (counted in `started`; its trace event comes when it completes, and
+        `seconds` is the start call's own time)."""
         self.add(key, nbytes, wire)
         self._phases[self.phase].add(key, nbytes, wire)
         self._held(key, seconds)
+        if not timed:
+            self.started[key] += 1
         if self.trace is not None and timed:
             now = time.perf_counter()
             self.trace.complete(key, "comm", now - seconds, now, bytes=int(nbytes))
+
+    def count(self, key: str) -> None:
+        """Count one call that moves no bytes of its own and whose time blocked() counted (a wait)."""
+        self.add(key, 0, 0.0)
+        self._phases[self.phase].add(key, 0, 0.0)
 
     def _held(self, key: str, seconds: float) -> None:
         if self._depth == 0:         # inside an outer wait, that wait counts the time
@@ -127,6 +138,7 @@ class CommStats(Counters):
     def reset(self) -> None:
         super().reset()
         self._phases.clear()
+        self.started.clear()
 
 
 GRAD_KINDS = ("iall_reduce", "reduce_scatter")                 # the reducer's gradient collectives (non-blocking)

@@ -92,7 +92,7 @@ def _wait(group, pending) -> None:
         with group.stats.blocked(key, trace=True):
             for req in pending:
                 req.wait()
-        group.stats.record(key, 0, 0.0, timed=False)
+        group.stats.count(key)
 
 
 def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
