@@ -83,12 +83,19 @@ def test_training_curve(world, opt_cls, opt):
 def test_dropout_matches_serial(world):
     """Dropout masks are keyed by (seed, step, layer, site[, global head]): the same at every tp size."""
     ser, par = pair(world, dropout=0.2)
+    plain = GPT(GPTConfig(**CFG), Topology.serial(), dtype="float64", seed=11)   # no dropout
     ref = train(ser, 3, AdamW, lr=1e-3)
     got = train(par, 3, AdamW, lr=1e-3)
     assert_close(got, ref, 1e-10, "loss curve with dropout")
-    ser.eval(), par.eval()
+    assert abs(train(plain, 1, AdamW, lr=1e-3)[0] - ref[0]) > 1e-3, "dropout changed no loss: it never ran"
+    for p, q in zip(plain.parameters(), ser.parameters()):
+        p.data[...] = q.data
     x, y = batch(7)
-    assert ser.forward(x, y) == ser.forward(x, y)          # eval mode: deterministic
+    assert ser.forward(x, y) != plain.forward(x, y), "training: dropout must change the loss"
+    ser.eval(), par.eval()
+    # eval mode: no mask at all, so exactly the model without dropout, at every layout
+    assert ser.forward(x, y) == plain.forward(x, y) == ser.forward(x, y)
+    assert_close(np.array(par.forward(x, y)), np.array(plain.forward(x, y)), 1e-12, "eval loss, tp")
 
 
 def test_replicated_params_stay_identical(world):

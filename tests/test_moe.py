@@ -192,14 +192,18 @@ def test_recompute_full_gives_the_same_gradients(world):
     n = world.Get_size()
     cfg = GPTConfig(**{**CFG, "dropout": 0.1}, **MOE["E3-top2-capacity"])
     x, y = global_batch(0, B)
-    grads = []
+    grads, kept = [], []
     for recompute in ("none", "full"):
         topo = Topology.create(world, tp=1, dp=n, ep=n if n < 4 else 2)
         model = GPT(cfg, topo, dtype="float64", seed=3, recompute=recompute)
         model.forward(x, y)
+        kept.append([b.activation_bytes() for b in model.h if b.moe])    # what each MoE block keeps
         model.backward()
         grads.append([p.grad.copy() for p in model.parameters()])
         topo.free()
+    # the proof that the MoE blocks recomputed: under "full" each keeps its input only, B S_i C values
+    assert kept[0] and all(full == x.shape[0] * x.shape[1] * CFG["n_embd"] * 8 < none
+                           for none, full in zip(*kept)), kept
     assert all_true(all(np.array_equal(a, b) for a, b in zip(*grads)), world)
 
 

@@ -1,4 +1,4 @@
-"""Activation recomputation and dropout: the blocks that recompute, the masks that must come back the same."""
+"""Activation recomputation and dropout: which blocks recompute, the masks replayed, dropout on and off."""
 from mutation.mutant import Mutant
 
 MUTANTS = [
@@ -14,8 +14,25 @@ MUTANTS = [
            "        return self.training and self.p > 0", "        return False",
            ("tests/test_model.py::test_dropout_matches_serial",), (1, 2)),
     Mutant("recompute/eval-ignored",
-           "model.eval() leaves dropout on",
-           "mpi_tp/model/gpt.py",
-           "        self.dropout.training = mode", "        self.dropout.training = True",
+           "model.eval() leaves the masks on (drawn at a frozen step, so evaluation stays deterministic)",
+           "mpi_tp/model/dropout.py",
+           "        return self.training and self.p > 0", "        return self.p > 0",
            ("tests/test_model.py::test_dropout_matches_serial",), (1, 2)),
+    Mutant("recompute/full-never-recomputes",
+           "--recompute full keeps every block's activations (the blocks never recompute)",
+           "mpi_tp/model/gpt.py",
+           "            block.recompute = recompute == \"full\"", "            block.recompute = False",
+           ("tests/test_recompute.py::test_recomputed_gradients_are_bitwise_the_stored_ones",), (1, 2)),
+    Mutant("recompute/selective-never-recomputes",
+           "--recompute selective keeps the attention's scores and probabilities",
+           "mpi_tp/model/gpt.py",
+           "            block.attn.recompute = recompute == \"selective\"", "            block.attn.recompute = False",
+           ("tests/test_recompute.py::test_recomputed_gradients_are_bitwise_the_stored_ones",), (1, 2)),
+    Mutant("recompute/replay-draws-new-masks",
+           "the recomputed forward draws the next step's dropout masks instead of replaying the pass's",
+           "mpi_tp/model/block.py",
+           "            self._forward(x, ps)  ",
+           "            self._forward(x, __import__('dataclasses').replace(ps, masks=ps.masks and "
+           "__import__('dataclasses').replace(ps.masks, step=ps.masks.step + 1)))  ",
+           ("tests/test_recompute.py::test_recomputed_gradients_are_bitwise_the_stored_ones",), (1, 2, 3)),
 ]
