@@ -33,11 +33,20 @@ def global_batch(step, rows):
     return rng.integers(0, 37, (rows, 7)), rng.integers(0, 37, (rows, 7))
 
 
-def run(model, topo, rows, steps=10, overlap=True, zero=False):
+def run(model, topo, rows, steps=10, overlap=True, zero=False, early=None):
     """Train on the global batch of `rows` * dp sequences, this replica taking its `rows` of them.
-    Returns the losses and the optimizer."""
+    Returns the losses and the optimizer. early: a list that gets, per step, how many of the gradient
+    all-reduces had started before the backward pass ended (the overlap's proof)."""
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, overlap=overlap,    # tiny buckets: several per step
                           distributed=zero)
+    if early is not None:
+        finish, key, seen = reducer.finish, f"{topo.dp.name}/iall_reduce", [0]
+
+        def finish_counted():
+            early.append(topo.stats.started.get(key, 0) - seen[0])
+            finish()
+            seen[0] = topo.stats.started.get(key, 0)
+        reducer.finish = finish_counted
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
     return steps_helper.train(model, opt, steps, rows, global_batch, reducer=reducer), opt
 
@@ -63,7 +72,10 @@ def test_tp_x_dp_equals_serial(world, serial_reference, overlap):
     for tp, dp in layouts(world.Get_size()):
         topo = Topology.create(world, tp=tp, dp=dp)
         model = GPT(GPTConfig(**CFG, dropout=0.1), topo, dtype="float64", seed=3)
-        losses, _ = run(model, topo, rows=B, overlap=overlap)
+        early = []
+        losses, _ = run(model, topo, rows=B, overlap=overlap, early=early)
+        # overlap: buckets started under the backward pass, every step; without it, none before the end
+        assert all((n > 0) == (overlap and dp > 1) for n in early), (tp, dp, overlap, early)
         ref_losses, ref_weights, _ = serial_reference(dp)
         assert_close(losses, ref_losses, 1e-8, f"loss curve at tp={tp} dp={dp}")
         for p in model.parameters():

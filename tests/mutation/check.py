@@ -14,7 +14,7 @@ before any test ran, no test selected) is reported as such, never as a catch.
 
 Exit status 0 when every mutant is caught, 1 when one survived or could not be judged, 2 when the
 check itself cannot run (a stale mutant, a failing baseline). Run it before a change to a mechanism
-lands, and add a mutant with every new mechanism (docs/testing.md).
+lands, and add a mutant with every new mechanism (README.md, "The mutation check").
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def describe(result: dict) -> str:
     return f"{result['verdict']:9} {result['name']:46} {how} ({result['seconds']:.0f} s)"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=[], metavar="PREFIX", help="mutants whose names start so")
@@ -139,7 +139,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the results to FILE")
     ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     ap.add_argument("--mpiexec", default=shutil.which("mpiexec") or "mpiexec", help=argparse.SUPPRESS)
-    opts = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    opts = parser().parse_args(argv)
 
     mutants = [m for m in all_mutants() if not opts.only or m.name.startswith(tuple(opts.only))]
     if not mutants:
