@@ -1,4 +1,4 @@
-"""Checkpoints: loading at another layout."""
+"""Checkpoints: loading at another layout, the optimizer's state and the random state of a resume."""
 from mutation.mutant import Mutant
 
 MUTANTS = [
@@ -8,4 +8,26 @@ MUTANTS = [
            "        p.data[...] = read(\"model\", p, p.data.shape, p.data.dtype)",
            "        read(\"model\", p, p.data.shape, p.data.dtype)",
            ("tests/test_checkpoint.py::test_load_at_every_smaller_size",), (1, 2, 3)),
+    Mutant("checkpoint/moments-not-loaded",
+           "load_into reads the optimizer's moments but keeps the fresh ones",
+           "mpi_tp/checkpoint/read.py",
+           "    optimizer.load_state_tensors(values)", "    pass",
+           ("tests/test_checkpoint.py::test_load_at_every_smaller_size",), (1, 2)),
+    Mutant("checkpoint/step-count-not-restored",
+           "a resumed AdamW restarts its bias correction (t = 0)",
+           "mpi_tp/checkpoint/read.py",
+           "    optimizer.t = int(ckpt.meta.get(\"optimizer_t\", 0)) if saved else 0",
+           "    optimizer.t = 0",
+           ("tests/test_checkpoint.py::test_resume_is_bitwise",), (1, 2)),
+    Mutant("checkpoint/dropout-step-not-restored",
+           "a resume draws the first step's dropout masks again",
+           "mpi_tp/checkpoint/read.py",
+           "    model.dropout.step = int(rng.get(\"dropout_step\", ckpt.step))", "    model.dropout.step = 0",
+           ("tests/test_checkpoint.py::test_resume_is_bitwise",), (1, 2)),
+    Mutant("checkpoint/pieces-misplaced",
+           "loading places every saved piece at the start of the requested slice",
+           "mpi_tp/checkpoint/read.py",
+           "slice(lo - start, hi - start)", "slice(0, hi - lo)",
+           ("tests/test_checkpoint.py::test_load_at_every_smaller_size",
+            "tests/test_layouts.py::test_checkpoint_from_any_layout_loads_serially"), (2, 3)),
 ]
