@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=0, help="a mixture of experts: E experts in every --moe-every-th "
                    "block (default 0: dense)")
     p.add_argument("--top-k", type=int, default=1, help="with --experts: experts per token (default 1)")
-    p.add_argument("--moe-every", type=int, default=1, help="with --experts: every N-th block is an MoE block")
+    p.add_argument("--moe-every", type=int, default=1, help="with --experts: every n-th block is an MoE block (1: every block)")
     p.add_argument("--ep", type=int, default=None, help="with --experts: only this expert-parallel size (dividing dp)")
     p.add_argument("--explain", metavar="LAYOUT", default=None,
                    help="price one layout and print its terms, e.g. 'tp4 pp12 dp8 b2 +recompute' (as the table "

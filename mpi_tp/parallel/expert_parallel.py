@@ -3,15 +3,16 @@ tokens carried to them and back by all-to-all (GShard, Lepikhin et al. 2020; Swi
 
 Legend: C = channels, E = experts, ep = the expert-parallel group's size (topo.ep), E_i = the
 experts rank i holds (split_sizes(E, ep): experts [o_i, o_i + E_i), the first E % ep ranks one
-more), M = rows this rank sends (one per admitted (token, expert) assignment), R = rows it receives.
+more), n_send = rows this rank sends (one per admitted (token, expert) assignment), n_recv = rows
+it receives.
 
-    rank r: x_send (M, C), rows sorted by expert ---- dispatch ---->  rank s: x_recv (R, C), grouped
-            (so by destination rank too)        (Alltoall of counts,           by local expert
-                                                 Alltoallv of rows)              |
-                                                                             its experts
-                                                                                 |
-    rank r: y_send (M, C), in x_send's order  <---- combine ----      rank s: y_recv (R, C)
-                                                 (the inverse Alltoallv: counts known)
+    rank r: x_send (n_send, C), rows     ---- dispatch ---->      rank s: x_recv (n_recv, C),
+            sorted by expert (so by      (Alltoall of counts,             grouped by local expert
+            destination rank too)         Alltoallv of rows)                |
+                                                                         its experts
+                                                                            |
+    rank r: y_send (n_send, C), in    <---- combine ----          rank s: y_recv (n_recv, C)
+            x_send's order               (the inverse Alltoallv: counts known)
 
 Both are linear maps that only move rows, so each one's gradient is the other:
 the backward of combine is a dispatch and the backward of dispatch a combine,
@@ -68,7 +69,7 @@ class DispatchPlan:
     """Who sends how many rows to whom, for one dispatch and its combine (data, host integers).
 
     send_rows[r]: rows this rank sends to ep rank r; recv_rows[r]: rows it receives from r;
-    expert_rows[j]: received rows for its local expert j (sum R); order: the permutation that
+    expert_rows[j]: received rows for its local expert j (sum n_recv); order: the permutation that
     turns the received rows (source-major) into expert-major order (None with one rank)."""
 
     send_rows: list
@@ -110,12 +111,14 @@ class ExpertDispatcher:
         return DispatchPlan(send_rows, recv_rows, [int(n) for n in got.sum(axis=0)], order)
 
     def dispatch(self, x_send, plan: DispatchPlan):
-        """x_send (M, C), sorted by expert -> x_recv (R, C): the rows for this rank's experts, expert by expert."""
+        """x_send (n_send, C), sorted by expert -> x_recv (n_recv, C): the rows for this rank's experts,
+        expert by expert."""
         x_recv = self.group.all_to_allv(x_send, plan.send_rows, plan.recv_rows)
         return x_recv if plan.order is None else x_recv[plan.order]
 
     def combine(self, y_recv, plan: DispatchPlan):
-        """y_recv (R, C), expert by expert -> y_send (M, C): every row back to its sender, in x_send's order."""
+        """y_recv (n_recv, C), expert by expert -> y_send (n_send, C): every row back to its sender, in
+        x_send's order."""
         if plan.order is not None:
             by_source = backend.array_module(y_recv).empty_like(y_recv)
             by_source[plan.order] = y_recv

@@ -1,24 +1,24 @@
 """Which Hugging Face tensor holds each mpi_tp parameter, and where in it.
 
-GPT2LMHeadModel (P = "transformer.", or "" in a folder saved from GPT2Model, such as the
-original gpt2 release), C = n_embd, H = n_head, K = n_kv_head, hs = C / H, for each block N:
+GPT2LMHeadModel (pre = "transformer.", or "" in a folder saved from GPT2Model, such as the
+original gpt2 release), C = n_embd, H = n_head, H_kv = n_kv_head, hs = C / H, for each block i:
 
     mpi_tp name (shape)            Hugging Face tensor (shape)               part
-    wte (V, C)                     P wte.weight (V, C)                       whole
-    wpe (block_size, C)            P wpe.weight (n_positions, C)             whole
-    h/N/ln_1/{weight,bias} (C,)    P h.N.ln_1.{weight,bias} (C,)             whole
-    h/N/attn/q/weight (C, C)       P h.N.attn.c_attn.weight (C, 3C)          columns [0, C)
-    h/N/attn/k/weight (C, C)         "                                       columns [C, 2C)
-    h/N/attn/v/weight (C, C)         "                                       columns [2C, 3C)
-    h/N/attn/{q,k,v}/bias (C,)     P h.N.attn.c_attn.bias (3C,)              [0, C), [C, 2C), [2C, 3C)
-    h/N/attn/proj/weight (C, C)    P h.N.attn.c_proj.weight (C, C)           whole
-    h/N/attn/proj/bias (C,)        P h.N.attn.c_proj.bias (C,)               whole
-    h/N/ln_2/{weight,bias} (C,)    P h.N.ln_2.{weight,bias} (C,)             whole
-    h/N/mlp/fc/weight (C, F)       P h.N.mlp.c_fc.weight (C, F)              whole (F = n_inner, or 4C)
-    h/N/mlp/fc/bias (F,)           P h.N.mlp.c_fc.bias (F,)                  whole
-    h/N/mlp/proj/weight (F, C)     P h.N.mlp.c_proj.weight (F, C)            whole
-    h/N/mlp/proj/bias (C,)         P h.N.mlp.c_proj.bias (C,)                whole
-    ln_f/{weight,bias} (C,)        P ln_f.{weight,bias} (C,)                 whole
+    wte (V, C)                   pre wte.weight (V, C)                       whole
+    wpe (block_size, C)          pre wpe.weight (n_positions, C)             whole
+    h/i/ln_1/{weight,bias} (C,)  pre h.i.ln_1.{weight,bias} (C,)             whole
+    h/i/attn/q/weight (C, C)     pre h.i.attn.c_attn.weight (C, 3C)          columns [0, C)
+    h/i/attn/k/weight (C, C)         "                                       columns [C, 2C)
+    h/i/attn/v/weight (C, C)         "                                       columns [2C, 3C)
+    h/i/attn/{q,k,v}/bias (C,)   pre h.i.attn.c_attn.bias (3C,)              [0, C), [C, 2C), [2C, 3C)
+    h/i/attn/proj/weight (C, C)  pre h.i.attn.c_proj.weight (C, C)           whole
+    h/i/attn/proj/bias (C,)      pre h.i.attn.c_proj.bias (C,)               whole
+    h/i/ln_2/{weight,bias} (C,)  pre h.i.ln_2.{weight,bias} (C,)             whole
+    h/i/mlp/fc/weight (C, F)     pre h.i.mlp.c_fc.weight (C, F)              whole (F = n_inner, or 4C)
+    h/i/mlp/fc/bias (F,)         pre h.i.mlp.c_fc.bias (F,)                  whole
+    h/i/mlp/proj/weight (F, C)   pre h.i.mlp.c_proj.weight (F, C)            whole
+    h/i/mlp/proj/bias (C,)       pre h.i.mlp.c_proj.bias (C,)                whole
+    ln_f/{weight,bias} (C,)      pre ln_f.{weight,bias} (C,)                 whole
     (the tied output layer)        lm_head.weight (V, C): wte; not read, not written
 
 No transposition: GPT-2's Conv1D stores its weight (in, out) and computes x @ W + b, as
@@ -26,20 +26,20 @@ mpi_tp's linear layers do (y = x @ A + b, A (in, out)); the embeddings are (rows
 The q|k|v order of c_attn's columns is that of transformers' split(n_embd, dim=2), and within
 each part head h holds columns [h hs, (h + 1) hs), as mpi_tp's head split assumes.
 
-LlamaForCausalLM (P = "model.", or "" from LlamaModel), for each block N (mpi_tp.model.llama has the shapes):
+LlamaForCausalLM (pre = "model.", or "" from LlamaModel), for each block i (mpi_tp.model.llama has the shapes):
 
     mpi_tp name (shape)            Hugging Face tensor (shape)               part
-    wte (V, C)                     P embed_tokens.weight (V, C)              whole
-    h/N/ln_1/weight (C,)           P layers.N.input_layernorm.weight         whole
-    h/N/attn/q/weight (C, H hs)    P layers.N.self_attn.q_proj.weight (H hs, C)    transposed
-    h/N/attn/k/weight (C, K hs)    P layers.N.self_attn.k_proj.weight (K hs, C)    transposed
-    h/N/attn/v/weight (C, K hs)    P layers.N.self_attn.v_proj.weight (K hs, C)    transposed
-    h/N/attn/proj/weight (H hs, C) P layers.N.self_attn.o_proj.weight (C, H hs)    transposed
-    h/N/ln_2/weight (C,)           P layers.N.post_attention_layernorm.weight      whole
-    h/N/mlp/gate/weight (C, F)     P layers.N.mlp.gate_proj.weight (F, C)    transposed
-    h/N/mlp/up/weight (C, F)       P layers.N.mlp.up_proj.weight (F, C)      transposed
-    h/N/mlp/down/weight (F, C)     P layers.N.mlp.down_proj.weight (C, F)    transposed
-    ln_f/weight (C,)               P norm.weight (C,)                        whole
+    wte (V, C)                   pre embed_tokens.weight (V, C)              whole
+    h/i/ln_1/weight (C,)         pre layers.i.input_layernorm.weight         whole
+    h/i/attn/q/weight (C, H hs)  pre layers.i.self_attn.q_proj.weight (H hs, C)    transposed
+    h/i/attn/k/weight (C, H_kv hs)  pre layers.i.self_attn.k_proj.weight (H_kv hs, C)    transposed
+    h/i/attn/v/weight (C, H_kv hs)  pre layers.i.self_attn.v_proj.weight (H_kv hs, C)    transposed
+    h/i/attn/proj/weight (H hs, C) pre layers.i.self_attn.o_proj.weight (C, H hs)    transposed
+    h/i/ln_2/weight (C,)         pre layers.i.post_attention_layernorm.weight      whole
+    h/i/mlp/gate/weight (C, F)   pre layers.i.mlp.gate_proj.weight (F, C)    transposed
+    h/i/mlp/up/weight (C, F)     pre layers.i.mlp.up_proj.weight (F, C)      transposed
+    h/i/mlp/down/weight (F, C)   pre layers.i.mlp.down_proj.weight (C, F)    transposed
+    ln_f/weight (C,)             pre norm.weight (C,)                        whole
     lm_head (V, C)                 lm_head.weight (V, C)                     whole; absent when tied (wte serves)
 
 torch.nn.Linear stores (out, in) and computes x W^T: each linear weight is the transpose of
@@ -59,14 +59,14 @@ from dataclasses import dataclass
 from mpi_tp.model.config import GPTConfig
 
 # Tensors that hold no parameter: the causal-mask buffers older transformers saved in GPT-2 folders
-# ("h.N.attn.bias" (1, 1, n_positions, n_positions), "h.N.attn.masked_bias"), the rotary frequencies older
-# Llama folders hold ("layers.N.self_attn.rotary_emb.inv_freq"), and the head of a tied model.
+# ("h.i.attn.bias" (1, 1, n_positions, n_positions), "h.i.attn.masked_bias"), the rotary frequencies older
+# Llama folders hold ("layers.i.self_attn.rotary_emb.inv_freq"), and the head of a tied model.
 IGNORED_SUFFIXES = {"gpt2": (".attn.bias", ".attn.masked_bias"), "llama": (".rotary_emb.inv_freq",)}
 TIED_HEAD = "lm_head.weight"
 # The prefixes a folder's names may carry (the *ForCausalLM's, or none: saved from the bare model), and the
 # token table's name after it, by which the prefix is recognised.
 PREFIXES = {"gpt2": (("transformer.", ""), "wte.weight"), "llama": (("model.", ""), "embed_tokens.weight")}
-LLAMA_LAYER = {                 # mpi_tp name in block N -> (LlamaForCausalLM's in layers.N, transposed)
+LLAMA_LAYER = {                 # mpi_tp name in block i -> (LlamaForCausalLM's in layers.i, transposed)
     "ln_1/weight": ("input_layernorm.weight", False), "attn/q/weight": ("self_attn.q_proj.weight", True),
     "attn/k/weight": ("self_attn.k_proj.weight", True), "attn/v/weight": ("self_attn.v_proj.weight", True),
     "attn/proj/weight": ("self_attn.o_proj.weight", True), "ln_2/weight": ("post_attention_layernorm.weight", False),
@@ -85,11 +85,11 @@ class Piece:
 
 def gpt2_pieces(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, Piece]:
     """mpi_tp parameter name -> its Piece of a GPT2LMHeadModel folder, for every parameter of the model."""
-    C, P = cfg.n_embd, prefix
-    out = {"wte": Piece(f"{P}wte.weight", None), "wpe": Piece(f"{P}wpe.weight", None),
-           "ln_f/weight": Piece(f"{P}ln_f.weight", None), "ln_f/bias": Piece(f"{P}ln_f.bias", None)}
+    C, pre = cfg.n_embd, prefix
+    out = {"wte": Piece(f"{pre}wte.weight", None), "wpe": Piece(f"{pre}wpe.weight", None),
+           "ln_f/weight": Piece(f"{pre}ln_f.weight", None), "ln_f/bias": Piece(f"{pre}ln_f.bias", None)}
     for n in range(cfg.n_layer):
-        ours, theirs = f"h/{n}", f"{P}h.{n}"
+        ours, theirs = f"h/{n}", f"{pre}h.{n}"
         for kind in ("weight", "bias"):
             axis = 1 if kind == "weight" else 0                      # c_attn: weight (C, 3C), bias (3C,)
             for j, part in enumerate("qkv"):
