@@ -88,7 +88,7 @@ def build_parser() -> Parser:
 def _train(args, comm) -> int:
     from mpi_tp.training.loop import train
     runtime.keep_freed_memory()           # the command's process, not the library's: see its docstring
-    cfg = collective_setup(resolve, args, comm=comm)
+    cfg = collective_setup(resolve, args, comm.Get_size(), comm=comm)
     train(cfg, comm)
     return 0
 

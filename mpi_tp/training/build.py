@@ -127,6 +127,21 @@ def changed_options(start, cfg: TrainConfig) -> list[str]:
     return [f"{k} {saved[k]} -> {mine[k]}" for k in mine if k in saved and k not in UNCOMPARED and saved[k] != mine[k]]
 
 
+def batch_note(start, cfg: TrainConfig, topo) -> str:
+    """What a resume did with the global batch (config_sources.keep_global_batch keeps it unless told)."""
+    saved = start.meta.get("train_config", {})
+    if not cfg.resume or "batch_size" not in saved:
+        return ""
+    D = int(start.meta.get("layout", {}).get("dp", saved.get("dp", 1)))
+    before, now = saved["batch_size"] * saved["micro_batches"] * D, cfg.batch_size * cfg.micro_batches * topo.dp.size
+    if before != now:
+        return (f"; the global batch changes from {before} to {now} sequences (--batch-size given): the steps from "
+                "here draw other batches than the saved run would have")
+    if (saved["batch_size"], saved["micro_batches"], D) != (cfg.batch_size, cfg.micro_batches, topo.dp.size):
+        return f"; the global batch of {now} sequences kept (dp x micro-batches x batch-size)"
+    return ""
+
+
 def _restore(start, model, opt, cfg: TrainConfig, corpus, scaler=None) -> int:
     """Load a checkpoint into model and optimizer (load_into refuses another model: check_model_config);
     returns the step it was saved at. One without optimizer state (a Hugging Face folder, an import) leaves
@@ -198,7 +213,8 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
             first = collective_setup(_restore, start, model, opt, cfg, corpus, scaler, comm=comm) + 1
         changed = changed_options(start, cfg) if cfg.resume else []
         rank0_print(f"continuing from {start.dir} (step {first - 1})" +
-                    (f"; changed since: {', '.join(changed)}" if changed else ""), comm=comm)
+                    (f"; changed since: {', '.join(changed)}" if changed else "") + batch_note(start, cfg, topo),
+                    comm=comm)
     tokenizer, why = of_token_file(corpus.tokenizer)       # (every rank: the same file, the same answer)
     if corpus.tokenizer is None and model.cfg.vocab_size != 256:
         tokenizer, why = None, (f"the model's vocabulary has {model.cfg.vocab_size} tokens, not the 256 bytes, "

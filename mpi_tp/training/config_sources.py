@@ -2,7 +2,7 @@
 --init-from (a checkpoint or a Hugging Face folder) and the command line, in that order of precedence.
 
     add_arguments(parser)        one --option per TrainConfig field, plus --config FILE
-    cfg = resolve(args)          the TrainConfig those give
+    cfg = resolve(args, world)   the TrainConfig those give (--resume: the checkpoint's global batch kept)
 """
 from __future__ import annotations
 
@@ -70,10 +70,47 @@ def model_defaults(cfg: GPTConfig) -> dict:
     return out
 
 
-def resolve(args) -> TrainConfig:
+def saved_global_batch(out: str) -> tuple[int, int, str] | None:
+    """(step, global batch, its split) of the newest checkpoint in out/checkpoints, or None (no checkpoint,
+    or one that does not say)."""
+    from mpi_tp.checkpoint import Checkpoint, complete_steps
+    root = os.path.join(out, "checkpoints")
+    if not out or not complete_steps(root):
+        return None
+    with Checkpoint(root) as saved:
+        train, layout = saved.meta.get("train_config", {}), saved.meta.get("layout", {})
+        step = saved.step
+    if not {"batch_size", "micro_batches"} <= set(train):
+        return None
+    D, M, B = int(layout.get("dp", train.get("dp", 1))), train["micro_batches"], train["batch_size"]
+    return step, D * M * B, f"dp {D} x micro-batches {M} x batch-size {B}"
+
+
+def keep_global_batch(values: dict, world: int) -> dict:
+    """Resume anywhere: --resume without --batch-size continues on the checkpoint's global batch (the same
+    sequences every step, so the same numbers at any layout), whatever dp and micro-batches this run has;
+    the per-replica batch follows. A global batch this layout cannot split evenly is refused in one line."""
+    if not values.get("resume") or "batch_size" in values:
+        return values
+    saved = saved_global_batch(values.get("out", ""))
+    if saved is None:
+        return values
+    step, G, split = saved
+    cfg = TrainConfig(**values)
+    D, M = cfg.layout(world).dp, cfg.micro_batches
+    if G % (D * M):
+        raise ConfigError(f"--resume: the checkpoint of step {step} trained on a global batch of {G} sequences "
+                          f"({split}), which dp {D} x micro-batches {M} cannot split evenly: choose --dp and "
+                          f"--micro-batches whose product divides {G}, or give --batch-size to change the "
+                          "global batch")
+    return {**values, "batch_size": G // (D * M)}
+
+
+def resolve(args, world: int | None = None) -> TrainConfig:
     """Defaults, then (--init-from a checkpoint or a Hugging Face folder) its model (model_defaults), then
     the --config file, then the options given on the command line. A model option given that differs from
-    the saved model's is refused when the weights load (checkpoint.check_model_config)."""
+    the saved model's is refused when the weights load (checkpoint.check_model_config). world (the job's
+    size): with --resume and no --batch-size, the batch that keeps the checkpoint's global batch."""
     values = load_json(args.config) if args.config else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name, None)
@@ -89,4 +126,6 @@ def resolve(args) -> TrainConfig:
         if "moe_experts" in values:                                    # given: the experts are the options'
             defaults = {k: v for k, v in defaults.items() if not k.startswith("moe_")}
         values = {**defaults, **values}
+    if world is not None:
+        values = keep_global_batch(values, world)
     return TrainConfig(**values)

@@ -30,4 +30,10 @@ MUTANTS = [
            "slice(lo - start, hi - start)", "slice(0, hi - lo)",
            ("tests/test_checkpoint.py::test_load_at_every_smaller_size",
             "tests/test_layouts.py::test_checkpoint_from_any_layout_loads_serially"), (2, 3)),
+    Mutant("checkpoint/resume-keeps-the-per-replica-batch",
+           "--resume at another dp or micro-batch count keeps the saved per-replica batch: the global batch changes",
+           "mpi_tp/training/config_sources.py",
+           "    return {**values, \"batch_size\": G // (D * M)}", "    return values",
+           ("tests/test_resume_anywhere.py::test_resumed_at_another_layout_equals_that_layouts_run[pp2 -> dp2-zero1]",),
+           (1,)),
 ]
