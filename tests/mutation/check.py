@@ -66,7 +66,7 @@ def run_tests(root: Path, world: int, tests: list[str], opts) -> dict:
     except subprocess.TimeoutExpired:
         return {"outcome": "timeout", "seconds": time.perf_counter() - t0, "world": world, "failed": []}
     out = p.stdout + p.stderr
-    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.MULTILINE)))
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.MULTILINE)))
     # pytest: 0 all passed, 1 tests failed; anything else (interrupted, internal error, usage, no tests)
     # is not a verdict on the mechanism
     outcome = {0: "passed", 1: "failed"}.get(p.returncode, "error")
