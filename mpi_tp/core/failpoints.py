@@ -15,18 +15,45 @@ MPI_TP_FAILPOINT=name[:STEP][,name[:STEP]...] arms the named points below:
                                                  would (mpi_tp.training.loss_scale)
     sample-error:SEED                            rank 0's sampling fails (a RuntimeError) at the third
                                                  byte of every request with this seed (serving tests)
+
+Planted bugs (PLANTED below): the classic mistakes of a parallel implementation, each switched on by
+its name (MPI_TP_FAILPOINT=bug-f-backward), for `mpi-tp verify` to find and name, and for a learner to
+watch it do so. Each breaks only what a parallel layout does (a collective skipped, a shard's offset,
+the micro-batches' share), so the serial reference verify runs beside it stays right.
 """
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
+
+PLANTED = {
+    "bug-f-backward": "f's backward returns this rank's partial dX: no all-reduce (tensor parallelism, no sp)",
+    "bug-bias-before-reduce": "the row-parallel layers add their replicated bias before the sum over tp: T copies",
+    "bug-vocab-offset": "the vocabulary-parallel embedding's ranks after the first look their ids up one row off",
+    "bug-dropout-replay": "recomputation draws the next step's dropout masks instead of replaying the pass's",
+    "bug-micro-batch-scale": "each micro-batch's gradient is not divided by the number of micro-batches",
+    "bug-sp-grads": "under sequence parallelism the replicated parameters' gradients (norms, row biases, the "
+                    "position table) are not summed over tp",
+    "bug-tied-embedding": "the tied embedding's two copies (first and last pipeline stage) are not summed",
+}
 
 
 def armed(name: str, step: int) -> bool:
     """True when MPI_TP_FAILPOINT names this point (for every step, or for this step)."""
     wanted = os.environ.get("MPI_TP_FAILPOINT", "").split(",")
     return name in wanted or f"{name}:{step}" in wanted
+
+
+@functools.cache
+def _armed_names(setting: str) -> frozenset:
+    return frozenset(setting.split(","))
+
+
+def planted(bug: str) -> bool:
+    """True when MPI_TP_FAILPOINT plants this bug (one of PLANTED). Cheap: called on hot paths."""
+    return bug in _armed_names(os.environ.get("MPI_TP_FAILPOINT", ""))
 
 
 def failpoint(name: str, step: int) -> None:

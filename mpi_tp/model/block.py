@@ -14,6 +14,9 @@ all-reduce becomes an all-gather and a reduce-scatter (mpi_tp.parallel.sequence_
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from mpi_tp.core.failpoints import planted
 from mpi_tp.core.module import Module
 from mpi_tp.model.attention import ParallelAttention
 from mpi_tp.model.dropout import region_mask
@@ -74,6 +77,8 @@ class Block(Module):
     def backward(self, dout):
         if self.recompute:
             x, ps = self.take_cache()
+            if planted("bug-dropout-replay") and ps.masks is not None:
+                ps = replace(ps, masks=replace(ps.masks, step=ps.masks.step + 1))
             self._forward(x, ps)                     # the caches again, the same masks (the output is not needed)
         m_a, m_h, masks = self.take_cache()
         dh = dout if m_h is None else masks.apply(dout, m_h)

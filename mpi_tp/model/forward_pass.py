@@ -10,6 +10,8 @@ What a micro-batch's layers need to know besides their weights and inputs:
     sp      sequence parallelism's cut of this rank's positions over topo.tp (SequenceSplit), or None
     masks   the dropout masks' key (model.dropout.Masks: seed, step, the batch's first row in the
             step's global batch), or None (evaluation, inference, a zero dropout probability)
+    row0    the micro-batch's first row in the step's global batch (which sequences these are:
+            mpi_tp.verify finds a layer's serial counterpart by it)
 A GPT called without a pass starts its own (GPT.forward); a pipeline stage starts one per
 micro-batch and hands it to every chunk (mpi_tp.parallel.pipeline.stage); cached decoding calls
 the layers with none (NO_PASS: nothing cut, no dropout). A pass is frozen, so activation
@@ -30,14 +32,15 @@ class Pass:
     cp: ContextSplit | None = None
     sp: SequenceSplit | None = None
     masks: Masks | None = None
+    row0: int = 0
 
     @classmethod
     def start(cls, topo, S: int, sequence_parallel: bool = False, masks: Masks | None = None,
-              overlap: bool | None = None) -> Pass:
-        """The pass of a micro-batch of sequences of S positions on this rank of `topo` (overlap: the
-        SequenceSplit's, None for its default)."""
+              overlap: bool | None = None, row0: int = 0) -> Pass:
+        """The pass of a micro-batch of sequences of S positions on this rank of `topo` whose first is row
+        row0 of the step's global batch (overlap: the SequenceSplit's, None for its default)."""
         cp = ContextSplit(topo.cp, S) if topo.cp.size > 1 else None
-        ps = cls(S, cp, None, masks)
+        ps = cls(S, cp, None, masks, row0)
         return replace(ps, sp=SequenceSplit(topo.tp, ps.local, overlap)) if sequence_parallel else ps
 
     @property

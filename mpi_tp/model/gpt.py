@@ -111,7 +111,8 @@ class GPT(Module):
     def new_pass(self, S: int, row0: int = 0, step: int | None = None) -> Pass:
         """The pass of a micro-batch of sequences of S positions whose first is row row0 of the step's
         global batch: this layout's cuts of the positions, this step's (or `step`'s) dropout masks."""
-        return Pass.start(self.topo, S, self.sequence_parallel, self.dropout.masks(row0, step), self.sp_overlap)
+        return Pass.start(self.topo, S, self.sequence_parallel, self.dropout.masks(row0, step), self.sp_overlap,
+                          row0)
 
     def hidden(self, inp, ps: Pass):
         """Token ids (first chunk) or activations -> the activations after this chunk's blocks:

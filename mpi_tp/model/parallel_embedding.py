@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
+from mpi_tp.core.failpoints import planted
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.model.parallel_linear import column_backward, column_forward
@@ -33,6 +34,8 @@ class VocabParallelEmbedding(Module):
         pass's SequenceSplit)."""
         xp = backend.xp()
         local = ids - self.start                                      # (B, S) row index into wte_i
+        if self.start > 0 and planted("bug-vocab-offset"):
+            local = local - 1
         outside = None
         if self.group.size > 1:
             outside = (local < 0) | (local >= self.stop - self.start)

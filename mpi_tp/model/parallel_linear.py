@@ -14,6 +14,7 @@ MPI directly.
 from __future__ import annotations
 
 from mpi_tp.core import kernels as kern
+from mpi_tp.core.failpoints import planted
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.core.precision import sum_rows
@@ -186,9 +187,12 @@ class RowParallelLinear(Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.sizes)              # (B, S, K) -> (B, S, K_i)
         y, cache = kern.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial
+        early = self.bias is not None and self.group.size > 1 and planted("bug-bias-before-reduce")
+        if early:
+            y += self.bias.data
         y, seq = leave_tp(y, self.group, sp)                            # sp: -> (B, S_i, O), this rank's positions
         self.save_cache(cache, seq)
-        if self.bias is not None:
+        if self.bias is not None and not early:
             y += self.bias.data
         return y
 

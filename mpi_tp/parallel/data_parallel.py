@@ -55,6 +55,7 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.core import backend
+from mpi_tp.core.failpoints import planted
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.expert_parallel import expert_of
@@ -187,7 +188,7 @@ class GradReducer:
         """Bucket k is final on this rank: sum its sp_partial part over tp, start its collective over the group."""
         b = self.buckets[k]
         self._started.add(k)
-        if b.sp.start < b.sp.stop:
+        if b.sp.start < b.sp.stop and not planted("bug-sp-grads"):
             self.tp.all_reduce(b.grads[b.sp], kind="sp_grad_all_reduce")
         if b.replicas.start < b.replicas.stop:
             b.replica_group.all_reduce(b.grads[b.replicas], kind="kv_grad_all_reduce")

@@ -28,6 +28,7 @@ average, so the order does not change the numbers.
 from __future__ import annotations
 
 from mpi_tp.core import backend
+from mpi_tp.core.failpoints import planted
 
 
 def sum_packed(params, group, kind: str) -> None:
@@ -45,7 +46,8 @@ def sum_packed(params, group, kind: str) -> None:
 
 def sum_sp_partial_grads(params, group) -> None:
     """Every sp_partial gradient (this rank's positions' parts) summed over the tensor-parallel group."""
-    sum_packed([p for p in params if p.sp_partial], group, "sp_grad_all_reduce")
+    if not planted("bug-sp-grads"):
+        sum_packed([p for p in params if p.sp_partial], group, "sp_grad_all_reduce")
 
 
 def sum_replica_grads(params) -> None:

@@ -15,6 +15,7 @@ The collectives themselves (counted, buffer-based) are in `collectives`.
 from __future__ import annotations
 
 from mpi_tp.core import backend
+from mpi_tp.core.failpoints import planted
 from mpi_tp.parallel.collectives import Group
 
 # -- Megatron's conjugate regions ------------------------------------------
@@ -29,6 +30,8 @@ def copy_to_tp(x, group: Group):
 
 def copy_to_tp_backward(dout, group: Group):
     """f's gradient: each rank's branch contributed a part of dX, so sum them (all-reduce)."""
+    if planted("bug-f-backward"):
+        return dout
     return group.all_reduce(dout)
 
 

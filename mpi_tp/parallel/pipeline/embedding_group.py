@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from mpi_tp.core.failpoints import planted
 from mpi_tp.parallel.collectives import Group
 
 
@@ -33,7 +34,7 @@ class TiedEmbedding:
         total = self.tables[0].weight.grad.copy()
         for t in self.tables[1:]:
             total += t.weight.grad
-        if self.group is not None:
+        if self.group is not None and not planted("bug-tied-embedding"):
             self.group.all_reduce(total, kind="embedding_all_reduce")
         for t in self.tables:
             t.weight.grad[...] = total

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy
 
+from mpi_tp.core.failpoints import planted
 from mpi_tp.parallel.pipeline.embedding_group import TiedEmbedding
 from mpi_tp.parallel.pipeline.engine import PipelineEngine
 from mpi_tp.parallel.pipeline.schedules import schedule
@@ -195,7 +196,8 @@ class PipelineStage:
             chunk.restore_caches(kept.pop((m, j)))
             live -= held.pop((m, j), 0)
             hook = reducer.chunk(self.block_offsets[j]) if reducer is not None and m == final[j] else None
-            dx = chunk.backward(loss_scale / M if chunk.last else from_wire(dout), reducer=hook, loss_scale=loss_scale / M)
+            share = loss_scale if planted("bug-micro-batch-scale") else loss_scale / M      # the 1/M of accumulation
+            dx = chunk.backward(share if chunk.last else from_wire(dout), reducer=hook, loss_scale=share)
             return None if chunk.first else to_wire(dx)
 
         self.engine.run(forward, backward, shape, self.dtype)
