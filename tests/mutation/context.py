@@ -1,2 +1,52 @@
-"""(filled below)"""
-MUTANTS = []
+"""Context parallelism: the ring's steps and messages, the two-chunk balance, the causal skip, dK/dV home, GQA."""
+from mutation.mutant import Mutant
+
+RING = "tests/test_context_parallel.py::test_ring_attention_equals_the_serial_kernel"
+BALANCE = "tests/test_context_parallel.py::test_the_chunks_hold_every_position_once_and_balance_the_work"
+MODEL = "tests/test_context_parallel_model.py::test_every_cp_layout_equals_serial"
+
+MUTANTS = [
+    Mutant("context/plain-split",
+           "rank r holds chunks 2r and 2r + 1 (a plain split) instead of one chunk from each end: exact, unbalanced",
+           "mpi_tp/parallel/context_parallel.py",
+           "        return r, 2 * self.group.size - 1 - r", "        return 2 * r, 2 * r + 1",
+           (BALANCE,), (2,)),
+    Mutant("context/later-chunks-not-skipped",
+           "the causal skip is lost: a query chunk attends to later key chunks too",
+           "mpi_tp/parallel/ring_attention.py",
+           "            if ck <= cq:", "            if True:",
+           (RING + "[mha]",), (2,)),
+    Mutant("context/own-chunk-not-causal",
+           "a query chunk attends to its own key chunk whole, without the causal triangle",
+           "mpi_tp/parallel/ring_attention.py",
+           "                yield slice(qa, qb), slice(ka, kb), ck == cq", "                yield slice(qa, qb), slice(ka, kb), False",
+           (RING + "[mha]",), (2,)),
+    Mutant("context/kv-sent-at-the-last-step",
+           "the K/V block is passed on at the ring's last step too (Z messages a pass, not Z - 1): the same numbers",
+           "mpi_tp/parallel/ring_attention.py",
+           "        if s < n - 1:\n            nxt, pending", "        if s < n:\n            nxt, pending",
+           (RING + "[mha]",), (2,)),
+    Mutant("context/dkv-partial-sums-dropped",
+           "each hop drops the dK/dV it received: the owner gets the last rank's contribution only",
+           "mpi_tp/parallel/ring_attention.py",
+           "        dkv = grads[\"held\"] = computed(grads[\"held\"])",
+           "        dkv = grads[\"held\"] = computed(grads[\"held\"]) * 0",
+           (RING + "[mha]",), (2,)),
+    Mutant("context/loss-not-weighted",
+           "a rank's loss is not weighted by Z S_r / S: the reducer's average over cp x dp divides the gradient by Z",
+           "mpi_tp/parallel/context_parallel.py",
+           "    return split.group.size * local / split.S", "    return local / split.S",
+           (MODEL + "[gpt2]",), (2,)),
+    Mutant("context/embedding-at-local-positions",
+           "the position embedding of a cp rank's positions uses its local indices, not the global ones",
+           "mpi_tp/model/embedding.py",
+           "            positions = backend.asarray(ps.cp.positions)",
+           "            positions = slice(0, ps.cp.length())",
+           (MODEL + "[gpt2]",), (2,)),
+    Mutant("context/gqa-rotations-at-local-positions",
+           "llama (grouped-query) under cp: q and k rotated to each chunk's local positions, not the global ones",
+           "mpi_tp/model/attention.py",
+           "            at = backend.asarray(cp.positions)",
+           "            at = backend.asarray(cp.positions - cp.positions[0])",
+           (MODEL + "[llama]",), (2,)),
+]
