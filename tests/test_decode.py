@@ -4,7 +4,7 @@ float64, a tiny model whose 5 heads and 37-byte vocabulary split unevenly at 2, 
 """
 import numpy
 import pytest
-from decoding import full_last, join_step_leave
+from decoding import count_prefills, full_last, join_step_leave, restarts
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.testing import all_true
@@ -26,14 +26,16 @@ def models(world, seed=3):
 
 def test_cached_logits_equal_the_full_context_at_every_position(world):
     """Every step's logits equal the full forward pass of what the decoder attends to: the whole row
-    while it fits, then its window (the last block_size / 2 bytes, growing back to block_size)."""
+    while it fits, then its window (the last block_size / 2 bytes, growing back to block_size); and the
+    prefix came from the cache: a row was prefilled only at the start and when its window started again."""
     serial, model, topo = models(world)
     rng = numpy.random.default_rng(0)
     histories = [list(rng.integers(0, 37, n)) for n in (5, 1, 3)]          # rows of 5, 1 and 3 bytes: each its own columns
     windows = [list(h) for h in histories]
     dec = Decoder(model, len(windows))
+    prefilled = count_prefills(dec)
     logits = dec.prefill(windows)
-    worst, slides = 0.0, 0
+    worst, slides, want = 0.0, 0, len(windows)
     for step in range(2 * CFG.block_size):
         for b, seen in enumerate(windows):
             worst = max(worst, float(numpy.abs(logits[b] - full_last(serial, seen)).max()))
@@ -42,8 +44,11 @@ def test_cached_logits_equal_the_full_context_at_every_position(world):
             history.append(int(i))
         windows = [h[-window(len(h), CFG.block_size):] for h in histories]
         slides += any(len(w) < len(h) and len(w) == CFG.block_size // 2 for w, h in zip(windows, histories))
+        want += restarts(histories, CFG.block_size)
         logits = dec.step(nxt)
     assert slides >= 2 and dec.cache.lengths.max() <= CFG.block_size
+    assert sum(prefilled) == want, f"{sum(prefilled)} rows prefilled, want {want}: a prefix was recomputed"
+    assert list(dec.cache.lengths[:len(windows)]) == [len(w) for w in windows]
     assert all_true(worst < 1e-10, world), worst
     topo.free()
 
