@@ -76,14 +76,27 @@ def test_window_depends_on_the_row_alone():
     assert [window(n, 8) for n in range(1, 20)] == [1, 2, 3, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4]
 
 
+def uncached_text(model, req: Request) -> bytes:
+    """req's text built without the decoder and its rows: each token chosen from the full forward pass of
+    the row's window, by a generator seeded with req.seed (no stop, no end-of-sequence: max_tokens of them)."""
+    rng, tokens = numpy.random.default_rng(req.seed), list(req.prompt)
+    for _ in range(req.max_tokens):
+        tokens.append(choose(full_last(model, tokens[-window(len(tokens), CFG.block_size):]), req, rng))
+    return bytes(tokens[len(req.prompt):])
+
+
 def test_text_is_the_serial_models_at_every_size(world):
-    """Greedy, and sampled with a fixed seed: the same bytes at every tensor-parallel size."""
+    """Greedy, and sampled with a fixed seed: the same bytes at every tensor-parallel size, and the bytes
+    drawn by the request's own seed (those of the uncached reference; another seed draws others)."""
     serial, model, topo = models(world, seed=5)
     reqs = [Request(bytes([1, 2, 3]), max_tokens=20, temperature=0), Request(bytes([7]), max_tokens=9, top_k=1),
             Request(bytes([2, 9]), max_tokens=16, temperature=0.9, top_p=0.9, seed=11)]
     want = generate(serial, reqs)
     got = generate(model, reqs)
     assert all_true(got == want, world), (got, want)
+    assert want == [uncached_text(serial, r) for r in reqs]     # (every rank computes the same: none fails alone)
+    reseeded = Request(reqs[2].prompt, 16, reqs[2].temperature, top_p=reqs[2].top_p, seed=12)
+    assert uncached_text(serial, reseeded) != want[2]           # the seed matters at these settings
     assert [len(g) for g in got] == [20, 9, 16]
     topo.free()
 
