@@ -49,4 +49,9 @@ MUTANTS = [
            "            at = backend.asarray(cp.positions)",
            "            at = backend.asarray(cp.positions - cp.positions[0])",
            (MODEL + "[llama]",), (2,)),
+    Mutant("context/sequence-never-split",
+           "the model's pass never builds the cp split: every cp rank runs the whole sequence (the same numbers)",
+           "mpi_tp/model/forward_pass.py",
+           "cp = ContextSplit(topo.cp, S) if topo.cp.size > 1 else None", "cp = None",
+           (MODEL + "[gpt2]",), (2,)),
 ]
