@@ -54,4 +54,10 @@ MUTANTS = [
            "mpi_tp/model/forward_pass.py",
            "cp = ContextSplit(topo.cp, S) if topo.cp.size > 1 else None", "cp = None",
            (MODEL + "[gpt2]",), (2,)),
+    Mutant("context/loss-not-summed-over-cp",
+           "the reported loss is this cp rank's part (no sum over the ring), its gradients unchanged",
+           "mpi_tp/model/gpt.py",
+           "            loss = float(ps.cp.group.all_reduce(numpy.array([mine]))[0]) / ps.cp.group.size",
+           "            loss = mine / ps.cp.group.size",
+           (MODEL + "[gpt2]",), (2,)),
 ]

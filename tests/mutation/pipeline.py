@@ -100,4 +100,9 @@ MUTANTS = [
            "mpi_tp/parallel/pipeline/wire.py",
            "    start = offsets(sizes)[tp.rank]", "    start = offsets(sizes)[0]",
            (EQUALS + "[1f1b-1-1-none]",), (4,)),
+    Mutant("pipeline/dropout-masks-repeat",
+           "the stage's dropout step is never advanced: every training step draws the first step's masks",
+           "mpi_tp/parallel/pipeline/stage.py",
+           "            self.dropout.advance()", "            pass",
+           (EQUALS + "[1f1b-1-1-none]",), (2,)),
 ]
