@@ -71,6 +71,9 @@ def test_pipeline_equals_serial(world, name, micro, virtual, recompute):
             posts, ahead = stage.engine.posts, default_prepost()
             assert all_true(all(j == max(0, k - ahead) for k, j in posts) and bool(posts) == (pp * virtual > 1), world), \
                 f"receives posted {posts}, want {ahead} actions ahead, {what}"
+            # fresh dropout masks each step (the serial reference steps through the same code, so the
+            # numbers alone cannot tell): the masks' step key advanced once per training step
+            assert stage.dropout.step == STEPS, f"dropout at step {stage.dropout.step} after {STEPS}, {what}"
             for p in compared(stage.parameters()):
                 assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-8, f"{p.name}, {what}",
                              comm=topo.tp.comm)     # stages hold different parameters: agree within the stage
