@@ -105,14 +105,16 @@ def test_batched_generation_equals_each_alone(world):
     _, model, topo = models(world, seed=6)
     reqs = [Request(bytes([4, 5, 6, 7, 8]), max_tokens=15, temperature=1.0, seed=1),
             Request(bytes([9]), max_tokens=6, temperature=0.7, top_k=5, seed=2),
-            Request(bytes([1, 1]), max_tokens=20, temperature=1.3, top_p=0.8, seed=3, stop=bytes([0]))]
-    alone = [generate(model, [r])[0] for r in reqs]
+            Request(bytes([1, 1]), max_tokens=20, temperature=1.3, top_p=0.8, seed=3, stop=bytes([0])),
+            Request(bytes([3]), max_tokens=10, temperature=0.8, seed=4)]    # row 1 leaves first: the last
+    alone = [generate(model, [r])[0] for r in reqs]                          # row (3) takes its slot
     together = generate(model, reqs)
     assert all_true(together == alone, world), (together, alone)
     assert len(together[1]) == 6 and (len(together[2]) == 20 or together[2].endswith(bytes([0])))
+    assert len(together[3]) == 10 and min(len(together[0]), len(together[2]) + 1) > 6    # (row 1 left first)
     streamed = {}
     generate(model, reqs, on_token=lambda i, b: streamed.setdefault(i, bytearray()).append(b))
-    assert all_true([bytes(streamed[i]) for i in range(3)] == together, world)
+    assert all_true([bytes(streamed[i]) for i in range(4)] == together, world)
     topo.free()
 
 
@@ -125,6 +127,8 @@ def test_sampling_rules():
     nucleus = {choose(logits, Request(b"x", temperature=1.0, top_p=0.75), rng) for _ in range(200)}
     assert nucleus == {0, 1}                                  # 0.5 + 0.3 reaches 0.75: the smallest such set
     assert {choose(logits, Request(b"x", temperature=1.0, top_p=0.5), rng) for _ in range(50)} == {0}
+    cold = {choose(logits, Request(b"x", temperature=0.02), rng) for _ in range(200)}
+    assert cold == {0}                                        # weights 0.5^50 : 0.3^50 ...: the next 8e-12 as likely
 
 
 @pytest.mark.parametrize("bad, says", [
