@@ -60,4 +60,10 @@ MUTANTS = [
            "            loss = float(ps.cp.group.all_reduce(numpy.array([mine]))[0]) / ps.cp.group.size",
            "            loss = mine / ps.cp.group.size",
            (MODEL + "[gpt2]",), (2,)),
+    Mutant("context/dropout-masks-at-own-keys",
+           "ring attention's dropout mask for rank src's keys is taken at this rank's own key positions",
+           "mpi_tp/model/attention.py",
+           "                keys[src] = backend.asarray(ps.cp.positions_of(src))",
+           "                keys[src] = backend.asarray(ps.cp.positions_of(None))",
+           (MODEL + "[gpt2]",), (2,)),
 ]
