@@ -52,6 +52,10 @@ def test_every_cp_layout_equals_serial(world, arch):
             zero = dp > 1
             losses, model, _ = run(cfg(arch), topo, B, sp, zero, recompute)
             what = f"{arch} tp={tp} cp={cp} dp={dp} sp={sp} zero={zero} recompute={recompute}"
+            # the sequence was split: ring attention's K/V went around (each rank whole would give the same
+            # numbers); per layer and step at least Z - 1 sends forward, 2Z - 1 backward
+            sent = topo.stats.calls.get("cp/send", 0)
+            assert all_true(sent >= STEPS * 2 * (3 * cp - 2), world), f"{sent} ring messages sent, {what}"
             steps.assert_losses(losses, ref_losses, what)
             for p in steps.compared(model.parameters()):
                 assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-8, f"{p.name}, {what}")

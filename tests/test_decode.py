@@ -4,7 +4,7 @@ float64, a tiny model whose 5 heads and 37-byte vocabulary split unevenly at 2, 
 """
 import numpy
 import pytest
-from decoding import full_last, join_step_leave
+from decoding import count_prefills, full_last, join_step_leave, restarts
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.testing import all_true
@@ -26,14 +26,16 @@ def models(world, seed=3):
 
 def test_cached_logits_equal_the_full_context_at_every_position(world):
     """Every step's logits equal the full forward pass of what the decoder attends to: the whole row
-    while it fits, then its window (the last block_size / 2 bytes, growing back to block_size)."""
+    while it fits, then its window (the last block_size / 2 bytes, growing back to block_size); and the
+    prefix came from the cache: a row was prefilled only at the start and when its window started again."""
     serial, model, topo = models(world)
     rng = numpy.random.default_rng(0)
     histories = [list(rng.integers(0, 37, n)) for n in (5, 1, 3)]          # rows of 5, 1 and 3 bytes: each its own columns
     windows = [list(h) for h in histories]
     dec = Decoder(model, len(windows))
+    prefilled = count_prefills(dec)
     logits = dec.prefill(windows)
-    worst, slides = 0.0, 0
+    worst, slides, want = 0.0, 0, len(windows)
     for step in range(2 * CFG.block_size):
         for b, seen in enumerate(windows):
             worst = max(worst, float(numpy.abs(logits[b] - full_last(serial, seen)).max()))
@@ -42,8 +44,11 @@ def test_cached_logits_equal_the_full_context_at_every_position(world):
             history.append(int(i))
         windows = [h[-window(len(h), CFG.block_size):] for h in histories]
         slides += any(len(w) < len(h) and len(w) == CFG.block_size // 2 for w, h in zip(windows, histories))
+        want += restarts(histories, CFG.block_size)
         logits = dec.step(nxt)
     assert slides >= 2 and dec.cache.lengths.max() <= CFG.block_size
+    assert sum(prefilled) == want, f"{sum(prefilled)} rows prefilled, want {want}: a prefix was recomputed"
+    assert list(dec.cache.lengths[:len(windows)]) == [len(w) for w in windows]
     assert all_true(worst < 1e-10, world), worst
     topo.free()
 
@@ -71,14 +76,27 @@ def test_window_depends_on_the_row_alone():
     assert [window(n, 8) for n in range(1, 20)] == [1, 2, 3, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4]
 
 
+def uncached_text(model, req: Request) -> bytes:
+    """req's text built without the decoder and its rows: each token chosen from the full forward pass of
+    the row's window, by a generator seeded with req.seed (no stop, no end-of-sequence: max_tokens of them)."""
+    rng, tokens = numpy.random.default_rng(req.seed), list(req.prompt)
+    for _ in range(req.max_tokens):
+        tokens.append(choose(full_last(model, tokens[-window(len(tokens), CFG.block_size):]), req, rng))
+    return bytes(tokens[len(req.prompt):])
+
+
 def test_text_is_the_serial_models_at_every_size(world):
-    """Greedy, and sampled with a fixed seed: the same bytes at every tensor-parallel size."""
+    """Greedy, and sampled with a fixed seed: the same bytes at every tensor-parallel size, and the bytes
+    drawn by the request's own seed (those of the uncached reference; another seed draws others)."""
     serial, model, topo = models(world, seed=5)
     reqs = [Request(bytes([1, 2, 3]), max_tokens=20, temperature=0), Request(bytes([7]), max_tokens=9, top_k=1),
             Request(bytes([2, 9]), max_tokens=16, temperature=0.9, top_p=0.9, seed=11)]
     want = generate(serial, reqs)
     got = generate(model, reqs)
     assert all_true(got == want, world), (got, want)
+    assert want == [uncached_text(serial, r) for r in reqs]     # (every rank computes the same: none fails alone)
+    reseeded = Request(reqs[2].prompt, 16, reqs[2].temperature, top_p=reqs[2].top_p, seed=12)
+    assert uncached_text(serial, reseeded) != want[2]           # the seed matters at these settings
     assert [len(g) for g in got] == [20, 9, 16]
     topo.free()
 
@@ -87,14 +105,16 @@ def test_batched_generation_equals_each_alone(world):
     _, model, topo = models(world, seed=6)
     reqs = [Request(bytes([4, 5, 6, 7, 8]), max_tokens=15, temperature=1.0, seed=1),
             Request(bytes([9]), max_tokens=6, temperature=0.7, top_k=5, seed=2),
-            Request(bytes([1, 1]), max_tokens=20, temperature=1.3, top_p=0.8, seed=3, stop=bytes([0]))]
-    alone = [generate(model, [r])[0] for r in reqs]
+            Request(bytes([1, 1]), max_tokens=20, temperature=1.3, top_p=0.8, seed=3, stop=bytes([0])),
+            Request(bytes([3]), max_tokens=10, temperature=0.8, seed=4)]    # row 1 leaves first: the last
+    alone = [generate(model, [r])[0] for r in reqs]                          # row (3) takes its slot
     together = generate(model, reqs)
     assert all_true(together == alone, world), (together, alone)
     assert len(together[1]) == 6 and (len(together[2]) == 20 or together[2].endswith(bytes([0])))
+    assert len(together[3]) == 10 and min(len(together[0]), len(together[2]) + 1) > 6    # (row 1 left first)
     streamed = {}
     generate(model, reqs, on_token=lambda i, b: streamed.setdefault(i, bytearray()).append(b))
-    assert all_true([bytes(streamed[i]) for i in range(3)] == together, world)
+    assert all_true([bytes(streamed[i]) for i in range(4)] == together, world)
     topo.free()
 
 
@@ -107,6 +127,8 @@ def test_sampling_rules():
     nucleus = {choose(logits, Request(b"x", temperature=1.0, top_p=0.75), rng) for _ in range(200)}
     assert nucleus == {0, 1}                                  # 0.5 + 0.3 reaches 0.75: the smallest such set
     assert {choose(logits, Request(b"x", temperature=1.0, top_p=0.5), rng) for _ in range(50)} == {0}
+    cold = {choose(logits, Request(b"x", temperature=0.02), rng) for _ in range(200)}
+    assert cold == {0}                                        # weights 0.5^50 : 0.3^50 ...: the next 8e-12 as likely
 
 
 @pytest.mark.parametrize("bad, says", [

@@ -1,6 +1,7 @@
 """Micro-batches (gradient accumulation) through the training loop's own forward_backward: at every
 tp x dp layout, with sequence parallelism, ZeRO-1 and dropout, M micro-batches per replica give the
-serial model's numbers on the whole global batch in one pass (float64, 4 AdamW steps, < 1e-8)."""
+serial model's numbers on the whole global batch in one pass (float64, 4 AdamW steps, < 1e-8); each step
+ran M forwards (one pass over all the rows would give the same numbers: the engine's spans are counted)."""
 import numpy as np
 import pytest
 import steps
@@ -11,6 +12,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.topology import Topology
+from mpi_tp.parallel.trace import Trace
 from mpi_tp.training.optim import AdamW
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -23,11 +25,17 @@ def global_batch(step, rows):
 
 
 def train(topo, micro, b=B, sp=False, zero=False):
-    """Losses and the model after STEPS steps on global batches of dp * micro * b sequences."""
+    """Losses and the model after STEPS steps on global batches of dp * micro * b sequences; asserts that
+    each step ran `micro` forwards (the schedule's "F" spans, traced)."""
     model = GPT(GPTConfig(**CFG), topo, dtype="float64", seed=3, sequence_parallel=sp)
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
-    return steps.train(model, opt, STEPS, micro * b, global_batch, micro, reducer), model
+    topo.stats.trace = Trace()
+    losses = steps.train(model, opt, STEPS, micro * b, global_batch, micro, reducer)
+    forwards = sum(1 for e in topo.stats.trace.events if (e["name"], e["cat"]) == ("F", "pipeline"))
+    topo.stats.trace = None
+    assert forwards == STEPS * micro, f"{forwards} micro-batch forwards in {STEPS} steps of {micro}"   # every rank alike
+    return losses, model
 
 
 def layouts(n):

@@ -1,16 +1,18 @@
 """The pipelined GPT against the serial model: every dp x pp x tp layout of the pass, each schedule,
 several micro-batch counts, uneven stages, sequence parallelism, dropout on (float64, 3 AdamW steps:
-first loss < 1e-10, the rest and every weight < 1e-8); and a mixture-of-experts GPT in every such
+first loss < 1e-10, the rest and every weight < 1e-8), the stages' receives posted ahead (the engine's
+default, which changes no number: its posts are checked); and a mixture-of-experts GPT in every such
 layout with sequence parallelism, expert parallelism and the distributed optimizer (ZeRO-1)."""
 import numpy as np
 import pytest
 from steps import assert_losses, compared, global_batch, train
 
-from mpi_tp.core.testing import assert_close, gather_full
+from mpi_tp.core.testing import all_true, assert_close, gather_full
 from mpi_tp.model.chunks import build_stage
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.pipeline.engine import default_prepost
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import AdamW
 
@@ -64,6 +66,14 @@ def test_pipeline_equals_serial(world, name, micro, virtual, recompute):
             losses, stage = pipelined(topo, n_layer, name, m, virtual, sp, recompute)
             what = f"{name} tp={tp} pp={pp} dp={dp} M={m} V={virtual} sp={sp} recompute={recompute}"
             assert_losses(losses, ref_losses, what)
+            # the stage ran the engine's default: each receive posted default_prepost() actions ahead
+            # of its own (one chunk on one stage receives nothing)
+            posts, ahead = stage.engine.posts, default_prepost()
+            assert all_true(all(j == max(0, k - ahead) for k, j in posts) and bool(posts) == (pp * virtual > 1), world), \
+                f"receives posted {posts}, want {ahead} actions ahead, {what}"
+            # fresh dropout masks each step (the serial reference steps through the same code, so the
+            # numbers alone cannot tell): the masks' step key advanced once per training step
+            assert stage.dropout.step == STEPS, f"dropout at step {stage.dropout.step} after {STEPS}, {what}"
             for p in compared(stage.parameters()):
                 assert_close(gather_full(p, topo.tp.comm), ref[p.name], 1e-8, f"{p.name}, {what}",
                              comm=topo.tp.comm)     # stages hold different parameters: agree within the stage
