@@ -42,7 +42,7 @@ MUTANTS = [
     Mutant("pipeline/micro-batches-not-scaled",
            "each micro-batch's gradient is not scaled by 1/M: M micro-batches give M times the gradient",
            "mpi_tp/parallel/pipeline/stage.py",
-           "dx = chunk.backward(loss_scale / M if chunk.last", "dx = chunk.backward(loss_scale if chunk.last",
+           "else loss_scale / M      # the 1/M of accumulation", "else loss_scale      # the 1/M of accumulation",
            (EQUALS + "[gpipe-3-1-selective]",), (2,)),
     Mutant("pipeline/micro-batches-read-the-same-rows",
            "every micro-batch reads the replica's first rows: the rest of the batch never trains",
