@@ -1,6 +1,6 @@
 """The package's folders import only downward: the layering that README's "How it is built" shows.
 
-    core < text < parallel < model < checkpoint < inference < training < planning < course < commands
+    core < text < parallel < model < checkpoint < inference < training < verify < planning < course < commands
 
 A module may import from its own folder or from any folder below it, never from
 one above (so `model` cannot reach into `training`, and `core` knows nothing of
@@ -16,8 +16,8 @@ import pytest
 
 import mpi_tp
 
-LAYERS = ["core", "text", "parallel", "model", "checkpoint", "inference", "training", "planning", "course",
-          "commands"]
+LAYERS = ["core", "text", "parallel", "model", "checkpoint", "inference", "training", "verify", "planning",
+          "course", "commands"]
 PACKAGE = pathlib.Path(mpi_tp.__file__).parent
 
 

@@ -78,6 +78,8 @@ def build_parser() -> Parser:
     add_calibrate(sub)
     from mpi_tp.commands.explain import add_parser as add_explain
     add_explain(sub)
+    from mpi_tp.commands.verify import add_parser as add_verify
+    add_verify(sub)
     from mpi_tp.commands.exercise import add_parser as add_exercise
     add_exercise(sub)
     from mpi_tp.commands.tokenize import add_parser as add_tokenize

@@ -31,7 +31,8 @@ import signal
 PLANTED = {
     "bug-f-backward": "f's backward returns this rank's partial dX: no all-reduce (tensor parallelism, no sp)",
     "bug-bias-before-reduce": "the row-parallel layers add their replicated bias before the sum over tp: T copies",
-    "bug-vocab-offset": "the vocabulary-parallel embedding's ranks after the first look their ids up one row off",
+    "bug-vocab-offset": "the vocabulary-parallel embedding looks its ids up one row off (its shard's offset one "
+                        "too low)",
     "bug-dropout-replay": "recomputation draws the next step's dropout masks instead of replaying the pass's",
     "bug-micro-batch-scale": "each micro-batch's gradient is not divided by the number of micro-batches",
     "bug-sp-grads": "under sequence parallelism the replicated parameters' gradients (norms, row biases, the "

@@ -34,8 +34,8 @@ class VocabParallelEmbedding(Module):
         pass's SequenceSplit)."""
         xp = backend.xp()
         local = ids - self.start                                      # (B, S) row index into wte_i
-        if self.start > 0 and planted("bug-vocab-offset"):
-            local = local - 1
+        if self.group.size > 1 and planted("bug-vocab-offset"):
+            local = local + 1                                         # the shard's offset taken one too low
         outside = None
         if self.group.size > 1:
             outside = (local < 0) | (local >= self.stop - self.start)
