@@ -110,3 +110,17 @@ def test_verify_starts_from_a_checkpoint(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     steps = [line.split()[0] for line in r.stdout.splitlines() if line.rstrip().endswith(" ok")]
     assert steps == ["3", "4"], r.stdout                 # the steps after the checkpoint's
+
+
+@cli
+def test_verify_starts_from_a_hugging_face_folder(tmp_path):
+    """--init-from a Hugging Face folder (written by export --format hf): no optimizer state, fresh moments."""
+    pytest.importorskip("safetensors", reason="the hf extra (safetensors) is not installed")
+    out, folder = tmp_path / "run", tmp_path / "hf"
+    r = mpirun(2, "train", *TINY, "--steps", "1", "--out", str(out), "--sample-len", "0")
+    assert r.returncode == 0, r.stderr
+    r = mpirun(1, "export", str(out / "checkpoints"), str(folder), "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    r = mpirun(2, "verify", *TINY, "--tp", "2", "--init-from", str(folder))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every step agrees with the serial model" in r.stdout and f"from {folder}" in r.stdout
