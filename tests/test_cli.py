@@ -136,7 +136,9 @@ def test_trace_of_a_pipelined_run(tmp_path):
         assert sum(e["name"] == "B" for e in mine) == 8 and all(e["dur"] >= 0 for e in mine)
         assert any(e["name"] == "optimizer" for e in mine)
     sent = sum(e["args"]["bytes"] for e in events if e["name"] == "pp/send" and e["pid"] == 0)
-    assert sent == (8 + 1) * 1 * 16 * 16 * 4        # 8 training activations + 1 evaluation, (1, 16, 16) float32
+    # 8 training activations + 4 evaluation ones (a validation batch is a global batch, in the step's 4
+    # micro-batches), each (1, 16, 16) float32
+    assert sent == (8 + 4) * 1 * 16 * 16 * 4
 
 
 @pytest.mark.parametrize("nodes,ranks,pin", [(1, 2, []), (2, 4, ["--pp", "2"])])

@@ -95,3 +95,18 @@ def test_a_batch_size_given_changes_the_global_batch_and_says_so(tmp_path):
     train(2, run, "--dp", "2", "--batch-size", "2", "--steps", "1")
     r = train(2, run, "--dp", "2", "--batch-size", "3", "--steps", "2", "--resume")
     assert "the global batch changes from 4 to 6 sequences (--batch-size given)" in r.stdout, r.stdout
+
+
+@cli
+def test_the_validation_loss_is_the_same_at_every_layout(tmp_path):
+    """Validation batches are global batches, each replica evaluating its rows in its micro-batches: tp2,
+    dp2 and pp2 x 2 micro-batches of one global batch report the same validation loss (it once drew batches
+    of the per-replica size, so dp2 evaluated other sequences than tp2)."""
+    val = {}
+    for name, layout in {"tp2": ["--tp", "2", "--batch-size", "8"], "dp2": ["--dp", "2", "--batch-size", "4"],
+                         "pp2": ["--pp", "2", "--micro-batches", "2", "--batch-size", "4"]}.items():
+        train(2, tmp_path / name, *layout, "--steps", "2", "--eval-every", "1", "--eval-batches", "2")
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        val[name] = np.array([line["val_loss"] for line in lines if "val_loss" in line])
+    assert len(val["tp2"]) == 2
+    assert max_rel_diff(val["dp2"], val["tp2"]) <= RTOL and max_rel_diff(val["pp2"], val["tp2"]) <= RTOL, val

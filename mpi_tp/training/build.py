@@ -86,7 +86,7 @@ def _load_data(cfg: TrainConfig, comm):
     train_tokens, val_tokens = split(corpus, cfg.val_fraction)
     global_batch = cfg.batch_size * cfg.micro_batches * cfg.dp
     sampler = BatchSampler(train_tokens, cfg.block_size, global_batch, cfg.seed)
-    val = eval_batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed + 1)
+    val = eval_batches(val_tokens, cfg.block_size, global_batch, cfg.eval_batches, cfg.seed + 1)   # any layout's
     return corpus, sampler, val, val_tokens
 
 

@@ -21,6 +21,7 @@ import os
 import signal
 import time
 
+import numpy
 from mpi4py import MPI
 
 from mpi_tp import __version__
@@ -31,6 +32,7 @@ from mpi_tp.core.failpoints import armed
 from mpi_tp.inference.sampling import printable, sample
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.comm_stats import OTHER
+from mpi_tp.parallel.pipeline.stage import micro_batch_rows
 from mpi_tp.parallel.trace import Trace, span
 from mpi_tp.training.build import Run, build
 from mpi_tp.training.config import TrainConfig
@@ -51,13 +53,21 @@ TRAIN_STEPS = "train_steps"
 PHASES = (TRAIN_STEPS, "evaluation", "checkpoints", OTHER)
 
 
-def evaluate(model: GPT, batches) -> float:
-    """Mean loss over fixed batches, without dropout."""
+def evaluate(model: GPT, batches, rows: slice, micro_batches: int = 1) -> float:
+    """Mean loss over the fixed validation batches, without dropout. Each batch is a global batch: this
+    replica takes its rows, in the training step's micro-batches, and the replicas' means are averaged, so
+    every layout evaluates the same sequences (and each replica a D-th of them)."""
     was_training = model.dropout.training
     model.eval()
-    loss = sum(model.forward(x, y) for x, y in batches) / len(batches)
+    parts = micro_batch_rows(rows, micro_batches)
+    loss = numpy.array([sum(model.forward(x[p], y[p]) for x, y in batches for p in parts)
+                        / (len(batches) * len(parts))])
     model.train(was_training)
-    return loss
+    dp = model.topo.dp
+    if dp.size > 1:
+        dp.all_reduce(loss)
+        loss /= dp.size
+    return float(loss[0])
 
 
 def run_step(run: Run, step: int, lr: float, meter: MoEMeter | None = None) -> tuple[float, float, str | None]:
@@ -145,7 +155,7 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
             last = step == cfg.steps
             if step % cfg.eval_every == 0 or last:
                 with span(topo.stats.trace, "evaluate", "compute", step=step), topo.stats.in_phase("evaluation"):
-                    val_loss = evaluate(model, run.val_batches)
+                    val_loss = evaluate(model, run.val_batches, run.rows, cfg.micro_batches)
                 progress.log({"step": step, "val_loss": val_loss})
             if problem is None and (step % cfg.log_every == 0 or last):
                 progress.step_line(step, losses, lr, norm, val_loss, meter.report() if meter else None,
