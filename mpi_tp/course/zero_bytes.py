@@ -123,4 +123,4 @@ def zero_bytes(student, comm, path=None) -> bool:
     return finish(comm, 8, "ZeRO-1's bytes", fb, [
         ("the lesson: docs/course.md lesson 14; once you have tried, the answer: docs/parallelism.md "
          "('ZeRO-1: the distributed optimizer') and mpiexec -n 2 mpi-tp train --dp 2 --zero 1's run.json")],
-        against="against the counters and the optimizer state of real steps")
+        against="against the counters and the optimizer state of real steps", size="D")
