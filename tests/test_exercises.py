@@ -38,7 +38,7 @@ BROKEN = {
     7: ["model.layers.0.self_attn.q_proj.weight (32, 32) at H = 4, H_kv = ", "you said rows [32, 32) (nothing)",
         "this rank holds rows [", "sharing out the key/value heads leaves some ranks none",
         "key/value head 0 (a replica, also on rank"],
-    8: ["ZeRO-1's bytes, at D = ", "wire bytes at fp32, ZeRO-1: P = ", "(2x)", "it replaces the all-reduce",
+    8: ["ZeRO-1's bytes, at D = ", "wire bytes at fp32, ZeRO-1: num_params = ", "(2x)", "it replaces the all-reduce",
         "optimizer state bytes at fp32, ZeRO-1", "its 1/D share of each bucket only", "fp32 master copies"],
 }
 # exercise: what the shipped broken version's report must say at T = 1 (default: that nothing is communicated)
