@@ -33,12 +33,12 @@ BROKEN = {
         "are held by no rank", "wrong vectors for token ids"],
     5: ["buffer bytes at B = 2, S = 4, C = 8, V = 37, L = 2", "you predicted 2048", "you counted one pass",
         "in 13 all-reduces"],
-    6: ["messages at Z = ", "the counters of the group cp measured", "bytes sent at B = 2, H = 2, H_kv = 2, S = 13",
+    6: ["one layer of ring attention, at Z = ", "messages at Z = ", "the counters of the group cp measured", "bytes sent at B = 2, H = 2, H_kv = 2, S = 13",
         "that is the plain split's work", "how many hops is that?"],
     7: ["model.layers.0.self_attn.q_proj.weight (32, 32) at H = 4, H_kv = ", "you said rows [32, 32) (nothing)",
         "this rank holds rows [", "sharing out the key/value heads leaves some ranks none",
         "key/value head 0 (a replica, also on rank"],
-    8: ["wire bytes at fp32, ZeRO-1: P = ", "(2x)", "it replaces the all-reduce",
+    8: ["ZeRO-1's bytes, at D = ", "wire bytes at fp32, ZeRO-1: num_params = ", "(2x)", "it replaces the all-reduce",
         "optimizer state bytes at fp32, ZeRO-1", "its 1/D share of each bucket only", "fp32 master copies"],
 }
 # exercise: what the shipped broken version's report must say at T = 1 (default: that nothing is communicated)

@@ -162,8 +162,11 @@ def build(make, seed: int = SEED):
 
 
 def finish(comm, number: int, title: str, fb: Feedback, hints: list[str] = (),
-           against: str = "float64, against the serial layer built from the same seed") -> bool:
-    """Gather every rank's findings on rank 0, print the report, PASS or FAIL; True on every rank on PASS."""
+           against: str = "float64, against the serial layer built from the same seed", size: str = "T") -> bool:
+    """Gather every rank's findings on rank 0, print the report, PASS or FAIL; True on every rank on PASS.
+
+    `size`: the letter the world size stands for in this exercise (notation.md): T, or Z for the ring, D for
+    the replicas."""
     ok = all_true(not fb.problems, comm)
     found = comm.gather((fb.problems, fb.notes, fb.hints, fb.facts), root=0)   # a report: pickled once
     if comm.Get_rank() == 0:
@@ -171,7 +174,7 @@ def finish(comm, number: int, title: str, fb: Feedback, hints: list[str] = (),
             longest = max(len(part[i]) for part in found)      # the j-th finding of every rank, then the next
             return _merge_ranks([part[i][j] for j in range(longest) for part in found if j < len(part[i])],
                                 comm.Get_size())
-        lines = [f"exercise {number}: {title}, at T = {comm.Get_size()} ({against})"]
+        lines = [f"exercise {number}: {title}, at {size} = {comm.Get_size()} ({against})"]
         if ok:
             lines += [f"  {t}" for t in unique(3)] + ["PASS"]
         else:

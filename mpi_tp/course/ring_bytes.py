@@ -141,4 +141,4 @@ def ring_bytes(student, comm, path=None) -> bool:
     return finish(comm, 6, "one layer of ring attention", fb, [
         ("the lesson: mpiexec -n 2 mpi-tp explain --layer cp (the causal grid, the scores per step and each "
          "rank's bytes; try first), the docstrings of mpi_tp/parallel/context_parallel.py and ring_attention.py")],
-        against="against the counters and the blocks of a real ring")
+        against="against the counters and the blocks of a real ring", size="Z")
