@@ -91,7 +91,7 @@ def text(report: dict, top: int) -> str:
                      f"{c['max_abs']:.3g} at step {c['max_abs_step']}, relative {c['max_rel']:.3g} at step "
                      f"{c['max_rel_step']}")
         if key == "loss":
-            every = f" (every {c['every']}th step, the last and the worst)" if c["every"] > 1 else ""
+            every = f" (every {c['every']} steps, the last and the worst)" if c["every"] > 1 else ""
             lines.append(f"  {'step':>8} {'loss A':>14} {'loss B':>14} {'B - A':>11}{every}")
             lines += [f"  {r['step']:>8} {r['a']:>14.9f} {r['b']:>14.9f} {r['diff']:>11.3e}" for r in c["rows"]]
     t = report.get("tensors")

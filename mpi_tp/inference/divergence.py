@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy
 
 from mpi_tp.checkpoint.model import load_model
+from mpi_tp.core import backend
 from mpi_tp.inference.evaluate import eval_windows
 
 
@@ -30,7 +31,6 @@ def log_softmax(logits: numpy.ndarray) -> numpy.ndarray:
 def log_probs(path: str, tokens: numpy.ndarray, comm, windows: int, batch_size: int = 4):
     """The model at `path`'s next-token log-probabilities (W, S, V) over the first `windows` windows of
     tokens, on rank 0 (None elsewhere); collective over comm."""
-    from mpi_tp.core import backend
     model, _ = load_model(path, comm)
     S, out = model.cfg.block_size, []
     taken = 0
@@ -43,7 +43,7 @@ def log_probs(path: str, tokens: numpy.ndarray, comm, windows: int, batch_size: 
             taken += len(x)
             if taken == windows:
                 break
-    del model
+    del model                              # before the next one loads: one model in memory at a time
     return numpy.concatenate(out) if comm.Get_rank() == 0 else None
 
 
