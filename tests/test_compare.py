@@ -93,6 +93,22 @@ def test_two_seeds_differ_and_fail_above_exits_1(runs, tmp_path):
     assert r.stderr.count("above --fail-above 0.001") == 1 and "mean KL" in r.stderr
 
 
+def test_a_conversion_gate(runs, tmp_path):
+    """The tp2 run exported as Hugging Face folders at float32 and bfloat16, against its checkpoint: each
+    tensor within its format's unit roundoff (2^-24, 2^-8) of the float64 one, relative to its largest value."""
+    pytest.importorskip("safetensors")
+    for dtype, roundoff, passes in (("float32", 2.0 ** -24, True), ("bfloat16", 2.0 ** -8, False)):
+        folder = tmp_path / dtype
+        r = mpirun(1, "export", str(runs["tp2"] / "checkpoints"), str(folder), "--format", "hf", "--dtype", dtype)
+        assert r.returncode == 0, r.stderr
+        r, report = compare(1, runs["tp2"], folder, "--json", "--fail-above", "1e-6")
+        assert r.returncode == (0 if passes else 1), r.stderr
+        assert report["tensors"]["compared"] == saved_tensors(runs["tp2"]) and report["kl"]["tokens"] == WINDOWS * 16
+        worst = report["tensors"]["tensors"][0]["max_rel"]
+        assert roundoff / 16 < worst <= roundoff, (dtype, worst)
+        assert report["kl"]["mean_kl"] < (1e-9 if passes else 1e-3) and "loss" not in report["loss"]
+
+
 def test_plot(runs, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "ab.png"
