@@ -122,10 +122,13 @@ def test_bad_input_is_one_line(runs, tmp_path):
     lines = [json.loads(line) for line in (shifted / "metrics.jsonl").read_text().splitlines()]
     (shifted / "metrics.jsonl").write_text("".join(json.dumps({**m, "step": m["step"] + 100}) + "\n" for m in lines))
     (tmp_path / "empty").mkdir()
+    (tmp_path / "nothing.txt").write_bytes(b"abc")
     cases = {"not a folder": ([tmp_path / "nothing", runs["tp2"]], "is not a folder"),
              "none of the kinds": ([tmp_path / "empty", runs["tp2"]], "is none of a run folder"),
              "another model": ([runs["tp2"], runs["wide"]], "different models: n_embd = 16 in A"),
              "no common step": ([runs["tp2"], shifted], "share no step"),
+             "data shorter than a window": ([runs["tp2"], runs["dp2"], "--data", tmp_path / "nothing.txt"],
+                                            "nothing.txt has 3 tokens; one window needs 17"),
              "no such step": ([runs["tp2"], runs["dp2"], "--step-b", "2"], "B (" )}
     for what, (argv, says) in cases.items():
         r = mpirun(2, "compare", *map(str, argv))

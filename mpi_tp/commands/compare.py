@@ -40,7 +40,7 @@ def validation_tokens(a, data: str | None):
     from mpi_tp.inference.evaluate import model_ids
     from mpi_tp.training.data import load_corpus, split
     with open_checkpoint(a.checkpoint) as ck:
-        tok, V = ck.tokenizer(), int(ck.meta["config"]["vocab_size"])
+        tok, V, S = ck.tokenizer(), int(ck.meta["config"]["vocab_size"]), int(ck.meta["config"]["block_size"])
         trained = ck.meta.get("train_config") or (a.run or {}).get("config") or {}
     if data is not None:
         corpus, what = load_corpus(data), data
@@ -50,12 +50,16 @@ def validation_tokens(a, data: str | None):
         what = f"{trained['data']}, validation part"
     else:
         raise UserError(f"compare: A ({a.path}) does not say what data it was trained on: pass --data FILE")
-    return model_ids(corpus, tok, V, what, f"the model at {a.checkpoint}"), what
+    tokens = model_ids(corpus, tok, V, what, f"the model at {a.checkpoint}")
+    if tokens.size < S + 1:             # said before any model loads
+        raise UserError(f"compare: {what} has {tokens.size} tokens; one window needs {S + 1} (block_size + 1): "
+                        "pass a longer --data, or --windows 0")
+    return tokens, what
 
 
-def compare_files(a, b, args) -> dict:
+def compare_files(a, b, config, args) -> dict:
     """Parts 1 and 2 (rank 0 reads the files)."""
-    report = {"a": a.describe(), "b": b.describe(), "config": same_model(a, b), "loss": {}}
+    report = {"a": a.describe(), "b": b.describe(), "config": config, "loss": {}}
     if a.metrics and b.metrics:
         ca, cb = curves(a.metrics), curves(b.metrics)
         for key in ("loss", "val_loss"):
@@ -155,9 +159,12 @@ def cmd_compare(args, comm) -> int:
     if args.plot:
         collective_setup(_require_matplotlib, comm=comm)
     a, b = collective_setup(lambda: (find(args.a, args.step_a, "A"), find(args.b, args.step_b, "B")), comm=comm)
-    report = collective_setup(lambda: compare_files(a, b, args) if rank0 else None, comm=comm)
-    if a.checkpoint and b.checkpoint and args.windows:
+    config = collective_setup(same_model, a, b, comm=comm)          # every rank: a few bytes of metadata
+    kl_runs = a.checkpoint and b.checkpoint and args.windows
+    if kl_runs:                                                      # bad --data said before the long parts
         tokens, what = collective_setup(validation_tokens, a, args.data, comm=comm)
+    report = collective_setup(lambda: compare_files(a, b, config, args) if rank0 else None, comm=comm)
+    if kl_runs:
         kl = divergence(a.checkpoint, b.checkpoint, tokens, comm, args.windows)
         if rank0:
             report["kl"] = {**kl, "data": what}

@@ -85,8 +85,12 @@ def curves(metrics: str) -> dict[str, dict[int, float]]:
     twice, as by a resumed run: its last line)."""
     out = {"loss": {}, "val_loss": {}}
     with open(metrics) as f:
-        for line in f:
-            m = json.loads(line)
+        for i, line in enumerate(f, 1):
+            try:
+                m = json.loads(line)
+            except ValueError:
+                raise UserError(f"compare: {metrics} line {i} is not JSON (a run killed while writing it?): "
+                                "remove that line") from None
             for key, series in out.items():
                 if key in m and "skipped" not in m:
                     series[int(m["step"])] = float(m[key])
