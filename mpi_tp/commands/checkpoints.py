@@ -40,10 +40,10 @@ from mpi_tp.commands.common import (
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.precision import dtype_of
 from mpi_tp.core.runtime import collective_setup, rank0_print
-from mpi_tp.inference.evaluate import evaluate_file
+from mpi_tp.inference.evaluate import evaluate_file, model_ids
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.inference.sampling import printable
-from mpi_tp.training.data import DataError, load_corpus
+from mpi_tp.training.data import load_corpus
 
 
 def _positive(value: str) -> int:
@@ -65,17 +65,8 @@ def cmd_eval(args, comm) -> int:
     corpus = collective_setup(load_corpus, args.data, comm=comm)
     model, ck = load_model(args.checkpoint, comm, model_dtype(args))
     tok = model_tokenizer(args.tokenizer, ck, comm)
-    if corpus.tokenizer is None and tok.kind != "bytes":          # a text: through the model's tokenizer
-        corpus.data = numpy.asarray(tok.encode(corpus.data.tobytes()), dtype=numpy.int64)
-        corpus.vocab_size = tok.vocab_size
-    tokens, V = corpus.data, model.cfg.vocab_size
-    # ids of a larger vocabulary than the model's (bytes into a model of fewer than 256 tokens, a token file of
-    # another tokenizer): refused if any is past it (every rank sees the same data: the same answer everywhere)
-    top = int(tokens.max()) if corpus.vocab_size > V else 0                   # (one pass over the data)
-    if top >= V:
-        raise DataError(f"--data {args.data} holds ids of a vocabulary of {corpus.vocab_size} (up to "
-                        f"{top}); the model at {args.checkpoint} has {V} tokens: evaluate it on "
-                        "data of its own tokenizer")
+    tokens = collective_setup(model_ids, corpus, tok, model.cfg.vocab_size, f"--data {args.data}",
+                              f"the model at {args.checkpoint}", comm=comm)
     loss, n = collective_setup(evaluate_file, model, tokens, args.batch_size, comm=comm)
     result = {"loss": loss, "tokens": n, "checkpoint": ck.dir, "step": ck.step, "data": corpus.source,
               "data_sha256": corpus.sha256, "tokenizer": tok.kind, "tp": model.topo.tp.size, "dtype": str(model.dtype)}

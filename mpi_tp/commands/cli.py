@@ -6,6 +6,7 @@
     mpiexec -n 2 mpi-tp generate --checkpoint C         sample text from a saved model
     mpiexec -n 2 mpi-tp serve --checkpoint C            an HTTP completions API (OpenAI-style)
     mpi-tp inspect C / mpi-tp export C OUT.h5           look into / flatten a checkpoint
+    mpi-tp compare RUN_A RUN_B                          loss curves, tensors and next-token KL side by side
     mpi-tp export C OUT --format hf                     a Hugging Face GPT-2 folder (transformers loads it)
     mpiexec -n 2 mpi-tp import-hf HF_FOLDER OUT         a Hugging Face GPT-2 folder as a sharded checkpoint
     mpiexec -n 2 mpi-tp bench --shape c                 timed steps against the machine's limits
@@ -66,6 +67,8 @@ def build_parser() -> Parser:
     t.set_defaults(run=_train)
     from mpi_tp.commands.checkpoints import add_parsers as add_checkpoints
     add_checkpoints(sub)
+    from mpi_tp.commands.compare import add_parser as add_compare
+    add_compare(sub)
     from mpi_tp.commands.hf import add_parser as add_import_hf
     add_import_hf(sub)
     from mpi_tp.commands.serve import add_parser as add_serve
