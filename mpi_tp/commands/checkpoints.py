@@ -40,7 +40,8 @@ from mpi_tp.commands.common import (
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.precision import dtype_of
 from mpi_tp.core.runtime import collective_setup, rank0_print
-from mpi_tp.inference.evaluate import evaluate_file, model_ids
+from mpi_tp.commands.common import model_ids
+from mpi_tp.inference.evaluate import evaluate_file
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.inference.sampling import printable
 from mpi_tp.training.data import load_corpus

@@ -1,14 +1,18 @@
 """What several commands share: the options of the commands that run a saved model (eval, generate, serve:
 --precision or --dtype, --tokenizer, --backend), model_dtype and use_backend, and `on_rank0` for the commands
-that one process does under mpiexec (inspect, export, tokenize).
+that one process does under mpiexec (inspect, export, tokenize); model_ids, a corpus as a model's token ids
+(eval, compare).
 
 The model and its tokenizer come from the library (mpi_tp.checkpoint.model: load_model, model_tokenizer).
 """
 from __future__ import annotations
 
+import numpy
+
 from mpi_tp.core import backend
 from mpi_tp.core.precision import precision, storage_dtype
 from mpi_tp.core.runtime import collective_setup
+from mpi_tp.training.data import DataError
 
 INFERENCE_PRECISIONS = ("fp32", "bf16", "fp16")       # --precision of eval, generate, serve, import-hf
 PRECISION_HELP = ("the model's number format: fp32, bf16 or fp16 (default: {default}). A checkpoint saved wider "
@@ -55,3 +59,19 @@ def on_rank0(fn, comm) -> int:
     """Run fn on rank 0 only; every rank returns its status (errors become one message)."""
     status = collective_setup(lambda: fn() if comm.Get_rank() == 0 else 0, comm=comm)
     return comm.bcast(status)
+
+
+def model_ids(corpus, tok, vocab_size: int, data: str, model: str) -> numpy.ndarray:
+    """A corpus (mpi_tp.training.data) as the model's token ids: a text through the model's tokenizer `tok`
+    (a token file's ids as they are); a DataError if an id is past the model's vocabulary."""
+    if corpus.tokenizer is None and tok.kind != "bytes":          # a text: through the model's tokenizer
+        corpus.data = numpy.asarray(tok.encode(corpus.data.tobytes()), dtype=numpy.int64)
+        corpus.vocab_size = tok.vocab_size
+    tokens, V = corpus.data, vocab_size
+    # ids of a larger vocabulary than the model's (bytes into a model of fewer than 256 tokens, a token file of
+    # another tokenizer): refused if any is past it (every rank sees the same data: the same answer everywhere)
+    top = int(tokens.max()) if corpus.vocab_size > V else 0                   # (one pass over the data)
+    if top >= V:
+        raise DataError(f"{data} holds ids of a vocabulary of {corpus.vocab_size} (up to {top}); {model} has "
+                        f"{V} tokens: evaluate it on data of its own tokenizer")
+    return tokens

@@ -37,7 +37,7 @@ from mpi_tp.core.runtime import collective_setup, machine_text
 def validation_tokens(a, data: str | None):
     """(token ids, what they are): --data's, else A's training data's validation part (its train options
     name it), as A's model reads them."""
-    from mpi_tp.inference.evaluate import model_ids
+    from mpi_tp.commands.common import model_ids
     from mpi_tp.training.data import load_corpus, split
     with open_checkpoint(a.checkpoint) as ck:
         tok, V, S = ck.tokenizer(), int(ck.meta["config"]["vocab_size"]), int(ck.meta["config"]["block_size"])

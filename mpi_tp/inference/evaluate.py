@@ -1,7 +1,6 @@
 """A model's loss on a text: the mean next-token cross-entropy over windows of block_size + 1 tokens.
 
     loss, n = evaluate_file(model, tokens)      # nats per token, over n targets (`mpi-tp eval`)
-    tokens = model_ids(corpus, tok, model.cfg.vocab_size, "--data notes.txt", "the model at X")   # eval, compare
 
 The windows start at 0, S, 2S, ... (S = block_size) and each holds S + 1 tokens, so every token after the
 first of a window is a target once; a text shorter than one window is refused (a UserError). Every rank of
@@ -12,23 +11,6 @@ from __future__ import annotations
 import numpy
 
 from mpi_tp.core.errors import UserError
-
-
-def model_ids(corpus, tok, vocab_size: int, data: str, model: str) -> numpy.ndarray:
-    """A corpus (mpi_tp.training.data) as the model's token ids: a text through the model's tokenizer `tok`
-    (a token file's ids as they are); a DataError if an id is past the model's vocabulary."""
-    from mpi_tp.training.data import DataError
-    if corpus.tokenizer is None and tok.kind != "bytes":          # a text: through the model's tokenizer
-        corpus.data = numpy.asarray(tok.encode(corpus.data.tobytes()), dtype=numpy.int64)
-        corpus.vocab_size = tok.vocab_size
-    tokens, V = corpus.data, vocab_size
-    # ids of a larger vocabulary than the model's (bytes into a model of fewer than 256 tokens, a token file of
-    # another tokenizer): refused if any is past it (every rank sees the same data: the same answer everywhere)
-    top = int(tokens.max()) if corpus.vocab_size > V else 0                   # (one pass over the data)
-    if top >= V:
-        raise DataError(f"{data} holds ids of a vocabulary of {corpus.vocab_size} (up to {top}); {model} has "
-                        f"{V} tokens: evaluate it on data of its own tokenizer")
-    return tokens
 
 
 def eval_windows(tokens: numpy.ndarray, S: int, batch_size: int):
