@@ -97,17 +97,34 @@ def build(topo, sp=False, dropout=0.1):
                          ids=["sequence-parallel", "zero-1", "sequence-parallel+zero-1"])
 def test_sp_and_zero_equal_serial(world, serial_reference, sp, zero):
     """Sequence parallelism splits S = 7 positions over 2 (4 + 3), 3 (3 + 2 + 2) or 4 (2 + 2 + 2 + 1)
-    ranks; ZeRO-1 splits every bucket's optimizer state over the replicas (unevenly too)."""
+    ranks; ZeRO-1 splits every bucket's optimizer state over the replicas (unevenly too): its shares,
+    gathered, are the serial run's moments, and loaded into a fresh sharded optimizer each rank takes
+    back its own share."""
     for tp, dp in layouts(world.Get_size()):
         topo = Topology.create(world, tp=tp, dp=dp)
         model = build(topo, sp=sp)
-        losses, _ = run(model, topo, rows=B, zero=zero)
+        losses, opt = run(model, topo, rows=B, zero=zero)
         what = f"tp={tp} dp={dp} sp={sp} zero={zero}"
-        ref_losses, ref_weights, _ = serial_reference(dp)
+        ref_losses, ref_weights, ref_moments = serial_reference(dp)
         assert_close(losses, ref_losses, 1e-8, f"loss curve at {what}")
         for p in model.parameters():
             if not p.name.endswith("attn/k/bias"):
                 assert_close(gather_full(p, topo.tp.comm), ref_weights[p.name], 1e-8, f"{p.name} at {what}")
+        snap = topo.stats.snapshot()                    # ZeRO-1 ran: its reduce-scatters and all-gathers, no all-reduce
+        ran = not zero or dp == 1 or (snap.get("dp/reduce_scatter", {}).get("calls", 0) > 0
+                                      and snap.get("dp/all_gather", {}).get("calls", 0) > 0
+                                      and "dp/iall_reduce" not in snap)
+        assert all_true(ran, world), f"the distributed optimizer did not run at {what}: {sorted(snap)}"
+        whole = opt.state_tensors()
+        for k, arrays in whole.items():
+            for p, a in zip(opt.params, arrays):
+                if not p.name.endswith("attn/k/bias"):
+                    ref = ref_moments[f"{k}/{p.name}"][p.index()]
+                    assert_close(a, ref, 1e-8, f"optimizer state {k}/{p.name} at {what}", scale=max(np.abs(ref).max(), 1e-30))
+        again = AdamW(model.parameters(), lr=1e-2, reducer=opt.reducer)
+        again.load_state_tensors(whole)
+        same = all(np.array_equal(a, b) for k in opt.state for a, b in zip(again.state[k], opt.state[k]))
+        assert all_true(same, world), f"the optimizer state does not load back share by share at {what}"
 
 
 def test_sequence_parallel_moves_the_same_bytes(world):

@@ -98,7 +98,8 @@ def test_aux_and_z_loss_and_switch_gate_by_hand():
 
 
 def test_top2_gates_are_renormalised_and_ties_go_low():
-    """p = (1/6, 2/6, 3/6): choices (2, 1), gates (3/5, 2/5). Equal logits: choices (0, 1), gates 1/2."""
+    """p = (1/6, 2/6, 3/6): choices (2, 1), gates (3/5, 2/5). Equal logits: choices (0, 1), gates 1/2.
+    aux over the k S = 4 assignments: f = (1, 2, 1) / 4, P = (1/4, 1/3, 5/12): aux = 3 (1/16 + 1/6 + 5/48) = 1."""
     m = layer(3, 2, 0.0, n_embd=4)
     randomize(m, seed=2, std=0.5)
     m.router.data[...] = 0
@@ -108,6 +109,7 @@ def test_top2_gates_are_renormalised_and_ties_go_low():
     assert np.array_equal(m.routing[0][0], [[2, 1], [0, 1]])
     assert np.abs(y[0, 0] - (0.6 * ffn(m, 2, x[0, 0]) + 0.4 * ffn(m, 1, x[0, 0]))).max() < 1e-14
     assert np.abs(y[0, 1] - 0.5 * (ffn(m, 0, x[0, 1]) + ffn(m, 1, x[0, 1]))).max() < 1e-14
+    assert abs(m.stats["aux_loss"] - 1.0) < 1e-14
 
 
 def test_capacity_drops_by_choice_rank_then_position():
@@ -122,6 +124,12 @@ def test_capacity_drops_by_choice_rank_then_position():
     assert np.array_equal(admitted(np.concatenate([choice, choice]), 2, 0.5), np.concatenate([want, want]))
     assert admitted(choice, 2, 0.0).all()                         # 0: dropless
     assert np.array_equal(admitted(choice, 2, 1.0), np.ones_like(want))          # cap 4: room for all
+    # The capacity rounds up (0.6: cap = ceil(2.4) = 3 keeps t1's second choice), after rounding the
+    # product's float noise away (1.1 x 25 x 2 / 11 is 5.000000000000001 in floats: cap 5, not 6).
+    assert np.array_equal(admitted(choice, 2, 0.6), [[[True, True], [True, True], [True, False], [True, False]]])
+    crowd = np.zeros((1, 25, 2), dtype=int)
+    crowd[..., 1] = 1                                               # every token: experts 0 then 1
+    assert int(admitted(crowd, 11, 1.1).sum()) == 2 * 5
 
     m = layer(2, 2, 0.5, n_embd=4)
     randomize(m, seed=2, std=0.5)
