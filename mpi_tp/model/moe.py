@@ -109,7 +109,7 @@ def admitted(choice, n_experts: int, capacity: float):
     B, S, k = choice.shape
     if capacity <= 0:
         return xp.ones(choice.shape, dtype=bool)
-    cap = math.ceil(round(capacity * S * k / n_experts, 9))          # rounded: 1.1 * 10 / 11 is 1, not 2
+    cap = math.ceil(round(capacity * S * k / n_experts, 9))          # rounded: 1.1 * 25 * 2 / 11 is 5, not 6
     queue = choice.transpose(0, 2, 1).reshape(B, k * S)               # choice rank first, then position
     seen = xp.cumsum(queue[:, :, None] == xp.arange(n_experts), axis=1)   # (B, kT, E) so far, itself included
     place = xp.take_along_axis(seen, queue[:, :, None], axis=2)[:, :, 0]  # (B, kT): 1 = first in its queue

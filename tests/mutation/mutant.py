@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]          # the repository
 AREAS = ("regions", "sequence", "layouts", "data_parallel", "pipeline", "context", "moe", "recompute", "inference",
-         "checkpoint", "precision", "build", "verify")
+         "checkpoint", "precision", "zero", "build", "verify")
 
 
 @dataclass(frozen=True)
