@@ -136,3 +136,11 @@ def test_bad_input_is_one_line(runs, tmp_path):
         assert r.stderr.count("mpi-tp: error:") == 1 and says in r.stderr, (what, r.stderr)
         assert "Traceback" not in r.stderr and r.stdout == "", (what, r.stderr)
     assert "has no checkpoint at step 2 (its steps: 3)" in r.stderr
+
+
+def test_the_json_report_is_strict_json():
+    """A non-finite difference (tensors whose shapes differ) prints as null, not as Infinity (not JSON)."""
+    from mpi_tp.commands.compare import finite
+    report = {"tensors": [["model/wte", float("inf"), 1.0]], "kl": {"max": float("nan")}, "steps": (1, 2)}
+    assert json.dumps(finite(report), allow_nan=False) == \
+        '{"tensors": [["model/wte", null, 1.0]], "kl": {"max": null}, "steps": [1, 2]}'

@@ -20,6 +20,7 @@ Exit status 0; 1 with --fail-above X when the largest relative tensor difference
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from mpi_tp.checkpoint.read import open_checkpoint
@@ -33,6 +34,18 @@ from mpi_tp.commands.compare_sources import (
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, machine_text
 
+
+
+def finite(value):
+    """The report with every non-finite number (a tensor whose shapes differ: an infinite difference) as
+    null, so that --json prints strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 def validation_tokens(a, data: str | None):
     """(token ids, what they are): --data's, else A's training data's validation part (its train options
@@ -175,7 +188,7 @@ def cmd_compare(args, comm) -> int:
         report["machine"], report["command"] = machine_text(), command
         failed = verdict(report, args.fail_above)
         report["failed"] = failed
-        print(json.dumps(report) if args.json else text(report, args.top), flush=True)
+        print(json.dumps(finite(report), allow_nan=False) if args.json else text(report, args.top), flush=True)
         if failed and not args.json:
             print(f"compare: above --fail-above {args.fail_above:g}: {'; '.join(failed)}", file=sys.stderr,
                   flush=True)
