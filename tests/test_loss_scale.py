@@ -67,15 +67,17 @@ def test_an_overflow_on_one_rank_is_skipped_on_every_rank(out, name, monkeypatch
     a = build(TrainConfig(**{**BASE, **layout}, out=os.path.join(out, name + "-a")), WORLD)
     try:
         assert a.model.dtype.name == "float16"
+        a.topo.stats.reset()
         steps = [run_step(a, step, a.cfg.lr) for step in range(1, 5)]
         got, scale = params(a), a.scaler.scale
+        flags = a.topo.stats.calls.get("world/loss_scale_flag", 0)      # the check's all-reduce, counted
     finally:
         a.close()
     monkeypatch.delenv("MPI_TP_FAILPOINT")
     problems = [p for _, _, p in steps]
     # decided on every rank together: a rank that alone failed here would leave the others hanging in build
     skipped = problems[0] is None and problems[2:] == [None, None] and isinstance(problems[1], Overflow)
-    assert all_true(skipped and scale == 2.0 ** 11, WORLD), (problems, scale)
+    assert all_true(skipped and scale == 2.0 ** 11 and flags == 4, WORLD), (problems, scale, flags)
 
     b = build(TrainConfig(**{**BASE, **layout}, out=os.path.join(out, name + "-b")), WORLD)
     try:

@@ -24,6 +24,7 @@ saved in each checkpoint's metadata, so a resumed run scales as the straight one
 from __future__ import annotations
 
 import math
+import time
 
 import numpy
 from mpi4py import MPI
@@ -51,12 +52,17 @@ class LossScaler:
         self.good = 0           # good steps since the last overflow or growth
         self.overflows = 0      # steps skipped for an overflow, in the whole run
 
-    def check(self, scaled_norm: float, world: MPI.Comm) -> str | None:
+    def check(self, scaled_norm: float, world: MPI.Comm, stats=None) -> str | None:
         """Collective over `world`: None when no rank's scaled gradient norm is inf or NaN (a good step,
         counted); else what happened, the same on every rank: an Overflow (skip the step; the scale has
-        backed off) or, at the floor, a plain message (a divergence: the caller's --on-nonfinite)."""
+        backed off) or, at the floor, a plain message (a divergence: the caller's --on-nonfinite).
+        stats: the run's CommStats, which count the flag's all-reduce as "world/loss_scale_flag"."""
         flag = numpy.array([0 if math.isfinite(scaled_norm) else 1], dtype=numpy.int32)
+        t0 = time.perf_counter()
         world.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        if stats is not None:
+            W = world.Get_size()
+            stats.record("world/loss_scale_flag", flag.nbytes, time.perf_counter() - t0, 2 * (W - 1) / W * flag.nbytes)
         if not flag[0]:
             self.good += 1
             if self.window and self.good >= self.window:

@@ -86,7 +86,7 @@ def train_step(model, opt, x, y, rows: slice, micro_batches: int | None = None, 
         opt.grads()[0][...] = float("inf")          # as an fp16 overflow on one rank would leave it
     norm = grad_norm(model, opt)
     if scaler is not None:
-        problem = scaler.check(norm, topo.world)
+        problem = scaler.check(norm, topo.world, topo.stats)
         if problem is not None:
             return loss, norm / scale, problem
     if not math.isfinite(norm):
