@@ -111,8 +111,8 @@ def plot(rows):
     each = runs[0]["command"].replace(f"--moe-aux-weight {runs[0]['aux_weight']}",
                                       "--moe-aux-weight " + " / ".join(f"{r['aux_weight']:g}" for r in runs))
     command = f"python experiments/moe/moe_balance.py --steps {runs[0]['steps']}; each run: {each}"
-    note = (stamp(env, command).replace("\n", " | ") + f"; 1-min load average {min(loads):.2f}-{max(loads):.2f}; "
-            "shared machine (another test suite running); raw: experiments/moe/results/moe_balance.jsonl")
+    note = (stamp(env, command).replace("\n", " | ") + f"; 1-min load average {min(loads):.2f}-{max(loads):.2f} "
+            "(what else ran beside it); raw: experiments/moe/results/moe_balance.jsonl")
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4.0), dpi=110)
     for run, color in zip(runs, ("C1", "C0")):
         s = [r for r in rows if r["kind"] == "step" and r["run"] == run["run"]]
