@@ -77,7 +77,8 @@ def test_an_overflow_on_one_rank_is_skipped_on_every_rank(out, name, monkeypatch
     problems = [p for _, _, p in steps]
     # decided on every rank together: a rank that alone failed here would leave the others hanging in build
     skipped = problems[0] is None and problems[2:] == [None, None] and isinstance(problems[1], Overflow)
-    assert all_true(skipped and scale == 2.0 ** 11 and flags == 4, WORLD), (problems, scale, flags)
+    counted = flags == (4 if WORLD.Get_size() > 1 else 0)     # one rank communicates (and counts) nothing
+    assert all_true(skipped and scale == 2.0 ** 11 and counted, WORLD), (problems, scale, flags)
 
     b = build(TrainConfig(**{**BASE, **layout}, out=os.path.join(out, name + "-b")), WORLD)
     try:

@@ -24,6 +24,7 @@ import math
 import sys
 
 from mpi_tp.checkpoint.read import open_checkpoint
+from mpi_tp.commands.common import model_ids, on_rank0
 from mpi_tp.commands.compare_sources import (
     compare_curves,
     compare_tensors,
@@ -33,7 +34,6 @@ from mpi_tp.commands.compare_sources import (
 )
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, machine_text
-
 
 
 def finite(value):
@@ -47,10 +47,10 @@ def finite(value):
         return [finite(v) for v in value]
     return value
 
+
 def validation_tokens(a, data: str | None):
     """(token ids, what they are): --data's, else A's training data's validation part (its train options
     name it), as A's model reads them."""
-    from mpi_tp.commands.common import model_ids
     from mpi_tp.training.data import load_corpus, split
     with open_checkpoint(a.checkpoint) as ck:
         tok, V, S = ck.tokenizer(), int(ck.meta["config"]["vocab_size"]), int(ck.meta["config"]["block_size"])
@@ -181,8 +181,8 @@ def cmd_compare(args, comm) -> int:
         kl = divergence(a.checkpoint, b.checkpoint, tokens, comm, args.windows)
         if rank0:
             report["kl"] = {**kl, "data": what}
-    status = 0
-    if rank0:
+
+    def say() -> int:                   # rank 0: the report, its verdict and its plot
         command = "mpi-tp compare " + " ".join(sys.argv[sys.argv.index("compare") + 1:] if "compare" in sys.argv
                                                 else [args.a, args.b])
         report["machine"], report["command"] = machine_text(), command
@@ -192,10 +192,10 @@ def cmd_compare(args, comm) -> int:
         if failed and not args.json:
             print(f"compare: above --fail-above {args.fail_above:g}: {'; '.join(failed)}", file=sys.stderr,
                   flush=True)
-        status = 1 if failed else 0
-    if args.plot:
-        collective_setup(lambda: plot(report, args.plot, report["command"]) if rank0 else None, comm=comm)
-    return comm.bcast(status)
+        if args.plot:
+            plot(report, args.plot, command)
+        return 1 if failed else 0
+    return on_rank0(say, comm)
 
 
 def _nonnegative(value: str) -> int:

@@ -12,13 +12,10 @@ output differs and the first gradient (parameter, element, rank, shard) named.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.failpoints import PLANTED
 from mpi_tp.core.runtime import collective_setup, rank0_print
-from mpi_tp.training.build import build
+from mpi_tp.training.build import build_in_scratch
 from mpi_tp.training.config_sources import add_arguments, resolve
 from mpi_tp.verify.run import HEADER, verdict, verify_steps
 
@@ -64,14 +61,7 @@ def _configure(args, world: int):
 def run(args, comm) -> int:
     world = comm.Get_size()
     cfg = collective_setup(_configure, args, world, comm=comm)
-    cfg.out = comm.bcast(tempfile.mkdtemp(prefix="mpi-tp-verify-") if comm.Get_rank() == 0 else None)
-    try:
-        job = build(cfg, comm)
-        job.close()                       # the folder is build()'s scratch only
-    finally:
-        comm.Barrier()
-        if comm.Get_rank() == 0:
-            shutil.rmtree(cfg.out, ignore_errors=True)
+    job = build_in_scratch(cfg, comm, "mpi-tp-verify-")
     rank0_print(f"verify: {job.topo.layout.describe()} on {world} rank{'s' * (world > 1)} against the serial model, "
                 f"{cfg.steps} step{'s' * (cfg.steps > 1)}, float64, tolerance {args.tolerance:g}"
                 f"{', from ' + cfg.init_from if cfg.init_from else ''}\n{HEADER}", comm=comm)

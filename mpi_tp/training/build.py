@@ -6,7 +6,10 @@ status 2 on every rank, before any training collective starts.
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -24,6 +27,7 @@ from mpi_tp.parallel.topology import Topology
 from mpi_tp.text.tokenizer import of_token_file
 from mpi_tp.training import run_dir
 from mpi_tp.training.config import TrainConfig
+from mpi_tp.training.config_sources import batch_split
 from mpi_tp.training.data import (
     BatchSampler,
     Corpus,
@@ -129,15 +133,15 @@ def changed_options(start, cfg: TrainConfig) -> list[str]:
 
 def batch_note(start, cfg: TrainConfig, topo) -> str:
     """What a resume did with the global batch (config_sources.keep_global_batch keeps it unless told)."""
-    saved = start.meta.get("train_config", {})
-    if not cfg.resume or "batch_size" not in saved:
+    saved = batch_split(start.meta)
+    if not cfg.resume or saved is None:
         return ""
-    D = int(start.meta.get("layout", {}).get("dp", saved.get("dp", 1)))
-    before, now = saved["batch_size"] * saved["micro_batches"] * D, cfg.batch_size * cfg.micro_batches * topo.dp.size
+    mine = (topo.dp.size, cfg.micro_batches, cfg.batch_size)
+    before, now = math.prod(saved), math.prod(mine)
     if before != now:
         return (f"; the global batch changes from {before} to {now} sequences (--batch-size given): the steps from "
                 "here draw other batches than the saved run would have")
-    if (saved["batch_size"], saved["micro_batches"], D) != (cfg.batch_size, cfg.micro_batches, topo.dp.size):
+    if saved != mine:
         return f"; the global batch of {now} sequences kept (dp x micro-batches x batch-size)"
     return ""
 
@@ -183,6 +187,20 @@ def build(cfg: TrainConfig, comm=MPI.COMM_WORLD) -> Run:
         raise
 
 
+def build_in_scratch(cfg: TrainConfig, comm=MPI.COMM_WORLD, prefix: str = "mpi-tp-") -> Run:
+    """build() in a temporary run folder, removed at once: for the commands that run steps but keep no run
+    (explain's step lesson, verify). The run may be stepped; it has no folder to write into."""
+    cfg.out = comm.bcast(tempfile.mkdtemp(prefix=prefix) if comm.Get_rank() == 0 else None)
+    try:
+        run = build(cfg, comm)
+        run.close()
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(cfg.out, ignore_errors=True)
+    return run
+
+
 def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out, lock) -> Run:
     topo = Topology.create(comm, layout=cfg.layout(comm.Get_size()))
     if topo.pp.size > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
@@ -199,12 +217,7 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
                           distributed=bool(cfg.zero))
     per_replica = cfg.batch_size * cfg.micro_batches
     rows = topo.replica_rows(per_replica)
-    if cfg.optimizer == "adamw":         # --zero 1: the distributed optimizer over the reducer's buckets
-        opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
-                    reducer=reducer)
-    else:
-        opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                  reducer=reducer)
+    opt = cfg.make_optimizer(model.parameters(), reducer)   # --zero 1: distributed over the reducer's buckets
     scaler = cfg.loss_scaler()
     start = collective_setup(_find_start, cfg, out, comm=comm)
     first = 1

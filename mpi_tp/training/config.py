@@ -13,6 +13,7 @@ from mpi_tp.core.precision import precision
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.training.loss_scale import LossScaler
+from mpi_tp.training.optim import SGD, AdamW
 
 
 def opt(default, help, choices=None):
@@ -143,6 +144,14 @@ class TrainConfig:
         if self.precision != "fp16":
             return None
         return LossScaler(self.initial_loss_scale, self.loss_scale_window, self.loss_scale_backoff, self.min_loss_scale)
+
+    def make_optimizer(self, params, reducer=None):
+        """The optimizer --optimizer names, with this configuration's hyperparameters (reducer: the gradient
+        reducer whose buckets a distributed optimizer updates, or None)."""
+        if self.optimizer == "adamw":
+            return AdamW(params, lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay,
+                         reducer=reducer)
+        return SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, reducer=reducer)
 
     def _validate_loss_scale(self) -> None:
         names = ("initial_loss_scale", "loss_scale_window", "loss_scale_backoff", "min_loss_scale")

@@ -70,6 +70,15 @@ def model_defaults(cfg: GPTConfig) -> dict:
     return out
 
 
+def batch_split(meta: dict) -> tuple[int, int, int] | None:
+    """(D, M, B) a checkpoint's run stepped with, from its metadata: replicas, micro-batches per replica and
+    sequences per micro-batch (the global batch is their product); None when it does not say."""
+    train, layout = meta.get("train_config", {}), meta.get("layout", {})
+    if not {"batch_size", "micro_batches"} <= set(train):
+        return None
+    return int(layout.get("dp", train.get("dp", 1))), train["micro_batches"], train["batch_size"]
+
+
 def saved_global_batch(out: str) -> tuple[int, int, str] | None:
     """(step, global batch, its split) of the newest checkpoint in out/checkpoints, or None (no checkpoint,
     or one that does not say)."""
@@ -78,11 +87,10 @@ def saved_global_batch(out: str) -> tuple[int, int, str] | None:
     if not out or not complete_steps(root):
         return None
     with Checkpoint(root) as saved:
-        train, layout = saved.meta.get("train_config", {}), saved.meta.get("layout", {})
-        step = saved.step
-    if not {"batch_size", "micro_batches"} <= set(train):
+        split, step = batch_split(saved.meta), saved.step
+    if split is None:
         return None
-    D, M, B = int(layout.get("dp", train.get("dp", 1))), train["micro_batches"], train["batch_size"]
+    D, M, B = split
     return step, D * M * B, f"dp {D} x micro-batches {M} x batch-size {B}"
 
 

@@ -24,10 +24,11 @@ saved in each checkpoint's metadata, so a resumed run scales as the straight one
 from __future__ import annotations
 
 import math
-import time
 
 import numpy
 from mpi4py import MPI
+
+from mpi_tp.parallel.collectives import Group
 
 GROWTH = 2.0            # the factor after `window` good steps (PyTorch and Megatron both double)
 
@@ -56,13 +57,10 @@ class LossScaler:
         """Collective over `world`: None when no rank's scaled gradient norm is inf or NaN (a good step,
         counted); else what happened, the same on every rank: an Overflow (skip the step; the scale has
         backed off) or, at the floor, a plain message (a divergence: the caller's --on-nonfinite).
-        stats: the run's CommStats, which count the flag's all-reduce as "world/loss_scale_flag"."""
+        stats: the run's CommStats, which count the flag's all-reduce as "world/loss_scale_flag" (a Group's
+        collective, counted as every other; on one rank nothing is communicated or counted)."""
         flag = numpy.array([0 if math.isfinite(scaled_norm) else 1], dtype=numpy.int32)
-        t0 = time.perf_counter()
-        world.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-        if stats is not None:
-            W = world.Get_size()
-            stats.record("world/loss_scale_flag", flag.nbytes, time.perf_counter() - t0, 2 * (W - 1) / W * flag.nbytes)
+        Group(world, "world", stats).all_reduce(flag, op=MPI.MAX, kind="loss_scale_flag")
         if not flag[0]:
             self.good += 1
             if self.window and self.good >= self.window:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.optim import SGD, AdamW
 from mpi_tp.training.step import train_step
 
 
@@ -28,9 +27,10 @@ class Reference:
         """name -> the serial Param."""
         return {p.name: p for p in self.model.parameters()}
 
-    def step(self, x, y, lr: float, grad_clip: float) -> tuple[float, float]:
-        """One step on the whole global batch (x, y): (loss, gradient norm)."""
-        loss, norm, problem = train_step(self.model, self.opt, x, y, slice(0, x.shape[0]), 1, lr, grad_clip)
+    def step(self, x, y, lr: float, grad_clip: float, micro_batches: int = 1) -> tuple[float, float]:
+        """One step on the whole global batch (x, y), in `micro_batches` equal parts: (loss, gradient norm)."""
+        loss, norm, problem = train_step(self.model, self.opt, x, y, slice(0, x.shape[0]), micro_batches, lr,
+                                         grad_clip)
         if problem is not None:
             raise FloatingPointError(f"the serial reference's step failed: {problem}")
         return loss, norm
@@ -45,10 +45,7 @@ def reference(run) -> Reference:
     cfg = run.cfg
     topo = Topology.serial()
     model = GPT(run.model.cfg, topo, dtype=cfg.model_dtype, seed=cfg.seed)
-    if cfg.optimizer == "adamw":
-        opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    else:
-        opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = cfg.make_optimizer(model.parameters())
     if cfg.init_from:
         with ckpt_io.open_checkpoint(cfg.init_from) as start:
             ckpt_io.load_into(start, model, opt)

@@ -110,11 +110,12 @@ def first_difference(grads, params, errors, layers, tol, n_layer, problem) -> di
         if row[1] > tol and (row[0] not in by_name or row[1] > by_name[row[0]][1]):
             by_name[row[0]] = row
     order = _backward_order(list(by_name), n_layer)
+    over = [r for r in params if r[1] > tol]
     return {"layer": bad[0] if bad else None,
             "layer_error": float(errors[layers.index(bad[0])]) if bad else 0.0,
             "gradient": by_name[order[0]] if order else None,
             "gradients_differing": len(by_name),
-            "parameter": _worst([r for r in params if r[1] > tol]) if any(r[1] > tol for r in params) else None,
+            "parameter": _worst(over) if over else None,
             "problem": problem}
 
 

@@ -32,7 +32,7 @@ MUTANTS = [
     Mutant("precision/overflow-decided-per-rank",
            "the overflow flag is not all-reduced: only the rank that overflowed skips the step and backs off",
            "mpi_tp/training/loss_scale.py",
-           "        world.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)",
+           "        Group(world, \"world\", stats).all_reduce(flag, op=MPI.MAX, kind=\"loss_scale_flag\")",
            "        pass",
            ("tests/test_loss_scale.py::test_an_overflow_on_one_rank_is_skipped_on_every_rank",), (2,)),
     Mutant("precision/overflow-keeps-the-scale",

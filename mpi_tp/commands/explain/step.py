@@ -24,9 +24,6 @@ SGD's update is lr times the gradient itself.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import numpy
 
 from mpi_tp.commands.explain.common import Phases, comm_text, wire_bytes
@@ -34,15 +31,13 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff
 from mpi_tp.model.config import fewest_heads
-from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.parallel.pipeline.stage import PipelineStage
-from mpi_tp.parallel.topology import Topology
 from mpi_tp.training import loop
-from mpi_tp.training.build import build
+from mpi_tp.training.build import build_in_scratch
 from mpi_tp.training.config import TrainConfig
-from mpi_tp.training.optim import SGD, lr_at
-from mpi_tp.training.step import train_step
+from mpi_tp.training.optim import lr_at
+from mpi_tp.verify.reference import reference
 
 RTOL = 1e-10
 SEED = 7
@@ -130,17 +125,15 @@ def instrument(run, phases: Phases) -> None:
 
 
 def serial_step(cfg: TrainConfig, run, lr: float) -> tuple[float, float, dict, dict]:
-    """The same step on one rank: every replica's micro-batches in turn, each weighted 1 / (D M) (as the
-    data-parallel mean and gradient accumulation weight them); (loss, norm, weights before, after)."""
-    serial = Topology.serial()
-    model = GPT(cfg.model_config(), serial, dtype=cfg.dtype, seed=cfg.seed)
-    opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    before = {p.name: p.data.copy() for p in model.parameters()}
+    """The same step on one rank (verify's serial reference of the run): every replica's micro-batches in
+    turn, each weighted 1 / (D M) (as the data-parallel mean and gradient accumulation weight them);
+    (loss, norm, weights before, after)."""
+    ref = reference(run)
+    before = {p.name: p.data.copy() for p in ref.model.parameters()}
     x, y = run.sampler.batch(0)
-    D, M, B = cfg.dp, cfg.micro_batches, cfg.batch_size
-    loss, norm, _ = train_step(model, opt, x, y, slice(0, D * M * B), D * M, lr, cfg.grad_clip)   # the library's
-    serial.free()
-    return loss, norm, before, {p.name: p.data for p in model.parameters()}
+    loss, norm = ref.step(x, y, lr, cfg.grad_clip, micro_batches=cfg.dp * cfg.micro_batches)
+    ref.free()
+    return loss, norm, before, {p.name: p.data for p in ref.model.parameters()}
 
 
 def sizes_of(run) -> dict:
@@ -155,15 +148,7 @@ def sizes_of(run) -> dict:
 
 def run_step(cfg: TrainConfig, comm, trace=None) -> dict:
     """Build the run, run step 1 with its phases marked, and check it against the serial step (every rank)."""
-    out = comm.bcast(tempfile.mkdtemp(prefix="mpi-tp-explain-") if comm.Get_rank() == 0 else None)
-    cfg.out = out
-    try:
-        run = build(cfg, comm)
-        run.close()                          # the folder is build()'s scratch only: give it back at once
-    finally:
-        comm.Barrier()
-        if comm.Get_rank() == 0:
-            shutil.rmtree(out, ignore_errors=True)
+    run = build_in_scratch(cfg, comm, "mpi-tp-explain-")
     run.topo.stats.reset()
     phases = Phases(run.topo.stats, OUTSIDE)
     instrument(run, phases)
