@@ -26,8 +26,9 @@ bytes at their peak; cupy.get_default_memory_pool()).
 
 Probe points (`probe(point)`, where the peak can occur): after each forward or backward action of
 the pipeline engine ("F", "B"; a GPT runs as the one stage of the "none" schedule), inside a block's
-backward once full recomputation has rebuilt its caches ("recompute"), after the gradients'
-reduction ("reduced", mpi_tp.training.step) and after the optimizer step ("updated"). Off (no meter
+backward once full recomputation has rebuilt its caches ("recompute"), in the loss's forward
+with the logits and their softmax both alive ("loss", mpi_tp.model.parallel_cross_entropy), after the
+gradients' reduction ("reduced", mpi_tp.training.step) and after the optimizer step ("updated"). Off (no meter
 entered) a probe is one test of an empty list.
 """
 from __future__ import annotations
@@ -39,10 +40,12 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "workspace", "activations"
 _meters: list = []          # the meters sampling now (entered, not yet left)
 
 
-def probe(point: str, in_flight=()) -> None:
-    """Sample every meter entered; in_flight: the engine's pending sends and receives (their buffers)."""
+def probe(point: str, in_flight=(), transient=()) -> None:
+    """Sample every meter entered. in_flight: the engine's pending sends and receives (their buffers,
+    communication); transient: arrays a layer holds in its frame at this point, not (yet) in a cache
+    (activations: the loss's logits beside its softmax)."""
     for meter in _meters:
-        meter.sample(point, in_flight)
+        meter.sample(point, in_flight, transient)
 
 
 def owner(a):
@@ -101,7 +104,7 @@ class MemoryMeter:
     def __exit__(self, *exc) -> None:
         _meters.remove(self)
 
-    def _groups(self, in_flight):
+    def _groups(self, in_flight, transient):
         """(category, arrays) in the order that decides where an array shared by two is counted."""
         params = self.stage.parameters()
         buckets = self.reducer.buckets if self.reducer is not None else []
@@ -114,13 +117,13 @@ class MemoryMeter:
         caches = [c for chunk in self.stage.chunks for c in chunk.cached_arrays()]
         for stash in getattr(self.stage, "stashed", {}).values():
             caches += [a for _, _, cache in stash for a in _arrays(cache)]
-        yield "activations", caches
+        yield "activations", caches + list(transient)
         yield "communication", [x for p in in_flight for x in (p.x, p.buf) if x is not None]
 
-    def measure(self, in_flight=()) -> dict:
+    def measure(self, in_flight=(), transient=()) -> dict:
         """{category: bytes} now, each owner once."""
         seen, out = set(), {}
-        for category, arrays in self._groups(in_flight):
+        for category, arrays in self._groups(in_flight, transient):
             total = 0
             for a in arrays:
                 a = owner(a)
@@ -131,8 +134,8 @@ class MemoryMeter:
         out["total"] = sum(out.values())
         return out
 
-    def sample(self, point: str, in_flight=()) -> dict:
-        now = self.measure(in_flight)
+    def sample(self, point: str, in_flight=(), transient=()) -> dict:
+        now = self.measure(in_flight, transient)
         self.samples += 1
         for k in CATEGORIES:
             self.max[k] = max(self.max[k], now[k])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from mpi_tp.core import backend
+from mpi_tp.core import backend, memory
 from mpi_tp.core.module import Module
 from mpi_tp.core.precision import is_half, narrow, widen
 from mpi_tp.parallel.collectives import Group
@@ -59,6 +59,7 @@ class VocabParallelCrossEntropy(Module):
         self.group.all_reduce(parts)                                   # global sum-exp, target logit
         loss = xp.log(parts[0]) - parts[1]                             # (N,)
         e /= parts[0][:, None]                                         # softmax columns of this rank
+        memory.probe("loss", transient=(logits, e))                    # the logits and their softmax, both alive
         self.save_cache(e, col, mine, logits.shape, dtype)
         return float(loss.mean())
 
