@@ -59,8 +59,8 @@ class VocabParallelCrossEntropy(Module):
         self.group.all_reduce(parts)                                   # global sum-exp, target logit
         loss = xp.log(parts[0]) - parts[1]                             # (N,)
         e /= parts[0][:, None]                                         # softmax columns of this rank
-        memory.probe("loss", transient=(logits, e))                    # the logits and their softmax, both alive
         self.save_cache(e, col, mine, logits.shape, dtype)
+        memory.probe("loss", transient=(logits,))                      # the logits beside their softmax
         return float(loss.mean())
 
     def backward(self, dloss: float = 1.0):
