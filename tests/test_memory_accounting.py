@@ -9,6 +9,8 @@ owner array counted once (a parameter's gradient is a view into a bucket: counte
 
     mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_memory_accounting.py   (N = 1 .. 3)
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -34,7 +36,8 @@ def cfg(n_layer=L):
 
 
 def metered_step(world, zero, dtype="float32", recompute="none"):
-    """(report, model, reducer, Psi) of one training step at tp 1, dp = the world, under a meter."""
+    """One training step at tp 1, dp = the world, under a meter: its report, the model, reducer, optimizer,
+    Psi (the parameters) and the topology."""
     topo = Topology.create(world, tp=1, dp=world.Get_size())
     model = GPT(cfg(), topo, dtype=dtype, recompute=recompute)
     reducer = GradReducer(model, topo.dp, distributed=zero)
@@ -44,12 +47,13 @@ def metered_step(world, zero, dtype="float32", recompute="none"):
     with meter:
         train_step(model, opt, x, x, topo.replica_rows(B), 1, reducer=reducer)
     psi = sum(int(np.prod(p.global_shape)) for p in model.parameters())
-    return meter.report(), model, reducer, opt, psi, topo
+    return SimpleNamespace(rep=meter.report(), model=model, reducer=reducer, opt=opt, psi=psi, topo=topo)
 
 
 @pytest.mark.parametrize("zero", [False, True])
 def test_model_state_categories_equal_their_closed_forms(world, zero):
-    rep, model, reducer, opt, psi, topo = metered_step(world, zero)
+    run = metered_step(world, zero)
+    rep, reducer, opt, psi, topo = run.rep, run.reducer, run.opt, run.psi, run.topo
     D, r = topo.dp.size, topo.dp.rank
     share = sum(split_sizes(b.grads.size, D)[r] for b in reducer.buckets) if zero and D > 1 else psi
     assert sum(b.grads.size for b in reducer.buckets) in (0, psi)
@@ -65,7 +69,8 @@ def test_model_state_categories_equal_their_closed_forms(world, zero):
 def test_activations_at_the_loss_are_the_caches_and_the_logits(world):
     """The peak of a step without recomputation is the loss's forward: every cache a forward leaves
     (Module.activation_bytes) and the logits beside their softmax (B S V values)."""
-    rep, model, reducer, opt, psi, topo = metered_step(world, False)
+    run = metered_step(world, False)
+    rep, model, topo = run.rep, run.model, run.topo
     x = np.arange(B * S).reshape(B, S) % V
     model.forward(x, x)
     expect = model.activation_bytes() + B * S * V * 4
@@ -76,7 +81,8 @@ def test_activations_at_the_loss_are_the_caches_and_the_logits(world):
 
 
 def test_bf16_keeps_two_byte_weights_and_fp32_masters_and_moments(world):
-    rep, model, reducer, opt, psi, topo = metered_step(world, False, dtype="bfloat16")
+    run = metered_step(world, False, dtype="bfloat16")
+    rep, psi, topo = run.rep, run.psi, run.topo
     expect = {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer": (4 + 4 + 4) * psi}
     got = {k: rep["max"][k] for k in expect}
     assert all_true(got == expect, world), (got, expect)
@@ -86,10 +92,11 @@ def test_bf16_keeps_two_byte_weights_and_fp32_masters_and_moments(world):
 def test_full_recomputation_peaks_inside_a_blocks_backward(world):
     """Full recomputation keeps each block's input only; the step's peak is then inside a backward, when
     one block's caches are rebuilt (the 'recompute' probe), and it is below the peak without it."""
-    full, *_, topo = metered_step(world, False, recompute="full")
-    topo.free()
-    none, *_, topo = metered_step(world, False)
-    topo.free()
+    full = metered_step(world, False, recompute="full")
+    full.topo.free()
+    none = metered_step(world, False)
+    none.topo.free()
+    full, none = full.rep, none.rep
     samples = full["samples"] == none["samples"] + L                 # one sample per block's recomputation
     ok = samples and full["peak"]["activations"] < none["peak"]["activations"]
     assert all_true(ok, world), (full, none)

@@ -9,7 +9,7 @@ Each layout is one `mpiexec -n N python -m mpi_tp bench --custom C,H,L,S,B --ste
 (memory does not depend on timing: one step, then the metered one); the line it writes gets the planner's
 estimate (this machine's calibration, experiments/planner/results/machine_2ranks.json, at the run's precision)
 and the error, the machine and the command, and goes to results/memory_peak.jsonl (a layout run again replaces
-its line). The table (docs/costmodel.md#memory-per-rank-measured) compares the peak's total with the estimate's
+its line). The table (docs/performance.md#memory-per-rank-measured-against-the-estimate) compares the peak's total with the estimate's
 total; categories: parameters, gradients, optimizer state (+ the optimizer's block scratch, which the planner
 does not count), activations (+ the pipeline's messages in flight) against activations + logits.
 """
@@ -62,7 +62,7 @@ def run(name: str) -> dict | None:
         cmd = (["mpiexec", "-n", str(ranks)] if ranks > 1 else []) + \
             [sys.executable, "-m", "mpi_tp", "bench", "--custom", SHAPE, "--steps", "1", "--warmup", "0",
              "--json", path] + options.split()
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"{name}: not run ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'failed'})")
             return None
@@ -81,8 +81,8 @@ def run(name: str) -> dict | None:
 
 def table(rows: list) -> str:
     mib = (lambda b: f"{b / 2**20:.2f}")
-    out = ["| layout | peak at | parameters | gradients | optimizer (+ scratch) | activations (+ messages) | "
-           "measured peak | estimate: parameters, gradients, optimizer, activations + logits | estimate | error |",
+    out = [("| layout | peak at | parameters | gradients | optimizer (+ scratch) | activations (+ messages) | "
+            "measured peak | estimate: parameters, gradients, optimizer, activations + logits | estimate | error |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, e = r["measured"]["peak"], r["estimate"]
@@ -118,8 +118,7 @@ def main() -> None:
         order = list(LAYOUTS)
         rows.sort(key=lambda r: order.index(r["layout"]))
         with open(OUT, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     print(table(rows))
 
 
