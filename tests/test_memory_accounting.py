@@ -134,3 +134,25 @@ def test_a_probe_with_no_meter_entered_samples_nothing():
         memory.probe("F")
     memory.probe("F")
     assert meter.samples == 1 and memory._meters == []
+
+
+def test_on_cupy_the_memory_pool_is_read_at_the_same_points(world):
+    """--backend cupy: the report carries the memory pool's peak (cupy.get_default_memory_pool()), which
+    holds at least the arrays the accounting saw; the CuPy stand-in keeps no pool (0 bytes)."""
+    import os
+
+    from mpi_tp.core import backend
+    standin = os.environ.get("MPI_TP_CUPY_STANDIN") == "1"
+    if not standin:
+        cupy = pytest.importorskip("cupy")
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no GPU (MPI_TP_CUPY_STANDIN=1 runs this on the stand-in)")
+    backend.use("cupy", world)
+    try:
+        run = metered_step(world, False)
+        run.topo.free()
+    finally:
+        backend.use("numpy")
+    device, peak = run.rep["device"], run.rep["peak"]["total"]
+    ok = device == {"used": 0, "total": 0} if standin else device["used"] >= peak > 0
+    assert all_true(ok, world), (device, peak)
