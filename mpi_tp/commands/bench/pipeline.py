@@ -106,7 +106,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     }
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
     result["recompute"] = recompute
-    result["zero"] = zero if dp > 1 else 0
+    result["zero"] = int(zero) if dp > 1 else 0
     result["memory_measured"] = accounting.measured(meter, comm)      # by category at the peak (core.memory)
     result["dp_overlapped"] = bool(overlap_dp and dp > 1)       # the DP all-reduces ran during the schedule
     result["receives_posted_ahead"] = stage.engine.prepost     # actions ahead (0: post and wait at once)

@@ -128,7 +128,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "memory_per_rank": memory,                                     # bytes by kind (bench.accounting)
         "wire_bytes_by_role": accounting.median(roles),               # tp, dp_grads, dp_params: sent per rank
         "optimizer_state_mb_per_rank": sum(a.nbytes for arrays in opt.state.values() for a in arrays) / 2**20,
-        "zero": zero if topo.dpcp.size > 1 else 0, "recompute": recompute,
+        "zero": int(zero) if topo.dpcp.size > 1 else 0, "recompute": recompute,
         "memory_measured": accounting.measured(meter, comm),           # by category at the peak (core.memory)
         "activation_bytes_per_layer": acts,                 # block 0's caches after a forward, largest rank
         "activation_bytes_per_layer_formula": activation_bytes_per_layer(
