@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mpi_tp.core import memory
 from mpi_tp.core.failpoints import planted
 from mpi_tp.core.module import Module
 from mpi_tp.model.attention import ParallelAttention
@@ -80,6 +81,7 @@ class Block(Module):
             if planted("bug-dropout-replay") and ps.masks is not None:
                 ps = replace(ps, masks=replace(ps.masks, step=ps.masks.step + 1))
             self._forward(x, ps)                     # the caches again, the same masks (the output is not needed)
+            memory.probe("recompute")               # one block's caches rebuilt: the peak of full recomputation
         m_a, m_h, masks = self.take_cache()
         dh = dout if m_h is None else masks.apply(dout, m_h)
         dx = dout + self.ln_2.backward(self.mlp.backward(dh))

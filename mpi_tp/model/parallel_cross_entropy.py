@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from mpi_tp.core import backend
+from mpi_tp.core import backend, memory
 from mpi_tp.core.module import Module
 from mpi_tp.core.precision import is_half, narrow, widen
 from mpi_tp.parallel.collectives import Group
@@ -60,6 +60,7 @@ class VocabParallelCrossEntropy(Module):
         loss = xp.log(parts[0]) - parts[1]                             # (N,)
         e /= parts[0][:, None]                                         # softmax columns of this rank
         self.save_cache(e, col, mine, logits.shape, dtype)
+        memory.probe("loss", transient=(logits,))                      # the logits beside their softmax
         return float(loss.mean())
 
     def backward(self, dloss: float = 1.0):

@@ -9,12 +9,25 @@ machines.state_bytes reads off the machine (or `mpi-tp plan --precision`: machin
     presets (Megatron) 2        4      4             4 + 4        18      (fp32 gradients: Megatron's main_grad)
 
 (the distributed optimizer, ZeRO-1, divides the masters and moments by D and keeps a 1/D share
-of the gradients besides them, the bracket), plus activations: per layer, term by term, this
+of the gradients besides them, the bracket). Rajbhandari et al. 2020's stages at the run's precision,
+Psi the rank's parameters, D the replicas sharing them (dp x cp), w g k the bytes per parameter of
+weights, gradients and optimizer state (2, 2, 12 at 16 bits; 4, 4, 8 in fp32), U one unit's
+parameters (the largest block, or the embedding table, whichever holds more):
+
+    zero 0    (w + g + k) Psi
+    zero 1    (w + g) Psi + (k + g) Psi / D         the whole gradient buffer and the averaged share
+    zero 2    w Psi + (g + k) Psi / D + g U         only the share, and one unit's gradients before its
+                                                    reduce-scatter
+    zero 3    (w + g + k) Psi / D + (w + g) U       one unit's parameters gathered at a time, and its
+                                                    gradients
+
+plus activations: per layer, term by term, this
 code's count (values at the bytes per value, statistics fp32, 1-byte dropout masks) or Korthikanti
 et al.'s for Megatron-style training (mpi_tp.planning.activations), times the
 micro-batches in flight (at most P under 1F1B on the first stage, which holds
-the most); with recomputation only each layer's input and one layer's full
-activations. Context parallelism (cp = Z) leaves S / Z positions on a rank,
+the most); selective recomputation drops the attention core (activations.py); full recomputation
+keeps each layer's input and, during one layer's backward, that layer's activations again. Plan.recompute:
+False / "none", "selective", True / "full". Context parallelism (cp = Z) leaves S / Z positions on a rank,
 and its ring attention keeps q, k and v but no (S, S) array (the terms of
 selective recomputation at S / Z); the optimizer state is shared over Z D.
 """
@@ -27,11 +40,12 @@ from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import Machine, state_bytes
 
 
-def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan) -> float:
+def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan, recompute: str = "none") -> float:
     """One layer's activations on the rank that keeps the most (mpi_tp.planning.activations: this code's
-    count, or Korthikanti et al.'s for 16-bit Megatron-style training)."""
+    count, or Korthikanti et al.'s for 16-bit Megatron-style training), without recomputation or with
+    selective recomputation."""
     S, B, C, H, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, w.n_head, lay.tp
-    ring = "selective" if lay.cp > 1 else "none"        # ring attention keeps no (S, S) array
+    ring = "selective" if lay.cp > 1 else recompute     # ring attention keeps no (S, S) array
     if m.activations == "korthikanti":
         return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=ring, paper=True,
                                                       value_bytes=m.bytes_per_value)
@@ -53,25 +67,54 @@ def params_per_rank(w: Workload, lay: Plan) -> float:
     return sharded + replicated
 
 
+def recompute_mode(lay: Plan) -> str:
+    """Plan.recompute as activations.RECOMPUTE names it: False "none", True "full", or the name itself."""
+    mode = lay.recompute if isinstance(lay.recompute, str) else ("full" if lay.recompute else "none")
+    if mode not in activations.RECOMPUTE:
+        raise ValueError(f"recompute {mode!r}: one of {activations.RECOMPUTE}")
+    return mode
+
+
+def unit_params(w: Workload, lay: Plan) -> float:
+    """The parameters ZeRO-3 gathers at once on a rank (one block, or the embedding table with the
+    positions, whichever holds more), and ZeRO-2/3 hold one unit's whole gradients of before its
+    reduce-scatter."""
+    C = w.n_embd
+    block = (12 * C * C + 7 * C) / lay.tp + 6 * C
+    if w.experts:
+        block += (math.ceil(w.experts / lay.ep) - 1) * w.expert_params / lay.tp + C * w.experts
+    return max(block, math.ceil(w.vocab / lay.tp) * C + w.seq * C)
+
+
+def state_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
+    """{"parameters", "gradients", "optimizer"}: bytes of model state on a rank at lay.zero (the table above)."""
+    psi, state = params_per_rank(w, lay), state_bytes(m)
+    wb, gb, kb = state["weights"], state["grads"], state["master"] + state["moments"]
+    D = lay.dp * lay.cp              # the ranks holding the same weights (the reducer's group)
+    zero = lay.zero if D > 1 else 0
+    unit = unit_params(w, lay) if zero >= 2 else 0.0
+    return {"parameters": wb * psi / D + wb * unit if zero >= 3 else wb * psi,
+            "gradients": {0: gb * psi, 1: gb * psi + gb * psi / D}.get(zero, gb * psi / D + gb * unit),
+            "optimizer": kb * psi / D if zero else kb * psi}
+
+
 def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
     """Bytes per rank: model state and activations (the first pipeline stage, which holds the most)."""
-    params_rank, state = params_per_rank(w, lay), state_bytes(m)
-    weights_grads = params_rank * (state["weights"] + state["grads"])
-    optimizer = params_rank * (state["master"] + state["moments"])
-    shares = lay.dp * lay.cp         # the ranks holding the same weights (the reducer's group)
-    if lay.zero and shares > 1:      # the distributed optimizer: its share of the state, and of the gradients
-        optimizer /= shares
-        weights_grads += params_rank * state["grads"] / shares
+    state = state_per_rank(m, w, lay)
+    weights_grads, optimizer = state["parameters"] + state["gradients"], state["optimizer"]
     layers = math.ceil(w.n_layer / lay.pp)
     in_flight = min(lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch)))
+    mode = recompute_mode(lay)
     per_layer = activation_bytes_per_layer(m, w, lay)
-    if lay.recompute:
+    if mode == "full":
         layer_inputs = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
         acts = in_flight * layers * layer_inputs + per_layer
+    elif mode == "selective":
+        acts = in_flight * layers * activation_bytes_per_layer(m, w, lay, "selective")
     else:
         acts = in_flight * layers * per_layer
     # the logits at the value width, the cross-entropy's softmax in fp32 (or wider)
     logits = lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
     total = weights_grads + optimizer + acts + logits
     return {"total": total, "weights_grads": weights_grads, "optimizer": optimizer, "activations": acts,
-            "logits": logits}
+            "logits": logits, **state}

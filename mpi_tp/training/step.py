@@ -28,6 +28,7 @@ import math
 
 import numpy
 
+from mpi_tp.core import memory
 from mpi_tp.core.failpoints import armed
 from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.pipeline.stage import as_stage, micro_batch_rows
@@ -48,6 +49,7 @@ def forward_backward(model, x, y, rows: slice, micro_batches: int | None = None,
     losses = stage.run_micro_batches(x, y, micro_batch_rows(rows, M), reducer, meter, loss_scale)
     with span(topo.stats.trace, "finalize", "compute"):
         finalize_grads(stage, reducer)
+    memory.probe("reduced")                 # the gradients reduced (mpi_tp.core.memory, when a meter samples)
     loss = numpy.array([sum(losses) / M])
     topo.pp.all_reduce(loss)                # the last stage's cross-entropy + every stage's MoE terms
     if topo.dp.size > 1:                    # the global batch's loss: the mean over replicas
@@ -94,6 +96,7 @@ def train_step(model, opt, x, y, rows: slice, micro_batches: int | None = None, 
     norm /= scale                                   # the true gradient's
     with span(topo.stats.trace, "optimizer", "compute", step=step):
         opt.step(lr, grad_scale=clip_coefficient(norm, grad_clip) / scale)     # clip and unscale in the update
+    memory.probe("updated")
     if meter is not None:
         meter.commit()
     return loss, norm, None

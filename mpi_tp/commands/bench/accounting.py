@@ -3,6 +3,7 @@ kind and wire bytes by role, read off the live model, optimizer and counters (no
 planner's estimate of the same is mpi_tp.planning.memory, set beside these in docs/precision.md).
 
     memory_per_rank(params, opt)    {"weights", "grads", "master", "moments", "total", "params", "bytes_per_param"}
+    measured(meter, comm)           a step's peak by category (mpi_tp.core.memory), on the rank with the largest
     (wire bytes by role, {"tp", "dp_grads", "dp_params", "other"}: mpi_tp.parallel.comm_stats.wire_bytes_by_role)
 
 Mixed-precision AdamW keeps 2 + 2 + 12 bytes per parameter (bf16 weights and gradients, fp32 masters and
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy
 
 from mpi_tp.core.errors import UserError
+from mpi_tp.core.memory import CATEGORIES
 
 
 def memory_per_rank(params, opt) -> dict:
@@ -31,6 +33,24 @@ def memory_per_rank(params, opt) -> dict:
     out.update(total=sum(out.values()), params=n)
     out["bytes_per_param"] = out["total"] / n
     return out
+
+
+def measured(meter, comm) -> dict:
+    """A metered step's report (mpi_tp.core.memory.MemoryMeter.report) from the rank whose peak is the
+    largest (`rank`), with every rank's peak total beside it (`peak_total_per_rank`)."""
+    reports = comm.allgather(meter.report())
+    totals = [r["peak"]["total"] for r in reports]
+    rank = totals.index(max(totals))
+    return {**reports[rank], "rank": rank, "peak_total_per_rank": totals}
+
+
+def describe(m: dict) -> str:
+    """One line: the peak and its categories in MiB."""
+    peak = m["peak"]
+    parts = ", ".join(f"{k} {peak[k] / 2**20:.2f}" for k in CATEGORIES if peak[k])
+    device = f"; CuPy pool peak {m['device']['used'] / 2**20:.1f} MiB used" if m.get("device") else ""
+    return (f"memory at the step's peak (rank {m['rank']}, after {m['peak_at']}): {peak['total'] / 2**20:.2f} MiB "
+            f"= {parts}{device}")
 
 
 def median(rows: list) -> dict:

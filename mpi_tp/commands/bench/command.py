@@ -54,15 +54,16 @@ def add_parser(sub) -> None:
     b.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
     b.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks, "
                    "ring attention")
-    b.add_argument("--zero", type=int, choices=[0, 1], default=0,
-                   help="1: with --dp > 1, the distributed optimizer (ZeRO-1)")
+    b.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="1: with --dp > 1, the distributed optimizer (ZeRO-1); 2, 3: ZeRO-2 / ZeRO-3 where "
+                        "the layout has them")
     b.add_argument("--pp", type=int, default=1, help="pipeline stages; with "
                    "--micro-batches, --schedule, --virtual-stages; batch is per micro-batch")
     b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
     b.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
     b.add_argument("--virtual-stages", type=int, default=1, help="with --schedule interleaved: chunks per stage")
     b.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="with --pp: activation recomputation")
+                   help="activation recomputation (--json's memory_measured: the step's peak by category)")
     b.add_argument("--backend", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: GPUs)")
     bench_inference.add_arguments(b)
     bench_moe.add_arguments(b)
@@ -136,7 +137,7 @@ def cmd_bench(args, comm) -> int:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
                                    args.layout.tp, args.pp, args.dp, args.micro_batches,
                                    args.schedule, args.virtual_stages, args.sequence_parallel,
-                                   recompute=args.recompute, overlap_dp=True)
+                                   recompute=args.recompute, overlap_dp=True, zero=args.zero)
             r["environment"] = env
             rank0_print(print_pipeline(r), comm=comm)
             if args.json and comm.Get_rank() == 0:
@@ -145,8 +146,8 @@ def cmd_bench(args, comm) -> int:
             continue
         for mode in modes:
             r = run_shape(comm, C, H, L, S, B, args.steps, args.warmup, dtype, dp=args.dp, dp_mode=mode,
-                          sequence_parallel=args.sequence_parallel, zero=bool(args.zero), cp=args.cp,
-                          tp=args.layout.tp, fp32_grads=args.fp32_grads)
+                          sequence_parallel=args.sequence_parallel, zero=args.zero, cp=args.cp,
+                          tp=args.layout.tp, fp32_grads=args.fp32_grads, recompute=args.recompute)
             r["environment"] = env
             print_table(r, comm)
             if args.json and comm.Get_rank() == 0:

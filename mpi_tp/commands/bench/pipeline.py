@@ -23,6 +23,8 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.commands.bench import accounting
+from mpi_tp.core.memory import MemoryMeter
 from mpi_tp.model.chunks import build_stage
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.parallel.data_parallel import GradReducer
@@ -41,10 +43,12 @@ def p2p_formula(stage: int, P: int, v: int, M: int, values: int, itemsize: int) 
 
 
 def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, micro_batches, schedule,
-                       virtual=1, sequence_parallel=False, seed=0, recompute="none", overlap_dp=False) -> dict:
+                       virtual=1, sequence_parallel=False, seed=0, recompute="none", overlap_dp=False,
+                       zero=0) -> dict:
     """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones).
     overlap_dp: start the data-parallel all-reduces during each chunk's last backward (default:
-    after the schedule)."""
+    after the schedule); zero 1: the distributed optimizer over dp. After the timed steps one more
+    step runs with a MemoryMeter (mpi_tp.core.memory; untimed): memory_measured is its peak by category."""
     from mpi_tp.commands.bench.yardsticks import (  # the same yardsticks as `mpi-tp bench`
         gemm_peak,
         model_flops,
@@ -53,8 +57,8 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     stage = build_stage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)
     stage.count_activations = True
-    reducer = GradReducer(stage, topo.dp, overlap=overlap_dp)
-    opt = AdamW(stage.parameters(), lr=1e-4)
+    reducer = GradReducer(stage, topo.dp, overlap=overlap_dp, distributed=zero >= 1)
+    opt = AdamW(stage.parameters(), lr=1e-4, reducer=reducer)
     M = micro_batches
     rng = numpy.random.default_rng(seed)
     x, y = rng.integers(0, 256, (B * M * dp, S)), rng.integers(0, 256, (B * M * dp, S))
@@ -78,6 +82,9 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
         bubbles.append((last - first - busy) / busy)
         sent.append(topo.stats.snapshot().get("pp/send", {}).get("bytes", 0))
         waited.append(stage.engine.waited)
+    meter = MemoryMeter(stage, opt, reducer)
+    with meter:                                             # one more step, untimed, sampled
+        train_step(stage, opt, x, y, rows, grad_clip=1.0, reducer=reducer)
     med = float(numpy.median(step_s))
     flops = model_flops(C, L, S, B * M) * dp
     peak = comm.allreduce(gemm_peak(comm), op=MPI.SUM) / comm.Get_size()
@@ -99,6 +106,8 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     }
     result["fraction_of_gemm_peak"] = result["model_gflops_per_rank"] / peak
     result["recompute"] = recompute
+    result["zero"] = int(zero) if dp > 1 else 0
+    result["memory_measured"] = accounting.measured(meter, comm)      # by category at the peak (core.memory)
     result["dp_overlapped"] = bool(overlap_dp and dp > 1)       # the DP all-reduces ran during the schedule
     result["receives_posted_ahead"] = stage.engine.prepost     # actions ahead (0: post and wait at once)
     result["receive_wait_ms_per_stage"] = [1e3 * w for w in topo.pp.comm.allgather(float(numpy.median(waited)))]
@@ -117,4 +126,5 @@ def print_pipeline(r: dict) -> str:
             f"{r['p2p_bytes_per_step']['measured']:,} bytes per step on rank 0 (formula "
             f"{r['p2p_bytes_per_step']['formula']:,})\n"
             f"  activations held at the peak, per stage: "
-            f"{', '.join(f'{mb:.1f}' for mb in r['peak_activation_mb_per_stage'])} MB (recompute {r['recompute']})")
+            f"{', '.join(f'{mb:.1f}' for mb in r['peak_activation_mb_per_stage'])} MB (recompute {r['recompute']})\n"
+            f"  {accounting.describe(r['memory_measured'])}")

@@ -25,6 +25,7 @@ from mpi4py import MPI
 from mpi_tp.commands.bench import accounting
 from mpi_tp.commands.bench.yardsticks import allreduce_overhead, gemm_peak, model_flops
 from mpi_tp.core import backend
+from mpi_tp.core.memory import MemoryMeter
 from mpi_tp.core.params import widen_grads
 from mpi_tp.core.precision import dtype_of, precision_of
 from mpi_tp.core.runtime import rank0_print
@@ -32,6 +33,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.comm_stats import wire_bytes_by_role
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.pipeline.stage import as_stage
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
 from mpi_tp.planning.activations import activation_bytes_per_layer
@@ -47,7 +49,7 @@ SHAPES = {  # name: (n_embd, n_head, n_layer, block_size, batch)
 
 
 def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, dp=1, dp_mode="overlap",
-              sequence_parallel=False, zero=False, cp=1, tp=0, fp32_grads=False) -> dict:
+              sequence_parallel=False, zero=0, cp=1, tp=0, fp32_grads=False, recompute="none") -> dict:
     """Time training steps at one shape. dp > 1: data parallelism with B sequences per replica;
     dp_mode "overlap" / "after" (gradient all-reduces during / after the backward pass) or "none"
     (no gradient all-reduce at all: a timing baseline only, the replicas then drift apart);
@@ -55,14 +57,16 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     cp: context parallelism (each sequence over cp ranks, ring attention; the reducer over cp x dp).
     dtype "bfloat16" / "float16": --precision bf16 / fp16 (fp32 masters and moments; accounting:
     bench.accounting; fp16 steps with train's dynamic loss scale, its overflow check included);
-    fp32_grads: their gradients in fp32 (train's --fp32-grads: the reduction at 4 bytes a value)."""
+    fp32_grads: their gradients in fp32 (train's --fp32-grads: the reduction at 4 bytes a value).
+    recompute: "none", "selective" or "full" activation recomputation. After the timed steps one more
+    step runs with a MemoryMeter (mpi_tp.core.memory; untimed): memory_measured is its peak by category."""
     topo = Topology.create(comm, tp=tp or None, dp=dp, cp=cp)
     model = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype=dtype, seed=seed,
-                sequence_parallel=sequence_parallel)
+                sequence_parallel=sequence_parallel, recompute=recompute)
     params = model.parameters()
     if fp32_grads:
         widen_grads(params)
-    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero)
+    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero >= 1)
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
     scaler = LossScaler() if dtype == "float16" else None
@@ -93,6 +97,9 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
             comm_bytes.append(topo.stats.total_bytes())
             comm_wire.append(sum(v["wire_bytes"] for v in topo.stats.snapshot().values()))
             roles.append(wire_bytes_by_role(topo.stats.snapshot(), reducer))
+    meter = MemoryMeter(as_stage(model, 1), opt, reducer)
+    with meter:                                             # one more step, untimed, sampled
+        train_step(model, opt, x, y, rows, 1, grad_clip=1.0, reducer=reducer, scaler=scaler)
     step = numpy.array(phases["step"])
     flops = model_flops(C, L, S, B) * topo.dp.size          # the global batch
     kinds = sorted({k for d in comm_s for k in d})
@@ -121,10 +128,12 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "memory_per_rank": memory,                                     # bytes by kind (bench.accounting)
         "wire_bytes_by_role": accounting.median(roles),               # tp, dp_grads, dp_params: sent per rank
         "optimizer_state_mb_per_rank": sum(a.nbytes for arrays in opt.state.values() for a in arrays) / 2**20,
-        "zero": zero and topo.dp.size > 1,
+        "zero": int(zero) if topo.dpcp.size > 1 else 0, "recompute": recompute,
+        "memory_measured": accounting.measured(meter, comm),           # by category at the peak (core.memory)
         "activation_bytes_per_layer": acts,                 # block 0's caches after a forward, largest rank
         "activation_bytes_per_layer_formula": activation_bytes_per_layer(
-            S / cp, B, C, H, topo.tp.size, sequence_parallel, recompute="selective" if cp > 1 else "none",
+            S / cp, B, C, H, topo.tp.size, sequence_parallel,
+            recompute=recompute if recompute != "none" or cp == 1 else "selective",
             value_bytes=dtype_of(dtype).itemsize),             # cp: S / cp positions, no (S, S) array
         "comm_per_step": {k: {"calls": v["calls"], "bytes": v["bytes"], "wire_bytes": v["wire_bytes"]}
                           for k, v in topo.stats.snapshot().items()},       # the last step's, by group/kind
@@ -145,7 +154,8 @@ def print_table(r: dict, comm) -> None:
     ar_txt = (f"; one (B,S,C) all-reduce {ar['mpi_tp']:.2f} ms vs bare Allreduce {ar['bare']:.2f} ms"
               if ar else "")
     layout = f"tp={r['tp']}" + (f" cp={r['cp']}" if r.get("cp", 1) > 1 else "") + (f" dp={r['dp']} ({r['dp_mode']})" if r["dp"] > 1 else "") + \
-        (" +sp" if r["sequence_parallel"] else "") + (" +zero1" if r["zero"] else "")
+        (" +sp" if r["sequence_parallel"] else "") + (f" +zero{r['zero']}" if r["zero"] else "") + \
+        (f" recompute {r['recompute']}" if r["recompute"] != "none" else "")
     rank0_print(
         f"C={s['n_embd']} H={s['n_head']} L={s['n_layer']} S={s['block_size']} B={s['batch']} {layout} "
         f"{r['dtype']}: step {r['step_ms']['median']:.1f} ms (min {r['step_ms']['min']:.1f}, max "
@@ -161,4 +171,5 @@ def print_table(r: dict, comm) -> None:
         f"  activations {r['activation_bytes_per_layer'] / 2**20:.2f} MiB per layer (formula "
         f"{r['activation_bytes_per_layer_formula'] / 2**20:.2f}, docs/parallelism.md#activation-memory)\n"
         f"  {r['precision']}: {mem['bytes_per_param']:.2f} bytes per parameter ({' + '.join(parts)}); sent per rank: "
-        f"{', '.join(f'{k} {v / 1e6:.3f} MB' for k, v in wire.items() if not isinstance(v, str))}", comm=comm)
+        f"{', '.join(f'{k} {v / 1e6:.3f} MB' for k, v in wire.items() if not isinstance(v, str))}\n"
+        f"  {accounting.describe(r['memory_measured'])}", comm=comm)

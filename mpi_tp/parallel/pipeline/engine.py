@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import time
 
-from mpi_tp.core import backend
+from mpi_tp.core import backend, memory
 from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.collectives import Group, tag_limit
 from mpi_tp.parallel.pipeline.schedules import Action, global_chunk
@@ -141,6 +141,7 @@ class PipelineEngine:
                 sends = [p for p in sends if not p.test()]   # let finished sends go, drive progress
                 for p in posted.values():                    # and move the data of receives posted ahead
                     p.test()
+                memory.probe(a.kind, [*posted.values(), *sends])   # mpi_tp.core.memory, when a meter samples
             for p in sends:
                 p.wait()
         except BaseException:

@@ -167,7 +167,8 @@ class PipelineStage:
             raise ValueError(f"this stage's schedule runs {M} micro-batches, not {len(parts)}")
         passes = [self.chunks[0].new_pass(S, rows.start) for rows in parts]     # each micro-batch's, once
         shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, passes[0])
-        losses, kept, held = [0.0] * M, {}, {}
+        losses, held = [0.0] * M, {}
+        kept = self.stashed = {}           # (m, j): its caches set aside until its backward (core.memory reads)
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
         final = {a.chunk: a.micro for a in self.engine.actions if a.kind == "B"}   # each chunk's last backward
 
