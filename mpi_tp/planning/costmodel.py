@@ -45,7 +45,7 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
 Each group is priced on the slowest link its members cross, under the engine's rank order
 (tp fastest, then cp, pp, dp: mpi_tp.parallel.topology) and the machine's ranks per node:
 a group whose members all share a node uses the node's links, one that straddles two nodes
-anywhere (tp 6 on 8-GPU nodes: ranks 6-11) waits on the network (`placement`).
+anywhere (tp 6 on 8-GPU nodes: ranks 6-11) waits on the network (`placement`, mpi_tp.planning.links).
 The machine's constants: mpi_tp.planning.machines; memory per rank:
 mpi_tp.planning.memory.
 """
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
+from mpi_tp.planning.links import link, placement
 from mpi_tp.planning.machines import Machine, state_bytes
 
 
@@ -140,37 +141,6 @@ def hierarchical_all_reduce(n_bytes: float, p: int, per_node: int, m: Machine) -
     return inside + ring_all_reduce(n_bytes, nodes, m.inter_alpha, m.inter_bw)
 
 
-def crosses(stride: int, size: int, per_node: int, world: int) -> bool:
-    """Whether some group of `size` members `stride` ranks apart (every group of that dimension of a world
-    of `world` ranks, placed per_node ranks a node) has members on two nodes."""
-    if size <= 1:
-        return False
-    span = (size - 1) * stride + 1
-    if span > per_node:
-        return True
-    period = stride * size                   # the bases of the groups: q period + r, r < stride
-    for q in range(min(per_node // math.gcd(period, per_node), max(1, world // period))):
-        if any((q * period + r) % per_node + span > per_node for r in range(stride)):
-            return True
-    return False
-
-
-def placement(lay: Layout, per_node: int) -> dict:
-    """{"tp" | "cp" | "pp" | "dp": "node" or "network"}: the link each group's collectives cross (dp: the
-    gradient reducer's group, cp x dp)."""
-    t, c, p, d, W = lay.tp, lay.cp, lay.pp, lay.dp, lay.ranks
-    on = {"tp": crosses(1, t, per_node, W), "cp": crosses(t, c, per_node, W), "pp": crosses(t * c, p, per_node, W)}
-    on["dp"] = crosses(t * c * p, d, per_node, W) or on["cp"] or (
-        d > 1 and c > 1 and (d - 1) * t * c * p + (c - 1) * t + 1 > per_node)
-    on["ep"] = crosses(t * c * p, lay.ep, per_node, W)          # ep consecutive members of dp
-    return {k: "network" if v else "node" for k, v in on.items()}
-
-
-def _link(where: str, m: Machine):
-    """(alpha, bw) of a group's link: "node" or "network"."""
-    return (m.intra_alpha, m.intra_bw) if where == "node" else (m.inter_alpha, m.inter_bw)
-
-
 def gemm_rate(m: Machine, rows: float) -> float:
     """FLOP/s of GEMMs with `rows` rows (the B S tokens of a micro-batch): the machine's measured
     curve, interpolated in log(rows) and flat beyond its ends, or gemm_flops without one."""
@@ -207,7 +177,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
                      + m.ew_att * a * s * w.seq * b / t) * (fwd_bwd / 3)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
     compute = micro * (gemm / gemm_rate(m, b * s) + elem / m.elem_rate + overhead)
-    alpha, bw = _link(links["tp"], m)
+    alpha, bw = link(links["tp"], m)
     n = b * s * h * m.bytes_per_value
     per_layer = (6 if lay.recompute else 4) * ring_all_reduce(n, t, alpha, bw)   # SP: same bytes (RS + AG)
     if lay.sp:
@@ -218,12 +188,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         compute += micro * (w.top_k - 1) * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe / gemm_rate(m, b * s)
     ep_comm = 0.0
     if moe and lay.ep > 1:          # dispatch and combine, forward and backward: 4 all-to-alls per block
-        ea, ebw = _link(links["ep"], m)
+        ea, ebw = link(links["ep"], m)
         rows = w.top_k * b * s * h * m.bytes_per_value * (lay.ep - 1) / lay.ep
         ep_comm = micro * moe * 4 * ((lay.ep - 1) * ea + rows / ebw)
     cp_comm = 0.0
     if c > 1:                       # the ring: 3Z - 2 messages of K and V (or their gradients) per layer
-        ca, cbw = _link(links["cp"], m)
+        ca, cbw = link(links["cp"], m)
         kv = 2 * b * s * h / t * m.bytes_per_value
         cp_comm = micro * layers * ((3 * c - 2) * ca + (2 * (c - 1) * (1 - m.pp_overlap) + c) * kv / cbw)
     # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
@@ -234,7 +204,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     w_share = micro * wgrad / gemm_rate(m, b * s) / work if work else 0.0
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
-        pa, pbw = _link(links["pp"], m)
+        pa, pbw = link(links["pp"], m)
         v = lay.virtual                                        # v chunks: more messages, 1/v the bubble
         # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp); per step a
         # stage sends, on average, 2 hops / P messages per micro-batch (hops: P v - 1, the V's 2 (P - 1))
@@ -252,7 +222,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         params_rank -= w.moe_layers * w.experts * w.expert_params * (1 - 1 / lay.ep) / (t * p)
         experts_rank = w.moe_layers * w.experts * w.expert_params / lay.ep / (t * p)
     overlaps = lay.overlap_dp and not hierarchical_dp
-    da, dbw = _link(links["dp"], m)
+    da, dbw = link(links["dp"], m)
     d = d * c                                                  # the reducer's group: cp x dp
     de = d // lay.ep                                           # the experts' (edp; cp is 1 with experts)
     per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
