@@ -4,7 +4,7 @@ import pytest
 from mpi_tp.core.errors import UserError
 from mpi_tp.planning.bubble import bubble_fraction, forward_hops
 from mpi_tp.planning.costmodel import Plan, Workload, ring_all_gather, step_time
-from mpi_tp.planning.machines import Machine
+from mpi_tp.planning.machines import PRESETS, Machine
 from mpi_tp.planning.planner import candidates
 
 
@@ -131,3 +131,33 @@ def test_layout_words_round_trip():
     with pytest.raises(UserError, match="needs pp > 1"):
         parse_layout("tp1 pp1 dp4 b1 zb-h1", 4)
     assert Plan(pp=2, schedule="zb-v").problems() and not Plan(pp=2, virtual=2, schedule="zb-v").problems()
+
+
+def test_plan_pins_and_the_config_it_writes(capsys, tmp_path):
+    """`mpi-tp plan --schedule zb-h1 --zero 3` prints only those rows; --emit-config writes the fastest layout that
+    `mpi-tp train` accepts in this build, and names the faster rows it passed over with train's reason."""
+    import argparse
+    import json
+
+    from mpi4py import MPI
+
+    from mpi_tp.commands.plan import add_parser, trainable
+    from mpi_tp.planning.planner import plan
+    from mpi_tp.training.config import TrainConfig
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    model = ["plan", "--machine", "dgx-a100", "--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "256",
+             "--global-batch", "32", "--top", "50", "--pp", "2"]
+    args = ap.parse_args(model + ["--schedule", "zb-h1", "--zero", "3"])
+    assert args.run(args, MPI.COMM_SELF) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[4:6] == "tp"]
+    assert rows and all(" zb-h1 " in r and ("+zero3" in r or " dp1 " in r) for r in rows), rows
+    out = tmp_path / "best.json"
+    args = ap.parse_args(model + ["--emit-config", str(out)])
+    assert args.run(args, MPI.COMM_SELF) == 0
+    written = json.loads(out.read_text())
+    TrainConfig(**written).validate(8)
+    w = Workload(8, 512, 8, 256, 32, vocab=51200)                    # the command's model (its default vocabulary)
+    best, passed = trainable(w, plan(PRESETS["dgx-a100"], w, 1, pp=2))
+    assert best is not None and written["schedule"] == best.schedule_name and written["zero"] == best.zero
+    assert all("(" in p for p in passed)              # each passed-over row says why train refused it
