@@ -10,7 +10,9 @@ published layout (full recomputation, no sequence parallelism or ZeRO, as in
 2021) and its teraFLOP/s per GPU, counted as the paper counts them (eq. 3: the
 recomputed forward included); and `plan` ranks every layout of that many GPUs:
 "rank" is the place of the published (t, p) among the distinct (t, p) pairs,
-each at its best predicted time (1: the planner's first choice, as `mpi-tp plan` numbers its rows).
+each at its best predicted time (1: the planner's first choice, as `mpi-tp plan` numbers its rows),
+among the schedules and ZeRO stages the runs had (THEIR_SPACE), and "rank_zb" the same in the
+planner's whole search (the zero-bubble schedules and ZeRO-2/3 too).
 """
 import json
 import os
@@ -43,9 +45,25 @@ def layout_of(row) -> tuple[Workload, Plan]:
                      virtual=virtual, zero=row.get("zero", 0))
 
 
+# What the published runs could choose from: the schedules of their time (none split the backward into B and W)
+# and at most ZeRO-1; the planner today also searches the zero-bubble schedules and ZeRO-2/3 ("rank_zb").
+THEIR_SPACE = {"schedules": ("1f1b", "interleaved"), "zeros": (0, 1)}
+
+
+def _rank(m, w, lay, gpus, even_stages, **space) -> tuple:
+    """(rank of (lay.tp, lay.pp) among the planner's distinct pairs at their best times, the first five pairs)."""
+    pairs = []
+    for x in plan(m, w, gpus // m.ranks_per_node, top=10**9, even_stages=even_stages, **space)["ranked"]:
+        pair = (x["layout"].tp, x["layout"].pp)
+        if pair not in pairs:
+            pairs.append(pair)
+    return (pairs.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in pairs else None), pairs[:5]
+
+
 def compare(m=PRESETS["dgx-a100"], rank_layouts=True, path=TABLE, even_stages=True) -> list[dict]:
-    """Each published row priced, and (rank_layouts) the rank of its (t, p) among the planner's distinct pairs;
-    even_stages: search only stage counts that divide the layers (Table 1's authors' space)."""
+    """Each published row priced, and (rank_layouts) the rank of its (t, p) among the planner's distinct pairs,
+    in the runs' own space (THEIR_SPACE: rank, planner_pairs) and in the planner's whole search (rank_zb,
+    planner_pairs_zb); even_stages: search only stage counts that divide the layers (Table 1's authors' space)."""
     out = []
     for row in published_rows(path):
         w, lay = layout_of(row)
@@ -54,16 +72,11 @@ def compare(m=PRESETS["dgx-a100"], rank_layouts=True, path=TABLE, even_stages=Tr
         r = {"name": row["name"], "t": lay.tp, "p": lay.pp, "dp": lay.dp, "b": lay.micro_batch, "v": lay.virtual,
              "gpus": row["gpus"], "published": row["tflops_per_gpu"], "predicted": predicted,
              "error": predicted / row["tflops_per_gpu"] - 1, "step_s": seconds,
-             "memory_gb": memory_per_rank(m, w, lay)["total"] / 1e9, "rank": None, "planner_pairs": []}
+             "memory_gb": memory_per_rank(m, w, lay)["total"] / 1e9, "rank": None, "planner_pairs": [],
+             "rank_zb": None, "planner_pairs_zb": []}
         if rank_layouts:
-            pairs = []
-            # the paper's search space: stage counts that divide the layers (mpi_tp also searches uneven ones)
-            for x in plan(m, w, row["gpus"] // m.ranks_per_node, top=10**9, even_stages=even_stages)["ranked"]:
-                pair = (x["layout"].tp, x["layout"].pp)
-                if pair not in pairs:
-                    pairs.append(pair)
-            r["planner_pairs"] = pairs[:5]
-            r["rank"] = pairs.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in pairs else None
+            r["rank"], r["planner_pairs"] = _rank(m, w, lay, row["gpus"], even_stages, **THEIR_SPACE)
+            r["rank_zb"], r["planner_pairs_zb"] = _rank(m, w, lay, row["gpus"], even_stages)
         out.append(r)
     return out
 
@@ -73,12 +86,13 @@ def main():
                               (OTHERS, False, "other published runs (ranked among every layout the engine trains)")):
         print(f"\n{title}\n")
         print("| model | GPUs | published t, p, b, v | TFLOP/s per GPU published | predicted | error | GB per GPU "
-              "| rank of (t, p) | planner's first (t, p) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| rank of (t, p) | planner's first (t, p) | rank with zb, ZeRO-2/3 | planner's first (t, p) then |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in compare(path=path, even_stages=even):
-            first = ", ".join(f"({t}, {p})" for t, p in r["planner_pairs"][:3])
+            first, first_zb = (", ".join(f"({t}, {p})" for t, p in r[k][:3]) for k in ("planner_pairs", "planner_pairs_zb"))
             print(f"| {r['name']} | {r['gpus']} | {r['t']}, {r['p']}, {r['b']}, {r['v']} | {r['published']} "
-                  f"| {r['predicted']:.0f} | {100 * r['error']:+.1f}% | {r['memory_gb']:.0f} | {r['rank']} | {first} |")
+                  f"| {r['predicted']:.0f} | {100 * r['error']:+.1f}% | {r['memory_gb']:.0f} | {r['rank']} | {first} "
+                  f"| {r['rank_zb']} | {first_zb} |")
 
 
 if __name__ == "__main__":

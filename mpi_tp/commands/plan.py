@@ -18,10 +18,11 @@ import sys
 
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.parallel.layout import Layout
+from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import PRESETS, machine, state_bytes, with_precision
 from mpi_tp.planning.plan_table import legend, size_text, table
-from mpi_tp.planning.planner import LONG, links_text, plan, price
+from mpi_tp.planning.planner import LONG, SCHEDULES, links_text, plan, price
 
 MODEL_FLAGS = ("--layers", "--hidden", "--heads", "--seq", "--global-batch")     # the model: required
 
@@ -48,13 +49,16 @@ def add_parser(sub) -> None:
                    f"below {LONG} positions, else any that leaves a rank at least 4 of each sequence)")
     p.add_argument("--micro-batch", type=int, default=None, help="consider only this micro-batch size")
     p.add_argument("--no-sp", action="store_true", help="leave out sequence parallelism")
-    p.add_argument("--no-zero", action="store_true", help="leave out ZeRO-1")
+    p.add_argument("--no-zero", action="store_true", help="leave out ZeRO (stages 1 to 3)")
     p.add_argument("--no-recompute", action="store_true", help="leave out activation recomputation")
     p.add_argument("--sp", action="store_true", help="only layouts with sequence parallelism (where tp > 1)")
-    p.add_argument("--zero", type=int, choices=[0, 1], default=None, help="only ZeRO-1 (1) or only without it (0)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="only this ZeRO stage (0: none; 1: optimizer state, 2: and gradients, 3: and parameters "
+                        "sharded over dp x cp)")
     p.add_argument("--recompute", action="store_true", help="only layouts with full activation recomputation")
-    p.add_argument("--schedule", choices=["1f1b", "interleaved"], default=None,
-                   help="only this pipeline schedule (interleaved: chunks of --virtual-stages, default 2)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="only this pipeline schedule (interleaved: chunks of --virtual-stages, default 2; zb-h1, "
+                        "zb-v: the zero-bubble schedules, B and W apart; zb-v two chunks per rank in a V)")
     p.add_argument("--virtual-stages", type=int, default=None, help="only the interleaved schedule with this "
                    "many chunks per stage")
     p.add_argument("--experts", type=int, default=0, help="a mixture of experts: E experts in every --moe-every-th "
@@ -100,8 +104,9 @@ def _check(args):
     if args.sp and args.no_sp or args.recompute and args.no_recompute or args.zero is not None and args.no_zero:
         raise UserError("a pin and its --no- form together (--sp / --no-sp, --zero / --no-zero, --recompute / "
                         "--no-recompute): give one")
-    if args.virtual_stages and args.schedule == "1f1b":
-        raise UserError("--virtual-stages needs the interleaved schedule (--schedule interleaved)")
+    if args.virtual_stages and args.schedule not in (None, "interleaved"):
+        raise UserError("--virtual-stages needs the interleaved schedule (--schedule interleaved; zb-v always has "
+                        "two chunks per rank)")
     m = machine(args.machine)
     if args.precision:
         m = with_precision(m, args.precision)
@@ -114,10 +119,11 @@ def _check(args):
 
 def _allowed(args) -> dict:
     """candidates()'s settings from the command line's pins."""
-    return dict(micro_only=args.micro_batch, cp_only=args.cp, schedule=args.schedule, virtual=args.virtual_stages,
+    return dict(micro_only=args.micro_batch, cp_only=args.cp, virtual=args.virtual_stages,
+                schedules=(args.schedule,) if args.schedule else SCHEDULES,
                 ep_only=args.ep,
                 sp=(True,) if args.sp else (False,) if args.no_sp else (False, True),
-                zeros=(args.zero,) if args.zero is not None else (0,) if args.no_zero else (0, 1),
+                zeros=(args.zero,) if args.zero is not None else (0,) if args.no_zero else (0, 1, 2, 3),
                 recomputes=(True,) if args.recompute else (False,) if args.no_recompute else (False, True))
 
 
@@ -132,27 +138,34 @@ def _empty(w: Workload, ranks: int, args) -> str:
             "batch or the pins")
 
 
-LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))? b(\d+)((?: v\d+| \+sp| \+zero1| \+recompute| -overlap)*)")
+LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))? b(\d+)"
+                       r"((?: v\d+| zb-h1| zb-v| \+sp| \+zero[0-3]| \+recompute| -overlap)*)")
 
 
 def parse_layout(text: str, ranks: int) -> Plan:
-    """A Layout from the table's way of writing it ('tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute')."""
+    """A Layout from the table's way of writing it ('tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute', 'tp4 pp12 dp8 b2
+    zb-v +zero3'); checked (a zero-bubble schedule needs pp > 1)."""
     got = LAYOUT_RE.fullmatch(" ".join(text.split()))
     if got is None:
         raise UserError(f"--explain {text!r}: write a layout as the table does, e.g. 'tp4 pp12 dp8 b2' or "
-                        "'tp2 cp4 pp1 dp2 b1 v2 +sp +zero1 +recompute'")
+                        "'tp2 cp4 pp1 dp2 b1 v2 +sp +zero1 +recompute' or 'tp2 pp4 dp2 b1 zb-v +zero3'")
     t, c, p, d, e, b = (int(x) if x else 1 for x in got.groups()[:6])
     flags = got.group(7).split()
-    v = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
-    lay = Plan(tp=t, cp=c, pp=p, dp=d, ep=e, virtual=v, sp="+sp" in flags, zero=int("+zero1" in flags),
-               micro_batch=b, recompute="+recompute" in flags, overlap_dp="-overlap" not in flags)
+    zb = next((f for f in flags if f in ZERO_BUBBLE), None)
+    v = 2 if zb == "zb-v" else next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+    zero = next((int(f[5:]) for f in flags if f.startswith("+zero")), 0)
+    lay = Plan(tp=t, cp=c, pp=p, dp=d, ep=e, virtual=v, sp="+sp" in flags, zero=zero, micro_batch=b,
+               recompute="+recompute" in flags, overlap_dp="-overlap" not in flags, schedule=zb)
+    wrong = lay.problems()
+    if wrong:
+        raise UserError(f"--explain {text!r}: " + "; ".join(wrong))
     if lay.ranks != ranks:
         raise UserError(f"--explain {text!r} has {lay.ranks} ranks, but the machine's {ranks}: pass --nodes "
                         "to match, or another layout")
     return lay
 
 
-COUNTS = ("total", "micro_batches")       # step_time's entries that are not a part of the step in seconds
+COUNTS = ("total", "micro_batches", "w_share")     # step_time's entries that are not a part of the step in seconds
 
 
 def explain_one(m, w: Workload, lay: Plan, result: dict) -> str:
@@ -167,6 +180,9 @@ def explain_one(m, w: Workload, lay: Plan, result: dict) -> str:
              f"{r['achieved']['flops_per_rank'] / 1e12:.1f} TFLOP/s per rank"]
     lines += [f"  {k:<13} {v:.4g} s" for k, v in t.items() if isinstance(v, float | int) and k not in COUNTS]
     lines.append(f"  {'micro_batches':<13} {t['micro_batches']:g} per replica and step")   # a count, not seconds
+    if lay.pp > 1:
+        lines.append(f"  {'w_share':<13} {t['w_share']:.3f} of a stage's work is W, the weights' gradients "
+                     f"({lay.schedule_name}: mpi_tp.planning.bubble)")
     lines += [f"  memory {k:<10} {size_text(v)}" for k, v in mem.items() if k != "total"]
     lines.append("  " + links_text(t, lay))
     return "\n".join(lines)
@@ -177,10 +193,24 @@ def train_config(w: Workload, lay: Plan) -> dict:
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
             "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "batch_size": lay.micro_batch,
-            "micro_batches": micro_batches, "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
+            "micro_batches": micro_batches, "schedule": lay.schedule_name,
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
             "recompute": "full" if lay.recompute else "none",
             **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every} if w.experts else {})}
+
+
+def trainable(w: Workload, result: dict) -> tuple[Plan | None, list[str]]:
+    """The fastest layout that fits and that `mpi-tp train` accepts (the planner prices schedules and ZeRO stages
+    a build may not train yet), and the faster ones passed over, each with train's reason."""
+    from mpi_tp.training.config import TrainConfig
+    passed = []
+    for r in sorted((r for r in result["all"] if r["fits"]), key=lambda r: r["time"]["total"]):
+        try:
+            TrainConfig(**train_config(w, r["layout"])).validate(r["layout"].ranks)
+            return r["layout"], passed
+        except UserError as e:
+            passed.append(f"{r['layout'].describe()} ({e})")
+    return None, passed
 
 
 def emit_config(path: str, w: Workload, lay: Plan) -> dict:
@@ -226,9 +256,13 @@ def cmd_plan(args, comm) -> int:
     if not result["ranked"]:
         raise UserError(result["why"])
     if args.emit_config:
-        if not result["ranked"]:
-            raise UserError(f"no layout fits, so there is no config to write: {result['why']}")
-        best = result["ranked"][0]["layout"]
+        best, passed = trainable(w, result)
+        if best is None:
+            raise UserError(f"none of the {len(passed)} layouts that fit is one `mpi-tp train` accepts "
+                            f"(the first: {passed[0]}): pin another with --schedule, --zero or the sizes")
+        if passed:
+            print(f"mpi-tp plan: note: {len(passed)} faster layout(s) are priced but not trained by this build "
+                  f"(the first: {passed[0]}); the config is the fastest it trains", file=sys.stderr)
         emit_config(args.emit_config, w, best)
         print(f"wrote {args.emit_config}: {best.describe()}; run it with mpiexec -n {best.ranks} mpi-tp train "
               f"--config {args.emit_config}", file=sys.stderr if args.json else sys.stdout)

@@ -14,9 +14,10 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  sequence parallelism: each all-reduce an all-gather + a reduce-scatter (the same
                  bytes), plus the column layers' inputs gathered again in the backward pass (2
                  all-gathers of B S C per layer: what keeps their activations at 1/T)
-    pipeline     bubble (P - 1) / (v M) of the compute, plus the activation messages (receives are
-                 posted ahead: pp_overlap of a transfer hides behind compute, but in the fill
-                 and the drain)
+    pipeline     bubble (P - 1) / (v M) of the compute (zb-h1: (P - 1)(1 - 2w) / M, zb-v: (P - 1)(1 - 3w)
+                 / (2M), w the weights' gradients' share: mpi_tp.planning.bubble), plus the activation
+                 messages (receives are posted ahead: pp_overlap of a transfer hides behind compute,
+                 but in the fill and the drain; the V sends twice 1F1B's)
     experts      (E experts, top-k, every moe_every-th block) each token's MLP runs k times (the
                  experts' GEMMs times k); per MoE block and micro-batch 4 all-to-alls (dispatch and
                  combine, forward and backward) over the ep group, each sending k B S C values x
@@ -33,13 +34,18 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  engine starts it during the last micro-batch's backward pass, which hides
                  dp_overlap of that pass's time (the embeddings' bucket, ready last, never hides).
                  ZeRO-1 (the distributed optimizer): a reduce-scatter of the gradients (hidden
-                 alike) and, after the update, an all-gather of the parameters: the same bytes
-    optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO-1: / D, its share)
+                 alike) and, after the update, an all-gather of the parameters: the same bytes.
+                 ZeRO-2: the same, but the gradients are reduce-scattered after every micro-batch
+                 (then freed), each behind its own backward pass. ZeRO-3: no gather after the
+                 update; instead each micro-batch gathers the parameters before its forward and
+                 again before its backward, a layer ahead (hidden but the first layer's): at M = 1,
+                 1.5x ZeRO-1's bytes
+    optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO: / D, its share)
 
 Each group is priced on the slowest link its members cross, under the engine's rank order
 (tp fastest, then cp, pp, dp: mpi_tp.parallel.topology) and the machine's ranks per node:
 a group whose members all share a node uses the node's links, one that straddles two nodes
-anywhere (tp 6 on 8-GPU nodes: ranks 6-11) waits on the network (`placement`).
+anywhere (tp 6 on 8-GPU nodes: ranks 6-11) waits on the network (`placement`, mpi_tp.planning.links).
 The machine's constants: mpi_tp.planning.machines; memory per rank:
 mpi_tp.planning.memory.
 """
@@ -50,6 +56,8 @@ import math
 from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
+from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
+from mpi_tp.planning.links import link, placement
 from mpi_tp.planning.machines import Machine, state_bytes
 
 
@@ -90,11 +98,29 @@ class Plan(Layout):
     micro_batch: int = 1
     recompute: bool = False      # full activation recomputation
     overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
+    schedule: str | None = None  # "zb-h1" (v = 1) or "zb-v" (v = 2); None: 1F1B, or interleaved at v > 1
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule as `mpi-tp train --schedule` names it."""
+        return self.schedule or ("interleaved" if self.virtual > 1 else "1f1b")
+
+    def problems(self, world: int | None = None) -> list[str]:
+        out = super().problems(world)
+        if self.schedule is not None and (self.schedule not in ZERO_BUBBLE or self.pp < 2 or
+                                          self.virtual != (2 if self.schedule == "zb-v" else 1)):
+            out.append(f"schedule {self.schedule!r} needs pp > 1 and is one of {', '.join(ZERO_BUBBLE)} "
+                       "(zb-h1: one chunk per stage; zb-v: two, v = 2)")
+        return out
 
     def describe(self) -> str:
-        """'tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute': the layout's words, the micro-batch after the grid."""
+        """'tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute': the layout's words, the micro-batch after the grid
+        (a zero-bubble schedule's name where v would stand: 'tp4 pp12 dp8 b2 zb-v +zero3')."""
         extra = (["+recompute"] if self.recompute else []) + ([] if self.overlap_dp or self.dp == 1 else ["-overlap"])
-        return " ".join(self.words() + [f"b{self.micro_batch}"] + self.flags() + extra)
+        flags = self.flags()
+        if self.schedule:
+            flags = [self.schedule] + [f for f in flags if f != f"v{self.virtual}"]
+        return " ".join(self.words() + [f"b{self.micro_batch}"] + flags + extra)
 
 
 def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:
@@ -113,37 +139,6 @@ def hierarchical_all_reduce(n_bytes: float, p: int, per_node: int, m: Machine) -
     nodes = max(1, p // local)
     inside = 2 * (math.ceil(math.log2(local)) * m.intra_alpha + n_bytes / m.intra_bw) if local > 1 else 0.0
     return inside + ring_all_reduce(n_bytes, nodes, m.inter_alpha, m.inter_bw)
-
-
-def crosses(stride: int, size: int, per_node: int, world: int) -> bool:
-    """Whether some group of `size` members `stride` ranks apart (every group of that dimension of a world
-    of `world` ranks, placed per_node ranks a node) has members on two nodes."""
-    if size <= 1:
-        return False
-    span = (size - 1) * stride + 1
-    if span > per_node:
-        return True
-    period = stride * size                   # the bases of the groups: q period + r, r < stride
-    for q in range(min(per_node // math.gcd(period, per_node), max(1, world // period))):
-        if any((q * period + r) % per_node + span > per_node for r in range(stride)):
-            return True
-    return False
-
-
-def placement(lay: Layout, per_node: int) -> dict:
-    """{"tp" | "cp" | "pp" | "dp": "node" or "network"}: the link each group's collectives cross (dp: the
-    gradient reducer's group, cp x dp)."""
-    t, c, p, d, W = lay.tp, lay.cp, lay.pp, lay.dp, lay.ranks
-    on = {"tp": crosses(1, t, per_node, W), "cp": crosses(t, c, per_node, W), "pp": crosses(t * c, p, per_node, W)}
-    on["dp"] = crosses(t * c * p, d, per_node, W) or on["cp"] or (
-        d > 1 and c > 1 and (d - 1) * t * c * p + (c - 1) * t + 1 > per_node)
-    on["ep"] = crosses(t * c * p, lay.ep, per_node, W)          # ep consecutive members of dp
-    return {k: "network" if v else "node" for k, v in on.items()}
-
-
-def _link(where: str, m: Machine):
-    """(alpha, bw) of a group's link: "node" or "network"."""
-    return (m.intra_alpha, m.intra_bw) if where == "node" else (m.inter_alpha, m.inter_bw)
 
 
 def gemm_rate(m: Machine, rows: float) -> float:
@@ -182,7 +177,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
                      + m.ew_att * a * s * w.seq * b / t) * (fwd_bwd / 3)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
     compute = micro * (gemm / gemm_rate(m, b * s) + elem / m.elem_rate + overhead)
-    alpha, bw = _link(links["tp"], m)
+    alpha, bw = link(links["tp"], m)
     n = b * s * h * m.bytes_per_value
     per_layer = (6 if lay.recompute else 4) * ring_all_reduce(n, t, alpha, bw)   # SP: same bytes (RS + AG)
     if lay.sp:
@@ -193,66 +188,83 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         compute += micro * (w.top_k - 1) * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe / gemm_rate(m, b * s)
     ep_comm = 0.0
     if moe and lay.ep > 1:          # dispatch and combine, forward and backward: 4 all-to-alls per block
-        ea, ebw = _link(links["ep"], m)
+        ea, ebw = link(links["ep"], m)
         rows = w.top_k * b * s * h * m.bytes_per_value * (lay.ep - 1) / lay.ep
         ep_comm = micro * moe * 4 * ((lay.ep - 1) * ea + rows / ebw)
     cp_comm = 0.0
     if c > 1:                       # the ring: 3Z - 2 messages of K and V (or their gradients) per layer
-        ca, cbw = _link(links["cp"], m)
+        ca, cbw = link(links["cp"], m)
         kv = 2 * b * s * h / t * m.bytes_per_value
         cp_comm = micro * layers * ((3 * c - 2) * ca + (2 * (c - 1) * (1 - m.pp_overlap) + c) * kv / cbw)
+    # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
+    # of a stage's work: what the zero-bubble schedules move into the bubble (mpi_tp.planning.bubble)
+    wgrad = 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers + 2 * b * s * h * V / t / p
+    wgrad += (w.top_k - 1) * 2 * b * s * 8 * h * h * mlp_share * moe if moe else 0.0
+    work = compute + tp_comm + cp_comm + ep_comm
+    w_share = micro * wgrad / gemm_rate(m, b * s) / work if work else 0.0
     pp_comm, bubble = 0.0, 0.0
     if p > 1:
-        pa, pbw = _link(links["pp"], m)
+        pa, pbw = link(links["pp"], m)
         v = lay.virtual                                        # v chunks: more messages, 1/v the bubble
-        # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp);
-        # per step a stage sends, on average, 2 (P v - 1) / P messages per micro-batch
-        messages = micro * 2 * (p * v - 1) / p                 # per stage and step, on average
+        # each message is 1/T of B S C (scatter/gather: all-gathered on arrival unless under sp); per step a
+        # stage sends, on average, 2 hops / P messages per micro-batch (hops: P v - 1, the V's 2 (P - 1))
+        hops = forward_hops(lay.schedule, p, v)
+        messages = micro * 2 * hops / p                        # per stage and step, on average
         transfer = n / t / pbw
         # posted ahead, a transfer overlaps the receiver's compute (pp_overlap of it), except the fill's
-        # and the drain's: 2 (P v - 1) / P of them, nothing computing yet (or any more) to hide behind
-        exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * (p * v - 1) / p)
+        # and the drain's: 2 hops / P of them, nothing computing yet (or any more) to hide behind
+        exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * hops / p)
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
-        bubble = (p - 1) / (v * micro) * (compute + tp_comm + cp_comm + ep_comm)
+        bubble = bubble_fraction(lay.schedule, p, v, micro, w_share) * work
     params_rank = w.params / (t * p)
     experts_rank = 0.0               # the rank's E / ep experts: reduced over the dp / ep replicas holding them
     if w.moe_layers:
         params_rank -= w.moe_layers * w.experts * w.expert_params * (1 - 1 / lay.ep) / (t * p)
         experts_rank = w.moe_layers * w.experts * w.expert_params / lay.ep / (t * p)
     overlaps = lay.overlap_dp and not hierarchical_dp
-    da, dbw = _link(links["dp"], m)
+    da, dbw = link(links["dp"], m)
     d = d * c                                                  # the reducer's group: cp x dp
     de = d // lay.ep                                           # the experts' (edp; cp is 1 with experts)
     per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
-    gather, dp_comm = 0.0, 0.0
+    zero = int(lay.zero)
+    gather, gathers, dp_comm = 0.0, 0.0, 0.0     # the parameters' all-gathers: after the update; ZeRO-3's per pass
     state = state_bytes(m)           # the gradients' and the weights' bytes per parameter
     for n, g, g_node in ((params_rank - experts_rank, d, per_node), (experts_rank, de, max(1, per_node // lay.ep))):
         n_bytes = n * state["grads"]
         if g < 2 or n_bytes == 0:
             continue
-        if lay.zero:                 # ZeRO-1: the parameters' all-gather after the update (not hidden)
-            gather += ring_all_gather(n * state["weights"], g, da, dbw)
-        if hierarchical_dp:
+        weights = ring_all_gather(n * state["weights"], g, da, dbw)
+        if zero == 3:                # before each micro-batch's forward and again before its backward
+            gathers += 2 * micro * weights
+        elif zero:                   # ZeRO-1 and 2: after the update (not hidden)
+            gather += weights
+        if hierarchical_dp and zero < 2:
             dp_comm += hierarchical_all_reduce(n_bytes, g, g_node, m)
-        elif lay.zero:
-            dp_comm += ring_all_gather(n_bytes, g, da, dbw)     # the reduce-scatter of the gradients
+        elif zero:                   # the reduce-scatter of the gradients: ZeRO-2 and 3 free them, so every
+            dp_comm += (micro if zero >= 2 else 1) * ring_all_gather(n_bytes, g, da, dbw)   # micro-batch's
         else:
             dp_comm += ring_all_reduce(n_bytes, g, da, dbw)
     dp_hidden = 0.0
-    if overlaps and dp_comm > 0:
+    if overlaps and dp_comm + gathers > 0:
         # the last micro-batch's backward pass (2 of its 3 passes, 3 of 4 when recomputing) hides
-        # dp_overlap of its time; the last bucket (the embeddings, ready when the pass ends) never hides
+        # dp_overlap of its time; the last bucket (the embeddings, ready when the pass ends) never hides;
+        # ZeRO-2 and 3 reduce-scatter after every micro-batch's backward, each hidden alike; ZeRO-3's gathers
+        # are issued a layer ahead, so every pass hides them but for its first layer's
         backward = (compute + tp_comm) / micro * (fwd_bwd - 1) / fwd_bwd
         last_bucket = min(1.0, (V * h / t + w.seq * h + 2 * h) / params_rank)
-        dp_hidden = min(dp_comm * (1 - last_bucket), m.dp_overlap * backward)
+        hideable, window = dp_comm * (1 - last_bucket), backward * (micro if zero >= 2 else 1)
+        if zero == 3:
+            hideable, window = hideable + gathers * (1 - 1 / layers), compute + tp_comm
+        dp_hidden = min(hideable, m.dp_overlap * window)
     shards = ((params_rank - experts_rank) / d + experts_rank / de) if lay.zero else params_rank   # ZeRO-1: a share
     opt = shards * m.opt_traffic_per_param / m.mem_bw
-    dp_comm += gather
+    dp_comm += gather + gathers
     total = compute + tp_comm + cp_comm + ep_comm + pp_comm + bubble + dp_comm - dp_hidden + opt
     return {"total": total, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm,
             "pp_comm": pp_comm,
             "bubble": bubble, "links": links,
-            "dp_comm": dp_comm - dp_hidden, "dp_hidden": dp_hidden, "optimizer": opt, "micro_batches": micro}
+            "dp_comm": dp_comm - dp_hidden, "dp_hidden": dp_hidden, "optimizer": opt, "micro_batches": micro,
+            "w_share": w_share}
 
 
 def model_flops_per_step(w: Workload) -> float:

@@ -16,8 +16,10 @@ LEGEND = (
     ("#", "rank of the layout, fastest first (only layouts that fit in memory)"),
     ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
                "sequences; cpZ: Z context-parallel ranks (each sequence split over them, ring attention); epN: a "
-               "mixture of experts' experts over N of the D replicas; vN: N chunks per stage (the interleaved schedule); +sp sequence parallelism; "
-               "+zero1 ZeRO-1; +recompute full activation recomputation")),
+               "mixture of experts' experts over N of the D replicas; vN: N chunks per stage (the interleaved schedule); "
+               "zb-h1, zb-v: the zero-bubble schedules (zb-v: two chunks per rank in a V); +sp sequence parallelism; "
+               "+zeroN ZeRO stage N (1: optimizer state, 2: and gradients, 3: and parameters sharded over D); "
+               "+recompute full activation recomputation")),
     ("step s", "predicted seconds per training step (step ms: milliseconds, when every row is under 0.1 s; "
                "the next eight columns in the same unit): the sum of the next eight columns"),
     ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
@@ -32,12 +34,15 @@ LEGEND = (
                 "forward and backward), each sending k B S C (ep-1)/ep values from a rank")),
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
                 "without +sp; the machine's pp_overlap of each transfer hidden, but in the fill and drain)")),
-    ("bubble", "pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm"),
+    ("bubble", ("pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm; zb-h1 "
+                "(P-1)(1-2w)/M, zb-v (P-1)(1-3w)/(2M), w the share of the weights' gradients (1/3: (P-1)/(3M), 0)")),
     ("dp comm", ("the gradient all-reduce over the D replicas (float32; experts' over the D/ep holding them), "
                 "minus what the last backward pass hides (+zero1: a reduce-scatter of the gradients, hidden "
-                "alike, and an all-gather of the parameters after the update)")),
+                "alike, and an all-gather of the parameters after the update; +zero2: a reduce-scatter after "
+                "every micro-batch's backward; +zero3: and all-gathers of the parameters before every forward "
+                "and backward instead of after the update, hidden a layer ahead)")),
     ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
-              "(+zero1: its share, / D; experts' / (D/ep))")),
+              "(+zeroN: its share, / D; experts' / (D/ep))")),
     ("GB/rank", "memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
                 "activations, logits"),
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "

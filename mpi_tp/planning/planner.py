@@ -1,14 +1,14 @@
 """The planner: search every layout the engine trains with the cost model and explain the winner.
 
 Every layout with tp x cp x pp x dp = the machine's ranks is tried (`candidates`: uneven heads
-and stages, interleaving, cp for long sequences, ep for a mixture of experts), with micro-batch
-sizes, sequence parallelism, ZeRO-1 and recomputation; those whose memory per rank exceeds the
+and stages, interleaving and the zero-bubble schedules, cp for long sequences, ep for a mixture of
+experts), with micro-batch sizes, sequence parallelism, ZeRO 1-3 and recomputation; those whose memory per rank exceeds the
 machine's are dropped; the rest are ranked by predicted step time (`plan`), and the winner is
 explained against the best layout with another tensor-parallel size, with the links its groups
 cross (`explain`). The command line is mpi_tp.commands.plan (`mpi-tp plan`, with pins and
 --explain LAYOUT; --emit-config writes the winner as a config `mpi-tp train --config` runs).
 
-The cost model prices what the engine does: the interleaved bubble, the largest of uneven
+The cost model prices what the engine does: the interleaved and zero-bubble bubbles, the largest of uneven
 stages, the rank with the most heads, the GEMM rate of each micro-batch size (a calibrated
 machine's curve), each group on the links its members cross, and the data-parallel all-reduce
 hidden behind the last backward pass. experiments/planner/published_layouts.py checks it against
@@ -16,11 +16,13 @@ Narayanan et al. 2021's Table 1 and other published runs (tests/test_costmodel.p
 """
 from __future__ import annotations
 
+from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.plan_table import size_text
 
 LONG = 8192        # context parallelism is considered from this sequence length on (or asked for: --cp)
+SCHEDULES = ("1f1b", "interleaved", *ZERO_BUBBLE)      # the pipeline schedules priced (ties: the first wins)
 
 
 def divisors(n: int) -> list[int]:
@@ -30,17 +32,18 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
-               pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1),
-               recomputes=(False, True), cp_only: int | None = None, schedule: str | None = None,
+               pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1, 2, 3),
+               recomputes=(False, True), cp_only: int | None = None, schedules=SCHEDULES,
                virtual: int | None = None, even_stages: bool = False, ep_only: int | None = None):
     """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
     uneven), cp > 1 for sequences of LONG positions or more (at least 4 positions per rank), pp up to the
     layers (stages need not divide them: the largest sets the pace), interleaving (2 chunks a stage, or
-    `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, dp the
-    rest; micro-batches up to 16 sequences. Pins: tp_only, cp_only, pp_only, micro_only, schedule
-    ("1f1b" or "interleaved"), virtual, ep_only (a mixture of experts: ep divides dp, at most the experts);
-    sp, zeros, recomputes: the settings allowed; even_stages: only stage
-    counts that divide the layers (the search space of papers that had only those)."""
+    `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, the
+    zero-bubble schedules where there are at least as many micro-batches as stages (zb-v: and every chunk
+    of its V has a block), dp the rest; micro-batches up to 16 sequences; ZeRO stages 1-3 where dp x cp > 1.
+    Pins: tp_only, cp_only, pp_only, micro_only, virtual, ep_only (a mixture of experts: ep divides dp, at
+    most the experts); schedules (of SCHEDULES), sp, zeros, recomputes: the settings allowed; even_stages: only stage counts that divide the layers (the search space of papers
+    that had only those)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
@@ -58,12 +61,13 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                 if micro_only and b != micro_only:
                     continue
                 micro = w.global_batch // (dp * b)
-                for v, ep in ((v, ep) for v in _chunks(w, pp, micro, schedule, virtual) for ep in _eps(w, dp, ep_only)):
+                for (v, zb), ep in ((x, ep) for x in _schedules(w, pp, micro, schedules, virtual)
+                                    for ep in _eps(w, dp, ep_only)):
                     for seq in (sp if tp > 1 else (False,)):
                         for zero in (zeros if dp * cp > 1 else (0,)):
                             for recompute in recomputes:
                                 yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, virtual=v, sp=seq, zero=zero,
-                                           micro_batch=b, recompute=recompute)
+                                           micro_batch=b, recompute=recompute, schedule=zb)
 
 
 def _eps(w: Workload, dp: int, ep_only: int | None) -> list[int]:
@@ -73,20 +77,29 @@ def _eps(w: Workload, dp: int, ep_only: int | None) -> list[int]:
     return [e for e in divisors(dp) if e <= w.experts and (not ep_only or e == ep_only)]
 
 
-def _chunks(w: Workload, pp: int, micro: int, schedule: str | None, virtual: int | None) -> list[int]:
-    """Model chunks per stage to try: 1 (1F1B), and v (interleaved: 2, or `virtual`) where it runs."""
+def _schedules(w: Workload, pp: int, micro: int, schedules, virtual: int | None) -> list[tuple]:
+    """(chunks per stage, zero-bubble schedule or None) pairs to try, of those `schedules` allows: (1, None)
+    1F1B; (v, None) interleaved (2, or `virtual`: then nothing else) where it runs; (1, "zb-h1") and
+    (2, "zb-v") where M >= P, their formulas' steady state (mpi_tp.planning.bubble), zb-v where each of
+    the 2 P chunks has a block. One stage: (1, None), unless only pipelined schedules are allowed."""
+    if pp == 1:
+        return [(1, None)] if "1f1b" in schedules and not virtual else []
     v = virtual or 2
-    interleaves = pp > 1 and micro % pp == 0 and w.n_layer >= v * pp
-    if schedule == "interleaved" or virtual:
-        return [v] if interleaves else []
-    if schedule == "1f1b":
-        return [1]
-    return [1, v] if interleaves else [1]
+    found = {"1f1b": (1, None)}
+    if micro % pp == 0 and w.n_layer >= v * pp:
+        found["interleaved"] = (v, None)
+    if micro >= pp:
+        found["zb-h1"] = (1, "zb-h1")
+        if w.n_layer >= 2 * pp:
+            found["zb-v"] = (2, "zb-v")
+    if virtual:
+        schedules = [x for x in schedules if x == "interleaved"]
+    return [found[x] for x in schedules if x in found]
 
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
          pp: int | None = None, **allowed) -> dict:
-    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedule, virtual, even_stages, ep_only."""
+    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedules, virtual, even_stages, ep_only."""
     ranks = nodes * m.ranks_per_node
     rows = [price(m, w, lay) for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed)]
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
@@ -137,7 +150,7 @@ def explain(fitting, rows, m) -> str:
     best = fitting[0]
     lay, t = best["layout"], best["time"]
     parts = sorted(((k, v) for k, v in t.items() if isinstance(v, float | int) and k not in
-                    ("total", "micro_batches", "dp_hidden")), key=lambda kv: -kv[1])
+                    ("total", "micro_batches", "dp_hidden", "w_share")), key=lambda kv: -kv[1])
 
     def sec(x: float) -> str:       # seconds, or ms for a laptop-sized step, as the table's time columns
         return f"{x:.3f} s" if t["total"] >= 0.1 else f"{1e3 * x:.3f} ms"
