@@ -13,6 +13,7 @@ from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.pipeline.engine import default_prepost
+from mpi_tp.parallel.pipeline.schedules import held
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.optim import AdamW
 
@@ -52,7 +53,8 @@ def layouts(n):
 
 
 CASES = [("gpipe", 1, 1, "none"), ("gpipe", 3, 1, "selective"), ("1f1b", 1, 1, "none"), ("1f1b", 4, 1, "full"),
-         ("interleaved", 0, 2, "none")]
+         ("interleaved", 0, 2, "none"), ("zb-h1", 3, 1, "none"), ("zb-h1", 4, 1, "full"), ("zb-v", 0, 2, "none"),
+         ("zb-v", 3, 2, "selective")]
 
 
 @pytest.mark.parametrize("name,micro,virtual,recompute", CASES)
@@ -67,10 +69,12 @@ def test_pipeline_equals_serial(world, name, micro, virtual, recompute):
             what = f"{name} tp={tp} pp={pp} dp={dp} M={m} V={virtual} sp={sp} recompute={recompute}"
             assert_losses(losses, ref_losses, what)
             # the stage ran the engine's default: each receive posted default_prepost() actions ahead
-            # of its own (one chunk on one stage receives nothing)
+            # of its own (one stage receives nothing: its chunks hand their messages over in memory)
             posts, ahead = stage.engine.posts, default_prepost()
-            assert all_true(all(j == max(0, k - ahead) for k, j in posts) and bool(posts) == (pp * virtual > 1), world), \
+            assert all_true(all(j == max(0, k - ahead) for k, j in posts) and bool(posts) == (pp > 1), world), \
                 f"receives posted {posts}, want {ahead} actions ahead, {what}"
+            # zero-bubble schedules cut the backward: W actions ran the weight gradients B deferred
+            assert (stage.weight_calls > 0) == name.startswith("zb"), f"{stage.weight_calls} W calls, {what}"
             # fresh dropout masks each step (the serial reference steps through the same code, so the
             # numbers alone cannot tell): the masks' step key advanced once per training step
             assert stage.dropout.step == STEPS, f"dropout at step {stage.dropout.step} after {STEPS}, {what}"
@@ -169,17 +173,23 @@ def test_activations_held_follow_the_schedule(world):
     s, M = topo.pp.rank, 4
     peak = {}
     for name, micro, recompute in (("1f1b", 1, "none"), ("1f1b", M, "none"), ("gpipe", M, "none"),
-                                   ("1f1b", M, "full")):
+                                   ("1f1b", M, "full"), ("zb-h1", M, "none")):
         _, stage = pipelined(topo, n, name, micro, recompute=recompute)
         peak[name, micro, recompute] = stage.peak_activation_bytes
+        bound = held(stage.engine.actions)
     one = peak["1f1b", 1, "none"]
     assert peak["1f1b", M, "none"] == min(n - s, M) * one
     assert peak["gpipe", M, "none"] == M * one
     assert peak["1f1b", M, "full"] < peak["1f1b", M, "none"]
+    # zb-h1: 1F1B's micro-batches between F and B, and on stage s up to s more whose W inputs wait (what
+    # a W keeps, its GEMMs' inputs and output gradients, is less than what the forward kept)
+    assert peak["1f1b", M, "none"] <= peak["zb-h1", M, "none"] <= bound * one
+    assert bound == min(n, M)
     topo.free()
 
 
-def test_experts_in_every_layout_equal_serial(world):
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_experts_in_every_layout_equal_serial(world, name):
     """Mixture of experts (3 experts, top-2, a capacity that drops, aux and z-losses) in every tp x pp x dp
     layout: sequence parallelism at tp > 1, the experts over ep = dp (3 experts split unevenly at dp = 2),
     the distributed optimizer at dp > 1, 1F1B over 2 micro-batches; every stage's MoE losses reach the loss."""
@@ -188,8 +198,8 @@ def test_experts_in_every_layout_equal_serial(world):
         ref_losses, ref = serial(n_layer, dp * 2 * B, **MOE)
         ep = dp if dp <= MOE["moe_experts"] else 1
         topo = Topology.create(world, tp=tp, pp=pp, dp=dp, ep=ep)
-        losses, stage = pipelined(topo, n_layer, "1f1b", 2, sp=tp > 1, zero=dp > 1, **MOE)
-        what = f"MoE tp={tp} pp={pp} dp={dp} ep={ep} sp={tp > 1} zero={dp > 1}"
+        losses, stage = pipelined(topo, n_layer, name, 2, sp=tp > 1, zero=dp > 1, **MOE)
+        what = f"MoE {name} tp={tp} pp={pp} dp={dp} ep={ep} sp={tp > 1} zero={dp > 1}"
         assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")
         assert_close(losses, ref_losses, 1e-8, f"losses, {what}")
         for p in stage.parameters():

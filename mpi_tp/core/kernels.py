@@ -165,28 +165,40 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return out, (xhat, w, rstd)
 
 
-@half.backward_of(layernorm_forward)
 def layernorm_backward(dout, cache):
-    """dx (..., C), dw (C,), db (C,)."""
-    xhat, w, rstd = cache
+    """dx (..., C), dw (C,), db (C,): the input's gradient and the weights' (B and W,
+    mpi_tp.core.weight_grads), which a zero-bubble schedule computes at different times."""
+    return (layernorm_backward_input(dout, cache),) + layernorm_backward_weight(dout, cache)
+
+
+@half.backward_of(layernorm_forward)
+def layernorm_backward_weight(dout, cache):
+    """dw (C,), db (C,): the weights' half of layernorm_backward (out = xhat * w + b)."""
+    xhat, w, _ = cache
     xp = array_module(dout)
     C = w.shape[0]
     dout2, xhat2 = dout.reshape(-1, C), xhat.reshape(-1, C)   # (..., C) -> (N, C)
-    # out = xhat * w + b
-    dw = xp.einsum("nc,nc->c", dout2, xhat2)           # (N, C) -> (C,), no temporary
-    db = dout2.sum(axis=0)                             # (N, C) -> (C,)
+    return xp.einsum("nc,nc->c", dout2, xhat2), dout2.sum(axis=0)   # (N, C) -> (C,), no temporary
+
+
+@half.backward_of(layernorm_forward)
+def layernorm_backward_input(dout, cache):
+    """dx (..., C): the input's half of layernorm_backward."""
+    xhat, w, rstd = cache
+    xp = array_module(dout)
+    C = w.shape[0]
     dxhat = dout * w                                   # (..., C)
     # xhat = (x - mean) * rstd, with mean and rstd depending on x too:
     # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
     mean_proj = _row_dot(dxhat, xhat, xp)              # (..., C) -> (..., 1), times C
     if xp.__name__ != "numpy":                         # a GPU: 7, not 11: the tail's passes in one
-        return fused.layernorm_backward_tail(dxhat, _row_mean(dxhat, xp), xhat, mean_proj, 1.0 / C, rstd), dw, db
+        return fused.layernorm_backward_tail(dxhat, _row_mean(dxhat, xp), xhat, mean_proj, 1.0 / C, rstd)
     mean_proj *= 1.0 / C
     dx = dxhat                                         # fresh temporary, reused in place
     dx -= _row_mean(dxhat, xp)
     dx -= xhat * mean_proj
     dx *= rstd
-    return dx, dw, db
+    return dx
 
 
 # ---------------------------------------------------------------- gelu

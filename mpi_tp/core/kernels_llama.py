@@ -34,14 +34,25 @@ def rmsnorm_forward(x, w, eps=1e-5):
     return xhat * w, (xhat, w, rstd)
 
 
-@half.backward_of(rmsnorm_forward)
 def rmsnorm_backward(dout, cache):
-    """dx (..., C), dw (C,)."""
+    """dx (..., C), dw (C,): the input's gradient and the weight's (B and W, mpi_tp.core.weight_grads)."""
+    return rmsnorm_backward_input(dout, cache), rmsnorm_backward_weight(dout, cache)
+
+
+@half.backward_of(rmsnorm_forward)
+def rmsnorm_backward_weight(dout, cache):
+    """dw (C,): the weight's half of rmsnorm_backward (out = xhat * w)."""
+    xhat, w, _ = cache
+    C = w.shape[0]
+    return array_module(dout).einsum("nc,nc->c", dout.reshape(-1, C), xhat.reshape(-1, C))   # (N, C) -> (C,)
+
+
+@half.backward_of(rmsnorm_forward)
+def rmsnorm_backward_input(dout, cache):
+    """dx (..., C): the input's half of rmsnorm_backward."""
     xhat, w, rstd = cache
     xp = array_module(dout)
     C = w.shape[0]
-    # out = xhat * w
-    dw = xp.einsum("nc,nc->c", dout.reshape(-1, C), xhat.reshape(-1, C))   # (N, C) -> (C,)
     dxhat = dout * w                                    # (..., C), fresh
     # xhat = x * rstd, rstd = (mean(x^2) + eps)^(-1/2)  =>  dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
     proj = xp.einsum("...c,...c->...", dxhat, xhat)[..., None]             # (..., 1), times C
@@ -49,7 +60,7 @@ def rmsnorm_backward(dout, cache):
     dx = dxhat
     dx -= xhat * proj
     dx *= rstd
-    return dx, dw
+    return dx
 
 
 # ---------------------------------------------------------------- rotary position embeddings

@@ -16,6 +16,7 @@ from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.core.precision import sum_rows
+from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.dropout import region_mask
 from mpi_tp.model.forward_pass import Pass
@@ -62,9 +63,12 @@ class GPTEmbedding(Module):
         if m is not None:
             dx = masks.apply(dx, m)
         if self.wpe is not None:
-            self.wpe.grad[positions] += sum_rows(dx)          # over the batch (fp32 sum at 16 bits)
-            self.wpe.fresh = False
+            weight_grad(self._wpe_grad, dx, positions)
         self.wte.backward(dx)
+
+    def _wpe_grad(self, dx, positions):
+        self.wpe.grad[positions] += sum_rows(dx)              # over the batch (fp32 sum at 16 bits)
+        self.wpe.fresh = False
 
     def lookup(self, ids, positions):
         """Inference (cached decoding): ids (B, t) at positions (t,) (every row alike) or (B, 1) (one per row),

@@ -17,6 +17,7 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
+from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.parallel.topology import shard_range
 
 
@@ -44,12 +45,16 @@ class Expert(Module):
 
     def backward(self, dout):
         fc, act, proj = self.take_cache()
-        dh, dw, _ = kern.linear_backward(dout, proj)
-        self.proj_weight.accumulate(dw)
-        dx, dw, db = kern.linear_backward(kern.gelu_backward(dh, act), fc)
+        dh = kern.gelu_backward(kern.linear_backward_input(dout, proj[1]), act)   # (R_e, F_i)
+        weight_grad(self._weights_grad, dout, proj[0], dh, fc[0])
+        return kern.linear_backward_input(dh, fc[1])                         # (R_e, C), partial over tp
+
+    def _weights_grad(self, dout, h, dh, x):
+        """W: proj's weight from (h, dout), fc's weight and bias from (x, dh)."""
+        self.proj_weight.accumulate(kern.linear_backward_weight(dout, h)[0])
+        dw, db = kern.linear_backward_weight(dh, x, True)
         self.fc_weight.accumulate(dw)
         self.fc_bias.accumulate(db)
-        return dx                                                            # (R_e, C), partial over tp
 
 
 class SwiGLUExpert(Module):
@@ -78,8 +83,11 @@ class SwiGLUExpert(Module):
 
     def backward(self, dout):
         fc, act, down = self.take_cache()
-        dh, dw, _ = kern.linear_backward(dout, down)
-        self.down_weight.accumulate(dw)
-        dx, dw, _ = kern.linear_backward(kl.swiglu_backward(dh, act), fc)      # [dgate | dup] (R_e, 2 F_i)
-        accumulate_base(self.gate_up, dw)
-        return dx                                                            # (R_e, C), partial over tp
+        dgu = kl.swiglu_backward(kern.linear_backward_input(dout, down[1]), act)   # [dgate | dup] (R_e, 2 F_i)
+        weight_grad(self._weights_grad, dout, down[0], dgu, fc[0])
+        return kern.linear_backward_input(dgu, fc[1])                        # (R_e, C), partial over tp
+
+    def _weights_grad(self, dout, h, dgu, x):
+        """W: down's weight from (h, dout), gate/up's from (x, [dgate | dup])."""
+        self.down_weight.accumulate(kern.linear_backward_weight(dout, h)[0])
+        accumulate_base(self.gate_up, kern.linear_backward_weight(dgu, x)[0])

@@ -41,6 +41,7 @@ import numpy
 from mpi_tp.core import backend
 from mpi_tp.core.module import Module
 from mpi_tp.core.precision import dtype_of
+from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.block import Block
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.dropout import Dropout
@@ -174,8 +175,8 @@ class GPT(Module):
         dx = self.head.backward(dout * self._loss_scale) if self.last else backend.asarray(dout)
         for i in reversed(range(len(self.h))):
             dx = self.h[i].backward(dx)
-            if reducer is not None:
-                reducer.block_done(i)
+            if reducer is not None:          # after the block's W, which may be deferred (core.weight_grads)
+                weight_grad(reducer.block_done, i)
         if self.first:
             self.embedding.backward(dx)
             return None

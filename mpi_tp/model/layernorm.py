@@ -4,6 +4,7 @@ from __future__ import annotations
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
+from mpi_tp.core.weight_grads import weight_grad
 
 
 class LayerNorm(Module):
@@ -24,7 +25,11 @@ class LayerNorm(Module):
         return out
 
     def backward(self, dout):
-        dx, dw, db = kern.layernorm_backward(dout, *self.take_cache())
+        (cache,) = self.take_cache()
+        weight_grad(self._weights_grad, dout, cache)
+        return kern.layernorm_backward_input(dout, cache)
+
+    def _weights_grad(self, dout, cache):
+        dw, db = kern.layernorm_backward_weight(dout, cache)
         self.weight.accumulate(dw)
         self.bias.accumulate(db)
-        return dx

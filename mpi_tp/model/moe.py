@@ -58,6 +58,7 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
 from mpi_tp.core.precision import computed, stored, sum_rows
+from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.experts import Expert, SwiGLUExpert
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
 from mpi_tp.parallel.sequence_parallel import (
@@ -239,10 +240,13 @@ class MoEMLP(Module):
         if self.z_weight:
             dz += (self.loss_scale * self.z_weight) * dlse[:, None] * p      # d lse / dz = p
         x2, w_r, _ = router
-        dx_r, dw, _ = kern.linear_backward(dz, (computed(x2), computed(w_r), False))   # fp32 for 16 bits
-        self.router.accumulate(dw)                                           # rounded once into a 16-bit grad
-        dx += dx_r
+        dx += kern.linear_backward_input(dz, computed(w_r))                  # fp32 for 16 bits
+        weight_grad(self._router_grad, dz, x2)
         return stored(dx, dout.dtype).reshape(dout.shape)
+
+    def _router_grad(self, dz, x2):
+        """W of the router: X^T dz in fp32, rounded once into a 16-bit gradient."""
+        self.router.accumulate(kern.linear_backward_weight(dz, computed(x2))[0])
 
     def _experts_forward(self, x_recv, rows):
         """x_recv (R, C), whole on every tp rank (f), expert by expert -> outputs (R, C) after one g."""
@@ -264,8 +268,8 @@ class MoEMLP(Module):
         dx = backend.array_module(dy).empty_like(dy)
         at = 0
         for expert, n in zip(self.experts, rows):
-            if expert.proj_bias is not None:
-                expert.proj_bias.accumulate(sum_rows(dy[at:at + n]))        # an fp32 sum at 16 bits
+            if expert.proj_bias is not None:                                # an fp32 sum at 16 bits (W)
+                weight_grad(lambda p, d: p.accumulate(sum_rows(d)), expert.proj_bias, dy[at:at + n])
             dx[at:at + n] = expert.backward(dy[at:at + n])
             at += n
         return copy_to_tp_backward(dx, self.tp)

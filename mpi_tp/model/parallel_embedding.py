@@ -6,6 +6,7 @@ from mpi_tp.core import kernels as kern
 from mpi_tp.core.failpoints import planted
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
+from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.parallel_linear import column_backward, column_forward
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.sequence_parallel import leave_tp, leave_tp_backward
@@ -50,6 +51,9 @@ class VocabParallelEmbedding(Module):
     def backward(self, dout):
         cache, outside, seq = self.take_cache()
         dout = leave_tp_backward(dout, self.group, seq)
+        weight_grad(self._weights_grad, dout, cache, outside)     # the whole backward is W: ids have no gradient
+
+    def _weights_grad(self, dout, cache, outside):
         if outside is not None:
             dout = dout * ~outside[..., None]                         # rows other ranks own get nothing
         self.weight.accumulate(kern.embedding_backward(dout, cache))
@@ -64,6 +68,9 @@ class VocabParallelEmbedding(Module):
         saved, self._logits_cache = getattr(self, "_logits_cache", None), None
         if saved is None:
             raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
-        dx, dwt, _ = column_backward(dlogits, saved, self.group)      # dwt: (C, V_i)
+        return column_backward(dlogits, saved, self.group, self._table_grad)
+
+    def _table_grad(self, dlogits, x):
+        """The tied output layer's W: dwte_i = (X^T dlogits)^T, (V_i, C)."""
+        dwt, _ = kern.linear_backward_weight(dlogits, x)                    # (C, V_i)
         self.weight.accumulate(dwt.T)
-        return dx

@@ -18,6 +18,7 @@ from mpi_tp.core.failpoints import planted
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.core.precision import sum_rows
+from mpi_tp.core.weight_grads import deferring_now, weight_grad
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.sequence_parallel import (
     enter_tp,
@@ -49,40 +50,45 @@ def column_forward(x, w, b, group: Group, sp):
     return y, (kept, w, has_bias, seq, sp is not None and sp.overlap)
 
 
-def column_backward(dout, cache, group: Group, dw_out=None):
-    """dX (f's all-reduce, or sp's reduce-scatter: this rank's positions), dA_i and db_i (or None).
+def column_backward(dout, cache, group: Group, weights):
+    """dX (f's all-reduce, or sp's reduce-scatter: this rank's positions), returned; the weights' and
+    biases' gradients by weights(dout, X), X the whole input (under sp gathered again), handed to
+    weight_grad: now, or at a zero-bubble schedule's W action (mpi_tp.core.weight_grads).
 
-    Under sp, with overlap (SequenceSplit.overlap), as Megatron does: start the input's all-gather,
-    compute dX = dY A_i^T meanwhile, wait; start dX's reduce-scatter, compute dA_i = X^T dY meanwhile,
-    wait. Without it (the default here: see SequenceSplit) the same collectives run one after the other.
+    Under sp, with overlap (SequenceSplit.overlap) and W not deferred, as Megatron does: start the input's
+    all-gather, compute dX = dY A_i^T meanwhile, wait; start dX's reduce-scatter, compute the weights'
+    gradients meanwhile, wait. Otherwise dX and its collective first, then W: (sp) the input's all-gather
+    and the weights' gradients.
     """
-    x, w, has_bias, seq, overlap = cache
-    if seq is None:
-        dx, dw, db = kern.linear_backward(dout, (x, w, has_bias), dw_out)
-        return enter_tp_backward(dx, group, None), dw, db                     # f: all-reduce dX
-    if not overlap:
-        x_whole = regather_from_sp(x, group, seq).wait()
-        dx, dw, db = kern.linear_backward(dout, (x_whole, w, has_bias), dw_out)
-        return enter_tp_backward(dx, group, seq), dw, db
-    gathering = regather_from_sp(x, group, seq)                       # (B, S_i, K) -> (B, S, K), started
-    dx = kern.linear_backward_input(dout, w)                         # (B, S, O_i) -> (B, S, K) partial
-    x_whole = gathering.wait()
-    reducing = start_gather_from_sp_backward(dx, group, seq)          # -> (B, S_i, K), started
-    dw, db = kern.linear_backward_weight(dout, x_whole, has_bias, dw_out)
-    return reducing.wait(), dw, db
+    x, w, _, seq, overlap = cache
+    if seq is not None and overlap and not deferring_now():
+        gathering = regather_from_sp(x, group, seq)                   # (B, S_i, K) -> (B, S, K), started
+        dx = kern.linear_backward_input(dout, w)                     # (B, S, O_i) -> (B, S, K) partial
+        x_whole = gathering.wait()
+        reducing = start_gather_from_sp_backward(dx, group, seq)      # -> (B, S_i, K), started
+        weights(dout, x_whole)
+        return reducing.wait()
+    dx = enter_tp_backward(kern.linear_backward_input(dout, w), group, seq)   # f: all-reduce dX (sp: scatter)
+    weight_grad(_gathered_weights_grad, weights, dout, x, group, seq)
+    return dx
 
 
-def accumulate_weight(weights, backward):
-    """Run backward(dw_out) and accumulate its dW into the weights' (shared) gradient: while that still
-    holds zeros, the GEMM writes straight into it (no new array, no extra pass). Returns the rest."""
+def _gathered_weights_grad(weights, dout, x, group: Group, seq):
+    """W of a column layer: its input whole again (under sp, an all-gather of the kept shard), then dA_i, db_i."""
+    weights(dout, x if seq is None else regather_from_sp(x, group, seq).wait())
+
+
+def accumulate_weight(weights, weight_backward):
+    """Run weight_backward(dw_out) -> (dw, db) and accumulate dw into the weights' (shared) gradient: while
+    that still holds zeros, the GEMM writes straight into it (no new array, no extra pass). Returns db."""
     grad = weights[0].grad_base
     fresh = all(p.fresh for p in weights)
-    dx, dw, db = backward(grad if fresh else None)
+    dw, db = weight_backward(grad if fresh else None)
     if not fresh:
         accumulate_base(weights, dw)
     for p in weights:
         p.fresh = False
-    return dx, db
+    return db
 
 
 class ColumnParallelLinear(Module):
@@ -147,10 +153,14 @@ class ColumnParallelLinear(Module):
         if self.gather_output:
             dout = gather_from_tp_backward(dout, self.group, self.sizes)
         (cache,) = self.take_cache()
-        dx, db = accumulate_weight(self.weights, lambda dw_out: column_backward(dout, cache, self.group, dw_out))
-        if self.biases:
+        return column_backward(dout, cache, self.group, self._weights_grad)
+
+    def _weights_grad(self, dout, x):
+        """dA_i = X^T dY and db_i, accumulated (W)."""
+        has_bias = bool(self.biases)
+        db = accumulate_weight(self.weights, lambda dw_out: kern.linear_backward_weight(dout, x, has_bias, dw_out))
+        if has_bias:
             accumulate_base(self.biases, db)
-        return dx
 
 
 class RowParallelLinear(Module):
@@ -197,11 +207,16 @@ class RowParallelLinear(Module):
         return y
 
     def backward(self, dout):
-        if self.bias is not None:
-            self.bias.accumulate(sum_rows(dout.reshape(-1, dout.shape[-1])))     # fp32 sum at 16 bits
-        cache, seq = self.take_cache()
-        dout = leave_tp_backward(dout, self.group, seq)
-        dx, _ = accumulate_weight([self.weight], lambda dw_out: kern.linear_backward(dout, cache, dw_out))
+        (x, w, _), seq = self.take_cache()
+        whole = leave_tp_backward(dout, self.group, seq)                # sp: (B, S_i, O) -> (B, S, O)
+        dx = kern.linear_backward_input(whole, w)                       # (B, S, O) -> (B, S, K_i)
+        weight_grad(self._weights_grad, dout, whole, x)
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)
         return dx
+
+    def _weights_grad(self, dout, whole, x):
+        """db from this rank's positions (sp: a partial sum, Param.sp_partial) and dA_i = X_i^T dY (W)."""
+        if self.bias is not None:
+            self.bias.accumulate(sum_rows(dout.reshape(-1, dout.shape[-1])))     # fp32 sum at 16 bits
+        accumulate_weight([self.weight], lambda dw_out: kern.linear_backward_weight(whole, x, False, dw_out))

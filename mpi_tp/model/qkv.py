@@ -7,6 +7,7 @@ H_i query heads and H_kv_i key/value heads (mpi_tp.model.heads: H_kv_i = 1 when 
 from __future__ import annotations
 
 from mpi_tp.core import backend
+from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import accumulate_base, fuse_last_axis, make_param
 from mpi_tp.model.heads import HeadLayout
@@ -98,14 +99,19 @@ class QKVParallelLinear(Module):
         """dqkv (B, S, (H_i + 2 H_kv_i) hs), the gradients of [q | k | v] side by side -> dX (B, S, C) (sp: its
         positions), after f's all-reduce; the weights' and biases' gradients accumulated."""
         (cache,) = self.take_cache()
-        if not self.split:
-            dx, db = accumulate_weight(self.weights, lambda dw_out: column_backward(dqkv, cache, self.group, dw_out))
-        else:
+        if self.split:               # the concatenated weights, made again (not kept since the forward)
             cache = (cache[0], self._fused_weight(), *cache[2:])
-            dx, dw, db = column_backward(dqkv, cache, self.group)                     # dw (C, (H_i + 2) hs)
+        return column_backward(dqkv, cache, self.group, self._weights_grad)
+
+    def _weights_grad(self, dqkv, x):
+        """The q/k/v weights' and biases' gradients from X and d[q | k | v] (W)."""
+        has_bias = bool(self.biases)
+        if not self.split:
+            db = accumulate_weight(self.weights, lambda dw_out: kern.linear_backward_weight(dqkv, x, has_bias, dw_out))
+        else:
+            dw, db = kern.linear_backward_weight(dqkv, x, has_bias)                  # dw (C, (H_i + 2) hs)
             n_q = self.H_i * self.hs
             accumulate_base(self.weights[:1], dw[:, :n_q])
             accumulate_base(self.weights[1:], dw[:, n_q:])
-        if self.biases:
+        if has_bias:
             accumulate_base(self.biases, db)
-        return dx

@@ -4,6 +4,7 @@ from __future__ import annotations
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.core.module import Module
 from mpi_tp.core.params import make_param
+from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.layernorm import LayerNorm
 
 
@@ -24,9 +25,12 @@ class RMSNorm(Module):
         return out
 
     def backward(self, dout):
-        dx, dw = kl.rmsnorm_backward(dout, *self.take_cache())
-        self.weight.accumulate(dw)
-        return dx
+        (cache,) = self.take_cache()
+        weight_grad(self._weights_grad, dout, cache)
+        return kl.rmsnorm_backward_input(dout, cache)
+
+    def _weights_grad(self, dout, cache):
+        self.weight.accumulate(kl.rmsnorm_backward_weight(dout, cache))
 
 
 def make_norm(name: str, cfg, dtype, sp: bool = False):

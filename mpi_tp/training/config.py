@@ -54,10 +54,12 @@ class TrainConfig:
                   f"model; attention by ring attention ({RULE})")
     pp: int = opt(1, f"pipeline stages (consecutive runs of blocks on different ranks) ({RULE})")
     schedule: str = opt("1f1b", "pipeline schedule: 'gpipe' (all forwards, then all backwards), '1f1b' "
-                        "(PipeDream-Flush) or 'interleaved' (with --virtual-stages)",
-                        ["gpipe", "1f1b", "interleaved"])
-    virtual_stages: int = opt(1, "model chunks per pipeline stage (the interleaved schedule; "
-                              "micro_batches must then be a multiple of pp)")
+                        "(PipeDream-Flush), 'interleaved' (with --virtual-stages), 'zb-h1' (1f1b with each "
+                        "backward cut into B and W, W in the bubble) or 'zb-v' (two chunks per stage in a V, "
+                        "B and W cut: --virtual-stages 2) (Qi et al. 2024)",
+                        ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
+    virtual_stages: int = opt(1, "model chunks per pipeline stage (the interleaved schedule, micro_batches "
+                              "then a multiple of pp; zb-v: 2)")
     dp: int = opt(1, f"data-parallel size (replicas, each on micro_batches x batch_size sequences) ({RULE})")
     ep: int = opt(1, "expert-parallel size: each MoE block's experts split over ep consecutive data-parallel "
                   "replicas (must divide dp; the world size stays tp x cp x pp x dp)")
@@ -221,8 +223,11 @@ class TrainConfig:
             raise ConfigError(f"dp, pp and virtual_stages must be at least 1 and tp at least 0 (0: world size "
                               f"/ (pp * dp)), got tp={self.tp} pp={self.pp} dp={self.dp} "
                               f"virtual_stages={self.virtual_stages}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved")
+        if self.schedule == "zb-v" and self.virtual_stages != 2:
+            raise ConfigError(f"--schedule zb-v places two chunks per stage in a V: use --virtual-stages 2 "
+                              f"(got {self.virtual_stages})")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zb-v"):
+            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved (or zb-v)")
         if self.schedule == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(f"the interleaved schedule needs a multiple of the {self.pp} pipeline stages as "
                               f"--micro-batches, got {self.micro_batches}")

@@ -2,15 +2,20 @@
 
     engine = PipelineEngine(group, actions, chunks=v)            # group: this rank's pipeline group
     engine.run(forward, backward, message_shape, dtype)
+    engine.run(forward, backward, message_shape, dtype, weights=weights)   # a zero-bubble list (W actions)
     PipelineEngine(group, actions, v, prepost=0)                 # no receive posted ahead (the old engine)
 
 `forward(m, c, x)` runs micro-batch m through local chunk c (x: the previous
 chunk's output, or None for the model's first chunk) and returns its output
 (None for the model's last chunk, which computed the loss). `backward(m, c, dy)`
 runs its backward (dy None for the last chunk) and returns the gradient of its
-input (None for the first chunk). The engine knows nothing of the model: it
-executes the schedule (mpi_tp.parallel.pipeline.schedules) and does the
-point-to-point communication.
+input (None for the first chunk). `weights(m, c)` runs a W action: the weights'
+gradients that micro-batch m's backward through chunk c deferred (zero-bubble
+lists only; no message). The engine knows nothing of the model: it executes
+the schedule (mpi_tp.parallel.pipeline.schedules) and does the point-to-point
+communication. Under the V placement (v_shape, zb-v) the rank holding chunk
+P - 1 also holds chunk P: that activation and its gradient are handed over in
+memory, not sent.
 
 Messages have a shape agreed in advance (one micro-batch's activations, the
 same for gradients), so nothing but the data is exchanged. Tags say which
@@ -52,7 +57,7 @@ import time
 from mpi_tp.core import backend, memory
 from mpi_tp.core.errors import UserError
 from mpi_tp.parallel.collectives import Group, tag_limit
-from mpi_tp.parallel.pipeline.schedules import Action, global_chunk
+from mpi_tp.parallel.pipeline.actions import Action, chunk_owner, global_chunk
 from mpi_tp.parallel.trace import span
 
 ACTIVATION, GRADIENT = 0, 1
@@ -79,8 +84,9 @@ class PipelineEngine:
     message, or for its transfer to finish): what posting ahead can shorten.
     """
 
-    def __init__(self, group: Group, actions: list[Action], chunks: int = 1, prepost: int | None = None):
-        self.group, self.actions, self.v = group, actions, chunks
+    def __init__(self, group: Group, actions: list[Action], chunks: int = 1, prepost: int | None = None,
+                 v_shape: bool = False):
+        self.group, self.actions, self.v, self.v_shape = group, actions, chunks, v_shape
         self.P, self.s = group.size, group.rank
         self.prepost = default_prepost() if prepost is None else prepost
         if self.prepost < 0:
@@ -98,26 +104,46 @@ class PipelineEngine:
     def _tag(self, micro: int, g: int, kind: int) -> int:
         return (micro * (self.last + 1) + g) * 2 + kind
 
+    def _chunk(self, a: Action) -> int:
+        return global_chunk(self.s, a.chunk, self.P, self.v_shape)
+
+    def _owner(self, g: int) -> int:
+        return chunk_owner(g, self.P, self.v_shape)
+
     def _receive(self, a: Action) -> tuple[int, int] | None:
         """(source rank, tag) of the message action `a` needs, or None (the model's first chunk's
-        forward, its last chunk's backward)."""
-        g = global_chunk(self.s, a.chunk, self.P)
+        forward, its last chunk's backward, a W)."""
+        g = self._chunk(a)
         if a.kind == "F":                                    # the previous chunk's output, from the stage before
-            return ((g - 1) % self.P, self._tag(a.micro, g, ACTIVATION)) if g > 0 else None
-        return ((g + 1) % self.P, self._tag(a.micro, g, GRADIENT)) if g < self.last else None
+            return (self._owner(g - 1), self._tag(a.micro, g, ACTIVATION)) if g > 0 else None
+        if a.kind == "B":
+            return (self._owner(g + 1), self._tag(a.micro, g, GRADIENT)) if g < self.last else None
+        return None
 
-    def run(self, forward, backward, shape, dtype, actions: list[Action] | None = None) -> None:
+    def _send(self, sends: list, local: dict, data, g: int, tag: int) -> None:
+        """Start sending `data` to the rank holding chunk g, or hand it over here when that is this rank."""
+        if self._owner(g) == self.s:
+            local[tag] = data
+        else:
+            sends.append(self.group.isend(data, self._owner(g), tag))
+
+    def run(self, forward, backward, shape, dtype, actions: list[Action] | None = None, weights=None) -> None:
         """Execute the action list once (one training step's forwards and backwards), or `actions`
-        instead (forward_only's list for evaluation)."""
+        instead (forward_only's list for evaluation). weights: runs the W actions (needed if any)."""
         xp = backend.xp()
         acts = self.actions if actions is None else actions
+        if weights is None and any(a.kind == "W" for a in acts):
+            raise ValueError("this action list has W actions: give run() the weights callback")
         needs = [self._receive(a) for a in acts]
-        sends, posted, ahead = [], {}, 0                     # posted: action index -> its pending receive
+        for k, need in enumerate(needs):                     # handed over in memory, not received
+            if need is not None and need[0] == self.s:
+                needs[k] = ("here", need[1])
+        sends, posted, ahead, local = [], {}, 0, {}          # posted: action index -> its pending receive
         self.posts, self.waited = [], 0.0
         try:
             for k, a in enumerate(acts):
                 while ahead < len(acts) and ahead <= k + self.prepost:   # receives of actions k .. k + prepost
-                    if needs[ahead] is not None:
+                    if needs[ahead] is not None and needs[ahead][0] != "here":
                         posted[ahead] = self.group.irecv(xp.empty(shape, dtype), *needs[ahead])
                         self.posts.append((ahead, k))
                     ahead += 1
@@ -126,18 +152,22 @@ class PipelineEngine:
                     t0 = time.perf_counter()
                     inp = posted.pop(k).wait()
                     self.waited += time.perf_counter() - t0
-                g = global_chunk(self.s, a.chunk, self.P)
+                elif needs[k] is not None:
+                    inp = local.pop(needs[k][1])
+                g = self._chunk(a)
                 if a.kind == "F":
                     with span(self.group.stats.trace, "F", "pipeline", micro=a.micro, chunk=g):
                         y = forward(a.micro, a.chunk, inp)
                     if g < self.last:
-                        sends.append(self.group.isend(y, (g + 1) % self.P, self._tag(a.micro, g + 1, ACTIVATION)))
-                else:
+                        self._send(sends, local, y, g + 1, self._tag(a.micro, g + 1, ACTIVATION))
+                elif a.kind == "B":
                     with span(self.group.stats.trace, "B", "pipeline", micro=a.micro, chunk=g):
                         dx = backward(a.micro, a.chunk, inp)
                     if g > 0:
-                        sends.append(self.group.isend(xp.ascontiguousarray(dx), (g - 1) % self.P,
-                                                      self._tag(a.micro, g - 1, GRADIENT)))
+                        self._send(sends, local, xp.ascontiguousarray(dx), g - 1, self._tag(a.micro, g - 1, GRADIENT))
+                else:
+                    with span(self.group.stats.trace, "W", "pipeline", micro=a.micro, chunk=g):
+                        weights(a.micro, a.chunk)
                 sends = [p for p in sends if not p.test()]   # let finished sends go, drive progress
                 for p in posted.values():                    # and move the data of receives posted ahead
                     p.test()

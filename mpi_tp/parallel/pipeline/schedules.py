@@ -1,10 +1,11 @@
 """Pipeline schedules as data: for each stage, the ordered actions it runs in one training step.
 
-An action is (kind, micro-batch, chunk): kind "F" (forward) or "B" (backward)
-of one micro-batch through one model chunk that the stage holds. With v
-virtual stages per rank (the interleaved schedule), P ranks hold P*v chunks,
-and rank s holds chunks s, s + P, s + 2P, ... (Megatron's placement): local
-chunk c of rank s is global chunk c*P + s. With v = 1 the chunk is always 0.
+An action is (kind, micro-batch, chunk): kind "F" (forward), "B" (backward)
+or, in the zero-bubble schedules, "W" (the weights' gradients of a backward
+that ran earlier), of one micro-batch through one model chunk that the stage
+holds (mpi_tp.parallel.pipeline.actions: the actions, and where the chunks
+sit). With v chunks per rank, rank s holds chunks s, s + P, s + 2P, ...
+(Megatron's placement), or under zb-v chunks s and 2P - 1 - s (a V).
 
     schedule("1f1b", stages=4, micro_batches=8)       # [[Action, ...] per stage]
 
@@ -21,24 +22,20 @@ Legend (docs/notation.md): P = pipeline stages (ranks), M = micro-batches, v = c
                  remaining backwards (PipeDream-Flush, Narayanan et al. 2021); at most P - s in flight
     interleaved  1f1b over v chunks per rank, micro-batches in groups of P (Narayanan et al. 2021,
                  sec. 2.2); the bubble shrinks by v, M must be a multiple of P
+    zb-h1        1f1b with each backward cut into B and W, stage s keeping s W's waiting for the
+                 cool-down (Qi et al. 2024): a third of 1f1b's bubble at its activation memory
+    zb-v         two chunks per rank in a V, B and W cut, W's in the gaps (Qi et al. 2024): no bubble
+                 but the start's, at 1f1b's activation memory (mpi_tp.parallel.pipeline.zero_bubble)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from mpi_tp.core.errors import UserError
+from mpi_tp.parallel.pipeline.actions import Action, global_chunk
+from mpi_tp.parallel.pipeline.zero_bubble import zb_h1, zb_v
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")       # the pipelined ones (--schedule); "none" is P = 1's
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str           # "F" or "B"
-    micro: int          # micro-batch index, 0 .. M - 1
-    chunk: int = 0      # this rank's model chunk, 0 .. v - 1
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")   # the pipelined ones (--schedule); "none": P = 1
+SPLIT = ("zb-h1", "zb-v")           # backward cut into B and W actions
+V_SHAPED = ("zb-v",)                # chunks placed in a V (actions.global_chunk)
 
 
 def no_pipelining(micro_batches: int) -> list[list[Action]]:
@@ -93,26 +90,29 @@ def schedule(name: str, stages: int, micro_batches: int, virtual: int = 1) -> li
         return no_pipelining(micro_batches)
     if name == "interleaved":
         return interleaved(stages, micro_batches, virtual)
+    if name == "zb-v":
+        if virtual != 2:
+            raise UserError(f"zb-v runs two chunks per rank (a V): use --virtual-stages 2 (got {virtual})")
+        return zb_v(stages, micro_batches)
     if virtual != 1:
         raise UserError(f"--virtual-stages {virtual} needs --schedule interleaved (got {name})")
     if name == "gpipe":
         return gpipe(stages, micro_batches)
     if name == "1f1b":
         return one_f_one_b(stages, micro_batches)
+    if name == "zb-h1":
+        return zb_h1(stages, micro_batches)
     raise UserError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
 
 
-def global_chunk(stage: int, chunk: int, stages: int) -> int:
-    """The position in the model of rank `stage`'s local chunk (Megatron's placement)."""
-    return chunk * stages + stage
-
-
-def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float = 2.0) -> dict:
+def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float = 2.0,
+             t_weight: float | None = None, v_shape: bool = False) -> dict:
     """Play the schedule: each stage runs its actions in order, each as soon as its inputs exist.
 
-    F(m, g) needs F(m, g - 1) (the previous chunk's output, from the stage before);
-    B(m, g) needs F(m, g) and B(m, g + 1). Times are per action of one chunk
-    (divide by v for the interleaved schedule's smaller chunks yourself).
+    F(m, g) needs F(m, g - 1) (the previous chunk's output); B(m, g) needs F(m, g) and B(m, g + 1);
+    W(m, g) needs B(m, g). Times are per action of one chunk (divide by v yourself for smaller
+    chunks): t_backward is a whole backward's; where the plan has W actions, B takes t_backward -
+    t_weight and W t_weight (default half of it). v_shape: the chunks sit in a V (zb-v).
     Returns {"events": [(stage, action, start, end)], "time", "busy", "bubble"}: busy is each
     stage's working time, and bubble Narayanan et al.'s bubble time fraction, the idle time of the
     step over the ideal (no-bubble) time: (time - busy) / busy, (P - 1) / M for GPipe and 1F1B.
@@ -121,6 +121,9 @@ def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float
     P = len(plan)
     v = 1 + max((a.chunk for acts in plan for a in acts), default=0)
     last = P * v - 1
+    split = any(a.kind == "W" for acts in plan for a in acts)
+    t_weight = (t_backward / 2 if t_weight is None else t_weight) if split else 0.0
+    took = {"F": t_forward, "B": t_backward - t_weight, "W": t_weight}
     done, events = {}, []
     clock, nxt = [0.0] * P, [0] * P
     while any(nxt[s] < len(plan[s]) for s in range(P)):
@@ -128,14 +131,16 @@ def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float
         for s in range(P):
             while nxt[s] < len(plan[s]):
                 a = plan[s][nxt[s]]
-                g = global_chunk(s, a.chunk, P)
+                g = global_chunk(s, a.chunk, P, v_shape)
                 needs = [("F", a.micro, g - 1)] if a.kind == "F" and g > 0 else []
                 if a.kind == "B":
                     needs = [("F", a.micro, g)] + ([("B", a.micro, g + 1)] if g < last else [])
+                if a.kind == "W":
+                    needs = [("B", a.micro, g)]
                 if any(n not in done for n in needs):
                     break
                 start = max([clock[s]] + [done[n] for n in needs])
-                end = start + (t_forward if a.kind == "F" else t_backward)
+                end = start + took[a.kind]
                 done[(a.kind, a.micro, g)] = end
                 events.append((s, a, start, end))
                 clock[s], nxt[s], progressed = end, nxt[s] + 1, True
@@ -148,43 +153,64 @@ def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float
 
 
 def in_flight(actions: list[Action]) -> int:
-    """The most micro-batch chunks whose forward ran on this stage and whose backward has not
+    """The most micro-batch chunks whose forward ran on this stage and whose backward (B) has not
     (the activations the stage holds at once)."""
+    return _most(actions, "F", "B")
+
+
+def waiting_weights(actions: list[Action]) -> int:
+    """The most micro-batch chunks whose B ran and whose W has not (W's inputs kept; 0 without W)."""
+    return _most(actions, "B", "W")
+
+
+def held(actions: list[Action]) -> int:
+    """The most micro-batch chunks between their forward and their last backward action (W where the
+    backward is cut, else B): what a stage keeps something of, counted whole (a bound on its memory)."""
+    return _most(actions, "F", "W" if any(a.kind == "W" for a in actions) else "B")
+
+
+def _most(actions: list[Action], opens: str, closes: str) -> int:
     live, most = set(), 0
     for a in actions:
-        if a.kind == "F":
+        if a.kind == opens:
             live.add((a.micro, a.chunk))
             most = max(most, len(live))
-        else:
+        elif a.kind == closes:
             live.discard((a.micro, a.chunk))
     return most
 
 
-def check(plan: list[list[Action]], micro_batches: int) -> None:
-    """Every stage runs each (micro-batch, chunk) forward exactly once, before its backward; the stages
-    together respect the dependencies (simulate raises otherwise). Raises ValueError."""
+def check(plan: list[list[Action]], micro_batches: int, v_shape: bool = False) -> None:
+    """Every stage runs each (micro-batch, chunk) forward and backward exactly once, the forward first,
+    and, where the plan cuts backwards (W actions), each W once after its B; the stages together respect
+    the dependencies (simulate raises otherwise). Raises ValueError."""
     v = 1 + max((a.chunk for acts in plan for a in acts), default=0)
     want = {(m, c) for m in range(micro_batches) for c in range(v)}
+    split = any(a.kind == "W" for acts in plan for a in acts)
     for s, acts in enumerate(plan):
-        seen_f = [(a.micro, a.chunk) for a in acts if a.kind == "F"]
-        seen_b = [(a.micro, a.chunk) for a in acts if a.kind == "B"]
-        if sorted(seen_f) != sorted(want) or sorted(seen_b) != sorted(want):
-            raise ValueError(f"stage {s} does not run every (micro-batch, chunk) forward and backward once")
+        for kind in "FBW" if split else "FB":
+            if sorted((a.micro, a.chunk) for a in acts if a.kind == kind) != sorted(want):
+                raise ValueError(f"stage {s} does not run every (micro-batch, chunk) {kind} once")
         position = {(a.kind, a.micro, a.chunk): i for i, a in enumerate(acts)}
-        late = [k for k in want if position[("B",) + k] < position[("F",) + k]]
-        if late:
-            raise ValueError(f"stage {s} runs backward before forward for {sorted(late)[:3]}")
-    simulate(plan)
+        for first, then in (("F", "B"), ("B", "W")) if split else (("F", "B"),):
+            late = [k for k in want if position[(then,) + k] < position[(first,) + k]]
+            if late:
+                name = {"B": "backward", "W": "W"}[then]
+                raise ValueError(f"stage {s} runs {name} before {'forward' if first == 'F' else 'B'} for "
+                                 f"{sorted(late)[:3]}")
+    simulate(plan, v_shape=v_shape)
 
 
-def draw(plan: list[list[Action]], t_forward: int = 1, t_backward: int = 2) -> str:
-    """The simulated timeline as text, one row per stage, one column per time unit:
-    F and B actions are written as the micro-batch number (forward) or its letter (backward: a, b, ...)."""
-    sim = simulate(plan, t_forward, t_backward)
+def draw(plan: list[list[Action]], t_forward: int = 1, t_backward: int = 2, v_shape: bool = False) -> str:
+    """The simulated timeline as text, one row per stage, one column per time unit: the micro-batch
+    number for a forward, its letter for a backward (a, b, ...; B where the backward is cut) and its
+    capital for a W (A, B, ...)."""
+    sim = simulate(plan, t_forward, t_backward, v_shape=v_shape)
     width = int(round(sim["time"]))
     rows = [["."] * width for _ in plan]
     for s, a, start, end in sim["events"]:
-        mark = str(a.micro % 10) if a.kind == "F" else "abcdefghijklmnopqrstuvwxyz"[a.micro % 26]
+        letter = "abcdefghijklmnopqrstuvwxyz"[a.micro % 26]
+        mark = {"F": str(a.micro % 10), "B": letter, "W": letter.upper()}[a.kind]
         for t in range(int(round(start)), int(round(end))):
             rows[s][t] = mark
     return "\n".join(f"stage {s}: " + "".join(r) for s, r in enumerate(rows))

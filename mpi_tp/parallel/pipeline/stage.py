@@ -12,7 +12,9 @@ wte or, untied, the table lm_head, the loss). Nothing here knows what a chunk co
 (mpi_tp.parallel.pipeline.engine) runs the schedule; this class supplies what
 runs at each action: a micro-batch's forward through a chunk (with that
 micro-batch's dropout masks, its forward caches set aside until its backward)
-and its backward. Messages between stages: mpi_tp.parallel.pipeline.wire.
+and its backward; under a zero-bubble schedule (zb-h1, zb-v) the backward is
+B, its weight gradients deferred (mpi_tp.core.weight_grads) to the W action
+that runs them. Messages between stages: mpi_tp.parallel.pipeline.wire.
 
 A model that is not cut into stages runs the same code as the one stage of
 the "none" schedule (as_stage). After the schedule, the library step
@@ -35,9 +37,10 @@ from __future__ import annotations
 import numpy
 
 from mpi_tp.core.failpoints import planted
+from mpi_tp.core.weight_grads import WeightWork, deferring
 from mpi_tp.parallel.pipeline.embedding_group import TiedEmbedding
 from mpi_tp.parallel.pipeline.engine import PipelineEngine
-from mpi_tp.parallel.pipeline.schedules import schedule
+from mpi_tp.parallel.pipeline.schedules import SPLIT, V_SHAPED, schedule
 from mpi_tp.parallel.pipeline.wire import wire_format
 from mpi_tp.parallel.topology import Topology
 
@@ -63,11 +66,13 @@ class PipelineStage:
 
     def __init__(self, chunks: list, topo: Topology, schedule_name: str = "1f1b", micro_batches: int = 1):
         P, s, v = topo.pp.size, topo.pp.rank, len(chunks)
+        self.split = schedule_name in SPLIT             # backward cut into B and W (zero-bubble schedules)
         self.chunks, self.cfg, self.topo, self.M, self.v = chunks, chunks[0].cfg, topo, micro_batches, v
         self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
         self.block_offsets = [sum(len(c.h) for c in self.chunks[:j]) for j in range(v)]   # chunk j's in h
         self.dtype = self.chunks[0].dtype
-        self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, v)[s], v)
+        self.engine = PipelineEngine(topo.pp, schedule(schedule_name, P, micro_batches, v)[s], v,
+                                     v_shape=schedule_name in V_SHAPED)
         tables = [c.embedding.wte for c in self.chunks if c.first]            # copies of wte on this rank
         tables += [c.head.table for c in self.chunks if c.last and not c.first]
         if not self.cfg.tied:                          # untied (llama's lm_head): nothing to sum
@@ -160,7 +165,8 @@ class PipelineStage:
 
         meter: a training.progress.MoEMeter, given each chunk's MoE statistics per micro-batch.
         reducer: a data_parallel.GradReducer over this stage's parameters: told of each chunk's
-        blocks during the chunk's last backward (their gradients are final then).
+        blocks during the chunk's last backward, or its last W where the backward is cut (their
+        gradients are final then).
         """
         M, S = self.M, x.shape[1]
         if len(parts) != M:
@@ -169,8 +175,11 @@ class PipelineStage:
         shape, to_wire, from_wire = self._wire(parts[0].stop - parts[0].start, passes[0])
         losses, held = [0.0] * M, {}
         kept = self.stashed = {}           # (m, j): its caches set aside until its backward (core.memory reads)
+        deferred = self.deferred = {}      # (m, j): its W, the weight gradients its B deferred (core.memory reads)
+        self.weight_calls = 0              # deferred weight-gradient calls run by W actions this step
         live = self.peak_activation_bytes = 0          # activations kept for backward passes, this stage
-        final = {a.chunk: a.micro for a in self.engine.actions if a.kind == "B"}   # each chunk's last backward
+        closes = "W" if self.split else "B"            # the action after which a chunk's gradients are final
+        final = {a.chunk: a.micro for a in self.engine.actions if a.kind == closes}   # each chunk's last one
 
         def forward(m, j, inp):
             nonlocal live
@@ -198,10 +207,27 @@ class PipelineStage:
             live -= held.pop((m, j), 0)
             hook = reducer.chunk(self.block_offsets[j]) if reducer is not None and m == final[j] else None
             share = loss_scale if planted("bug-micro-batch-scale") else loss_scale / M      # the 1/M of accumulation
-            dx = chunk.backward(share if chunk.last else from_wire(dout), reducer=hook, loss_scale=share)
+            dout = share if chunk.last else from_wire(dout)
+            if not self.split:
+                dx = chunk.backward(dout, reducer=hook, loss_scale=share)
+            else:                                   # B now; the weights' gradients (and the hook) at W
+                with deferring(WeightWork()) as work:
+                    dx = chunk.backward(dout, reducer=hook, loss_scale=share)
+                deferred[m, j] = work
+                if self.count_activations:          # what W keeps alive until it runs
+                    held[m, j] = work.held_bytes()
+                    live += held[m, j]
+                    self.peak_activation_bytes = max(self.peak_activation_bytes, live)
             return None if chunk.first else to_wire(dx)
 
-        self.engine.run(forward, backward, shape, self.dtype)
+        def weights(m, j):
+            nonlocal live
+            work = deferred.pop((m, j))
+            self.weight_calls += len(work)
+            work.run()
+            live -= held.pop((m, j), 0)
+
+        self.engine.run(forward, backward, shape, self.dtype, weights=weights)
         if self.dropout.training:
             self.dropout.advance()                      # the next step draws fresh masks
         return losses

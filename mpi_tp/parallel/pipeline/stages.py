@@ -1,8 +1,8 @@
 """Which transformer blocks each pipeline stage holds: contiguous runs, remainders at the front.
 
 The model's blocks are cut into P * v chunks (P stages, v chunks per stage for
-the interleaved schedule), in model order; rank s holds chunks s, s + P, ...
-(see schedules.global_chunk). Layer counts need not divide: the chunks differ
+the interleaved schedule and zb-v), in model order; rank s holds chunks s, s + P, ...,
+or under zb-v chunks s and 2P - 1 - s (see actions.global_chunk). Layer counts need not divide: the chunks differ
 by at most one block, and the chunks that get the extra block are the first
 ones, the split rule of the tensor-parallel shards (split_sizes).
 
@@ -20,16 +20,17 @@ defensible; the cost model prices the largest stage as the pace-setter either wa
 from __future__ import annotations
 
 from mpi_tp.core.errors import UserError
+from mpi_tp.parallel.pipeline.actions import global_chunk
 from mpi_tp.parallel.topology import offsets, split_sizes
 
 
-def layer_ranges(n_layer: int, stages: int, virtual: int = 1) -> list[list[range]]:
-    """[stage][local chunk] -> the range of block indices it holds."""
+def layer_ranges(n_layer: int, stages: int, virtual: int = 1, v_shape: bool = False) -> list[list[range]]:
+    """[stage][local chunk] -> the range of block indices it holds (v_shape: the V placement, zb-v)."""
     chunks = stages * virtual
     if n_layer < chunks:
         raise UserError(f"{n_layer} layers cannot fill {stages} pipeline stages x {virtual} chunks: every chunk "
                         f"needs a block; use at most {n_layer} stages x chunks")
     sizes = split_sizes(n_layer, chunks)
     starts = offsets(sizes)
-    return [[range(starts[v * stages + s], starts[v * stages + s] + sizes[v * stages + s]) for v in range(virtual)]
-            for s in range(stages)]
+    where = [[global_chunk(s, c, stages, v_shape) for c in range(virtual)] for s in range(stages)]
+    return [[range(starts[g], starts[g] + sizes[g]) for g in gs] for gs in where]
