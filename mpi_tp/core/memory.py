@@ -13,7 +13,8 @@ Categories (bytes this rank keeps; views counted once, in the first category tha
     optimizer      the optimizer's state: AdamW's m and v, SGD's momentum, fp32 masters of 16-bit weights
     workspace      the optimizer's block scratch (two arrays of at most optim.BLOCK elements)
     activations    what the layers' caches keep for backward passes: the chunk's own caches and the caches
-                   the pipeline stage set aside for each micro-batch in flight (PipelineStage.stashed)
+                   the pipeline stage set aside for each micro-batch in flight (PipelineStage.stashed),
+                   and what a deferred W keeps until it runs (PipelineStage.deferred, core.weight_grads)
     communication  the pipeline's receive buffers posted ahead and the sends still in flight (engine)
 
 Every array is reduced to the array owning its memory (its .base chain), and each owner is counted
@@ -55,14 +56,14 @@ def owner(a):
     return a
 
 
-def _arrays(item):
+def arrays_in(item):
     """Every array inside a cache (nested tuples, lists and dicts of arrays and other values)."""
     if isinstance(item, (tuple, list)):
         for i in item:
-            yield from _arrays(i)
+            yield from arrays_in(i)
     elif isinstance(item, dict):
         for i in item.values():
-            yield from _arrays(i)
+            yield from arrays_in(i)
     elif hasattr(item, "nbytes") and hasattr(item, "shape"):
         yield item
 
@@ -116,7 +117,9 @@ class MemoryMeter:
         yield "workspace", [opt._scratch, opt._scaled] if opt is not None else []
         caches = [c for chunk in self.stage.chunks for c in chunk.cached_arrays()]
         for stash in getattr(self.stage, "stashed", {}).values():
-            caches += [a for _, _, cache in stash for a in _arrays(cache)]
+            caches += [a for _, _, cache in stash for a in arrays_in(cache)]
+        for work in getattr(self.stage, "deferred", {}).values():     # zero-bubble: W's inputs, until W runs
+            caches += list(work.arrays())
         yield "activations", caches + list(transient)
         yield "communication", [x for p in in_flight for x in (p.x, p.buf) if x is not None]
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 
+from mpi_tp.core import memory
+
 _collecting = None            # the WeightWork that weight_grad appends to, or None: run at once
 
 
@@ -60,17 +62,15 @@ class WeightWork:
         for fn, args in items:
             fn(*args)
 
-    def held_bytes(self) -> int:
-        """Bytes of the arrays the deferred calls keep alive (each underlying array once)."""
-        seen, total = set(), 0
+    def arrays(self):
+        """Every array the deferred calls keep alive (their arguments, nested ones too)."""
         for _, args in self.items:
-            for a in args:
-                while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
-                    a = a.base
-                if hasattr(a, "nbytes") and hasattr(a, "shape") and id(a) not in seen:
-                    seen.add(id(a))
-                    total += a.nbytes
-        return total
+            yield from memory.arrays_in(args)
+
+    def held_bytes(self) -> int:
+        """Bytes of the arrays the deferred calls keep alive (each owning array once)."""
+        owners = {id(a): a for a in map(memory.owner, self.arrays())}
+        return sum(int(a.nbytes) for a in owners.values())
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from mpi_tp.core.precision import precision
 from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.parallel.layout import RULE, Layout
-from mpi_tp.parallel.pipeline.schedules import schedule
+from mpi_tp.parallel.pipeline.schedules import SCHEDULES, schedule
 
 
 def add_parser(sub) -> None:
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     b.add_argument("--pp", type=int, default=1, help="pipeline stages; with "
                    "--micro-batches, --schedule, --virtual-stages; batch is per micro-batch")
     b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
-    b.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    b.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     b.add_argument("--virtual-stages", type=int, default=1, help="with --schedule interleaved: chunks per stage")
     b.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation (--json's memory_measured: the step's peak by category)")

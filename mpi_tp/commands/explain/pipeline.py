@@ -4,16 +4,17 @@
     mpiexec -n 4 mpi-tp explain --layer pipeline --micro-batches 8
 
 Every rank is one stage of the same tiny GPT (float64, L = 2P blocks) under
-each schedule: GPipe and 1F1B run a stage's two blocks as one chunk, the
-interleaved one as v = 2 chunks of one block (stage s holds blocks s and
-P + s), so the three give the same loss. For each schedule one training step
-runs twice: once to warm up, once traced. Rank 0 then draws each stage's
-timeline from the traced timestamps (digits: the forward of that micro-batch,
-letters: its backward, dots: waiting), next to the schedule's ideal timeline
-(schedules.draw, in time units of one block), and sets the bubble (idle time
-over compute time, of the busiest stage: docs/notation.md) measured in the
-step beside the ideal drawing's and the formula, (P - 1) / M or
-(P - 1) / (v M), with each stage's sends and receives of the step (calls,
+each schedule: GPipe, 1F1B and ZB-H1 run a stage's two blocks as one chunk,
+the interleaved one as v = 2 chunks of one block (stage s holds blocks s and
+P + s), ZB-V as two chunks placed in a V (blocks s and 2P - 1 - s), so all
+give the same loss. For each schedule one training step runs twice: once to
+warm up, once traced. Rank 0 then draws each stage's timeline from the traced
+timestamps (digits: the forward of that micro-batch, letters: its backward,
+or its B where the backward is cut, capitals: its W, dots: waiting), next to
+the schedule's ideal timeline (schedules.draw, in time units of one block),
+and sets the bubble (idle time over compute time, of the busiest stage:
+docs/notation.md) measured in the step beside the ideal drawing's and the
+formula (ideal_formula), with each stage's sends and receives of the step (calls,
 buffer bytes, wire bytes: a send's wire bytes are its buffer). The loss is
 checked against the serial model on the same batch.
 """
@@ -27,7 +28,7 @@ from mpi_tp.core.runtime import rank0_print
 from mpi_tp.model.chunks import build_stage
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.pipeline.schedules import draw, schedule, simulate
+from mpi_tp.parallel.pipeline.schedules import V_SHAPED, draw, schedule, simulate
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.parallel.trace import Trace
 from mpi_tp.training.step import forward_backward
@@ -56,7 +57,8 @@ def _timeline(events: list[list[dict]]) -> tuple[list[str], float]:
     for ev in events:
         row = ["."] * WIDTH
         for e in ev:
-            mark = str(e["args"]["micro"] % 10) if e["name"] == "F" else LETTERS[e["args"]["micro"] % 26]
+            letter = LETTERS[e["args"]["micro"] % 26]
+            mark = {"F": str(e["args"]["micro"] % 10), "B": letter, "W": letter.upper()}[e["name"]]
             a, b = int((e["ts"] - start) * scale), max(int((e["ts"] + e["dur"] - start) * scale), 1 + int(
                 (e["ts"] - start) * scale))
             for t in range(a, min(b, WIDTH)):
@@ -66,14 +68,26 @@ def _timeline(events: list[list[dict]]) -> tuple[list[str], float]:
     return rows, (end - start - busy) / busy
 
 
+FORMULA = {"gpipe": "(P - 1) / M", "1f1b": "(P - 1) / M", "interleaved": "(P - 1) / (v M)",
+           "zb-h1": "(P - 1) / (3M)", "zb-v": "(P - 1) / (6M)"}       # at T_F = T_B / 2 = T_W (the drawing's times)
+
+
+def ideal_formula(name: str, P: int, M: int, v: int) -> float:
+    """The bubble of schedule `name` at the ideal drawing's times, a block's F 1 unit, its backward 2 (B 1 and
+    W 1 where cut): (P - 1) / M for GPipe and 1F1B, / (v M) interleaved, / (3M) ZB-H1 (Qi et al.'s
+    (P - 1)(T_F + T_B - T_W)), and for ZB-V the last rank's start alone, P - 1 chunk forwards over the
+    stage's 6M chunk units (Qi et al. count it as none: they start the next step early, mpi_tp does not)."""
+    return (P - 1) / {"interleaved": v * M, "zb-h1": 3 * M, "zb-v": 6 * M}.get(name, M)
+
+
 def _ideal(name: str, P: int, M: int, v: int) -> tuple[str, str]:
     """The ideal drawing in block time units, and its bubble counted from it: 'idle / compute = value'."""
     plan = schedule(name, P, M, v)
     per = BLOCKS // v                                                  # blocks per chunk
-    sim = simulate(plan, T_F * per, T_B * per)
+    sim = simulate(plan, T_F * per, T_B * per, v_shape=name in V_SHAPED)
     busy = max(sim["busy"])
     idle = sim["time"] - busy
-    return draw(plan, T_F * per, T_B * per), f"{idle:g} / {busy:g} = {idle / busy:.3f}"
+    return draw(plan, T_F * per, T_B * per, name in V_SHAPED), f"{idle:g} / {busy:g} = {idle / busy:.3f}"
 
 
 def lesson(comm, micro_batches: int | None = None) -> bool:
@@ -91,7 +105,7 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
                 f"schedule (stage s holds blocks s and P + s)\ndigits: forward of a micro-batch, letters: its "
                 f"backward, dots: the stage waits\n{BUBBLE}", comm=comm)
     every = True
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", BLOCKS)):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", BLOCKS), ("zb-h1", 1), ("zb-v", BLOCKS)):
         if name == "interleaved" and M % P:
             rank0_print(f"\n== interleaved == skipped: M = {M} is not a multiple of P = {P}", comm=comm)
             continue
@@ -102,7 +116,7 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
         topo.stats.trace = trace = Trace(comm)
         loss = forward_backward(stage, x, y, slice(0, M))
         topo.stats.trace = None
-        mine = [e for e in trace.events if e["name"] in ("F", "B")]
+        mine = [e for e in trace.events if e["name"] in ("F", "B", "W")]
         everyone = comm.gather(mine, root=0)                              # a lesson: pickled once
         G = {"pp": P, "emb": 2}                                           # emb: the first and the last stage
         counted = comm.gather("; ".join(comm_text(k, val, G.get(k.split("/")[0], P))
@@ -112,7 +126,7 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
         if comm.Get_rank() == 0:
             rows, bubble = _timeline(everyone)
             ideal, counted_ideal = _ideal(name, P, M, v)
-            formula = (P - 1) / (v * M)
+            formula = ideal_formula(name, P, M, v)
             print(f"\n== {name}" + (f", {v} chunks per stage" if v > 1 else "") + " ==")
             print("measured (this run's clock, scaled to the step):")
             print("\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))
@@ -121,7 +135,7 @@ def lesson(comm, micro_batches: int | None = None) -> bool:
             print("collectives of the step (n: the buffer bytes):")
             print("\n".join(f"  of stage {s}: {text}" for s, text in enumerate(counted)))
             print(f"bubble (idle / compute, busiest stage): measured {bubble:.3f}, ideal drawing {counted_ideal}, "
-                  f"formula (P - 1) / {'(v M)' if v > 1 else 'M'} = {formula:.3f}; loss {loss:.10f} vs serial "
+                  f"formula {FORMULA[name]} = {formula:.3f}; loss {loss:.10f} vs serial "
                   f"{want:.10f}: {'PASS' if ok else 'FAIL'}")
         topo.free()
     rank0_print(f"\n{BELOW}", comm=comm)

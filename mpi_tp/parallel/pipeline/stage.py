@@ -66,6 +66,7 @@ class PipelineStage:
 
     def __init__(self, chunks: list, topo: Topology, schedule_name: str = "1f1b", micro_batches: int = 1):
         P, s, v = topo.pp.size, topo.pp.rank, len(chunks)
+        self.schedule_name = schedule_name
         self.split = schedule_name in SPLIT             # backward cut into B and W (zero-bubble schedules)
         self.chunks, self.cfg, self.topo, self.M, self.v = chunks, chunks[0].cfg, topo, micro_batches, v
         self.h = [b for c in self.chunks for b in c.h]                   # every block of this stage
@@ -92,7 +93,7 @@ class PipelineStage:
         mine = sum(int(numpy.prod(p.global_shape)) for p in self.unique_parameters())
         return self.topo.pp.comm.allreduce(mine)            # a few bytes, once
 
-    def eval(self) -> "PipelineStage":
+    def eval(self) -> PipelineStage:
         return self.train(False)
 
     def unique_parameters(self) -> list:
@@ -107,7 +108,7 @@ class PipelineStage:
         for c in self.chunks:
             c.zero_grad()
 
-    def train(self, mode: bool = True) -> "PipelineStage":
+    def train(self, mode: bool = True) -> PipelineStage:
         for c in self.chunks:
             c.train(mode)
         return self
