@@ -49,7 +49,7 @@ def pipelined(topo, n_layer, name, micro, virtual, bucket_mb, **reducer_args):
 # (schedule, micro-batches (0: the number of stages), chunks per stage, bucket MB): 0.001 MB makes
 # a bucket per block; 0.05 MB buckets of two or three blocks, across the chunks of a stage
 CASES = [("1f1b", 1, 1, 0.001), ("1f1b", 4, 1, 0.001), ("gpipe", 3, 1, 0.001), ("interleaved", 0, 2, 0.001),
-         ("interleaved", 4, 2, 0.05)]
+         ("interleaved", 4, 2, 0.05), ("zb-h1", 4, 1, 0.001), ("zb-v", 0, 2, 0.05)]
 
 
 @pytest.mark.parametrize("name,micro,virtual,bucket_mb", CASES)
