@@ -20,9 +20,12 @@ INTERLEAVED = ["--schedule", "interleaved", "--virtual-stages", "2", "--n-layer"
 LAYOUTS = {     # world size -> the layouts verified at it
     1: [[], ["--micro-batches", "2", "--recompute", "full"], LLAMA],
     2: [["--tp", "2"], ["--tp", "2", "--sequence-parallel", "--recompute", "selective"], ["--pp", "2", "--micro-batches", "2"],
+        ["--pp", "2", "--micro-batches", "3", "--schedule", "zb-v", "--virtual-stages", "2", "--n-layer", "4"],
         ["--dp", "2", "--zero", "1"], ["--cp", "2"], [*MOE, "--dp", "2", "--ep", "2"], [*LLAMA, "--tp", "2"]],
-    3: [["--tp", "3", "--n-head", "5", "--n-embd", "20"], ["--dp", "3", "--zero", "1", "--micro-batches", "2"], ["--pp", "3", "--micro-batches", "3", "--n-layer", "3"]],
+    3: [["--tp", "3", "--n-head", "5", "--n-embd", "20"], ["--dp", "3", "--zero", "1", "--micro-batches", "2"], ["--pp", "3", "--micro-batches", "3", "--n-layer", "3"],
+        ["--pp", "3", "--micro-batches", "4", "--n-layer", "3", "--schedule", "zb-h1"]],
     4: [["--tp", "2", "--dp", "2", "--zero", "1"], ["--tp", "2", "--pp", "2", "--micro-batches", "2"],
+        ["--tp", "2", "--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1", "--sequence-parallel"],
         ["--cp", "2", "--dp", "2"], ["--pp", "2", "--micro-batches", "2", *INTERLEAVED], [*MOE, "--tp", "2", "--dp", "2", "--ep", "2"]],
 }
 
@@ -124,3 +127,13 @@ def test_verify_starts_from_a_hugging_face_folder(tmp_path):
     r = mpirun(2, "verify", *TINY, "--tp", "2", "--init-from", str(folder))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every step agrees with the serial model" in r.stdout and f"from {folder}" in r.stdout
+
+
+@cli
+def test_eight_ranks_every_dimension_with_zero_bubble():
+    """tp 2 x pp 2 x dp 2 on 8 tiny ranks (oversubscribed here), sequence parallelism, ZeRO-1, dropout, 2
+    micro-batches under zb-h1 and zb-v: every step equals the serial model's (mpi-tp verify)."""
+    for schedule in (["--schedule", "zb-h1"], ["--schedule", "zb-v", "--virtual-stages", "2", "--n-layer", "4"]):
+        r = mpirun(8, "verify", *TINY, "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "1", "--sequence-parallel",
+                   "--micro-batches", "2", *schedule)
+        assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr
