@@ -211,18 +211,21 @@ def test_explain_command_prints_once():
 def test_pipeline_lesson_draws_each_schedule():
     r = mpirun(2, "explain", "--layer", "pipeline", timeout=120)
     assert r.returncode == 0, r.stderr
-    for name in ("== gpipe ==", "== 1f1b ==", "== interleaved, 2 chunks per stage =="):
+    for name in ("== gpipe ==", "== 1f1b ==", "== interleaved, 2 chunks per stage ==", "== zb-h1 ==",
+                 "== zb-v, 2 chunks per stage =="):
         assert r.stdout.count(name) == 1, r.stdout
-    assert r.stdout.count("PASS") == 3 and "FAIL" not in r.stdout
+    assert r.stdout.count("PASS") == 5 and "FAIL" not in r.stdout
     measured = [line for line in r.stdout.splitlines() if line.startswith("  stage ") and len(line) > 60]
-    assert len(measured) == 6 and all(set("0123abcd") & set(line) for line in measured)
+    assert len(measured) == 10 and all(set("0123abcd") & set(line) for line in measured)
+    assert sum("ABCD" in line or set("ABCD") <= set(line) for line in measured) == 4     # the W's, drawn
     assert "formula (P - 1) / M = 0.250" in r.stdout and "formula (P - 1) / (v M) = 0.125" in r.stdout
+    assert "formula (P - 1) / (3M) = 0.083" in r.stdout and "formula (P - 1) / (6M) = 0.042" in r.stdout
     # the bubble is defined once, as notation.md does (idle over compute time), and the ideal drawing's
     # slots give the formula that way: 6 idle of 30 block-time units at M = 4 is 6 / 24, not 6 / 30
     assert r.stdout.count("bubble = idle time / compute time, of the busiest stage") == 1
     assert r.stdout.count("ideal drawing 6 / 24 = 0.250") == 2 and r.stdout.count("ideal drawing 3 / 24 = 0.125") == 1
     assert r.stdout.count("mostly message latency and Python overhead") == 1 and "fall below it" in r.stdout
     losses = re.findall(r"; loss (\S+) vs serial (\S+): PASS", r.stdout)
-    assert len(losses) == 3 and len(set(losses)) == 1, losses    # interleaving runs the same model
+    assert len(losses) == 5 and len(set(losses)) == 1, losses    # every schedule runs the same model
     r = mpirun(2, "explain", "--layer", "pipeline", "--micro-batches", "0", timeout=60)
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1
