@@ -38,7 +38,7 @@ def run(model, topo, rows, steps=10, overlap=True, zero=False, early=None):
     Returns the losses and the optimizer. early: a list that gets, per step, how many of the gradient
     all-reduces had started before the backward pass ended (the overlap's proof)."""
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, overlap=overlap,    # tiny buckets: several per step
-                          distributed=zero)
+                          distributed=bool(zero), release=zero == 2)
     if early is not None:
         finish, key, seen = reducer.finish, f"{topo.dp.name}/iall_reduce", [0]
 
@@ -93,8 +93,9 @@ def build(topo, sp=False, dropout=0.1):
     return GPT(GPTConfig(**CFG, dropout=dropout), topo, dtype="float64", seed=3, sequence_parallel=sp)
 
 
-@pytest.mark.parametrize("sp,zero", [(True, False), (False, True), (True, True)],
-                         ids=["sequence-parallel", "zero-1", "sequence-parallel+zero-1"])
+@pytest.mark.parametrize("sp,zero", [(True, 0), (False, 1), (True, 1), (False, 2), (True, 2)],
+                         ids=["sequence-parallel", "zero-1", "sequence-parallel+zero-1", "zero-2",
+                              "sequence-parallel+zero-2"])
 def test_sp_and_zero_equal_serial(world, serial_reference, sp, zero):
     """Sequence parallelism splits S = 7 positions over 2 (4 + 3), 3 (3 + 2 + 2) or 4 (2 + 2 + 2 + 1)
     ranks; ZeRO-1 splits every bucket's optimizer state over the replicas (unevenly too): its shares,
@@ -115,6 +116,10 @@ def test_sp_and_zero_equal_serial(world, serial_reference, sp, zero):
                                       and snap.get("dp/all_gather", {}).get("calls", 0) > 0
                                       and "dp/iall_reduce" not in snap)
         assert all_true(ran, world), f"the distributed optimizer did not run at {what}: {sorted(snap)}"
+        if zero == 2 and dp > 1:      # ZeRO-2 ran: between steps only the shares hold gradients, the buffers made anew
+            release = opt.reducer.release
+            held = release.held_bytes() == 0 and all(p.grad is None for p in model.parameters())
+            assert all_true(held and release.allocations == 10 * len(release.buckets), world), what
         whole = opt.state_tensors()
         for k, arrays in whole.items():
             for p, a in zip(opt.params, arrays):

@@ -40,7 +40,7 @@ def metered_step(world, zero, dtype="float32", recompute="none"):
     Psi (the parameters) and the topology."""
     topo = Topology.create(world, tp=1, dp=world.Get_size())
     model = GPT(cfg(), topo, dtype=dtype, recompute=recompute)
-    reducer = GradReducer(model, topo.dp, distributed=zero)
+    reducer = GradReducer(model, topo.dp, distributed=bool(zero), release=zero == 2)
     opt = AdamW(model.parameters(), reducer=reducer)
     x = np.arange(B * topo.dp.size * S).reshape(-1, S) % V
     meter = MemoryMeter(as_stage(model, 1), opt, reducer)
@@ -64,6 +64,23 @@ def test_model_state_categories_equal_their_closed_forms(world, zero):
     got = {k: rep["max"][k] for k in expect}
     assert all_true(got == expect, world), (got, expect)
     topo.free()
+
+
+def test_zero2_holds_the_whole_gradients_only_during_the_backward(world):
+    """ZeRO-2: at the loss's forward (the step's peak) and after the update the gradients are the shares
+    alone, ZeRO-1's whole buffers gone; the peak falls by them (1 rank: nothing to share, as ZeRO-1)."""
+    one, two = metered_step(world, 1), metered_step(world, 2)
+    D = one.topo.dp.size
+    whole = 4 * one.psi                                                # ZeRO-1's whole buffers, float32
+    share = one.rep["peak"]["gradients"] - whole if D > 1 else 0
+    if D > 1:
+        ok = (two.rep["peak"]["gradients"] == share and two.rep["peak"]["total"] == one.rep["peak"]["total"] - whole
+              and two.rep["max"]["gradients"] > share)             # the whole buffers exist in the backward
+    else:
+        ok = two.rep["peak"] == one.rep["peak"]
+    assert all_true(ok, world), (one.rep["peak"], two.rep["peak"], two.rep["max"])
+    one.topo.free()
+    two.topo.free()
 
 
 def test_activations_at_the_loss_are_the_caches_and_the_logits(world):

@@ -28,7 +28,7 @@ def train(topo, micro, b=B, sp=False, zero=False):
     """Losses and the model after STEPS steps on global batches of dp * micro * b sequences; asserts that
     each step ran `micro` forwards (the schedule's "F" spans, traced)."""
     model = GPT(GPTConfig(**CFG), topo, dtype="float64", seed=3, sequence_parallel=sp)
-    reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=zero)
+    reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=bool(zero), release=zero == 2)
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
     topo.stats.trace = Trace()
     losses = steps.train(model, opt, STEPS, micro * b, global_batch, micro, reducer)
@@ -43,7 +43,7 @@ def layouts(n):
 
 
 @pytest.mark.parametrize("micro", [1, 3])
-@pytest.mark.parametrize("sp,zero", [(False, False), (True, True)], ids=["tp", "sp+zero1"])
+@pytest.mark.parametrize("sp,zero", [(False, 0), (True, 1), (False, 2)], ids=["tp", "sp+zero1", "zero2"])
 def test_micro_batches_equal_one_big_batch(world, micro, sp, zero):
     for tp, dp in layouts(world.Get_size()):
         ref_losses, ref = train(Topology.serial(), 1, b=dp * micro * B)   # serial: the global batch at once

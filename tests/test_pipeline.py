@@ -37,7 +37,8 @@ def serial(n_layer, rows, **moe):
 def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none", zero=False, **moe):
     stage = build_stage(cfg(n_layer, **moe), topo, "float64", 3, sp, name, micro, virtual, recompute)
     stage.count_activations = True
-    reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=zero, distributed=zero)
+    reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=bool(zero), distributed=bool(zero),
+                          release=zero == 2)
     return train_stage(stage, topo, reducer, micro), stage
 
 
@@ -192,14 +193,15 @@ def test_activations_held_follow_the_schedule(world):
 def test_experts_in_every_layout_equal_serial(world, name):
     """Mixture of experts (3 experts, top-2, a capacity that drops, aux and z-losses) in every tp x pp x dp
     layout: sequence parallelism at tp > 1, the experts over ep = dp (3 experts split unevenly at dp = 2),
-    the distributed optimizer at dp > 1, 1F1B over 2 micro-batches; every stage's MoE losses reach the loss."""
+    the distributed optimizer at dp > 1 (ZeRO-2 under zb-h1), 1F1B or ZB-H1 over 2 micro-batches; every stage's MoE losses reach the loss."""
     for tp, pp, dp in layouts(world.Get_size()):
         n_layer = pp + 1
         ref_losses, ref = serial(n_layer, dp * 2 * B, **MOE)
         ep = dp if dp <= MOE["moe_experts"] else 1
         topo = Topology.create(world, tp=tp, pp=pp, dp=dp, ep=ep)
-        losses, stage = pipelined(topo, n_layer, name, 2, sp=tp > 1, zero=dp > 1, **MOE)
-        what = f"MoE {name} tp={tp} pp={pp} dp={dp} ep={ep} sp={tp > 1} zero={dp > 1}"
+        zero = (2 if name == "zb-h1" else 1) if dp > 1 else 0          # ZeRO-2 under the zero-bubble schedule
+        losses, stage = pipelined(topo, n_layer, name, 2, sp=tp > 1, zero=zero, **MOE)
+        what = f"MoE {name} tp={tp} pp={pp} dp={dp} ep={ep} sp={tp > 1} zero={zero}"
         assert_close(losses[:1], ref_losses[:1], 1e-10, f"first loss, {what}")
         assert_close(losses, ref_losses, 1e-8, f"losses, {what}")
         for p in stage.parameters():

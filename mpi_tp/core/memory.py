@@ -110,8 +110,8 @@ class MemoryMeter:
         params = self.stage.parameters()
         buckets = self.reducer.buckets if self.reducer is not None else []
         yield "parameters", [p.base for p in params] + [b.params for b in buckets if b.params is not None]
-        yield "gradients", [p.grad_base for p in params] + [b.grads for b in buckets] + \
-            [b.grad_share for b in buckets if b.grad_share is not None]
+        yield "gradients", [p.grad_base for p in params if p.grad_base is not None] + \
+            [b.grads for b in buckets if b.grads is not None] + [b.grad_share for b in buckets if b.grad_share is not None]
         opt = self.opt
         yield "optimizer", [a for arrays in opt.state.values() for a in arrays] if opt is not None else []
         yield "workspace", [opt._scratch, opt._scaled] if opt is not None else []

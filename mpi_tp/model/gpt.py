@@ -157,7 +157,7 @@ class GPT(Module):
         layers = self.moe_layers()
         return float(sum(m.loss_term for m in layers)) if layers else 0.0
 
-    def backward(self, dout=1.0, reducer=None, loss_scale=None):
+    def backward(self, dout=1.0, reducer=None, loss_scale=None, grads=None):
         """Accumulate this rank's d(loss_scale * loss)/d(param) into every Param.grad; a chunk that is not
         last takes the gradient of its output activations as dout. Returns the input activations'
         gradient, or None for the first chunk.
@@ -168,12 +168,18 @@ class GPT(Module):
         start their bucket's collectives during the rest of the backward pass.
         loss_scale: the factor on the loss, for the MoE blocks' own loss terms (default: dout when
         last, else 1; a pipeline passes 1 / micro-batches).
+        grads: ZeRO-2's GradReducer.grads(offset), told before each block's backward (need(i); None: the
+        head's and the embedding's) so that it can make the gradient buffers it dropped; or None.
         """
         scale = (float(dout) if self.last else 1.0) if loss_scale is None else loss_scale
         for m in self.moe_layers():
             m.loss_scale = scale            # their aux and z-losses are part of the loss it scales
+        if grads is not None and (self.last or self.first):
+            grads.need(None)
         dx = self.head.backward(dout * self._loss_scale) if self.last else backend.asarray(dout)
         for i in reversed(range(len(self.h))):
+            if grads is not None:
+                grads.need(i)
             dx = self.h[i].backward(dx)
             if reducer is not None:          # after the block's W, which may be deferred (core.weight_grads)
                 weight_grad(reducer.block_done, i)

@@ -59,6 +59,7 @@ from mpi_tp.core.failpoints import planted
 from mpi_tp.core.params import storages
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.expert_parallel import expert_of
+from mpi_tp.parallel.grad_release import ChunkGrads, GradRelease
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
 from mpi_tp.parallel.topology import offsets, split_sizes
 
@@ -169,16 +170,22 @@ class GradReducer:
     (mpi_tp.parallel.finalize.finalize_grads does).
 
     distributed: the distributed optimizer's reduce-scatter instead of the all-reduce (ZeRO-1).
+    release: with it, each bucket's whole gradient buffer dropped once reduce-scattered and made again
+    at the next backward (ZeRO-2, mpi_tp.parallel.grad_release): GPT.backward calls grads(offset).need.
     """
 
     def __init__(self, model, group: Group, bucket_mb: float = 8.0, overlap: bool = True,
-                 hierarchical: bool = False, distributed: bool = False):
+                 hierarchical: bool = False, distributed: bool = False, release: bool = False):
         self.group, self.overlap = group, overlap and not hierarchical
         self.distributed = distributed and group.size > 1
+        if release and hierarchical:
+            raise ValueError("ZeRO-2's gradient release runs with the flat reduce-scatter, not --hierarchical-dp")
         self.tp = model.topo.tp
         self._done, self._started, self._pending, self._gathers = set(), set(), [], []
         tp_sums = self.tp.size > 1 and any(p.sp_partial or p.replicas is not None for p in model.parameters())
         self.buckets = make_buckets(model, group, bucket_mb, self.distributed) if group.size > 1 or tp_sums else []
+        self.grad_dtype = self.buckets[0].grads.dtype if self.buckets else None    # what the reductions carry
+        self.release = GradRelease(self.buckets) if release and self.distributed else None
         self.hierarchical = {}       # group name -> HierarchicalAllReduce
         if hierarchical and group.size > 1:
             for g in {b.group.name: b.group for b in self.buckets if b.group.size > 1}.values():
@@ -212,9 +219,13 @@ class GradReducer:
         for k, b in enumerate(self.buckets):
             if k not in self._started and b.blocks and b.blocks <= self._done:
                 self._start(k)
-        for _, pending in self._pending:
-            if pending is not None:
-                pending.test()                              # drive MPI's progress engine
+        for k, pending in self._pending:
+            if pending is not None and pending.test() and self.release is not None:    # (drives MPI's progress)
+                self.release.drop(k)                                    # ZeRO-2: the share has it all
+
+    def grads(self, offset: int = 0):
+        """What GPT.backward calls need(i) on before block i's backward (ZeRO-2), or None (ZeRO-0/1)."""
+        return None if self.release is None else ChunkGrads(self.release, offset)
 
     def chunk(self, offset: int) -> "ChunkReducer":
         """What one pipeline chunk's GPT.backward takes as its reducer: its block i is block
@@ -239,6 +250,8 @@ class GradReducer:
                 pending.wait()
             b = self.buckets[k]
             (b.grad_share if self.distributed else b.grads)[...] *= scale   # experts too: edp sums hold all D
+            if self.release is not None and b.grads is not None:
+                self.release.drop(k)                                        # ZeRO-2
         self._pending, self._done, self._started = [], set(), set()
 
     def gather_params(self, k: int) -> None:

@@ -72,7 +72,9 @@ class TrainConfig:
     sequence_parallel: bool = opt(False, "split the activations between the tensor-parallel regions along "
                                   "the sequence (Korthikanti et al. 2022): less activation memory, same traffic")
     zero: int = opt(0, "1: ZeRO stage 1, the optimizer state split over the data-parallel replicas (an "
-                    "expert's over the replicas holding it)", [0, 1])
+                    "expert's over the replicas holding it); 2: stage 2, also each bucket's whole gradient "
+                    "buffer dropped once reduce-scattered (the rank keeps its share between backward passes)",
+                    [0, 1, 2])
     recompute: str = opt("none", "activation recomputation: 'selective' keeps q, k, v and computes the attention "
                          "softmax again in the backward pass; 'full' keeps only each block's input and runs "
                          "its forward again (Korthikanti et al. 2022)", ["none", "selective", "full"])
@@ -223,6 +225,9 @@ class TrainConfig:
             raise ConfigError(f"dp, pp and virtual_stages must be at least 1 and tp at least 0 (0: world size "
                               f"/ (pp * dp)), got tp={self.tp} pp={self.pp} dp={self.dp} "
                               f"virtual_stages={self.virtual_stages}")
+        if self.zero >= 2 and self.dp_allreduce == "hierarchical":
+            raise ConfigError("--zero 2 drops each bucket's gradients after its flat reduce-scatter: use "
+                              "--dp-allreduce flat (or --zero 1 with the hierarchical all-reduce)")
         if self.schedule == "zb-v" and self.virtual_stages != 2:
             raise ConfigError(f"--schedule zb-v places two chunks per stage in a V: use --virtual-stages 2 "
                               f"(got {self.virtual_stages})")

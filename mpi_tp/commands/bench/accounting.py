@@ -20,9 +20,10 @@ from mpi_tp.core.memory import CATEGORIES
 
 
 def memory_per_rank(params, opt) -> dict:
-    """Bytes of model state this rank keeps, each storage once (a tied or fused weight shares one)."""
+    """Bytes of model state this rank keeps between steps, each storage once (a tied or fused weight
+    shares one; ZeRO-2's dropped gradient buffers count nothing)."""
     stores = {id(p.base): p for p in params}.values()
-    grads = sum(p.grad_base.nbytes for p in stores)
+    grads = sum(p.grad_base.nbytes for p in stores if p.grad_base is not None)
     reducer = getattr(opt, "reducer", None)
     if reducer is not None and reducer.distributed:             # ZeRO-1's averaged gradient share
         grads += sum(b.grad_share.nbytes for b in reducer.buckets if b.grad_share is not None)

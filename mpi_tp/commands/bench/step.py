@@ -66,7 +66,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     params = model.parameters()
     if fp32_grads:
         widen_grads(params)
-    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero >= 1)
+    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero >= 1, release=zero >= 2)
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
     scaler = LossScaler() if dtype == "float16" else None
@@ -75,7 +75,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     rows = topo.replica_rows(B)
     model.forward(x[rows], y[rows])                  # untimed: block 0's caches after a forward, largest rank
     acts = comm.allreduce(model.h[0].activation_bytes(), op=MPI.MAX)
-    model.backward()
+    model.backward(grads=reducer.grads() if reducer is not None else None)     # (ZeRO-2: its buffers made)
     phases = {"forward": [], "backward": [], "optimizer": [], "step": []}
     comm_s, comm_bytes, comm_wire, roles = [], [], [], []
     for i in range(warmup + steps):

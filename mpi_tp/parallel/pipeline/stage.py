@@ -207,13 +207,14 @@ class PipelineStage:
             chunk.restore_caches(kept.pop((m, j)))
             live -= held.pop((m, j), 0)
             hook = reducer.chunk(self.block_offsets[j]) if reducer is not None and m == final[j] else None
+            grads = reducer.grads(self.block_offsets[j]) if reducer is not None else None     # ZeRO-2
             share = loss_scale if planted("bug-micro-batch-scale") else loss_scale / M      # the 1/M of accumulation
             dout = share if chunk.last else from_wire(dout)
             if not self.split:
-                dx = chunk.backward(dout, reducer=hook, loss_scale=share)
+                dx = chunk.backward(dout, reducer=hook, loss_scale=share, grads=grads)
             else:                                   # B now; the weights' gradients (and the hook) at W
                 with deferring(WeightWork()) as work:
-                    dx = chunk.backward(dout, reducer=hook, loss_scale=share)
+                    dx = chunk.backward(dout, reducer=hook, loss_scale=share, grads=grads)
                 deferred[m, j] = work
                 if self.count_activations:          # what W keeps alive until it runs
                     held[m, j] = work.held_bytes()
