@@ -2,7 +2,7 @@
 peak by category, mpi_tp.core.memory) beside mpi_tp.planning.memory.memory_per_rank for the same layout.
 
     python experiments/memory/memory_peak.py                      # every layout below that runs today
-    python experiments/memory/memory_peak.py --only zero2,zero3   # ZeRO-2/3, once --zero 2/3 land
+    python experiments/memory/memory_peak.py --only zero3         # ZeRO-3, once --zero 3 lands
     python experiments/memory/memory_peak.py --table              # the table again, from the JSON lines
 
 Each layout is one `mpiexec -n N python -m mpi_tp bench --custom C,H,L,S,B --steps 1 --warmup 0 --json F ...`
@@ -96,7 +96,7 @@ def table(rows: list) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", help="comma-separated layouts (default: all but zero2, zero3 until they land)")
+    ap.add_argument("--only", help="comma-separated layouts (default: all but zero3 until it lands)")
     ap.add_argument("--table", action="store_true", help="print the table from the JSON lines, run nothing")
     args = ap.parse_args()
     rows = []
@@ -104,7 +104,7 @@ def main() -> None:
         with open(OUT) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     if not args.table:
-        names = args.only.split(",") if args.only else [n for n in LAYOUTS if n not in ("zero2", "zero3")]
+        names = args.only.split(",") if args.only else [n for n in LAYOUTS if n != "zero3"]
         unknown = [n for n in names if n not in LAYOUTS]
         if unknown:
             sys.exit(f"unknown layouts {unknown}: choose from {', '.join(LAYOUTS)}")
