@@ -44,6 +44,8 @@ def forward_backward(model, x, y, rows: slice, micro_batches: int | None = None,
     """
     stage = as_stage(model, micro_batches)
     topo, M = stage.topo, stage.M
+    if reducer is not None:
+        reducer.hold_grads()                # ZeRO-2: the whole gradients, dropped after the last step's reduction
     stage.zero_grad()
     losses = stage.run_micro_batches(x, y, micro_batch_rows(rows, M), reducer, meter, loss_scale)
     with span(topo.stats.trace, "finalize", "compute"):
