@@ -7,7 +7,7 @@ BYTES = ("tests/test_layouts.py::test_distributed_optimizer_moves_what_plain_dp_
 MUTANTS = [
     Mutant("zero/every-rank-updates-share-0",
            "every rank's share of a bucket starts at element 0: the reduce-scatter's share and the update disagree",
-           "mpi_tp/parallel/data_parallel.py",
+           "mpi_tp/parallel/buckets.py",
            "    lo = offsets(shares)[group.rank] if distributed else 0", "    lo = 0",
            ZERO, (2,)),
     Mutant("zero/parameters-not-all-gathered",
