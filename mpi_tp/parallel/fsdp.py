@@ -51,6 +51,7 @@ class FSDP:
         self._reducing = []          # [(bucket, Pending, what to add to its share or None)], in start order
         self._fresh = set(range(len(self.buckets)))     # shares this step's first reduction writes directly
         self._fwd = self._bwd = None                     # the bucket the last forward / backward piece used
+        self.ahead = 0               # gathers a piece found started by the call before it (the overlap's count)
         model.fsdp = self
 
     def _bucket(self, piece):
@@ -72,7 +73,12 @@ class FSDP:
 
     def _ready(self, k) -> None:
         """Bucket k whole now: its members' data are views of it."""
+        if k in self._flight:
+            self.ahead += 1
         self._gather(k)
+        self._wait(k)
+
+    def _wait(self, k) -> None:
         if k in self._flight:
             full, pending = self._flight.pop(k)
             pending.wait()
@@ -186,7 +192,7 @@ def whole_params(model):
     for k in range(len(fsdp.buckets)):
         fsdp._gather(k)
     for k in range(len(fsdp.buckets)):
-        fsdp._ready(k)
+        fsdp._wait(k)
     try:
         yield model
     finally:

@@ -34,7 +34,8 @@ class Layout:
 
     tp: tensor-parallel size; cp: context-parallel; pp: pipeline stages; virtual: model chunks per stage
     (the interleaved schedule); dp: data-parallel replicas; ep: expert-parallel size (dividing dp);
-    sp: sequence parallelism inside tp; zero: 1 for ZeRO-1 (the optimizer state split over dp x cp).
+    sp: sequence parallelism inside tp; zero: the ZeRO stage, 0-3 (1: the optimizer state split over
+    dp x cp, 2: the gradients too, 3: the parameters too; mpi_tp.parallel.buckets).
     """
 
     tp: int = 1
@@ -75,8 +76,8 @@ class Layout:
         if self.dp % self.ep:
             out.append(f"--ep {self.ep} must divide the data-parallel size --dp {self.dp}: the experts are split "
                        "among groups of ep consecutive data-parallel replicas")
-        if self.zero not in (0, 1):
-            out.append(f"zero must be 0 or 1, got {self.zero}")
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         return out
 
     def check(self, world: int | None = None) -> Layout:
@@ -94,7 +95,7 @@ class Layout:
     def flags(self) -> list[str]:
         """The options in words: 'v2 +sp +zero1' (each only when on)."""
         return ([f"v{self.virtual}"] if self.virtual > 1 else []) + (["+sp"] if self.sp else []) + \
-            (["+zero1"] if self.zero else [])
+            ([f"+zero{self.zero}"] if self.zero else [])
 
     def describe(self) -> str:
         """'tp2 pp2 dp1 v2 +sp': what the start-up line, explain and plan print."""
