@@ -38,7 +38,7 @@ def run(model, topo, rows, steps=10, overlap=True, zero=False, early=None):
     Returns the losses and the optimizer. early: a list that gets, per step, how many of the gradient
     all-reduces had started before the backward pass ended (the overlap's proof)."""
     reducer = GradReducer(model, topo.dp, bucket_mb=0.001, overlap=overlap,    # tiny buckets: several per step
-                          distributed=bool(zero), release=zero == 2)
+                          distributed=bool(zero), stage=max(int(zero), 1))
     if early is not None:
         finish, key, seen = reducer.finish, f"{topo.dp.name}/iall_reduce", [0]
 
@@ -117,9 +117,8 @@ def test_sp_and_zero_equal_serial(world, serial_reference, sp, zero):
                                       and "dp/iall_reduce" not in snap)
         assert all_true(ran, world), f"the distributed optimizer did not run at {what}: {sorted(snap)}"
         if zero == 2 and dp > 1:      # ZeRO-2 ran: between steps only the shares hold gradients, the buffers made anew
-            release = opt.reducer.release
-            held = release.held_bytes() == 0 and all(p.grad is None for p in model.parameters())
-            assert all_true(held and release.allocations == 10 * len(release.buckets), world), what
+            held = opt.reducer.release.held_bytes() == 0 and all(p.grad.size == 0 for p in model.parameters())
+            assert all_true(held, world), what
         whole = opt.state_tensors()
         for k, arrays in whole.items():
             for p, a in zip(opt.params, arrays):

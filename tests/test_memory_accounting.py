@@ -40,7 +40,7 @@ def metered_step(world, zero, dtype="float32", recompute="none"):
     Psi (the parameters) and the topology."""
     topo = Topology.create(world, tp=1, dp=world.Get_size())
     model = GPT(cfg(), topo, dtype=dtype, recompute=recompute)
-    reducer = GradReducer(model, topo.dp, distributed=bool(zero), release=zero == 2)
+    reducer = GradReducer(model, topo.dp, distributed=bool(zero), stage=max(int(zero), 1))
     opt = AdamW(model.parameters(), reducer=reducer)
     x = np.arange(B * topo.dp.size * S).reshape(-1, S) % V
     meter = MemoryMeter(as_stage(model, 1), opt, reducer)

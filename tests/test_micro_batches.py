@@ -28,7 +28,7 @@ def train(topo, micro, b=B, sp=False, zero=False):
     """Losses and the model after STEPS steps on global batches of dp * micro * b sequences; asserts that
     each step ran `micro` forwards (the schedule's "F" spans, traced)."""
     model = GPT(GPTConfig(**CFG), topo, dtype="float64", seed=3, sequence_parallel=sp)
-    reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=bool(zero), release=zero == 2)
+    reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=bool(zero), stage=max(int(zero), 1))
     opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
     topo.stats.trace = Trace()
     losses = steps.train(model, opt, STEPS, micro * b, global_batch, micro, reducer)

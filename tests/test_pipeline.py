@@ -38,7 +38,7 @@ def pipelined(topo, n_layer, name, micro, virtual=1, sp=False, recompute="none",
     stage = build_stage(cfg(n_layer, **moe), topo, "float64", 3, sp, name, micro, virtual, recompute)
     stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, bucket_mb=0.001, overlap=bool(zero), distributed=bool(zero),
-                          release=zero == 2)
+                          stage=max(int(zero), 1))
     return train_stage(stage, topo, reducer, micro), stage
 
 

@@ -9,6 +9,7 @@ import numpy
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.precision import bfloat16, is_bf16
+from mpi_tp.parallel.fsdp import whole_params
 
 FORMAT = "mpi_tp-checkpoint"
 VERSION = 1
@@ -59,10 +60,12 @@ def state_tensors(model, optimizer):
     """(group, Param, array) for every tensor saved: model/<name>, optim/<kind>/<name>.
 
     Each parameter once: a pipeline stage's copy of the tied table (the output layer's) is
-    left out, since the first stage saves the same numbers."""
+    left out, since the first stage saves the same numbers. ZeRO-3: the parameters are gathered whole
+    (collective over dp; the arrays returned are the gathered copies)."""
     params = model.unique_parameters()
     keep = {id(p) for p in params}
-    out = [("model", p, p.data) for p in params]
+    with whole_params(model):
+        out = [("model", p, p.data) for p in params]
     if optimizer is not None:
         for kind, arrays in optimizer.state_tensors().items():
             out += [(f"optim/{kind}", p, a) for p, a in zip(optimizer.params, arrays) if id(p) in keep]

@@ -18,6 +18,7 @@ from mpi_tp.checkpoint.format import (
     stored_dtype,
 )
 from mpi_tp.core import backend
+from mpi_tp.parallel.fsdp import whole_params
 
 
 def resolve(path: str) -> str:
@@ -229,22 +230,23 @@ def load_into(ckpt: Checkpoint, model, optimizer=None) -> None:
             raise CheckpointError(f"{group}/{p.name}: checkpoint slice {values.shape} does not fit the "
                                   f"model's {shape}")
         return backend.asarray(values.astype(dtype, copy=False))
-    for p in model.parameters():
-        p.data[...] = read("model", p, p.data.shape, p.data.dtype)
-    if optimizer is None:
-        return
-    # each kind in its own dtype (fp32 masters and moments of 16-bit params); without the optimizer's state
-    # (an import, a Hugging Face folder) the moments stay fresh, and without masters (that, or a checkpoint of
-    # a wider run) a 16-bit model's masters are the checkpoint's weights read in fp32: exactly an fp32 run's
-    saved = ckpt.has_optimizer
-    masters_saved = saved and f"optim/master/{optimizer.params[0].name}" in getattr(ckpt, "tensors", ())
-    values = {}
-    for kind, arrays in optimizer.state.items():
-        dtype = arrays[0].dtype if arrays else None
-        group = f"optim/{kind}" if kind != "master" or masters_saved else "model"
-        if saved or kind == "master":
-            values[kind] = [read(group, p, p.data.shape, dtype or p.data.dtype) for p in optimizer.params]
-        else:
-            values[kind] = [backend.xp().zeros(p.data.shape, dtype or p.data.dtype) for p in optimizer.params]
-    optimizer.load_state_tensors(values)
-    optimizer.t = int(ckpt.meta.get("optimizer_t", 0)) if saved else 0
+    with whole_params(model):          # ZeRO-3: whole while read; each rank keeps its share after
+        for p in model.parameters():
+            p.data[...] = read("model", p, p.data.shape, p.data.dtype)
+        if optimizer is None:
+            return
+        # each kind in its own dtype (fp32 masters and moments of 16-bit params); without the optimizer's state
+        # (an import, a Hugging Face folder) the moments stay fresh, and without masters (that, or a checkpoint of
+        # a wider run) a 16-bit model's masters are the checkpoint's weights read in fp32: exactly an fp32 run's
+        saved = ckpt.has_optimizer
+        masters_saved = saved and f"optim/master/{optimizer.params[0].name}" in getattr(ckpt, "tensors", ())
+        values = {}
+        for kind, arrays in optimizer.state.items():
+            dtype = arrays[0].dtype if arrays else None
+            group = f"optim/{kind}" if kind != "master" or masters_saved else "model"
+            if saved or kind == "master":
+                values[kind] = [read(group, p, p.data.shape, dtype or p.data.dtype) for p in optimizer.params]
+            else:
+                values[kind] = [backend.xp().zeros(p.data.shape, dtype or p.data.dtype) for p in optimizer.params]
+        optimizer.load_state_tensors(values)
+        optimizer.t = int(ckpt.meta.get("optimizer_t", 0)) if saved else 0

@@ -75,26 +75,17 @@ class Param:
         return tuple(idx)
 
     def zero_grad(self) -> None:
-        if self.grad is not None:            # None: its bucket's buffer dropped (ZeRO-2), made zeroed again
-            self.grad[...] = 0
+        self.grad[...] = 0
         self.fresh = True
 
     def accumulate(self, value) -> None:
         """grad += value (what every backward does with a parameter's gradient)."""
-        if self.grad is None:
-            raise RuntimeError(DROPPED.format(self.name))
         self.grad += value
         self.fresh = False
 
 
-DROPPED = ("{}: its gradient buffer was dropped after the last reduce-scatter (ZeRO-2): a backward outside "
-           "the library step needs grads=reducer.grads() (mpi_tp.parallel.grad_release)")
-
-
 def accumulate_base(params: list["Param"], value) -> None:
     """grad_base += value for parameters that share one gradient base (fused parameters)."""
-    if params[0].grad_base is None:
-        raise RuntimeError(DROPPED.format(params[0].name))
     params[0].grad_base += value
     for p in params:
         p.fresh = False

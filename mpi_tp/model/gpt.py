@@ -50,6 +50,7 @@ from mpi_tp.model.forward_pass import Pass
 from mpi_tp.model.head import GPTHead
 from mpi_tp.model.parallel_embedding import VocabParallelEmbedding
 from mpi_tp.parallel.context_parallel import loss_weight
+from mpi_tp.parallel.fsdp import WHOLE
 from mpi_tp.parallel.tensor_parallel import gather_from_tp
 from mpi_tp.parallel.topology import Topology
 
@@ -78,6 +79,7 @@ class GPT(Module):
             raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
         self.cfg, self.topo, self.dtype = cfg, topo, dtype_of(dtype)     # float32, float64, bfloat16, float16
         self.first, self.last = first, last
+        self.fsdp = WHOLE            # --zero 3: an FSDP (mpi_tp.parallel.fsdp), gathering each piece before use
         self.dropout = Dropout(cfg.dropout, seed) if dropout is None else dropout
         # Sequence parallelism: between the parallel regions each rank holds its positions only.
         self.sequence_parallel = sequence_parallel
@@ -118,9 +120,12 @@ class GPT(Module):
     def hidden(self, inp, ps: Pass):
         """Token ids (first chunk) or activations -> the activations after this chunk's blocks:
         (B, S, C), or this rank's positions (B, S_i, C) under sequence parallelism."""
+        self.fsdp.forward("embedding")               # ZeRO-3: each piece's parameters gathered before it runs
         x = self.embedding.forward(inp, ps) if self.first else inp
-        for block in self.h:
+        for i, block in enumerate(self.h):
+            self.fsdp.forward(i)
             x = block.forward(x, ps)
+        self.fsdp.forward("head")
         return x
 
     def forward(self, inp, targets=None, ps: Pass | None = None):
@@ -174,19 +179,22 @@ class GPT(Module):
         scale = (float(dout) if self.last else 1.0) if loss_scale is None else loss_scale
         for m in self.moe_layers():
             m.loss_scale = scale            # their aux and z-losses are part of the loss it scales
+        self.fsdp.backward("head")                   # ZeRO-3: gathered again, each piece's gradients reduced
         if grads is not None and (self.last or self.first):
-            grads.need(None)
+            grads.need(None)                         # ZeRO-2: the head's and embedding's whole gradients, made
         dx = self.head.backward(dout * self._loss_scale) if self.last else backend.asarray(dout)
         for i in reversed(range(len(self.h))):
+            self.fsdp.backward(i)
             if grads is not None:
                 grads.need(i)
             dx = self.h[i].backward(dx)
             if reducer is not None:          # after the block's W, which may be deferred (core.weight_grads)
                 weight_grad(reducer.block_done, i)
+        self.fsdp.backward("embedding")
         if self.first:
             self.embedding.backward(dx)
-            return None
-        return dx
+        self.fsdp.backward("end")
+        return None if self.first else dx
 
     def last_logits(self, idx, ps: Pass | None = None):
         """The whole vocabulary's logits at the last position of one sequence idx (1, S): (V,) float64,

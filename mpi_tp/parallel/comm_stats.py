@@ -157,5 +157,5 @@ def wire_bytes_by_role(snapshot: dict, reducer=None) -> dict:
                 else "dp_params" if group in REDUCER_GROUPS and kind == "all_gather" else "other")
         out[role] += v["wire_bytes"]
     if reducer is not None and reducer.buckets:
-        out["grad_reduce_dtype"] = str(reducer.grad_dtype)
+        out["grad_reduce_dtype"] = str(reducer.buckets[0].grad_dtype)
     return out

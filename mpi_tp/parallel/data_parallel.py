@@ -49,119 +49,12 @@ unevenly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy
-from mpi4py import MPI
-
-from mpi_tp.core import backend
 from mpi_tp.core.failpoints import planted
-from mpi_tp.core.params import storages
+from mpi_tp.parallel.buckets import make_buckets
 from mpi_tp.parallel.collectives import Group
-from mpi_tp.parallel.expert_parallel import expert_of
+from mpi_tp.parallel.fsdp import FSDP
 from mpi_tp.parallel.grad_release import ChunkGrads, GradRelease
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
-from mpi_tp.parallel.topology import offsets, split_sizes
-
-
-@dataclass(eq=False)
-class Bucket:
-    """n gradients (and, for the distributed optimizer, the n parameter values) in one flat buffer."""
-
-    grads: object                    # (n,) every member's grad_base is a view into it
-    stores: list                     # [(offset, base, members)]: the storages it holds, in buffer order
-    blocks: frozenset                # the blocks whose gradients it holds (empty: embeddings, ln_f)
-    ready_after: int | None          # the block whose backward completes it (None: the end of the pass)
-    group: Group                     # dp, or edp for experts
-    sp: slice                        # the sp_partial gradients, summed over tp (empty: none)
-    replicas: slice                  # replicated key/value shards' gradients (Param.replicas), summed over
-    replica_group: Group | None      # ... this group, the ranks holding the same heads (empty slice: none)
-    params: object                   # (n,) the distributed optimizer's parameter buffer (data are views), or None
-    shares: list                     # every group member's share of the n elements ([n] without it)
-    share: slice                     # this rank's share
-    grad_share: object               # (share,) distributed optimizer: this rank's averaged gradients, or None
-
-
-def _make_bucket(stores, ready_after, blocks, group: Group, distributed: bool) -> Bucket:
-    """One flat gradient buffer (and parameter buffer) for these storages; their Params become views."""
-    xp = backend.xp()
-    # replicated key/value shards, then sp_partial ones, last, each kind together
-    stores = sorted(stores, key=lambda s: (s[2][0].sp_partial, s[2][0].replicas is not None))
-    n = sum(base.size for base, _, _ in stores)
-    grads = xp.zeros(n, dtype=stores[0][1].dtype)          # the gradients' own (fp32 grads of a 16-bit model)
-    params = xp.empty(n, dtype=stores[0][0].dtype) if distributed else None
-    at, sp_at, placed = 0, n, []
-    rep_at, rep_stop, rep_group = n, n, None
-    for base, grad, members in stores:
-        view = grads[at:at + base.size].reshape(base.shape)
-        view[...] = grad
-        for p in members:
-            p.grad_base, p.grad = view, view[p.view]
-        if params is not None:
-            pview = params[at:at + base.size].reshape(base.shape)
-            pview[...] = base
-            for p in members:
-                p.base, p.data = pview, pview[p.view]
-            base = pview
-        if members[0].sp_partial:
-            sp_at = min(sp_at, at)
-        if members[0].replicas is not None:
-            if rep_group not in (None, members[0].replicas):
-                raise ValueError("a bucket's replicated shards belong to two replica groups")
-            rep_group, rep_at, rep_stop = members[0].replicas, min(rep_at, at), at + base.size
-        placed.append((at, base, members))
-        at += base.size
-    shares = split_sizes(n, group.size) if distributed else [n]
-    lo = offsets(shares)[group.rank] if distributed else 0
-    share = slice(lo, lo + shares[group.rank if distributed else 0])
-    grad_share = xp.empty(share.stop - share.start, grads.dtype) if distributed else None
-    return Bucket(grads, placed, frozenset(blocks), ready_after, group, slice(sp_at, n),
-                  slice(rep_at, rep_stop), rep_group, params, shares, share, grad_share)
-
-
-def _block_bytes(model, kinds, owner):
-    """(blocks, kinds): each block's gradient bytes of each kind, the largest over the tensor-parallel group.
-    Buckets are cut on these, so every tensor-parallel rank cuts at the same blocks, uneven shards
-    notwithstanding: the collectives over tp (and over a key/value head's replicas) that start a
-    bucket then pair up (cut on each rank's own sizes, they did not: a hang under sequence parallelism)."""
-    sizes = numpy.zeros((len(model.h), len(kinds)), dtype=numpy.int64)
-    for k, (mine, _) in enumerate(kinds):
-        for store in mine:
-            if owner.get(id(store[0])) is not None:
-                sizes[owner[id(store[0])], k] += store[0].nbytes
-    if model.topo.tp.size > 1 and sizes.size:
-        model.topo.tp.all_reduce(sizes, op=MPI.MAX, kind="bucket_plan")        # once, when the buckets are made
-    return sizes
-
-
-def make_buckets(model, group: Group, bucket_mb: float, distributed: bool) -> list[Bucket]:
-    """model's parameters in buckets of about bucket_mb MiB, cut at block boundaries, last block first."""
-    owner = {}                       # which block each storage belongs to (None: embeddings, ln_f)
-    for i, block in enumerate(model.h):
-        for p in block.parameters():
-            owner[id(p.base)] = i
-    stores = storages(model.parameters())
-    experts = {id(p.base): expert_of(p) for p in model.parameters() if expert_of(p) is not None}
-    kinds = [([s for s in stores if id(s[0]) not in experts], group)]        # (storages, their group)
-    if experts:
-        kinds.append(([s for s in stores if id(s[0]) in experts], next(iter(experts.values())).edp))
-    buckets, limit = [], bucket_mb * 2**20
-    current, size = [[] for _ in kinds], [0] * len(kinds)
-    block_bytes = _block_bytes(model, kinds, owner)
-    for i in reversed(range(len(model.h))):            # backward order
-        for k, (mine, g) in enumerate(kinds):          # dense, then experts: each cut on its own sizes
-            for store in mine:
-                if owner.get(id(store[0])) == i:
-                    current[k].append(store)
-            size[k] += int(block_bytes[i, k])
-            if (size[k] >= limit or i == 0) and current[k]:
-                blocks = {owner[id(store[0])] for store in current[k]}
-                buckets.append(_make_bucket(current[k], i, blocks, g, distributed))
-                current[k], size[k] = [], 0
-    rest = [s for s in kinds[0][0] if id(s[0]) not in owner]
-    if rest:
-        buckets.append(_make_bucket(rest, None, set(), group, distributed))
-    return buckets
 
 
 class GradReducer:
@@ -169,23 +62,30 @@ class GradReducer:
     bucket by bucket; hook it into GPT.backward and call finish() after the last backward
     (mpi_tp.parallel.finalize.finalize_grads does).
 
-    distributed: the distributed optimizer's reduce-scatter instead of the all-reduce (ZeRO-1).
-    release: with it, each bucket's whole gradient buffer dropped once reduce-scattered and made again
-    at the next backward (ZeRO-2, mpi_tp.parallel.grad_release): GPT.backward calls grads(offset).need.
+    distributed: the distributed optimizer's reduce-scatter instead of the all-reduce (ZeRO-1);
+    stage: its ZeRO stage (mpi_tp.parallel.buckets): 2 drops the whole gradients once reduce-scattered,
+    3 shards the parameters too and hands the buckets to an FSDP (mpi_tp.parallel.fsdp) set on the
+    model as model.fsdp, which gathers and reduces them layer by layer. Without distributed (or with a
+    one-rank group) the stage is 0.
     """
 
     def __init__(self, model, group: Group, bucket_mb: float = 8.0, overlap: bool = True,
-                 hierarchical: bool = False, distributed: bool = False, release: bool = False):
+                 hierarchical: bool = False, distributed: bool = False, stage: int = 1):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"the distributed optimizer's ZeRO stage is 1, 2 or 3, not {stage}")
         self.group, self.overlap = group, overlap and not hierarchical
         self.distributed = distributed and group.size > 1
-        if release and hierarchical:
-            raise ValueError("ZeRO-2's gradient release runs with the flat reduce-scatter, not --hierarchical-dp")
+        self.stage = stage if self.distributed else 0
+        if self.stage == 3 and hierarchical:
+            raise ValueError("ZeRO-3 reduce-scatters layer by layer: no hierarchical all-reduce")
         self.tp = model.topo.tp
         self._done, self._started, self._pending, self._gathers = set(), set(), [], []
         tp_sums = self.tp.size > 1 and any(p.sp_partial or p.replicas is not None for p in model.parameters())
-        self.buckets = make_buckets(model, group, bucket_mb, self.distributed) if group.size > 1 or tp_sums else []
-        self.grad_dtype = self.buckets[0].grads.dtype if self.buckets else None    # what the reductions carry
-        self.release = GradRelease(self.buckets) if release and self.distributed else None
+        self.buckets = make_buckets(model, group, bucket_mb, self.distributed, self.stage) \
+            if group.size > 1 or tp_sums else []
+        self.fsdp = FSDP(model, self) if self.stage == 3 else None
+        self.release = GradRelease(self.buckets) if self.stage == 2 else None
+        self.grad_dtype = self.buckets[0].grad_dtype if self.buckets else None    # what the reductions carry
         self.hierarchical = {}       # group name -> HierarchicalAllReduce
         if hierarchical and group.size > 1:
             for g in {b.group.name: b.group for b in self.buckets if b.group.size > 1}.values():
@@ -195,10 +95,7 @@ class GradReducer:
         """Bucket k is final on this rank: sum its sp_partial part over tp, start its collective over the group."""
         b = self.buckets[k]
         self._started.add(k)
-        if b.sp.start < b.sp.stop and not planted("bug-sp-grads"):
-            self.tp.all_reduce(b.grads[b.sp], kind="sp_grad_all_reduce")
-        if b.replicas.start < b.replicas.stop:
-            b.replica_group.all_reduce(b.grads[b.replicas], kind="kv_grad_all_reduce")
+        self.sum_over_tp(b)
         if self.group.size == 1 or self.hierarchical:     # hierarchical: node by node, blocking, in finish()
             return
         if self.distributed and b.group.size == 1:        # experts held by one replica (ep = D): nothing to sum
@@ -210,22 +107,39 @@ class GradReducer:
             pending = b.group.iall_reduce(b.grads)
         self._pending.append((k, pending))
 
+    def sum_over_tp(self, b) -> None:
+        """Bucket b's sp_partial gradients summed over tp, its replicated key/value shards' over their group."""
+        if b.sp.start < b.sp.stop and not planted("bug-sp-grads"):
+            self.tp.all_reduce(b.grads[b.sp], kind="sp_grad_all_reduce")
+        if b.replicas.start < b.replicas.stop:
+            b.replica_group.all_reduce(b.grads[b.replicas], kind="kv_grad_all_reduce")
+
+    def hold_grads(self) -> None:
+        """ZeRO-2's whole gradients, dropped after the last step's reduction, held again (zeroed) all at
+        once (a backward that is not told block by block: GradReducer.grads). Other stages: nothing."""
+        if self.stage == 2:
+            for b in self.buckets:
+                b.hold_grads()
+
+    def grads(self, offset: int = 0):
+        """ZeRO-2: what GPT.backward calls need(i) on before block i's backward (None: the head and the
+        embedding), holding each bucket's whole gradients only from then (mpi_tp.parallel.grad_release);
+        None at the other stages."""
+        return ChunkGrads(self.release, offset) if self.release is not None else None
+
     def block_done(self, i: int) -> None:
         """Called by the backward pass once block i's gradients are final: start the buckets whose
-        blocks are all done now (in bucket order, the same on every replica)."""
-        if not self.overlap:
+        blocks are all done now (in bucket order, the same on every replica). ZeRO-3: nothing, its
+        FSDP reduces each block after every micro-batch's backward."""
+        if not self.overlap or self.stage == 3:
             return
         self._done.add(i)
         for k, b in enumerate(self.buckets):
             if k not in self._started and b.blocks and b.blocks <= self._done:
                 self._start(k)
         for k, pending in self._pending:
-            if pending is not None and pending.test() and self.release is not None:    # (drives MPI's progress)
-                self.release.drop(k)                                    # ZeRO-2: the share has it all
-
-    def grads(self, offset: int = 0):
-        """What GPT.backward calls need(i) on before block i's backward (ZeRO-2), or None (ZeRO-0/1)."""
-        return None if self.release is None else ChunkGrads(self.release, offset)
+            if pending is not None and pending.test() and self.stage == 2:     # (drives MPI's progress)
+                self.buckets[k].drop_grads()                 # ZeRO-2: the share has it all already
 
     def chunk(self, offset: int) -> "ChunkReducer":
         """What one pipeline chunk's GPT.backward takes as its reducer: its block i is block
@@ -233,7 +147,11 @@ class GradReducer:
         return ChunkReducer(self, offset)
 
     def finish(self) -> None:
-        """After the backward pass: start what is left, wait for everything, divide by D."""
+        """After the backward pass: start what is left, wait for everything, divide by D (ZeRO-2: then
+        drop the whole gradients; ZeRO-3: the FSDP's own finish)."""
+        if self.fsdp is not None:
+            self.fsdp.finish()
+            return
         for k in range(len(self.buckets)):
             if k not in self._started:
                 self._start(k)
@@ -250,14 +168,15 @@ class GradReducer:
                 pending.wait()
             b = self.buckets[k]
             (b.grad_share if self.distributed else b.grads)[...] *= scale   # experts too: edp sums hold all D
-            if self.release is not None and b.grads is not None:
-                self.release.drop(k)                                        # ZeRO-2
         self._pending, self._done, self._started = [], set(), set()
+        if self.stage == 2:                               # the shares are all the update reads
+            for b in self.buckets:
+                b.drop_grads()
 
     def gather_params(self, k: int) -> None:
         """Distributed optimizer: bucket k's share is updated; start all-gathering its parameters."""
         b = self.buckets[k]
-        if b.group.size > 1:
+        if b.group.size > 1 and self.stage < 3:           # ZeRO-3 keeps the shares: FSDP gathers per layer
             self._gathers.append(b.group.iall_gather_inplace(b.params, b.shares))
 
     def wait_params(self) -> None:

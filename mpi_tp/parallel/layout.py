@@ -34,8 +34,8 @@ class Layout:
 
     tp: tensor-parallel size; cp: context-parallel; pp: pipeline stages; virtual: model chunks per stage
     (the interleaved schedule); dp: data-parallel replicas; ep: expert-parallel size (dividing dp);
-    sp: sequence parallelism inside tp; zero: the ZeRO stage over dp x cp, 0 to 3 (1: the optimizer state split,
-    2: and the gradients, 3: and the parameters).
+    sp: sequence parallelism inside tp; zero: the ZeRO stage, 0-3 (1: the optimizer state split over
+    dp x cp, 2: the gradients too, 3: the parameters too; mpi_tp.parallel.buckets).
     """
 
     tp: int = 1
@@ -95,7 +95,7 @@ class Layout:
     def flags(self) -> list[str]:
         """The options in words: 'v2 +sp +zero1' (each only when on)."""
         return ([f"v{self.virtual}"] if self.virtual > 1 else []) + (["+sp"] if self.sp else []) + \
-            ([f"+zero{int(self.zero)}"] if self.zero else [])
+            ([f"+zero{self.zero}"] if self.zero else [])
 
     def describe(self) -> str:
         """'tp2 pp2 dp1 v2 +sp': what the start-up line, explain and plan print."""

@@ -214,10 +214,10 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
     # the reducer moves the gradients (and, for the distributed optimizer, the parameters) into buckets:
     # before the optimizer reads them
     reducer = GradReducer(model, topo.dpcp, cfg.bucket_mb, cfg.overlap_dp, cfg.dp_allreduce == "hierarchical",
-                          distributed=bool(cfg.zero), release=cfg.zero >= 2)
+                          distributed=bool(cfg.zero), stage=max(cfg.zero, 1))
     per_replica = cfg.batch_size * cfg.micro_batches
     rows = topo.replica_rows(per_replica)
-    opt = cfg.make_optimizer(model.parameters(), reducer)   # --zero 1, 2: distributed over the reducer's buckets
+    opt = cfg.make_optimizer(model.parameters(), reducer)   # --zero 1-3: distributed over the reducer's buckets
     scaler = cfg.loss_scaler()
     start = collective_setup(_find_start, cfg, out, comm=comm)
     first = 1

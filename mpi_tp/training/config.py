@@ -71,10 +71,11 @@ class TrainConfig:
                             "emulates k nodes)", ["flat", "hierarchical"])
     sequence_parallel: bool = opt(False, "split the activations between the tensor-parallel regions along "
                                   "the sequence (Korthikanti et al. 2022): less activation memory, same traffic")
-    zero: int = opt(0, "1: ZeRO stage 1, the optimizer state split over the data-parallel replicas (an "
-                    "expert's over the replicas holding it); 2: stage 2, also each bucket's whole gradient "
-                    "buffer dropped once reduce-scattered (the rank keeps its share between backward passes)",
-                    [0, 1, 2])
+    zero: int = opt(0, "ZeRO stage, sharding over the data-parallel replicas (an expert's over the replicas "
+                    "holding it): 1 the optimizer state; 2 also the gradients (each rank keeps its share once "
+                    "reduce-scattered); 3 (FSDP) also the parameters, each layer's all-gathered before its "
+                    "forward and its backward (1.5x the data-parallel bytes of 0-2; not with --pp or "
+                    "--moe-experts); the same numbers at every stage", [0, 1, 2, 3])
     recompute: str = opt("none", "activation recomputation: 'selective' keeps q, k, v and computes the attention "
                          "softmax again in the backward pass; 'full' keeps only each block's input and runs "
                          "its forward again (Korthikanti et al. 2022)", ["none", "selective", "full"])
@@ -201,7 +202,8 @@ class TrainConfig:
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                raise ConfigError(f"{f.name} = {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
+                raise ConfigError(f"{f.name} = {getattr(self, f.name)!r}: choose one of "
+                                  f"{', '.join(map(str, choices))}")
         for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
@@ -242,6 +244,7 @@ class TrainConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         self._validate_cp()
+        self._validate_zero()
         self._validate_moe()
         self._validate_precision()
         self._validate_loss_scale()
@@ -260,6 +263,19 @@ class TrainConfig:
         if self.block_size < 2 * self.cp:
             raise ConfigError(f"--cp {self.cp} cuts each sequence into {2 * self.cp} chunks: --block-size "
                               f"{self.block_size} is too short (at least {2 * self.cp})")
+
+    def _validate_zero(self) -> None:
+        """What ZeRO-3 does not run with, and what to use instead."""
+        if self.zero != 3:
+            return
+        if self.pp > 1 or self.virtual_stages > 1:
+            raise ConfigError("--zero 3 gathers the layers of a model not cut into pipeline stages: use --zero 2 "
+                              "with --pp")
+        if self.moe_experts:
+            raise ConfigError("--zero 3 runs dense models: use --zero 2 with --moe-experts")
+        if self.dp_allreduce == "hierarchical":
+            raise ConfigError("--zero 3 reduce-scatters layer by layer: use --dp-allreduce flat with it, or "
+                              "--zero 2 with --dp-allreduce hierarchical")
 
     def _validate_arch(self) -> None:
         """The architecture's options, in CLI terms (the model's own checks follow: GPTConfig.validate)."""

@@ -61,7 +61,7 @@ class Space:
 
     def params(self):
         if self.bucket is not None:
-            return self.bucket.params[self.share]
+            return self.bucket.param_share
         return flat(self.stores[0][2][0].base)           # read now: the buckets may have moved it
 
     def grads(self):

@@ -13,7 +13,7 @@ MUTANTS = [
     Mutant("build/zero-dropped",
            "mpi-tp train --zero 1 keeps the whole optimizer state on every replica",
            "mpi_tp/training/build.py",
-           "distributed=bool(cfg.zero), release=cfg.zero >= 2)", "distributed=False, release=cfg.zero >= 2)",
+           "distributed=bool(cfg.zero), stage=max(cfg.zero, 1))", "distributed=False, stage=max(cfg.zero, 1))",
            TRAIN_TESTS, (1,)),
     Mutant("build/recompute-dropped",
            "mpi-tp train --recompute full keeps every activation",

@@ -79,7 +79,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     stage = build_stage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
                           sequence_parallel, schedule, micro_batches, virtual, recompute)
     stage.count_activations = True
-    reducer = GradReducer(stage, topo.dp, overlap=overlap_dp, distributed=zero >= 1, release=zero >= 2)
+    reducer = GradReducer(stage, topo.dp, overlap=overlap_dp, distributed=zero >= 1, stage=max(zero, 1))
     opt = AdamW(stage.parameters(), lr=1e-4, reducer=reducer)
     M = micro_batches
     rng = numpy.random.default_rng(seed)

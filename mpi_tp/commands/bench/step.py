@@ -66,7 +66,7 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
     params = model.parameters()
     if fp32_grads:
         widen_grads(params)
-    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero >= 1, release=zero >= 2)
+    reducer = (GradReducer(model, topo.dpcp, overlap=dp_mode == "overlap", distributed=zero >= 1, stage=max(zero, 1))
                if dp_mode != "none" else None)
     opt = AdamW(params, lr=1e-4, reducer=reducer)
     scaler = LossScaler() if dtype == "float16" else None

@@ -1,0 +1,207 @@
+"""ZeRO-2 and ZeRO-3 (FSDP) against the serial model on the same global batch (float64, dropout 0.1, 3 AdamW
+steps: first loss < 1e-10, the rest and every weight < 1e-8), at every tp x dp layout of the world (sequence
+parallelism at tp > 1), with one and two micro-batches; each run proves its stage ran (the gradient and
+parameter bytes a rank holds after the step, the gathers counted, the gathers issued one piece ahead).
+Then ZeRO-3's data-parallel bytes against ZeRO-1's (1.5x, closed forms from the parameter count), its
+compositions (context parallelism, recomputation), checkpoints saved at one stage and layout loaded at
+another, and the refusals."""
+import numpy as np
+import pytest
+import steps
+
+from mpi_tp import checkpoint as ck
+from mpi_tp.core.testing import all_true, assert_close, gather_full
+from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.fsdp import whole_params
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.config import TrainConfig
+from mpi_tp.training.optim import AdamW
+from mpi_tp.training.step import train_step
+
+pytestmark = pytest.mark.mpi(min_size=1)
+CFG = dict(vocab_size=37, block_size=7, n_layer=2, n_head=5, n_embd=20)
+B, STEPS = 2, 3                     # sequences per micro-batch and replica, steps
+
+
+def layouts(n):
+    """Every (tp, dp) with tp * dp = n."""
+    return [(t, n // t) for t in range(1, n + 1) if n % t == 0]
+
+
+def build(topo, stage, sp=False, recompute="none", dropout=0.1):
+    """A model, its reducer at this ZeRO stage (0: none) over dp x cp, and AdamW over them."""
+    model = GPT(GPTConfig(**CFG, dropout=dropout), topo, dtype="float64", seed=3, sequence_parallel=sp,
+                recompute=recompute)
+    reducer = GradReducer(model, topo.dpcp, bucket_mb=0.001, distributed=stage > 0, stage=max(stage, 1))
+    return model, reducer, AdamW(model.parameters(), lr=1e-2, reducer=reducer)
+
+
+def psi(model) -> int:
+    """This rank's parameter bytes (its tensor-parallel shards), from the parameters' records."""
+    return 8 * sum(int(np.prod(p.global_shape)) // p.global_shape[p.axis] * (p.stop - p.start) if p.sharded
+                   else int(np.prod(p.global_shape)) for p in model.parameters())
+
+
+def weights(model, topo) -> dict:
+    """Every compared parameter's full tensor (ZeRO-3: gathered first)."""
+    with whole_params(model):
+        return {p.name: gather_full(p, topo.tp.comm) for p in steps.compared(model.parameters())}
+
+
+def moments(opt) -> dict:
+    return {f"{k}/{p.name}": a for k, arrays in opt.state_tensors().items() for p, a in zip(opt.params, arrays)}
+
+
+@pytest.fixture
+def serial_reference():
+    """The serial model's losses, weights and moments after `n` steps on the global batch of B x M x dp
+    sequences in M micro-batches."""
+    cache = {}
+
+    def get(dp, M=1, n=STEPS):
+        if (dp, M, n) not in cache:
+            model, reducer, opt = build(Topology.serial(), 0)
+            losses = steps.train(model, opt, n, B * M * dp, micro_batches=M, reducer=reducer)
+            cache[dp, M, n] = losses, weights(model, model.topo), moments(opt)
+        return cache[dp, M, n]
+    return get
+
+
+def root(a):
+    while a.base is not None:
+        a = a.base
+    return a
+
+
+def held_bytes(arrays) -> int:
+    """The bytes of the distinct buffers behind these arrays (views count their owner once)."""
+    return sum({id(root(a)): root(a).nbytes for a in arrays}.values())
+
+
+def check_close(model, topo, losses, ref, what):
+    steps.assert_losses(losses, ref[0], what)
+    for name, full in weights(model, topo).items():
+        assert_close(full, ref[1][name], 1e-8, f"{name}, {what}")
+
+
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_zero3_equal_serial(world, serial_reference, stage, M):
+    for tp, dp in layouts(world.Get_size()):
+        topo = Topology.create(world, tp=tp, dp=dp)
+        model, reducer, opt = build(topo, stage, sp=tp > 1)
+        losses = steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
+        what = f"zero {stage} tp={tp} dp={dp} micro-batches={M}"
+        if dp > 1:          # after the step: the gradients' shares only (and ZeRO-3: the parameters' shares)
+            shares = sum(b.grad_share.nbytes for b in reducer.buckets)
+            whole = sum(p.grad.nbytes for p in model.parameters() if p.grad.size) if stage == 2 else 0
+            held = held_bytes([p.grad for p in model.parameters()] + [b.grad_share for b in reducer.buckets])
+            assert all_true(held == shares and whole == 0, world), f"{held} gradient bytes held, {what}"
+            if stage == 3:
+                held = held_bytes([p.data for p in model.parameters()] + [b.param_share for b in reducer.buckets])
+                assert all_true(held == sum(b.param_share.nbytes for b in reducer.buckets), world), (held, what)
+                gathers = topo.stats.calls["dp/zero3_gather"]
+                assert gathers == 2 * M * STEPS * len(reducer.buckets), (gathers, what)
+                assert model.fsdp.ahead == gathers - M * STEPS, (model.fsdp.ahead, what)  # all but the first
+            else:
+                assert held * dp <= psi(model) + 8 * dp * len(reducer.buckets), (held, psi(model), what)
+        check_close(model, topo, losses, serial_reference(dp, M), what)
+        topo.free()
+
+
+def wire(snap, kinds) -> float:
+    return sum(snap[k]["wire_bytes"] for k in kinds)
+
+
+def test_zero3_moves_one_and_a_half_times_zero1(world):
+    """Per step of M micro-batches, ZeRO-1 (and 2) reduce-scatter the gradients and all-gather the updated
+    parameters once: 2 (D-1)/D Psi bytes on the wire of a ring (Psi: this rank's parameter bytes);
+    ZeRO-3 gathers every parameter twice a micro-batch and reduce-scatters its gradient once: 3 M (D-1)/D
+    Psi, 1.5x at M = 1."""
+    for tp, dp in layouts(world.Get_size()):
+        if dp == 1:
+            continue
+        for M in (1, 2):
+            moved = {}
+            for stage in (1, 2, 3):
+                topo = Topology.create(world, tp=tp, dp=dp)
+                model, reducer, opt = build(topo, stage, sp=tp > 1, dropout=0.0)
+                whole = psi(model)
+                x, y = steps.global_batch(0, B * M * dp)
+                train_step(model, opt, x, y, topo.replica_rows(B * M), M, reducer=reducer)
+                snap = topo.stats.snapshot()
+                moved[stage] = wire(snap, ("dp/zero3_gather", "dp/zero3_reduce_scatter") if stage == 3 else
+                                    ("dp/reduce_scatter", "dp/all_gather"))
+                topo.free()
+            ring = whole * (dp - 1) / dp
+            what = f"tp={tp} dp={dp} M={M}: {moved}, Psi={whole}"
+            assert abs(moved[1] - 2 * ring) <= 1e-9 * ring and moved[2] == moved[1], what
+            assert abs(moved[3] - 3 * M * ring) <= 1e-9 * ring, what
+            if M == 1:
+                assert abs(moved[3] / moved[1] - 1.5) < 1e-12, what
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero3_composes_with_cp_and_recomputation(world, serial_reference):
+    """ZeRO-3 over dp x cp (cp = 2: the context-parallel ranks hold the same weights, so they share them
+    out too), and with full and selective recomputation (the recomputed forward runs on the gathered
+    parameters of the backward)."""
+    n = world.Get_size()
+    cases = [(dict(tp=1, cp=2, dp=n // 2), "none")] if n % 2 == 0 else []
+    cases += [(dict(tp=1, dp=n), "full"), (dict(tp=1, dp=n), "selective")]
+    for shape, recompute in cases:
+        topo = Topology.create(world, **shape)
+        model, reducer, opt = build(topo, 3, recompute=recompute)
+        losses = steps.train(model, opt, STEPS, B, reducer=reducer)
+        what = f"zero 3 {shape} recompute={recompute}"
+        assert topo.stats.calls["dpcp/zero3_gather" if shape.get("cp") else "dp/zero3_gather"] > 0, what
+        check_close(model, topo, losses, serial_reference(shape["dp"]), what)
+        topo.free()
+
+
+def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_path_factory):
+    """Saved at ZeRO-3 over every rank after 2 steps; loaded serially (zero 0), at ZeRO-2 over every rank
+    and at ZeRO-3 at another tp x dp: the weights and moments are the serial run's after 2 steps, and
+    the next step's loss is its third."""
+    n = world.Get_size()
+    root_dir = world.bcast(str(tmp_path_factory.mktemp("zero3")) if world.Get_rank() == 0 else None)
+    topo = Topology.create(world, tp=1, dp=n)
+    model, reducer, opt = build(topo, 3)
+    steps.train(model, opt, 2, B, reducer=reducer)
+    ck.save(root_dir, 2, model, opt, {"config": model.cfg.to_dict()})
+    topo.free()
+    _, ref_weights, ref_moments = serial_reference(n, 1, 2)
+    third = serial_reference(n, 1, 3)[0][2]
+    tp3 = max(t for t, _ in layouts(n) if t < n) if n > 1 else 1
+    for stage, tp, dp in ((0, 1, 1), (2, 1, n), (3, tp3, n // tp3)):
+        topo = Topology.serial() if dp * tp == 1 else Topology.create(world, tp=tp, dp=dp)
+        model, reducer, opt = build(topo, stage, sp=tp > 1)
+        with ck.Checkpoint(root_dir) as c:
+            ck.load_into(c, model, opt)
+            ck.restore_rng(c, model)                   # the dropout masks of step 3
+        what = f"saved at zero 3 dp {n}, loaded at zero {stage} tp={tp} dp={dp}"
+        for name, full in weights(model, topo).items():
+            assert_close(full, ref_weights[name], 1e-8, f"{name}, {what}")
+        for key, a in moments(opt).items():
+            if not key.endswith("attn/k/bias"):
+                p = next(p for p in opt.params if key.endswith("/" + p.name))
+                ref = ref_moments[key][p.index()]
+                assert_close(a, ref, 1e-8, f"{key}, {what}", scale=max(np.abs(ref).max(), 1e-30))
+        x, y = steps.global_batch(2, B * n)
+        loss, _, _ = train_step(model, opt, x, y, topo.replica_rows(B * n // dp), reducer=reducer)
+        assert_close(np.array([loss]), np.array([third]), 1e-8, f"the next step's loss, {what}")
+        topo.free()
+
+
+def test_what_zero3_does_not_run_is_one_line():
+    """ZeRO-3 refuses pipelines, experts and the hierarchical all-reduce with what to use instead."""
+    cases = {"--zero 2 with --pp": dict(pp=2, n_layer=2), "--zero 2 with --moe-experts": dict(moe_experts=2),
+             "--dp-allreduce flat": dict(dp=2, dp_allreduce="hierarchical")}
+    for hint, options in cases.items():
+        with pytest.raises(ConfigError, match=hint) as err:
+            TrainConfig(zero=3, **options).validate(2)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="choose one of"):
+        TrainConfig(zero=4).validate(1)
