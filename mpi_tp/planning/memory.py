@@ -23,10 +23,12 @@ parameters (the largest block, or the embedding table, whichever holds more):
 
 plus activations: per layer, term by term, this
 code's count (values at the bytes per value, statistics fp32, 1-byte dropout masks) or Korthikanti
-et al.'s for Megatron-style training (mpi_tp.planning.activations), times the
-micro-batches in flight (at most P under 1F1B on the first stage, which holds
-the most); selective recomputation drops the attention core (activations.py); full recomputation
-keeps each layer's input and, during one layer's backward, that layer's activations again. Plan.recompute:
+et al.'s for Megatron-style training (mpi_tp.planning.activations), times the micro-batches a stage
+holds, on the stage that holds the most (stage_activations: with a pipeline the larger of the first
+stage, P micro-batches under 1F1B, and the last, one micro-batch and the logits; the zero-bubble
+schedules keep each deferred W's inputs too); selective recomputation drops the attention core
+(activations.py); full recomputation keeps each layer's input and, during one layer's backward, that
+layer's activations again, never at the same time as the logits (the larger of the two). Plan.recompute:
 False / "none", "selective", True / "full". Context parallelism (cp = Z) leaves S / Z positions on a rank,
 and its ring attention keeps q, k and v but no (S, S) array (the terms of
 selective recomputation at S / Z); the optimizer state is shared over Z D.
@@ -99,22 +101,84 @@ def state_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
 
 
 def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
-    """Bytes per rank: model state and activations (the first pipeline stage, which holds the most)."""
+    """Bytes per rank: model state and the activations of the stage that holds the most (with a pipeline,
+    the larger of the first stage's and the last's; stage_activations)."""
     state = state_per_rank(m, w, lay)
     weights_grads, optimizer = state["parameters"] + state["gradients"], state["optimizer"]
-    layers = math.ceil(w.n_layer / lay.pp)
-    in_flight = min(lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch)))
-    mode = recompute_mode(lay)
-    per_layer = activation_bytes_per_layer(m, w, lay)
-    if mode == "full":
-        layer_inputs = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
-        acts = in_flight * layers * layer_inputs + per_layer
-    elif mode == "selective":
-        acts = in_flight * layers * activation_bytes_per_layer(m, w, lay, "selective")
-    else:
-        acts = in_flight * layers * per_layer
-    # the logits at the value width, the cross-entropy's softmax in fp32 (or wider)
-    logits = lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
+    acts, logits = stage_activations(m, w, lay)
     total = weights_grads + optimizer + acts + logits
     return {"total": total, "weights_grads": weights_grads, "optimizer": optimizer, "activations": acts,
             "logits": logits, **state}
+
+
+def logits_bytes(m: Machine, w: Workload, lay: Plan) -> float:
+    """One micro-batch's logits at the value width and the cross-entropy's softmax in fp32 (or wider)."""
+    return lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
+
+
+def weight_input_bytes(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]:
+    """(one block's, the tied output layer's) arrays that a deferred W keeps for one micro-batch, S = seq / cp
+    positions (the zero-bubble schedules; mpi_tp.core.weight_grads):
+
+        the two LayerNorms     normalised input and output gradient     4 S B C   (1/T under sp)
+        q/k/v, fc (column)     input X                                  2 S B C   (sp: the shard, 1/T)
+                               output gradient dY                       7 S B C / T
+        projections (row)      input X                                  5 S B C / T
+                               output gradient dY, whole                2 S B C
+        output layer           input X: S B C (1/T under sp); dY, the logits' gradient: S B V / T
+
+    a block: S B C (6 / T_sp + 2 + 12 / T) values, T_sp = T under sequence parallelism, else 1. MoE
+    blocks are counted as dense ones (their experts' and router's inputs are not priced apart)."""
+    S, B, C, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, lay.tp
+    t_sp, v = (T if lay.sp else 1), m.bytes_per_value
+    block = S * B * C * (6 / t_sp + 2 + 12 / T) * v
+    head = S * B * (C / t_sp + w.vocab / T) * v
+    return block, head
+
+
+def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]:
+    """(activations, logits) of the pipeline stage that holds the most, in bytes.
+
+    A stage of n blocks keeps per micro-batch A = n x one block's activations (full recomputation: the
+    blocks' inputs) from its forward to its backward (B), and W = n x weight_input_bytes from B to its W
+    (zero-bubble schedules). With h micro-batches held and k of them waiting for W at most, the peak is
+    (h - k - 1) A + k W + max(A, W) (the last of the h is either still whole or already cut to its W
+    inputs), plus what one micro-batch keeps at a time: full recomputation's one rebuilt block, and on
+    the last stage the logits, which never coexist (the head's backward frees the logits before the first
+    block is rebuilt: the larger of the two). Per schedule, P stages, M micro-batches:
+
+        1f1b, interleaved   stage 0: h = min(P, M), k = 0; last stage: h = 1, k = 0, the logits
+        zb-h1               stage s: h = min(P, M), k = min(s, M - 1); so the last: k = P - 1, its W's
+                            also keep the output layer's (mpi_tp.parallel.pipeline.zero_bubble.zb_h1)
+        zb-v                rank 0 (chunks 0 and 2P - 1, the logits): h = min(2P + 2, 2M) chunk
+                            micro-batches of L / (2P) blocks between F and W (zero_bubble.v_bound),
+                            each priced at max(A, W) (how many wait varies along the play), and the
+                            output layer's W inputs of up to min(M, P) micro-batches
+    (the interleaved schedule holds about 1F1B's activations in chunks of 1 / v: priced as 1F1B's)."""
+    mode = recompute_mode(lay)
+    P, M = lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch))
+    if mode == "full":
+        per_block = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
+        rebuilt = activation_bytes_per_layer(m, w, lay)
+    else:
+        per_block, rebuilt = activation_bytes_per_layer(m, w, lay, mode if mode == "selective" else "none"), 0.0
+    w_block, w_head = weight_input_bytes(m, w, lay)
+    logits = logits_bytes(m, w, lay)
+    at_once = (rebuilt, 0.0) if rebuilt > logits else (0.0, logits)     # the last stage's: (activations, logits)
+    if lay.schedule == "zb-v":
+        n, held = math.ceil(w.n_layer / (2 * P)), min(2 * P + 2, 2 * M)
+        return held * n * max(per_block, w_block) + min(M, P) * w_head + at_once[0], at_once[1]
+    n = math.ceil(w.n_layer / P)
+    A, W = n * per_block, n * w_block
+
+    def peak(held, waiting, W):
+        return (held - waiting - 1) * A + waiting * W + max(A, W)
+
+    held = min(P, M)
+    if lay.schedule == "zb-h1":
+        first, last = peak(held, 0, W), peak(held, min(P - 1, M - 1), W + w_head)
+    else:
+        first, last = peak(held, 0, 0.0), peak(1, 0, 0.0)
+    if P == 1 or last + sum(at_once) >= first + rebuilt:
+        return last + at_once[0], at_once[1]
+    return first + rebuilt, 0.0
