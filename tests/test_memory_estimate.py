@@ -81,8 +81,9 @@ def test_a_pipeline_is_its_first_or_its_last_stage():
 
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
 def test_zero_bubble_schedules_keep_the_deferred_ws_inputs(tp, sp):
-    """zb-h1: stage 0 (P - 1) A + max(A, W), the last stage (P - 1) W' + max(A, W') and the logits, W' = W with the
-    output layer's; zb-v: min(2P + 2, 2M) chunk micro-batches of L / (2P) blocks at max(A, W), the output layer's
+    """zb-h1 (a stage's n blocks: A = n a, W = n w): stage 0 (P - 1) A and the micro-batch in B at its largest,
+    max(A + r, W - w + a + r, W) with r full recomputation's rebuilt block; the last stage (P - 1) W' and
+    max(A + logits, A + h + r, W' - w + a + r, W'), W' = W + h with the output layer's h; zb-v: min(2P + 2, 2M) chunk micro-batches of L / (2P) blocks at max(A, W), the output layer's
     W inputs of min(M, P) micro-batches and the logits; both with and without full recomputation."""
     P, M, L = 4, 8, 16
     for vocab in (256, 1 << 20):
@@ -94,8 +95,9 @@ def test_zero_bubble_schedules_keep_the_deferred_ws_inputs(tp, sp):
             if recompute == "full":
                 from mpi_tp.planning.memory import activation_bytes_per_layer
                 extra = activation_bytes_per_layer(CPU, w, h1)
-            first = (P - 1) * n * A + max(n * A, n * W) + extra
-            last = (P - 1) * (n * W + head) + max(n * A, n * W + head) + max(extra, logits)
+            first = (P - 1) * n * A + max(n * A + extra, n * W - W + A + extra, n * W)
+            late = n * W + head                       # the last stage's W's, with the output layer's
+            last = (P - 1) * late + max(n * A + logits, n * A + head + extra, late - W + A + extra, late)
             mem = memory_per_rank(CPU, w, h1)
             assert mem["activations"] + mem["logits"] == pytest.approx(max(first, last)), (vocab, recompute)
             zbv = Plan(tp=tp, sp=sp, pp=P, micro_batch=2, recompute=recompute, schedule="zb-v", virtual=2)

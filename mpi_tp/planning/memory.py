@@ -139,46 +139,56 @@ def weight_input_bytes(m: Machine, w: Workload, lay: Plan) -> tuple[float, float
 def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]:
     """(activations, logits) of the pipeline stage that holds the most, in bytes.
 
-    A stage of n blocks keeps per micro-batch A = n x one block's activations (full recomputation: the
-    blocks' inputs) from its forward to its backward (B), and W = n x weight_input_bytes from B to its W
-    (zero-bubble schedules). With h micro-batches held and k of them waiting for W at most, the peak is
-    (h - k - 1) A + k W + max(A, W) (the last of the h is either still whole or already cut to its W
-    inputs), plus what one micro-batch keeps at a time: full recomputation's one rebuilt block, and on
-    the last stage the logits, which never coexist (the head's backward frees the logits before the first
-    block is rebuilt: the larger of the two). Per schedule, P stages, M micro-batches:
+    A stage of n blocks keeps per micro-batch A = n a (a one block's activations; full recomputation:
+    its input) from its forward to its backward (B), and, where W is deferred (the zero-bubble
+    schedules), W = n w + h from B to its W (w one block's weight_input_bytes, h the output layer's,
+    on the last stage). Holding h_ micro-batches of which k wait for W, a stage peaks at
+    (h_ - k - 1) A + k W + the one micro-batch whose B runs, at the largest of
 
-        1f1b, interleaved   stage 0: h = min(P, M), k = 0; last stage: h = 1, k = 0, the logits
-        zb-h1               stage s: h = min(P, M), k = min(s, M - 1); so the last: k = P - 1, its W's
-                            also keep the output layer's (mpi_tp.parallel.pipeline.zero_bubble.zb_h1)
-        zb-v                rank 0 (chunks 0 and 2P - 1, the logits): h = min(2P + 2, 2M) chunk
-                            micro-batches of L / (2P) blocks between F and W (zero_bubble.v_bound),
-                            each priced at max(A, W) (how many wait varies along the play), and the
-                            output layer's W inputs of up to min(M, P) micro-batches
+        A + g              its forward done, with the logits g (last stage)
+        A + h + r          B's start: the output layer's W inputs, the first block rebuilt (r: full
+                           recomputation's one block of activations, else 0)
+        W - w + a + r      B's last block: the others cut to their W inputs, this one rebuilt
+        W                  B done, all of it waiting for W
+
+    (B and W together, as 1F1B runs them: A + max(g, r), the logits and the rebuilt block never at the
+    same time). Per schedule, P stages, M micro-batches:
+
+        1f1b, interleaved   stage 0: h_ = min(P, M), k = 0; the last stage: h_ = 1, with the logits
+        zb-h1               stage s: h_ = min(P, M), k = min(s, M - 1) (s W's kept back: the last
+                            stage's P - 1 with the output layer's); stage 0 or the last holds the most
+        zb-v                rank 0 (chunks 0 and 2P - 1, the logits): min(2P + 2, 2M) chunk
+                            micro-batches of L / (2P) blocks between F and W (mpi_tp.parallel.
+                            pipeline.zero_bubble.v_bound), each at max(A, W) (how many wait varies
+                            along the play), the output layer's W inputs of up to min(M, P) of them,
+                            and the larger of the logits and a rebuilt block
     (the interleaved schedule holds about 1F1B's activations in chunks of 1 / v: priced as 1F1B's)."""
     mode = recompute_mode(lay)
     P, M = lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch))
     if mode == "full":
-        per_block = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
-        rebuilt = activation_bytes_per_layer(m, w, lay)
+        a = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
+        r = activation_bytes_per_layer(m, w, lay)
     else:
-        per_block, rebuilt = activation_bytes_per_layer(m, w, lay, mode if mode == "selective" else "none"), 0.0
+        a, r = activation_bytes_per_layer(m, w, lay, mode if mode == "selective" else "none"), 0.0
     w_block, w_head = weight_input_bytes(m, w, lay)
-    logits = logits_bytes(m, w, lay)
-    at_once = (rebuilt, 0.0) if rebuilt > logits else (0.0, logits)     # the last stage's: (activations, logits)
+    g = logits_bytes(m, w, lay)
     if lay.schedule == "zb-v":
         n, held = math.ceil(w.n_layer / (2 * P)), min(2 * P + 2, 2 * M)
-        return held * n * max(per_block, w_block) + min(M, P) * w_head + at_once[0], at_once[1]
+        kept = held * n * max(a, w_block) + min(M, P) * w_head
+        return (kept + r, 0.0) if r > g else (kept, g)
     n = math.ceil(w.n_layer / P)
-    A, W = n * per_block, n * w_block
+    A, split = n * a, lay.schedule == "zb-h1"
 
-    def peak(held, waiting, W):
-        return (held - waiting - 1) * A + waiting * W + max(A, W)
+    def stage(held, waiting, h, g):
+        """(activations, logits) at the stage's peak."""
+        W = n * w_block + h
+        if split:
+            now = max((A + g, g), (A + h + r, 0.0), (W - w_block + a + r, 0.0), (W, 0.0))
+        else:
+            now = (A + max(g, r), g if g >= r else 0.0)
+        return (held - waiting - 1) * A + waiting * W + now[0] - now[1], now[1]
 
     held = min(P, M)
-    if lay.schedule == "zb-h1":
-        first, last = peak(held, 0, W), peak(held, min(P - 1, M - 1), W + w_head)
-    else:
-        first, last = peak(held, 0, 0.0), peak(1, 0, 0.0)
-    if P == 1 or last + sum(at_once) >= first + rebuilt:
-        return last + at_once[0], at_once[1]
-    return first + rebuilt, 0.0
+    first = stage(held, 0, 0.0, 0.0)
+    last = stage(held, min(P - 1, M - 1), w_head, g) if split else stage(1, 0, w_head, g)
+    return last if P == 1 or sum(last) >= sum(first) else first
