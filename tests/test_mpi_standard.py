@@ -70,7 +70,7 @@ def test_the_pipeline_engine_on_communicators_that_answer_no_attribute(world, na
     topo = Topology.create(Strict(world), tp=1, pp=world.Get_size(), dp=1)
     P, s, M = topo.pp.size, topo.pp.rank, 2 * topo.pp.size
     engine = PipelineEngine(topo.pp, schedule(name, P, M, v)[s], v)
-    forward, backward, out = toy(engine, P)
+    forward, backward, _, out = toy(engine, P)
     engine.run(forward, backward, SHAPE, "float64")
     asked = topo.pp.comm.asked
     topo.free()

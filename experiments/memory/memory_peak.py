@@ -5,6 +5,9 @@ peak by category, mpi_tp.core.memory) beside mpi_tp.planning.memory.memory_per_r
     python experiments/memory/memory_peak.py --only zero3         # ZeRO-3, once --zero 3 lands
     python experiments/memory/memory_peak.py --table              # the table again, from the JSON lines
 
+(pp2-zb-h1, pp2-zb-v, pp2-zb-h1-full need the zero-bubble engine, `--schedule zb-h1 / zb-v`: a build
+without it prints 'not run' for them.)
+
 Each layout is one `mpiexec -n N python -m mpi_tp bench --custom C,H,L,S,B --steps 1 --warmup 0 --json F ...`
 (memory does not depend on timing: one step, then the metered one); the line it writes gets the planner's
 estimate (this machine's calibration, experiments/planner/results/machine_2ranks.json, at the run's precision)
@@ -38,6 +41,9 @@ LAYOUTS = {   # name: (ranks, bench options)
     "recompute-full": (1, "--tp 1 --recompute full"),
     "tp2-sp": (2, "--tp 2 --sequence-parallel"),
     "pp2-1f1b": (2, "--tp 1 --pp 2 --micro-batches 4 --schedule 1f1b"),
+    "pp2-zb-h1": (2, "--tp 1 --pp 2 --micro-batches 4 --schedule zb-h1"),
+    "pp2-zb-v": (2, "--tp 1 --pp 2 --micro-batches 4 --schedule zb-v --virtual-stages 2"),
+    "pp2-zb-h1-full": (2, "--tp 1 --pp 2 --micro-batches 4 --schedule zb-h1 --recompute full"),
 }
 
 
@@ -50,8 +56,10 @@ def estimate(r: dict) -> dict:
     M = r.get("micro_batches", 1) if pp > 1 else 1
     m = with_precision(Machine.load(MACHINE), r.get("precision", "fp32"))
     w = Workload(s["n_layer"], s["n_embd"], s["n_head"], s["block_size"], s["batch"] * r["dp"] * M, vocab=256)
+    schedule = r.get("schedule") if r.get("schedule") in ("zb-h1", "zb-v") else None
     lay = Plan(tp=r["tp"], pp=pp, dp=r["dp"], micro_batch=s["batch"], sp=r["sequence_parallel"],
-               zero=int(r.get("zero") or 0), recompute=r.get("recompute", "none"))
+               zero=int(r.get("zero") or 0), recompute=r.get("recompute", "none"), schedule=schedule,
+               virtual=r.get("virtual_stages", 1) if pp > 1 else 1)
     return {k: float(v) for k, v in memory_per_rank(m, w, lay).items()}
 
 
@@ -72,6 +80,7 @@ def run(name: str) -> dict | None:
     peak = r["memory_measured"]["peak"]
     from mpi_tp.core.runtime import machine_text
     return {"layout": name, "ranks": ranks, "shape": r["shape"], "tp": r["tp"], "pp": r.get("pp", 1), "dp": r["dp"],
+            "schedule": r.get("schedule"), "virtual_stages": r.get("virtual_stages", 1),
             "zero": r.get("zero", 0), "recompute": r.get("recompute", "none"), "precision": r.get("precision", "fp32"),
             "measured": r["memory_measured"], "estimate": est, "error": est["total"] / peak["total"] - 1,
             "machine": machine_text(), "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(
@@ -96,7 +105,7 @@ def table(rows: list) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", help="comma-separated layouts (default: all but zero3 until it lands)")
+    ap.add_argument("--only", help="comma-separated layouts (default: all)")
     ap.add_argument("--table", action="store_true", help="print the table from the JSON lines, run nothing")
     args = ap.parse_args()
     rows = []
@@ -104,7 +113,7 @@ def main() -> None:
         with open(OUT) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     if not args.table:
-        names = args.only.split(",") if args.only else [n for n in LAYOUTS if n != "zero3"]
+        names = args.only.split(",") if args.only else list(LAYOUTS)
         unknown = [n for n in names if n not in LAYOUTS]
         if unknown:
             sys.exit(f"unknown layouts {unknown}: choose from {', '.join(LAYOUTS)}")

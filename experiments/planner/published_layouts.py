@@ -21,10 +21,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time  # noqa: E402
-from mpi_tp.planning.machines import PRESETS  # noqa: E402
-from mpi_tp.planning.memory import memory_per_rank  # noqa: E402
-from mpi_tp.planning.planner import plan  # noqa: E402
+from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time
+from mpi_tp.planning.machines import PRESETS
+from mpi_tp.planning.memory import memory_per_rank
+from mpi_tp.planning.planner import plan
 
 TABLE = os.path.join(HERE, "published", "narayanan2021_table1.json")
 OTHERS = os.path.join(HERE, "published", "other_100b_runs.json")

@@ -23,10 +23,12 @@ parameters (the largest block, or the embedding table, whichever holds more):
 
 plus activations: per layer, term by term, this
 code's count (values at the bytes per value, statistics fp32, 1-byte dropout masks) or Korthikanti
-et al.'s for Megatron-style training (mpi_tp.planning.activations), times the
-micro-batches in flight (at most P under 1F1B on the first stage, which holds
-the most); selective recomputation drops the attention core (activations.py); full recomputation
-keeps each layer's input and, during one layer's backward, that layer's activations again. Plan.recompute:
+et al.'s for Megatron-style training (mpi_tp.planning.activations), times the micro-batches a stage
+holds, on the stage that holds the most (stage_activations: with a pipeline the larger of the first
+stage, P micro-batches under 1F1B, and the last, one micro-batch and the logits; the zero-bubble
+schedules keep each deferred W's inputs too); selective recomputation drops the attention core
+(activations.py); full recomputation keeps each layer's input and, during one layer's backward, that
+layer's activations again, never at the same time as the logits (the larger of the two). Plan.recompute:
 False / "none", "selective", True / "full". Context parallelism (cp = Z) leaves S / Z positions on a rank,
 and its ring attention keeps q, k and v but no (S, S) array (the terms of
 selective recomputation at S / Z); the optimizer state is shared over Z D.
@@ -99,22 +101,94 @@ def state_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
 
 
 def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
-    """Bytes per rank: model state and activations (the first pipeline stage, which holds the most)."""
+    """Bytes per rank: model state and the activations of the stage that holds the most (with a pipeline,
+    the larger of the first stage's and the last's; stage_activations)."""
     state = state_per_rank(m, w, lay)
     weights_grads, optimizer = state["parameters"] + state["gradients"], state["optimizer"]
-    layers = math.ceil(w.n_layer / lay.pp)
-    in_flight = min(lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch)))
-    mode = recompute_mode(lay)
-    per_layer = activation_bytes_per_layer(m, w, lay)
-    if mode == "full":
-        layer_inputs = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
-        acts = in_flight * layers * layer_inputs + per_layer
-    elif mode == "selective":
-        acts = in_flight * layers * activation_bytes_per_layer(m, w, lay, "selective")
-    else:
-        acts = in_flight * layers * per_layer
-    # the logits at the value width, the cross-entropy's softmax in fp32 (or wider)
-    logits = lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
+    acts, logits = stage_activations(m, w, lay)
     total = weights_grads + optimizer + acts + logits
     return {"total": total, "weights_grads": weights_grads, "optimizer": optimizer, "activations": acts,
             "logits": logits, **state}
+
+
+def logits_bytes(m: Machine, w: Workload, lay: Plan) -> float:
+    """One micro-batch's logits at the value width and the cross-entropy's softmax in fp32 (or wider)."""
+    return lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
+
+
+def weight_input_bytes(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]:
+    """(one block's, the tied output layer's) arrays that a deferred W keeps for one micro-batch, S = seq / cp
+    positions (the zero-bubble schedules; mpi_tp.core.weight_grads):
+
+        the two LayerNorms     normalised input and output gradient     4 S B C   (1/T under sp)
+        q/k/v, fc (column)     input X                                  2 S B C   (sp: the shard, 1/T)
+                               output gradient dY                       7 S B C / T
+        projections (row)      input X                                  5 S B C / T
+                               output gradient dY, whole                2 S B C
+        output layer           input X: S B C (1/T under sp); dY, the logits' gradient: S B V / T
+
+    a block: S B C (6 / T_sp + 2 + 12 / T) values, T_sp = T under sequence parallelism, else 1. MoE
+    blocks are counted as dense ones (their experts' and router's inputs are not priced apart)."""
+    S, B, C, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, lay.tp
+    t_sp, v = (T if lay.sp else 1), m.bytes_per_value
+    block = S * B * C * (6 / t_sp + 2 + 12 / T) * v
+    head = S * B * (C / t_sp + w.vocab / T) * v
+    return block, head
+
+
+def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]:
+    """(activations, logits) of the pipeline stage that holds the most, in bytes.
+
+    A stage of n blocks keeps per micro-batch A = n a (a one block's activations; full recomputation:
+    its input) from its forward to its backward (B), and, where W is deferred (the zero-bubble
+    schedules), W = n w + h from B to its W (w one block's weight_input_bytes, h the output layer's,
+    on the last stage). Holding h_ micro-batches of which k wait for W, a stage peaks at
+    (h_ - k - 1) A + k W + the one micro-batch whose B runs, at the largest of
+
+        A + g              its forward done, with the logits g (last stage)
+        A + h + r          B's start: the output layer's W inputs, the first block rebuilt (r: full
+                           recomputation's one block of activations, else 0)
+        W - w + a + r      B's last block: the others cut to their W inputs, this one rebuilt
+        W                  B done, all of it waiting for W
+
+    (B and W together, as 1F1B runs them: A + max(g, r), the logits and the rebuilt block never at the
+    same time). Per schedule, P stages, M micro-batches:
+
+        1f1b, interleaved   stage 0: h_ = min(P, M), k = 0; the last stage: h_ = 1, with the logits
+        zb-h1               stage s: h_ = min(P, M), k = min(s, M - 1) (s W's kept back: the last
+                            stage's P - 1 with the output layer's); stage 0 or the last holds the most
+        zb-v                rank 0 (chunks 0 and 2P - 1, the logits): min(2P + 2, 2M) chunk
+                            micro-batches of L / (2P) blocks between F and W (mpi_tp.parallel.
+                            pipeline.zero_bubble.v_bound), each at max(A, W) (how many wait varies
+                            along the play), the output layer's W inputs of up to min(M, P) of them,
+                            and the larger of the logits and a rebuilt block
+    (the interleaved schedule holds about 1F1B's activations in chunks of 1 / v: priced as 1F1B's)."""
+    mode = recompute_mode(lay)
+    P, M = lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch))
+    if mode == "full":
+        a = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
+        r = activation_bytes_per_layer(m, w, lay)
+    else:
+        a, r = activation_bytes_per_layer(m, w, lay, mode if mode == "selective" else "none"), 0.0
+    w_block, w_head = weight_input_bytes(m, w, lay)
+    g = logits_bytes(m, w, lay)
+    if lay.schedule == "zb-v":
+        n, held = math.ceil(w.n_layer / (2 * P)), min(2 * P + 2, 2 * M)
+        kept = held * n * max(a, w_block) + min(M, P) * w_head
+        return (kept + r, 0.0) if r > g else (kept, g)
+    n = math.ceil(w.n_layer / P)
+    A, split = n * a, lay.schedule == "zb-h1"
+
+    def stage(held, waiting, h, g):
+        """(activations, logits) at the stage's peak."""
+        W = n * w_block + h
+        if split:
+            now = max((A + g, g), (A + h + r, 0.0), (W - w_block + a + r, 0.0), (W, 0.0))
+        else:
+            now = (A + max(g, r), g if g >= r else 0.0)
+        return (held - waiting - 1) * A + waiting * W + now[0] - now[1], now[1]
+
+    held = min(P, M)
+    first = stage(held, 0, 0.0, 0.0)
+    last = stage(held, min(P - 1, M - 1), w_head, g) if split else stage(1, 0, w_head, g)
+    return last if P == 1 or sum(last) >= sum(first) else first

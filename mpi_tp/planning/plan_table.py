@@ -43,8 +43,9 @@ LEGEND = (
                 "and backward instead of after the update, hidden a layer ahead)")),
     ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
               "(+zeroN: its share, / D; experts' / (D/ep))")),
-    ("GB/rank", "memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
-                "activations, logits"),
+    ("GB/rank", ("memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
+                 "activations, logits, on the pipeline stage that holds the most (the first, or the last with "
+                 "the logits; zb-h1, zb-v: and the deferred W's inputs)")),
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
                "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
                "sequences (recomputation not counted), / step s / the W ranks")),

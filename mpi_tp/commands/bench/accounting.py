@@ -28,9 +28,11 @@ def memory_per_rank(params, opt) -> dict:
     if reducer is not None and reducer.distributed:             # ZeRO-1's averaged gradient share
         grads += sum(b.grad_share.nbytes for b in reducer.buckets if b.grad_share is not None)
     state = {k: sum(a.nbytes for a in arrays) for k, arrays in opt.state.items()}
-    out = {"weights": sum(p.base.nbytes for p in stores), "grads": grads, "master": state.pop("master", 0),
-           "moments": sum(state.values())}
-    n = sum(p.base.size for p in stores)
+    weights, n = sum(p.base.nbytes for p in stores), sum(p.base.size for p in stores)
+    if reducer is not None and getattr(reducer, "stage", 0) == 3:     # ZeRO-3: the shares are what stays
+        weights = sum(b.param_share.nbytes for b in reducer.buckets)
+        n = sum(b.size for b in reducer.buckets)
+    out = {"weights": weights, "grads": grads, "master": state.pop("master", 0), "moments": sum(state.values())}
     out.update(total=sum(out.values()), params=n)
     out["bytes_per_param"] = out["total"] / n
     return out
