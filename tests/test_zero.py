@@ -287,3 +287,11 @@ def test_train_zero_reaches_the_reducer(tmp_path):
     assert mem[3]["weights"] == pytest.approx(mem[0]["weights"] / 2, rel=1e-3) and mem[2]["weights"] == mem[0]["weights"]
     assert "dp/reduce_scatter" in kinds[2] and "dp/zero3_gather" not in kinds[2], kinds
     assert {"dp/zero3_gather", "dp/zero3_reduce_scatter"} <= kinds[3] and "dp/reduce_scatter" not in kinds[3], kinds
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_verify_runs_zero3():
+    """`mpi-tp verify --zero 3` compares every gradient share and every (gathered) parameter by name."""
+    r = mpirun(2, "verify", "--dp", "2", "--zero", "3", "--dropout", "0.1", "--n-layer", "2", "--n-embd", "16",
+               "--n-head", "2", "--block-size", "16")
+    assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr
