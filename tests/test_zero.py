@@ -190,36 +190,42 @@ def test_zero3_in_bfloat16_is_zero1_bit_for_bit(world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_zero2_composes_with_pipelines_and_experts(world):
+def test_zero2_and_zero3_compose_with_experts_and_pipelines(world):
     """ZeRO-2 runs where ZeRO-1 does: a pipeline (pp 2 x dp 2, 1F1B over 2 micro-batches) and experts
-    (dp = world, each expert's buckets shared out over edp): after 3 steps its weights and gathered
-    moments equal the unsharded optimizer's on the same layout (to 1e-12: a reduce-scatter may add in
-    another order than an all-reduce), holding only the gradients' shares after each step."""
+    (dp = world, each expert's buckets shared out over edp); ZeRO-3 runs the experts too (a MoE block's
+    dense and expert buckets gathered together). After 3 steps the weights and gathered moments equal
+    the unsharded optimizer's on the same layout (to 1e-12: a reduce-scatter may add in another order
+    than an all-reduce), holding only the gradients' shares after each step."""
     n = world.Get_size()
     moe = GPTConfig(**CFG, dropout=0.1, moe_experts=2, moe_capacity=1.0)
     cases = [("experts ep 1", dict(tp=1, dp=n), 1)] + ([("experts ep 2", dict(tp=1, dp=n, ep=2), 1)] if n % 2 == 0 else [])
     cases += [("pipeline", dict(tp=1, pp=2, dp=2), 2)] if n == 4 else []
     for what, shape, M in cases:
         runs = []
-        for stage in (0, 2):
+        for stage in (0, 2) if shape.get("pp") else (0, 2, 3):
             topo = Topology.create(world, **shape)
             model = build_stage(GPTConfig(**CFG, dropout=0.1), topo, "float64", 3, micro_batches=M) \
                 if shape.get("pp") else GPT(moe, topo, dtype="float64", seed=3)
-            reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=stage > 0, stage=2)
+            reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=stage > 0, stage=max(stage, 1))
             opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
             steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
             held = held_bytes([p.grad for p in model.parameters()] + [b.grad_share for b in reducer.buckets
                                                                        if b.grad_share is not None])
-            if stage == 2:
+            if stage > 0:
                 assert all_true(held == sum(b.grad_share.nbytes for b in reducer.buckets), world), (held, what)
+            if stage == 3:                    # every MoE block's expert bucket gathered with its dense one
+                assert topo.stats.calls.get("dp/zero3_gather", 0) > 0, what
+                assert any(b.group is topo.edp for b in reducer.buckets), what      # the experts' own
             kept = [p for p in steps.compared(model.parameters())]
-            runs.append(([p.data.copy() for p in kept], {k: [a for a, p in zip(arrays, opt.params) if p in kept]
-                                                          for k, arrays in opt.state_tensors().items()}))
+            with whole_params(model):
+                runs.append(([p.data.copy() for p in kept], {k: [a for a, p in zip(arrays, opt.params) if p in kept]
+                                                              for k, arrays in opt.state_tensors().items()}))
             topo.free()
-        (w0, s0), (w2, s2) = runs              # the stages hold different parameters: one verdict for all
-        worst = max(float(np.abs(a - b).max()) / max(float(np.abs(a).max()), 1e-30)
-                    for a, b in zip(w0 + [a for k in s0 for a in s0[k]], w2 + [b for k in s2 for b in s2[k]]))
-        assert all_true(worst <= 1e-12, world), f"ZeRO-2 differs from the unsharded optimizer by {worst}, {what}"
+        w0, s0 = runs[0]                       # the stages hold different parameters: one verdict for all
+        for stage, (w, s) in zip((2, 3), runs[1:]):
+            worst = max(float(np.abs(a - b).max()) / max(float(np.abs(a).max()), 1e-30)
+                        for a, b in zip(w0 + [a for k in s0 for a in s0[k]], w + [b for k in s for b in s[k]]))
+            assert all_true(worst <= 1e-12, world), f"ZeRO-{stage} differs from unsharded by {worst}, {what}"
 
 
 def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_path_factory):
@@ -257,9 +263,8 @@ def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_p
 
 
 def test_what_zero3_does_not_run_is_one_line():
-    """ZeRO-3 refuses pipelines, experts and the hierarchical all-reduce with what to use instead."""
-    cases = {"--zero 2 with --pp": dict(pp=2, n_layer=2), "--zero 2 with --moe-experts": dict(moe_experts=2),
-             "--dp-allreduce flat": dict(dp=2, dp_allreduce="hierarchical")}
+    """ZeRO-3 refuses pipelines and the hierarchical all-reduce with what to use instead."""
+    cases = {"--zero 2 with --pp": dict(pp=2, n_layer=2), "--dp-allreduce flat": dict(dp=2, dp_allreduce="hierarchical")}
     for hint, options in cases.items():
         with pytest.raises(ConfigError, match=hint) as err:
             TrainConfig(zero=3, **options).validate(2)
