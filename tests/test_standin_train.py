@@ -23,6 +23,7 @@ from mpi_tp.core import backend, blas, standin
 from mpi_tp.core.testing import all_true, max_rel_diff
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
+from mpi_tp.parallel.fsdp import whole_params
 from mpi_tp.parallel.topology import Topology
 from mpi_tp.training.build import build
 from mpi_tp.training.config import TrainConfig
@@ -39,7 +40,8 @@ MOE = dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0)
 LLAMA = dict(arch="llama", n_kv_head=1, intermediate_size=44)        # at tp = 2: the kv head replicated
 LAYOUTS = {1: {"serial": {}, "moe": MOE, "llama": LLAMA},
            2: {"tp2-sp": dict(tp=2, sequence_parallel=True), "dp2-overlap": dict(dp=2),
-               "dp2-zero1": dict(dp=2, zero=1), "pp2-1f1b": dict(pp=2, micro_batches=2),
+               "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2), "dp2-zero3": dict(dp=2, zero=3),
+               "pp2-1f1b": dict(pp=2, micro_batches=2),
                "moe-ep2": dict(dp=2, ep=2, **MOE), "llama-tp2-sp": dict(tp=2, sequence_parallel=True, **LLAMA)}
            }.get(WORLD.Get_size(), {})
 STAGING = ("core/gpu.py", "parallel/buffers.py", "parallel/collectives.py")   # syncs MPI staging needs
@@ -69,7 +71,8 @@ def run_steps(where, name, layout, steps=3, **more):
             standin.counters.reset()
             losses.append(run_step(run, step, cfg.lr)[0])
         counted = standin.counters.snapshot()
-        weights = {p.name: backend.asnumpy(p.data).copy() for p in run.model.parameters()}
+        with whole_params(run.model):           # ZeRO-3: gathered
+            weights = {p.name: backend.asnumpy(p.data).copy() for p in run.model.parameters()}
         assert backend.stager().lent == 0, "a staging buffer was not given back"
         return numpy.array(losses), weights, counted
     finally:

@@ -5,12 +5,16 @@ parameter bytes a rank holds after the step, the gathers counted, the gathers is
 Then ZeRO-3's data-parallel bytes against ZeRO-1's (1.5x, closed forms from the parameter count), its
 compositions (context parallelism, recomputation), checkpoints saved at one stage and layout loaded at
 another, and the refusals."""
+import json
+
 import numpy as np
 import pytest
 import steps
+from jobs import MPIEXEC, mpirun
 
 from mpi_tp import checkpoint as ck
 from mpi_tp.core.testing import all_true, assert_close, gather_full
+from mpi_tp.model.chunks import build_stage
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
@@ -161,6 +165,69 @@ def test_zero3_composes_with_cp_and_recomputation(world, serial_reference):
         topo.free()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_zero3_in_bfloat16_is_zero1_bit_for_bit(world):
+    """bf16 parameters and gradients, fp32 masters and moments: at dp 2 and one micro-batch each gradient
+    element is the sum of two replicas' values, one rounding whatever the bucket it travels in, and the
+    update is elementwise; so ZeRO-3's weights after 3 steps are ZeRO-1's, bit for bit (the gathered
+    parameters are the bf16 weights themselves, the masters stay fp32 shares)."""
+    n = world.Get_size()
+    if n % 2:
+        pytest.skip("dp 2 needs an even world")
+    runs = {}
+    for stage in (1, 3):
+        topo = Topology.create(world, tp=n // 2, dp=2)
+        model = GPT(GPTConfig(**CFG, dropout=0.1), topo, dtype="bfloat16", seed=3)
+        reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=True, stage=stage)
+        opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
+        steps.train(model, opt, STEPS, B, reducer=reducer)
+        assert opt.masters and opt.state["master"][0].dtype == np.float32
+        assert (stage == 3) == (topo.stats.calls.get("dp/zero3_gather", 0) > 0)
+        with whole_params(model):
+            runs[stage] = [p.data.astype(np.float32) for p in model.parameters()]
+        topo.free()
+    assert all_true(all(np.array_equal(a, b) for a, b in zip(runs[1], runs[3])), world), "bf16 ZeRO-3 != ZeRO-1"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero2_and_zero3_compose_with_experts_and_pipelines(world):
+    """ZeRO-2 runs where ZeRO-1 does: a pipeline (pp 2 x dp 2, 1F1B over 2 micro-batches) and experts
+    (dp = world, each expert's buckets shared out over edp); ZeRO-3 runs the experts too (a MoE block's
+    dense and expert buckets gathered together). After 3 steps the weights and gathered moments equal
+    the unsharded optimizer's on the same layout (to 1e-12: a reduce-scatter may add in another order
+    than an all-reduce), holding only the gradients' shares after each step."""
+    n = world.Get_size()
+    moe = GPTConfig(**CFG, dropout=0.1, moe_experts=2, moe_capacity=1.0)
+    cases = [("experts ep 1", dict(tp=1, dp=n), 1)] + ([("experts ep 2", dict(tp=1, dp=n, ep=2), 1)] if n % 2 == 0 else [])
+    cases += [("pipeline", dict(tp=1, pp=2, dp=2), 2)] if n == 4 else []
+    for what, shape, M in cases:
+        runs = []
+        for stage in (0, 2) if shape.get("pp") else (0, 2, 3):
+            topo = Topology.create(world, **shape)
+            model = build_stage(GPTConfig(**CFG, dropout=0.1), topo, "float64", 3, micro_batches=M) \
+                if shape.get("pp") else GPT(moe, topo, dtype="float64", seed=3)
+            reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=stage > 0, stage=max(stage, 1))
+            opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
+            steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
+            held = held_bytes([p.grad for p in model.parameters()] + [b.grad_share for b in reducer.buckets
+                                                                       if b.grad_share is not None])
+            if stage > 0:
+                assert all_true(held == sum(b.grad_share.nbytes for b in reducer.buckets), world), (held, what)
+            if stage == 3:                    # every MoE block's expert bucket gathered with its dense one
+                assert topo.stats.calls.get("dp/zero3_gather", 0) > 0, what
+                assert any(b.group is topo.edp for b in reducer.buckets), what      # the experts' own
+            kept = [p for p in steps.compared(model.parameters())]
+            with whole_params(model):
+                runs.append(([p.data.copy() for p in kept], {k: [a for a, p in zip(arrays, opt.params) if p in kept]
+                                                              for k, arrays in opt.state_tensors().items()}))
+            topo.free()
+        w0, s0 = runs[0]                       # the stages hold different parameters: one verdict for all
+        for stage, (w, s) in zip((2, 3), runs[1:]):
+            worst = max(float(np.abs(a - b).max()) / max(float(np.abs(a).max()), 1e-30)
+                        for a, b in zip(w0 + [a for k in s0 for a in s0[k]], w + [b for k in s for b in s[k]]))
+            assert all_true(worst <= 1e-12, world), f"ZeRO-{stage} differs from unsharded by {worst}, {what}"
+
+
 def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_path_factory):
     """Saved at ZeRO-3 over every rank after 2 steps; loaded serially (zero 0), at ZeRO-2 over every rank
     and at ZeRO-3 at another tp x dp: the weights and moments are the serial run's after 2 steps, and
@@ -196,12 +263,40 @@ def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_p
 
 
 def test_what_zero3_does_not_run_is_one_line():
-    """ZeRO-3 refuses pipelines, experts and the hierarchical all-reduce with what to use instead."""
-    cases = {"--zero 2 with --pp": dict(pp=2, n_layer=2), "--zero 2 with --moe-experts": dict(moe_experts=2),
-             "--dp-allreduce flat": dict(dp=2, dp_allreduce="hierarchical")}
+    """ZeRO-3 refuses pipelines and the hierarchical all-reduce with what to use instead."""
+    cases = {"--zero 2 with --pp": dict(pp=2, n_layer=2), "--dp-allreduce flat": dict(dp=2, dp_allreduce="hierarchical")}
     for hint, options in cases.items():
         with pytest.raises(ConfigError, match=hint) as err:
             TrainConfig(zero=3, **options).validate(2)
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="choose one of"):
         TrainConfig(zero=4).validate(1)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_train_zero_reaches_the_reducer(tmp_path):
+    """`mpi-tp train --dp 2 --zero 2` holds half of plain data parallelism's gradient bytes after the step
+    and reduce-scatters as ZeRO-1 does; --zero 3 half its weights as well, and gathers layer by layer."""
+    runs = {}
+    for zero in (0, 2, 3):
+        out = tmp_path / f"zero{zero}"
+        r = mpirun(2, "train", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16",
+                   "--batch-size", "2", "--sample-len", "0", "--steps", "1", "--eval-batches", "1", "--dp", "2",
+                   "--zero", str(zero), "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        runs[zero] = json.loads((out / "run.json").read_text())
+    mem = {z: {k: max(v) for k, v in r["memory_mib"].items()} for z, r in runs.items()}
+    kinds = {z: set(r["communication"]["train_steps"]) for z, r in runs.items()}
+    assert mem[2]["gradients"] == pytest.approx(mem[0]["gradients"] / 2, rel=1e-3), mem
+    assert mem[3]["gradients"] == pytest.approx(mem[0]["gradients"] / 2, rel=1e-3), mem
+    assert mem[3]["weights"] == pytest.approx(mem[0]["weights"] / 2, rel=1e-3) and mem[2]["weights"] == mem[0]["weights"]
+    assert "dp/reduce_scatter" in kinds[2] and "dp/zero3_gather" not in kinds[2], kinds
+    assert {"dp/zero3_gather", "dp/zero3_reduce_scatter"} <= kinds[3] and "dp/reduce_scatter" not in kinds[3], kinds
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_verify_runs_zero3():
+    """`mpi-tp verify --zero 3` compares every gradient share and every (gathered) parameter by name."""
+    r = mpirun(2, "verify", "--dp", "2", "--zero", "3", "--dropout", "0.1", "--n-layer", "2", "--n-embd", "16",
+               "--n-head", "2", "--block-size", "16")
+    assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr

@@ -141,20 +141,23 @@ class CommStats(Counters):
         self.started.clear()
 
 
-GRAD_KINDS = ("iall_reduce", "reduce_scatter")                 # the reducer's gradient collectives (non-blocking)
+GRAD_KINDS = ("iall_reduce", "reduce_scatter", "zero3_reduce_scatter")   # the reducer's gradient collectives
+PARAM_KINDS = ("all_gather", "zero3_gather")                    # ... and its parameters' (ZeRO-1/2 after the
+#                                                                 update, ZeRO-3 before each layer runs)
 REDUCER_GROUPS = ("dp", "dpcp", "edp")                          # ... and the groups it reduces over
 
 
 def wire_bytes_by_role(snapshot: dict, reducer=None) -> dict:
     """Wire bytes this rank sent in the counted step (CommStats.snapshot), by role: tensor-parallel
     collectives (the sp/kv gradient sums included), the data-parallel gradient reduction (all-reduce or
-    ZeRO-1's reduce-scatter), ZeRO-1's all-gather of the updated parameters, and the rest (the loss's
+    ZeRO's reduce-scatters), ZeRO's parameter all-gathers (ZeRO-1/2: the updated shares; ZeRO-3: each
+    layer's, twice a micro-batch), and the rest (the loss's
     and the gradient norm's few bytes, pipeline sends). grad_reduce_dtype: what the buckets reduce in."""
     out = {"tp": 0, "dp_grads": 0, "dp_params": 0, "other": 0}
     for key, v in snapshot.items():
         group, kind = key.split("/", 1)
         role = ("tp" if group == "tp" else "dp_grads" if group in REDUCER_GROUPS and kind in GRAD_KINDS
-                else "dp_params" if group in REDUCER_GROUPS and kind == "all_gather" else "other")
+                else "dp_params" if group in REDUCER_GROUPS and kind in PARAM_KINDS else "other")
         out[role] += v["wire_bytes"]
     if reducer is not None and reducer.buckets:
         out["grad_reduce_dtype"] = str(reducer.buckets[0].grad_dtype)

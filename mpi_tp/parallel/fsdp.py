@@ -24,8 +24,10 @@ its gradient reduce-scattered once: 3 transfers of the model where ZeRO-1 and
 1.5x their data-parallel bytes (Rajbhandari et al. 2020, section 7.2.3). The
 optimizer updates the shares in place; nothing is gathered after it.
 
-Only a GPT not cut into pipeline stages, without experts, runs it (the
-training configuration refuses the rest with what to use instead).
+Experts: a mixture-of-experts block has two buckets, its dense parameters'
+(over dp) and its experts' (over edp, the replicas holding the same experts),
+gathered and reduced together. Only a GPT not cut into pipeline stages runs
+it (the training configuration refuses --pp with what to use instead).
 """
 from __future__ import annotations
 
@@ -42,29 +44,34 @@ class FSDP:
         if not hasattr(model, "hidden"):
             raise ValueError("ZeRO-3 runs a model that is not cut into pipeline stages (use ZeRO-2 with pipelines)")
         self.reducer, self.buckets = reducer, reducer.buckets
-        if any(b.group is not reducer.group for b in self.buckets):
-            raise ValueError("ZeRO-3 runs dense models (use ZeRO-2 with experts)")
-        self.of_block = {next(iter(b.blocks)): k for k, b in enumerate(self.buckets) if b.blocks}
-        self.outer = next((k for k, b in enumerate(self.buckets) if not b.blocks), None)
+        self.of_block = {}           # block -> its buckets: its dense one, and its experts' (over edp) if any
+        for k, b in enumerate(self.buckets):
+            for i in b.blocks:
+                self.of_block[i] = self.of_block.get(i, ()) + (k,)
+        self.outer = tuple(k for k, b in enumerate(self.buckets) if not b.blocks)
         self.n_blocks, self.first, self.last = len(model.h), model.first, model.last
         self._flight = {}            # bucket -> (whole buffer, Pending): gathers started, not yet waited for
         self._reducing = []          # [(bucket, Pending, what to add to its share or None)], in start order
         self._fresh = set(range(len(self.buckets)))     # shares this step's first reduction writes directly
-        self._fwd = self._bwd = None                     # the bucket the last forward / backward piece used
+        self._fwd = self._bwd = ()                       # the buckets the last forward / backward piece used
         self.ahead = 0               # gathers a piece found started by the call before it (the overlap's count)
         model.fsdp = self
 
-    def _bucket(self, piece):
-        """The bucket of a piece: a block index, "embedding" or "head" (None: this chunk has no such piece)."""
+    def _buckets(self, piece) -> tuple:
+        """The buckets of a piece: a block index, "embedding" or "head" (none: this chunk has no such piece)."""
         if piece == "embedding":
-            return self.outer if self.first else None
+            return self.outer if self.first else ()
         if piece == "head":
-            return self.outer if self.last else None
-        return self.of_block[piece]
+            return self.outer if self.last else ()
+        return self.of_block.get(piece, ())
 
-    def _gather(self, k) -> None:
+    def _gather(self, ks: tuple) -> None:
+        for k in ks:
+            self._gather_one(k)
+
+    def _gather_one(self, k) -> None:
         """Start making bucket k whole (nothing when it is, or on its way)."""
-        if k is None or k in self._flight or self.buckets[k].params is not None:
+        if k in self._flight or self.buckets[k].params is not None:
             return
         b = self.buckets[k]
         full = backend.xp().empty(b.size, b.param_share.dtype)       # (n,) whole, this rank's share in place
@@ -75,7 +82,7 @@ class FSDP:
         """Bucket k whole now: its members' data are views of it."""
         if k in self._flight:
             self.ahead += 1
-        self._gather(k)
+        self._gather_one(k)
         self._wait(k)
 
     def _wait(self, k) -> None:
@@ -91,7 +98,11 @@ class FSDP:
         fresh = k in self._fresh
         self._fresh.discard(k)
         out = b.grad_share if fresh else backend.xp().empty_like(b.grad_share)
-        pending = b.group.ireduce_scatter(b.grads, b.shares, axis=0, out=out, kind="zero3_reduce_scatter")
+        if b.group.size == 1:                 # an expert held by one replica (ep = D): nothing to sum
+            out[...] = b.grads
+            pending = None
+        else:
+            pending = b.group.ireduce_scatter(b.grads, b.shares, axis=0, out=out, kind="zero3_reduce_scatter")
         self._reducing.append((k, pending, None if fresh else out))
         b.drop_grads()                                                # the Pending keeps them until sent
 
@@ -99,9 +110,9 @@ class FSDP:
         """Add the finished reductions to their shares, in start order (an earlier one writes the share)."""
         while self._reducing:
             k, pending, add = self._reducing[0]
-            if wait:
+            if pending is not None and wait:
                 pending.wait()
-            elif not pending.test():
+            elif pending is not None and not pending.test():
                 break
             if add is not None:
                 self.buckets[k].grad_share += add
@@ -111,15 +122,16 @@ class FSDP:
 
     def forward(self, piece) -> None:
         """Before the piece's forward (a block index, "embedding"; "head" after the last block)."""
-        k = self._bucket(piece)
-        if self._fwd is not None and self._fwd != k:
-            self.buckets[self._fwd].drop_params()
-        if k is not None:
+        ks = self._buckets(piece)
+        for k in self._fwd:
+            if k not in ks:
+                self.buckets[k].drop_params()
+        for k in ks:
             self._ready(k)
-        self._fwd = k
+        self._fwd = ks
         after = None if piece == "head" else "head" if piece == self.n_blocks - 1 or \
             (piece == "embedding" and not self.n_blocks) else 0 if piece == "embedding" else piece + 1
-        self._gather(self._bucket(after) if after is not None else None)
+        self._gather(self._buckets(after) if after is not None else ())
         self._progress()
 
     def backward(self, piece) -> None:
@@ -129,20 +141,21 @@ class FSDP:
                 if b.grads is not None:
                     self._reduce(k)
                 b.drop_params()
-            self._fwd = self._bwd = None
+            self._fwd = self._bwd = ()
             self._progress()
             return
-        k = self._bucket(piece)
-        if self._bwd is not None and self._bwd not in (k, self.outer):   # the outer bucket: until "end"
-            self._reduce(self._bwd)
-            self.buckets[self._bwd].drop_params()
-        if k is not None:
+        ks = self._buckets(piece)
+        for k in self._bwd:
+            if k not in ks and k not in self.outer:                     # the outer buckets: until "end"
+                self._reduce(k)
+                self.buckets[k].drop_params()
+        for k in ks:
             self._ready(k)
             self.buckets[k].hold_grads()
-            self._bwd = k
+        self._bwd = ks or self._bwd
         after = None if piece == "embedding" else "embedding" if piece == 0 or \
             (piece == "head" and not self.n_blocks) else self.n_blocks - 1 if piece == "head" else piece - 1
-        self._gather(self._bucket(after) if after is not None else None)
+        self._gather(self._buckets(after) if after is not None else ())
         self._progress()
 
     def finish(self) -> None:
@@ -163,7 +176,7 @@ class FSDP:
         self._flight = {}
         for b in self.buckets:
             b.drop_params()
-        self._fwd = self._bwd = None
+        self._fwd = self._bwd = ()
 
 
 class Whole:
@@ -189,8 +202,7 @@ def whole_params(model):
         yield model
         return
     fsdp.settle()
-    for k in range(len(fsdp.buckets)):
-        fsdp._gather(k)
+    fsdp._gather(tuple(range(len(fsdp.buckets))))
     for k in range(len(fsdp.buckets)):
         fsdp._wait(k)
     try:

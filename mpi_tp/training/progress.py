@@ -50,7 +50,9 @@ def held_memory(model, opt, comm) -> dict:
             a = a.base
         return a
     params = model.unique_parameters()
-    kinds = {"weights": [p.data for p in params], "gradients": [p.grad for p in params if p.grad is not None],
+    buckets = [b for b in getattr(getattr(opt, "reducer", None), "buckets", []) if b.grad_share is not None]
+    kinds = {"weights": [p.data for p in params] + [b.param_share for b in buckets],      # ZeRO: the shares too
+             "gradients": [p.grad for p in params if p.grad is not None] + [b.grad_share for b in buckets],
              "optimizer": [a for arrays in getattr(opt, "state", {}).values() for a in arrays]}
     seen, mine = set(), {}
     for kind, arrays in kinds.items():

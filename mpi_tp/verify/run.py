@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy
 from mpi4py import MPI
 
+from mpi_tp.parallel.fsdp import whole_params
 from mpi_tp.parallel.pipeline.stage import PipelineStage
 from mpi_tp.training import loop
 from mpi_tp.training.optim import lr_at
@@ -82,7 +83,9 @@ def verify_steps(run, steps: int, tol: float, say=print) -> list[StepResult]:
             x, y = run.sampler.batch(step - 1)
             ref_loss, ref_norm = ref.step(x, y, lr, cfg.grad_clip)
             grads = _gathered([d.as_row() for d in gradient_differences(run.opt, serial)], comm)
-            params = _gathered([d.as_row() for d in parameter_differences(run.model.parameters(), serial)], comm)
+            with whole_params(run.model):            # ZeRO-3: gathered for the comparison
+                params = parameter_differences(run.model.parameters(), serial)
+            params = _gathered([d.as_row() for d in params], comm)
             loss_error = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
             norm_error = abs(norm - ref_norm) / max(abs(ref_norm), 1e-30)
             ok = problem is None and max([loss_error, norm_error] + [r[1] for r in grads + params]) <= tol

@@ -76,7 +76,7 @@ def gradient_differences(opt, serial: dict) -> list[Difference]:
                 got = g[idx[mine] + at - lo]
                 scale = max(float(numpy.abs(whole).max()), floor)
                 positions = numpy.flatnonzero(mine)
-                shard_shape = p.data.shape
+                shard_shape = whole[p.index()].shape
 
                 def index_of(k, p=p, positions=positions, shard_shape=shard_shape):
                     local = numpy.unravel_index(int(positions[k]), shard_shape)
