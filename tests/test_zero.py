@@ -84,6 +84,21 @@ def held_bytes(arrays) -> int:
     return sum({id(root(a)): root(a).nbytes for a in arrays}.values())
 
 
+def whole_at_most(model, reducer) -> dict:
+    """Watch a ZeRO-3 model: {"params", "grads"}, the most buckets held whole after any of its FSDP's calls
+    (filled in as the model runs)."""
+    peak, fsdp = {"params": 0, "grads": 0}, model.fsdp
+
+    def watched(call):
+        def run(piece):
+            call(piece)
+            peak["params"] = max(peak["params"], sum(b.params is not None for b in reducer.buckets))
+            peak["grads"] = max(peak["grads"], sum(b.grads is not None for b in reducer.buckets))
+        return run
+    fsdp.forward, fsdp.backward = watched(fsdp.forward), watched(fsdp.backward)
+    return peak
+
+
 def check_close(model, topo, losses, ref, what):
     steps.assert_losses(losses, ref[0], what)
     for name, full in weights(model, topo).items():
@@ -96,8 +111,11 @@ def test_zero2_and_zero3_equal_serial(world, serial_reference, stage, M):
     for tp, dp in layouts(world.Get_size()):
         topo = Topology.create(world, tp=tp, dp=dp)
         model, reducer, opt = build(topo, stage, sp=tp > 1)
+        peak = whole_at_most(model, reducer) if stage == 3 and dp > 1 else None
         losses = steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
         what = f"zero {stage} tp={tp} dp={dp} micro-batches={M}"
+        if peak is not None:            # one block and the embedding/head bucket whole at a time, at most
+            assert peak == {"params": 2, "grads": 2}, (peak, what)
         if dp > 1:          # after the step: the gradients' shares only (and ZeRO-3: the parameters' shares)
             shares = sum(b.grad_share.nbytes for b in reducer.buckets)
             whole = sum(p.grad.nbytes for p in model.parameters() if p.grad.size) if stage == 2 else 0
