@@ -25,7 +25,7 @@ from mpi_tp.training.optim import AdamW
 from mpi_tp.training.step import train_step
 
 pytestmark = pytest.mark.mpi(min_size=1)
-CFG = dict(vocab_size=37, block_size=7, n_layer=2, n_head=5, n_embd=20)
+CFG = {"vocab_size": 37, "block_size": 7, "n_layer": 2, "n_head": 5, "n_embd": 20}
 B, STEPS = 2, 3                     # sequences per micro-batch and replica, steps
 
 
@@ -84,6 +84,21 @@ def held_bytes(arrays) -> int:
     return sum({id(root(a)): root(a).nbytes for a in arrays}.values())
 
 
+def whole_at_most(model, reducer) -> dict:
+    """Watch a ZeRO-3 model: {"params", "grads"}, the most buckets held whole after any of its FSDP's calls
+    (filled in as the model runs)."""
+    peak, fsdp = {"params": 0, "grads": 0}, model.fsdp
+
+    def watched(call):
+        def run(piece):
+            call(piece)
+            peak["params"] = max(peak["params"], sum(b.params is not None for b in reducer.buckets))
+            peak["grads"] = max(peak["grads"], sum(b.grads is not None for b in reducer.buckets))
+        return run
+    fsdp.forward, fsdp.backward = watched(fsdp.forward), watched(fsdp.backward)
+    return peak
+
+
 def check_close(model, topo, losses, ref, what):
     steps.assert_losses(losses, ref[0], what)
     for name, full in weights(model, topo).items():
@@ -96,8 +111,11 @@ def test_zero2_and_zero3_equal_serial(world, serial_reference, stage, M):
     for tp, dp in layouts(world.Get_size()):
         topo = Topology.create(world, tp=tp, dp=dp)
         model, reducer, opt = build(topo, stage, sp=tp > 1)
+        peak = whole_at_most(model, reducer) if stage == 3 and dp > 1 else None
         losses = steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
         what = f"zero {stage} tp={tp} dp={dp} micro-batches={M}"
+        if peak is not None:            # one block and the embedding/head bucket whole at a time, at most
+            assert peak == {"params": 2, "grads": 2}, (peak, what)
         if dp > 1:          # after the step: the gradients' shares only (and ZeRO-3: the parameters' shares)
             shares = sum(b.grad_share.nbytes for b in reducer.buckets)
             whole = sum(p.grad.nbytes for p in model.parameters() if p.grad.size) if stage == 2 else 0
@@ -153,8 +171,8 @@ def test_zero3_composes_with_cp_and_recomputation(world, serial_reference):
     out too), and with full and selective recomputation (the recomputed forward runs on the gathered
     parameters of the backward)."""
     n = world.Get_size()
-    cases = [(dict(tp=1, cp=2, dp=n // 2), "none")] if n % 2 == 0 else []
-    cases += [(dict(tp=1, dp=n), "full"), (dict(tp=1, dp=n), "selective")]
+    cases = [({"tp": 1, "cp": 2, "dp": n // 2}, "none")] if n % 2 == 0 else []
+    cases += [({"tp": 1, "dp": n}, "full"), ({"tp": 1, "dp": n}, "selective")]
     for shape, recompute in cases:
         topo = Topology.create(world, **shape)
         model, reducer, opt = build(topo, 3, recompute=recompute)
@@ -198,8 +216,9 @@ def test_zero2_and_zero3_compose_with_experts_and_pipelines(world):
     than an all-reduce), holding only the gradients' shares after each step."""
     n = world.Get_size()
     moe = GPTConfig(**CFG, dropout=0.1, moe_experts=2, moe_capacity=1.0)
-    cases = [("experts ep 1", dict(tp=1, dp=n), 1)] + ([("experts ep 2", dict(tp=1, dp=n, ep=2), 1)] if n % 2 == 0 else [])
-    cases += [("pipeline", dict(tp=1, pp=2, dp=2), 2)] if n == 4 else []
+    cases = [("experts ep 1", {"tp": 1, "dp": n}, 1)]
+    cases += [("experts ep 2", {"tp": 1, "dp": n, "ep": 2}, 1)] if n % 2 == 0 else []
+    cases += [("pipeline", {"tp": 1, "pp": 2, "dp": 2}, 2)] if n == 4 else []
     for what, shape, M in cases:
         runs = []
         for stage in (0, 2) if shape.get("pp") else (0, 2, 3):
@@ -264,7 +283,8 @@ def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_p
 
 def test_what_zero3_does_not_run_is_one_line():
     """ZeRO-3 refuses pipelines and the hierarchical all-reduce with what to use instead."""
-    cases = {"--zero 2 with --pp": dict(pp=2, n_layer=2), "--dp-allreduce flat": dict(dp=2, dp_allreduce="hierarchical")}
+    cases = {"--zero 2 with --pp": {"pp": 2, "n_layer": 2},
+             "--dp-allreduce flat": {"dp": 2, "dp_allreduce": "hierarchical"}}
     for hint, options in cases.items():
         with pytest.raises(ConfigError, match=hint) as err:
             TrainConfig(zero=3, **options).validate(2)
@@ -289,7 +309,8 @@ def test_train_zero_reaches_the_reducer(tmp_path):
     kinds = {z: set(r["communication"]["train_steps"]) for z, r in runs.items()}
     assert mem[2]["gradients"] == pytest.approx(mem[0]["gradients"] / 2, rel=1e-3), mem
     assert mem[3]["gradients"] == pytest.approx(mem[0]["gradients"] / 2, rel=1e-3), mem
-    assert mem[3]["weights"] == pytest.approx(mem[0]["weights"] / 2, rel=1e-3) and mem[2]["weights"] == mem[0]["weights"]
+    assert mem[3]["weights"] == pytest.approx(mem[0]["weights"] / 2, rel=1e-3), mem
+    assert mem[2]["weights"] == mem[0]["weights"], mem
     assert "dp/reduce_scatter" in kinds[2] and "dp/zero3_gather" not in kinds[2], kinds
     assert {"dp/zero3_gather", "dp/zero3_reduce_scatter"} <= kinds[3] and "dp/reduce_scatter" not in kinds[3], kinds
 

@@ -29,6 +29,12 @@ the last bucket, started by `finish`. Per bucket and step:
      all-reduce moves (docs/costmodel.md) when gradients and parameters have
      one width, so ZeRO-1 costs no extra traffic (fp32 gradients of a 16-bit
      model: less, the all-gather carrying 2 bytes a value).
+  3. --zero 2: once a bucket's reduce-scatter is done its whole gradients are
+     let go (hold_grads brings them back, zeroed, before the next step's first
+     backward); --zero 3: the buckets are one block each and hold parameter
+     shares only, and the model's FSDP (mpi_tp.parallel.fsdp) gathers and
+     reduces them piece by piece on every micro-batch instead of block_done
+     and finish's buckets (mpi_tp.parallel.buckets says what each stage holds).
 
 Without a spare core, MPI progresses a non-blocking collective only when the
 process calls into MPI; `block_done` therefore also tests the outstanding

@@ -14,8 +14,9 @@ data-parallel group, `dp/zero3_gather`, started one piece ahead, so it flies
 while the piece before computes), the previous piece's are let go, and in the
 backward pass the previous piece's gradients, held only while its backward
 ran, are reduce-scattered into this rank's share (`dp/zero3_reduce_scatter`,
-after every micro-batch: the whole gradients are never held beyond a layer)
-and let go. The embedding's and head's bucket is gathered before the
+after every micro-batch) and let go: a block's whole gradients live while its
+backward runs, the embedding's and head's from the head's backward to the
+embedding's. The embedding's and head's bucket is gathered before the
 embedding's forward, let go, gathered again before the head's forward and
 kept until the embedding's backward is done (the head's backward follows its
 forward at once). So per micro-batch every parameter is gathered twice and
@@ -58,12 +59,23 @@ class FSDP:
         model.fsdp = self
 
     def _buckets(self, piece) -> tuple:
-        """The buckets of a piece: a block index, "embedding" or "head" (none: this chunk has no such piece)."""
+        """The buckets of a piece: a block index, "embedding" or "head" (none: this chunk has no such piece,
+        or piece is None)."""
+        if piece is None:
+            return ()
         if piece == "embedding":
             return self.outer if self.first else ()
         if piece == "head":
             return self.outer if self.last else ()
         return self.of_block.get(piece, ())
+
+    def _after(self, piece, forward: bool):
+        """The piece that runs next in this pass (None: piece is its last)."""
+        order = ["embedding", *range(self.n_blocks), "head"]
+        if not forward:
+            order.reverse()
+        at = order.index(piece)
+        return order[at + 1] if at + 1 < len(order) else None
 
     def _gather(self, ks: tuple) -> None:
         for k in ks:
@@ -129,9 +141,7 @@ class FSDP:
         for k in ks:
             self._ready(k)
         self._fwd = ks
-        after = None if piece == "head" else "head" if piece == self.n_blocks - 1 or \
-            (piece == "embedding" and not self.n_blocks) else 0 if piece == "embedding" else piece + 1
-        self._gather(self._buckets(after) if after is not None else ())
+        self._gather(self._buckets(self._after(piece, forward=True)))     # flies while this piece computes
         self._progress()
 
     def backward(self, piece) -> None:
@@ -153,9 +163,7 @@ class FSDP:
             self._ready(k)
             self.buckets[k].hold_grads()
         self._bwd = ks or self._bwd
-        after = None if piece == "embedding" else "embedding" if piece == 0 or \
-            (piece == "head" and not self.n_blocks) else self.n_blocks - 1 if piece == "head" else piece - 1
-        self._gather(self._buckets(after) if after is not None else ())
+        self._gather(self._buckets(self._after(piece, forward=False)))
         self._progress()
 
     def finish(self) -> None:

@@ -97,8 +97,8 @@ MUTANTS += [
     Mutant("zero/zero3-gathers-nothing-ahead",
            "ZeRO-3's forward gathers each piece only when it is needed: nothing overlaps the computation",
            "mpi_tp/parallel/fsdp.py",
-           "        self._gather(self._buckets(after) if after is not None else ())\n        self._progress()\n\n"
-           "    def backward", "        self._progress()\n\n    def backward",
+           "        self._gather(self._buckets(self._after(piece, forward=True)))",
+           "        pass",
            (f"{STAGES}[3-1]",), (2,)),
     Mutant("zero/zero3-keeps-each-layer-whole",
            "ZeRO-3 never lets the previous piece's parameters go in the forward: every layer stays whole",
