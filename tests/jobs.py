@@ -48,9 +48,20 @@ def ours(stderr: str) -> str:
     return LAUNCHER_REPORT.sub("", stderr)
 
 
+def outer_world() -> int:
+    """How many ranks the launcher that started this pytest gave it (1 when none did): MPICH's hydra sets
+    PMI_SIZE, Open MPI OMPI_COMM_WORLD_SIZE."""
+    return int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
 def run_job(cmd, timeout=TIMEOUT, env=None, **kw):
     """subprocess.run of an MPI job (a fresh environment, clean_env's unless given), its output captured as
-    text; stderr holds what the ranks printed, the launcher's report of a non-zero exit left out (ours)."""
+    text; stderr holds what the ranks printed, the launcher's report of a non-zero exit left out (ours).
+    Refused inside a multi-rank pytest: every rank would start the job (Open MPI's PMIx refuses a nested
+    launch outright), so a test that launches carries the launcher mark, not the mpi one."""
+    if outer_world() > 1:
+        raise RuntimeError(f"this test starts its own MPI job but runs on {outer_world()} ranks: mark it "
+                           "@pytest.mark.launcher and keep it out of the mpi passes (no mpi marker)")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env() if env is None else env,
                        check=False, **kw)
     r.stderr = ours(r.stderr)
