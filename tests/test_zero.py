@@ -5,6 +5,8 @@ parameter bytes a rank holds after the step, the gathers counted, the gathers is
 Then ZeRO-3's data-parallel bytes against ZeRO-1's (1.5x, closed forms from the parameter count), its
 compositions (context parallelism, recomputation), checkpoints saved at one stage and layout loaded at
 another, and the refusals (the mpi-tp command at --zero 2 and 3: test_zero_cli.py)."""
+import weakref
+
 import numpy as np
 import pytest
 import steps
@@ -82,15 +84,25 @@ def held_bytes(arrays) -> int:
 
 
 def whole_at_most(model, reducer) -> dict:
-    """Watch a ZeRO-3 model: {"params", "grads"}, the most buckets held whole after any of its FSDP's calls
-    (filled in as the model runs)."""
-    peak, fsdp = {"params": 0, "grads": 0}, model.fsdp
+    """Watch a ZeRO-3 model: {"params", "grads", "alive"}, the most buckets held whole after any of its FSDP's
+    calls (filled in as the model runs); "alive" counts the gathered buffers still in memory, whoever keeps
+    them (a layer's cache holding its weight would keep a let-go block's alive until its backward)."""
+    peak, fsdp, gathered = {"params": 0, "grads": 0, "alive": 0}, model.fsdp, []
+
+    def held(hold):
+        def run(full):
+            gathered.append(weakref.ref(full))
+            hold(full)
+        return run
+    for b in reducer.buckets:
+        b.hold_params = held(b.hold_params)
 
     def watched(call):
-        def run(piece):
-            call(piece)
+        def run(*piece):
+            call(*piece)
             peak["params"] = max(peak["params"], sum(b.params is not None for b in reducer.buckets))
             peak["grads"] = max(peak["grads"], sum(b.grads is not None for b in reducer.buckets))
+            peak["alive"] = max(peak["alive"], sum(ref() is not None for ref in gathered))
         return run
     fsdp.forward, fsdp.backward = watched(fsdp.forward), watched(fsdp.backward)
     return peak
@@ -112,7 +124,7 @@ def test_zero2_and_zero3_equal_serial(world, serial_reference, stage, M):
         losses = steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
         what = f"zero {stage} tp={tp} dp={dp} micro-batches={M}"
         if peak is not None:            # one block and the embedding/head bucket whole at a time, at most
-            assert peak == {"params": 2, "grads": 2}, (peak, what)
+            assert peak == {"params": 2, "grads": 2, "alive": 2}, (peak, what)
         if dp > 1:          # after the step: the gradients' shares only (and ZeRO-3: the parameters' shares)
             shares = sum(b.grad_share.nbytes for b in reducer.buckets)
             whole = sum(p.grad.nbytes for p in model.parameters() if p.grad.size) if stage == 2 else 0
@@ -244,6 +256,42 @@ def test_zero2_and_zero3_compose_with_experts_and_pipelines(world):
             assert all_true(worst <= 1e-12, world), f"ZeRO-{stage} differs from unsharded by {worst}, {what}"
 
 
+@pytest.mark.mpi(min_size=2)
+def test_zero3_with_pipelines_equals_serial(world):
+    """ZeRO-3 under pipelines (pp 1 x v 2 at 2 ranks: both chunks and both copies of wte on one rank; pp 2 x
+    dp 2 at 4 under 1F1B, GPipe, the interleaved schedule, ZB-H1 and ZB-V) equals the serial model: each chunk
+    gathers its pieces per micro-batch, the copies of the tied table, each a bucket of its own, are summed as
+    shares (over the embedding group at pp 2), and under the zero-bubble schedules each piece's reduce-scatter
+    waits for the last W writing into it. Proof it ran: the gathers counted, the W's run after their B's
+    (weight_calls), only the parameters' and the gradients' shares held after each step."""
+    n, M = world.Get_size(), 2
+    cases = [("interleaved", 1, 2)] if n == 2 else []                     # (schedule, pp, v)
+    cases += [("1f1b", 2, 1), ("gpipe", 2, 1), ("interleaved", 2, 2), ("zb-h1", 2, 1), ("zb-v", 2, 2)] \
+        if n == 4 else []
+    cfg = GPTConfig(**{**CFG, "n_layer": 4}, dropout=0.1)
+    for schedule, pp, v in cases:
+        dp, what = n // pp, f"zero 3 {schedule} pp={pp} v={v} dp={n // pp}"
+        serial = GPT(cfg, Topology.serial(), dtype="float64", seed=3)
+        ref_opt = AdamW(serial.parameters(), lr=1e-2)
+        ref = steps.train(serial, ref_opt, STEPS, B * M * dp, micro_batches=M), weights(serial, serial.topo)
+        topo = Topology.create(world, tp=1, pp=pp, dp=dp)
+        model = build_stage(cfg, topo, "float64", 3, schedule_name=schedule, micro_batches=M, virtual=v)
+        reducer = GradReducer(model, topo.dp, bucket_mb=0.001, distributed=True, stage=3)
+        opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
+        losses = steps.train(model, opt, STEPS, B * M, micro_batches=M, reducer=reducer)
+        assert topo.stats.calls["dp/zero3_gather"] > 0, what
+        assert (model.weight_calls > 0) == schedule.startswith("zb"), what
+        held = held_bytes([p.data for p in model.parameters()] + [b.param_share for b in reducer.buckets])
+        assert all_true(held == sum(b.param_share.nbytes for b in reducer.buckets), world), (held, what)
+        held = held_bytes([p.grad for p in model.parameters()] + [b.grad_share for b in reducer.buckets])
+        assert all_true(held == sum(b.grad_share.nbytes for b in reducer.buckets), world), (held, what)
+        steps.assert_losses(losses, ref[0], what)
+        worst = {name: float(np.abs(full - ref[1][name]).max() / np.abs(ref[1][name]).max())   # the stages hold
+                 for name, full in weights(model, topo).items()}     # different parameters: one verdict for all
+        assert all_true(max(worst.values()) <= 1e-8, world), (worst, what)   # both copies of wte: the one table
+        topo.free()
+
+
 def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_path_factory):
     """Saved at ZeRO-3 over every rank after 2 steps; loaded serially (zero 0), at ZeRO-2 over every rank
     and at ZeRO-3 at another tp x dp: the weights and moments are the serial run's after 2 steps, and
@@ -279,9 +327,8 @@ def test_checkpoints_load_at_any_stage_and_layout(world, serial_reference, tmp_p
 
 
 def test_what_zero3_does_not_run_is_one_line():
-    """ZeRO-3 refuses pipelines and the hierarchical all-reduce with what to use instead."""
-    cases = {"--zero 2 with --pp": {"pp": 2, "n_layer": 2},
-             "--dp-allreduce flat": {"dp": 2, "dp_allreduce": "hierarchical"}}
+    """ZeRO-3 refuses the hierarchical all-reduce with what to use instead."""
+    cases = {"--dp-allreduce flat": {"dp": 2, "dp_allreduce": "hierarchical"}}
     for hint, options in cases.items():
         with pytest.raises(ConfigError, match=hint) as err:
             TrainConfig(zero=3, **options).validate(2)

@@ -40,14 +40,14 @@ class Expert(Module):
         h, fc = kern.linear_forward(x, self.fc_weight.data, self.fc_bias.data)   # (R_e, C) -> (R_e, F_i)
         h, act = kern.gelu_forward(h)
         y, proj = kern.linear_forward(h, self.proj_weight.data)                 # (R_e, F_i) -> (R_e, C) partial
-        self.save_cache(fc, act, proj)
+        self.save_cache(fc[0], act, proj[0])                                   # the inputs, not the weights
         return y
 
     def backward(self, dout):
-        fc, act, proj = self.take_cache()
-        dh = kern.gelu_backward(kern.linear_backward_input(dout, proj[1]), act)   # (R_e, F_i)
-        weight_grad(self._weights_grad, dout, proj[0], dh, fc[0])
-        return kern.linear_backward_input(dh, fc[1])                         # (R_e, C), partial over tp
+        x, act, h = self.take_cache()
+        dh = kern.gelu_backward(kern.linear_backward_input(dout, self.proj_weight.data), act)   # (R_e, F_i)
+        weight_grad(self._weights_grad, dout, h, dh, x)
+        return kern.linear_backward_input(dh, self.fc_weight.data)          # (R_e, C), partial over tp
 
     def _weights_grad(self, dout, h, dh, x):
         """W: proj's weight from (h, dout), fc's weight and bias from (x, dh)."""
@@ -78,14 +78,14 @@ class SwiGLUExpert(Module):
         F_i = gu.shape[-1] // 2
         h, act = kl.swiglu_forward(gu[:, :F_i], gu[:, F_i:])                      # (R_e, F_i)
         y, down = kern.linear_forward(h, self.down_weight.data)                 # (R_e, F_i) -> (R_e, C) partial
-        self.save_cache(fc, act, down)
+        self.save_cache(fc[0], act, down[0])                                   # the inputs, not the weights
         return y
 
     def backward(self, dout):
-        fc, act, down = self.take_cache()
-        dgu = kl.swiglu_backward(kern.linear_backward_input(dout, down[1]), act)   # [dgate | dup] (R_e, 2 F_i)
-        weight_grad(self._weights_grad, dout, down[0], dgu, fc[0])
-        return kern.linear_backward_input(dgu, fc[1])                        # (R_e, C), partial over tp
+        x, act, h = self.take_cache()
+        dgu = kl.swiglu_backward(kern.linear_backward_input(dout, self.down_weight.data), act)   # (R_e, 2 F_i)
+        weight_grad(self._weights_grad, dout, h, dgu, x)
+        return kern.linear_backward_input(dgu, self.gate_up[0].base)         # (R_e, C), partial over tp
 
     def _weights_grad(self, dout, h, dgu, x):
         """W: down's weight from (h, dout), gate/up's from (x, [dgate | dup])."""

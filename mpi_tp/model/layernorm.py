@@ -21,11 +21,13 @@ class LayerNorm(Module):
 
     def forward(self, x):
         out, cache = kern.layernorm_forward(x, self.weight.data, self.bias.data, self.eps)
-        self.save_cache(cache)
+        xhat, _, rstd = cache
+        self.save_cache(xhat, rstd)                  # not the weight (ZeRO-3 lets it go): read again below
         return out
 
     def backward(self, dout):
-        (cache,) = self.take_cache()
+        xhat, rstd = self.take_cache()
+        cache = (xhat, self.weight.data, rstd)
         weight_grad(self._weights_grad, dout, cache)
         return kern.layernorm_backward_input(dout, cache)
 

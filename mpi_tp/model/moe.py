@@ -190,7 +190,7 @@ class MoEMLP(Module):
         N, E, k = B * S, self.E, self.k
         x2 = x.reshape(N, C)
         z, _ = kern.linear_forward(computed(x2), computed(self.router.data))  # (N, C) -> (N, E), fp32 for 16 bits
-        router = (x2, self.router.data, False)                               # the cache: x and W_r as stored
+        router = x2                                                          # the cache: x, not W_r (read again)
         p, lse, choice, gate = route(z, k)
         keep = admitted(choice.reshape(B, S, k), E, 0.0 if self.dropless else self.capacity)
         aux, daux = balance_loss(p.reshape(B, S, E), choice.reshape(B, S, k), E)
@@ -239,8 +239,8 @@ class MoEMLP(Module):
         dz = p * (dp - (dp * p).sum(axis=1, keepdims=True))
         if self.z_weight:
             dz += (self.loss_scale * self.z_weight) * dlse[:, None] * p      # d lse / dz = p
-        x2, w_r, _ = router
-        dx += kern.linear_backward_input(dz, computed(w_r))                  # fp32 for 16 bits
+        x2 = router
+        dx += kern.linear_backward_input(dz, computed(self.router.data))                # fp32 for 16 bits
         weight_grad(self._router_grad, dz, x2)
         return stored(dx, dout.dtype).reshape(dout.shape)
 

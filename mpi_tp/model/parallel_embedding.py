@@ -68,7 +68,7 @@ class VocabParallelEmbedding(Module):
         saved, self._logits_cache = getattr(self, "_logits_cache", None), None
         if saved is None:
             raise RuntimeError("VocabParallelEmbedding.logits_backward called without logits_forward")
-        return column_backward(dlogits, saved, self.group, self._table_grad)
+        return column_backward(dlogits, saved, self.weight.data.T, self.group, self._table_grad)
 
     def _table_grad(self, dlogits, x):
         """The tied output layer's W: dwte_i = (X^T dlogits)^T, (V_i, C)."""

@@ -42,17 +42,19 @@ def column_forward(x, w, b, group: Group, sp):
     x (B, S, K), or (B, S_i, K) under sp -> (B, S, O_i), and what the backward needs.
 
     Under sp the cache keeps this rank's input shard (B, S_i, K), not the gathered (B, S, K): the
-    backward gathers it again (Korthikanti et al. 2022, sec. 4.2.2), so the layer holds 1/T of it.
+    backward gathers it again (Korthikanti et al. 2022, sec. 4.2.2), so the layer holds 1/T of it. The
+    cache keeps no weight: the backward is handed it again (under ZeRO-3 gathered again, so a block's
+    whole weights need not live from its forward to its backward).
     """
     x_in, seq = enter_tp(x, group, sp)                               # sp: (B, S_i, K) -> (B, S, K)
-    y, (_, w, has_bias) = kern.linear_forward(x_in, w, b)              # (B, S, K) -> (B, S, O_i)
+    y, (_, _, has_bias) = kern.linear_forward(x_in, w, b)              # (B, S, K) -> (B, S, O_i)
     kept = x_in if seq is None else x                                # sp: the shard, not the gathered copy
-    return y, (kept, w, has_bias, seq, sp is not None and sp.overlap)
+    return y, (kept, has_bias, seq, sp is not None and sp.overlap)
 
 
-def column_backward(dout, cache, group: Group, weights):
-    """dX (f's all-reduce, or sp's reduce-scatter: this rank's positions), returned; the weights' and
-    biases' gradients by weights(dout, X), X the whole input (under sp gathered again), handed to
+def column_backward(dout, cache, w, group: Group, weights):
+    """dX (f's all-reduce, or sp's reduce-scatter: this rank's positions), returned, w the forward's A_i;
+    the weights' and biases' gradients by weights(dout, X), X the whole input (under sp gathered again), handed to
     weight_grad: now, or at a zero-bubble schedule's W action (mpi_tp.core.weight_grads).
 
     Under sp, with overlap (SequenceSplit.overlap) and W not deferred, as Megatron does: start the input's
@@ -60,7 +62,7 @@ def column_backward(dout, cache, group: Group, weights):
     gradients meanwhile, wait. Otherwise dX and its collective first, then W: (sp) the input's all-gather
     and the weights' gradients.
     """
-    x, w, _, seq, overlap = cache
+    x, _, seq, overlap = cache
     if seq is not None and overlap and not deferring_now():
         gathering = regather_from_sp(x, group, seq)                   # (B, S_i, K) -> (B, S, K), started
         dx = kern.linear_backward_input(dout, w)                     # (B, S, O_i) -> (B, S, K) partial
@@ -153,7 +155,7 @@ class ColumnParallelLinear(Module):
         if self.gather_output:
             dout = gather_from_tp_backward(dout, self.group, self.sizes)
         (cache,) = self.take_cache()
-        return column_backward(dout, cache, self.group, self._weights_grad)
+        return column_backward(dout, cache, self.weights[0].base, self.group, self._weights_grad)
 
     def _weights_grad(self, dout, x):
         """dA_i = X^T dY and db_i, accumulated (W)."""
@@ -196,20 +198,20 @@ class RowParallelLinear(Module):
         sequence parallelism (sp: the pass's SequenceSplit)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.sizes)              # (B, S, K) -> (B, S, K_i)
-        y, cache = kern.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial
+        y, (x_kept, _, _) = kern.linear_forward(x, self.weight.data)     # (B, S, K_i) -> (B, S, O) partial
         early = self.bias is not None and self.group.size > 1 and planted("bug-bias-before-reduce")
         if early:
             y += self.bias.data
         y, seq = leave_tp(y, self.group, sp)                            # sp: -> (B, S_i, O), this rank's positions
-        self.save_cache(cache, seq)
+        self.save_cache(x_kept, seq)                                    # not the weight: read again below
         if self.bias is not None and not early:
             y += self.bias.data
         return y
 
     def backward(self, dout):
-        (x, w, _), seq = self.take_cache()
+        x, seq = self.take_cache()
         whole = leave_tp_backward(dout, self.group, seq)                # sp: (B, S_i, O) -> (B, S, O)
-        dx = kern.linear_backward_input(whole, w)                       # (B, S, O) -> (B, S, K_i)
+        dx = kern.linear_backward_input(whole, self.weight.data)                      # (B, S, O) -> (B, S, K_i)
         weight_grad(self._weights_grad, dout, whole, x)
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)

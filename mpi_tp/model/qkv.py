@@ -86,8 +86,6 @@ class QKVParallelLinear(Module):
         (B, S, H_kv_i, hs): views of one array."""
         b = self.biases[0].base if self.biases else None
         y, cache = column_forward(x, self._fused_weight(), b, self.group, sp)    # (B, S, (H_i + 2 H_kv_i) hs)
-        if self.split:               # the concatenated weights are made again for the backward, not kept
-            cache = (cache[0], None, *cache[2:])
         self.save_cache(cache)
         B, S = y.shape[:2]
         n_q, n_kv = self.H_i * self.hs, self.H_kv_i * self.hs
@@ -99,9 +97,7 @@ class QKVParallelLinear(Module):
         """dqkv (B, S, (H_i + 2 H_kv_i) hs), the gradients of [q | k | v] side by side -> dX (B, S, C) (sp: its
         positions), after f's all-reduce; the weights' and biases' gradients accumulated."""
         (cache,) = self.take_cache()
-        if self.split:               # the concatenated weights, made again (not kept since the forward)
-            cache = (cache[0], self._fused_weight(), *cache[2:])
-        return column_backward(dqkv, cache, self.group, self._weights_grad)
+        return column_backward(dqkv, cache, self._fused_weight(), self.group, self._weights_grad)   # split: made again
 
     def _weights_grad(self, dqkv, x):
         """The q/k/v weights' and biases' gradients from X and d[q | k | v] (W)."""

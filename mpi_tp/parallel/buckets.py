@@ -141,6 +141,14 @@ def make_bucket(stores, ready_after, blocks, group: Group, distributed: bool, st
     return b
 
 
+def tied_copies(model) -> set:
+    """The storages (ids) of a pipeline stage's copies of the tied table wte (mpi_tp.parallel.pipeline.
+    embedding_group; none for a model not cut into stages). Under ZeRO-3 their gradients are summed as shares
+    (TiedEmbedding.sum_shares), which needs every copy's share cut alike: each copy is a bucket of its own."""
+    tied = getattr(model, "tied_embedding", None)
+    return {id(t.weight.base) for t in tied.tables} if tied is not None else set()
+
+
 def _block_bytes(model, kinds, owner):
     """(blocks, kinds): each block's gradient bytes of each kind, the largest over the tensor-parallel group.
     Buckets are cut on these, so every tensor-parallel rank cuts at the same blocks, uneven shards
@@ -182,6 +190,11 @@ def make_buckets(model, group: Group, bucket_mb: float, distributed: bool, stage
                 buckets.append(make_bucket(current[k], i, blocks, g, distributed, stage))
                 current[k], size[k] = [], 0
     rest = [s for s in kinds[0][0] if id(s[0]) not in owner]
+    if stage == 3:                   # each copy of the tied wte alone: cut alike wherever it is held
+        copies = tied_copies(model)
+        for store in [s for s in rest if id(s[0]) in copies]:
+            buckets.append(make_bucket([store], None, set(), group, distributed, stage))
+        rest = [s for s in rest if id(s[0]) not in copies]
     if rest:
         buckets.append(make_bucket(rest, None, set(), group, distributed, stage))
     return buckets

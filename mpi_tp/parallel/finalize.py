@@ -15,7 +15,8 @@ done once per step, whatever the number of micro-batches M:
      heads' part of the gradient: sum over the replica group (mpi_tp.model.heads);
   2. pipelines: the tied table wte has a copy on the first and on the last
      stage, each with its own part of the gradient: sum them over the stages
-     that hold one (mpi_tp.parallel.pipeline.embedding_group);
+     that hold one (mpi_tp.parallel.pipeline.embedding_group); under ZeRO-3,
+     where the whole gradients are gone by then, their shares after 3;
   3. data parallelism: average over the replicas (or, for the distributed
      optimizer, reduce-scatter into each rank's share).
 
@@ -69,7 +70,10 @@ def finalize_grads(model, reducer=None) -> None:
         sum_sp_partial_grads(model.parameters(), model.topo.tp)
         sum_replica_grads(model.parameters())
     tied = getattr(model, "tied_embedding", None)
-    if tied is not None:
+    sharded = reducer is not None and reducer.stage == 3       # ZeRO-3: the copies' shares, once reduced
+    if tied is not None and not sharded:
         tied.sum_grads()
     if reducer is not None:
         reducer.finish()
+    if tied is not None and sharded:
+        tied.sum_shares(reducer.buckets)

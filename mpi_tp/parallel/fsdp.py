@@ -27,14 +27,27 @@ optimizer updates the shares in place; nothing is gathered after it.
 
 Experts: a mixture-of-experts block has two buckets, its dense parameters'
 (over dp) and its experts' (over edp, the replicas holding the same experts),
-gathered and reduced together. Only a GPT not cut into pipeline stages runs
-it (the training configuration refuses --pp with what to use instead).
+gathered and reduced together.
+
+Pipelines: the reducer's model is the stage; each of its chunks (a GPT over
+some of the blocks) calls a ChunkFSDP, which names its pieces for the stage
+(block i of chunk j is the stage's block offset_j + i). A schedule's forward
+and backward actions are each one pass over one chunk, so the same rules
+hold whatever the order of the actions: a backward ends with "end", which
+reduces what it held and lets every piece go. A stage's copy of the tied
+table wte is a bucket of its own, summed with the other copies as shares
+after the step's reductions (mpi_tp.parallel.finalize). Under the
+zero-bubble schedules a piece's gradients are written at its W, after its
+backward: its reduce-scatter waits for that W (mpi_tp.core.weight_grads),
+and, while other micro-batches' W's still write into the same whole
+gradients, for the last of them (a count per bucket).
 """
 from __future__ import annotations
 
 import contextlib
 
 from mpi_tp.core import backend
+from mpi_tp.core.weight_grads import weight_grad
 
 
 class FSDP:
@@ -42,38 +55,46 @@ class FSDP:
     model as model.fsdp by the reducer."""
 
     def __init__(self, model, reducer):
-        if not hasattr(model, "hidden"):
-            raise ValueError("ZeRO-3 runs a model that is not cut into pipeline stages (use ZeRO-2 with pipelines)")
         self.reducer, self.buckets = reducer, reducer.buckets
         self.of_block = {}           # block -> its buckets: its dense one, and its experts' (over edp) if any
         for k, b in enumerate(self.buckets):
             for i in b.blocks:
                 self.of_block[i] = self.of_block.get(i, ()) + (k,)
         self.outer = tuple(k for k, b in enumerate(self.buckets) if not b.blocks)
-        self.n_blocks, self.first, self.last = len(model.h), model.first, model.last
+        chunks = getattr(model, "chunks", [model])                   # a pipeline stage's, or the model
+        self.offsets = getattr(model, "block_offsets", [0])
+        self.order = [["embedding", *range(len(c.h)), "head"] for c in chunks]    # each chunk's pieces
+        self.ends = [{"embedding": self._holding(c.embedding.parameters()) if c.first else (),
+                      "head": self._holding(c.head.parameters()) if c.last else ()} for c in chunks]
         self._flight = {}            # bucket -> (whole buffer, Pending): gathers started, not yet waited for
         self._reducing = []          # [(bucket, Pending, what to add to its share or None)], in start order
         self._fresh = set(range(len(self.buckets)))     # shares this step's first reduction writes directly
+        self._writers = {}           # bucket -> backward passes whose W has yet to write its whole gradients
+        self._held = []              # the buckets this backward pass holds the gradients of, not yet released
         self._fwd = self._bwd = ()                       # the buckets the last forward / backward piece used
         self.ahead = 0               # gathers a piece found started by the call before it (the overlap's count)
         model.fsdp = self
+        if chunks[0] is not model:                                    # a stage: each chunk its view
+            for j, c in enumerate(chunks):
+                c.fsdp = ChunkFSDP(self, j)
 
-    def _buckets(self, piece) -> tuple:
-        """The buckets of a piece: a block index, "embedding" or "head" (none: this chunk has no such piece,
-        or piece is None)."""
+    def _holding(self, params) -> tuple:
+        """The outer buckets (no block's) holding any of these parameters."""
+        ids = {id(p) for p in params}
+        return tuple(k for k in self.outer if any(id(p) in ids for _, _, ps in self.buckets[k].stores for p in ps))
+
+    def _buckets(self, piece, j: int) -> tuple:
+        """The buckets of chunk j's piece: a block index of the chunk, "embedding" or "head" (none: the chunk
+        has no such piece, or piece is None)."""
         if piece is None:
             return ()
-        if piece == "embedding":
-            return self.outer if self.first else ()
-        if piece == "head":
-            return self.outer if self.last else ()
-        return self.of_block.get(piece, ())
+        if piece in ("embedding", "head"):
+            return self.ends[j][piece]
+        return self.of_block.get(self.offsets[j] + piece, ())
 
-    def _after(self, piece, forward: bool):
-        """The piece that runs next in this pass (None: piece is its last)."""
-        order = ["embedding", *range(self.n_blocks), "head"]
-        if not forward:
-            order.reverse()
+    def _after(self, piece, forward: bool, j: int):
+        """The piece of chunk j that runs next in this pass (None: piece is its last)."""
+        order = self.order[j] if forward else self.order[j][::-1]
         at = order.index(piece)
         return order[at + 1] if at + 1 < len(order) else None
 
@@ -118,6 +139,18 @@ class FSDP:
         self._reducing.append((k, pending, None if fresh else out))
         b.drop_grads()                                                # the Pending keeps them until sent
 
+    def _release(self, k) -> None:
+        """This backward pass is done with bucket k: reduce it once the pass's W has written its gradients
+        (at once, or at a zero-bubble schedule's W action) and no other pass's W still will."""
+        self._held.remove(k)
+        self._writers[k] = self._writers.get(k, 0) + 1
+        weight_grad(self._written, k)
+
+    def _written(self, k) -> None:
+        self._writers[k] -= 1
+        if self._writers[k] == 0:
+            self._reduce(k)
+
     def _progress(self, wait: bool = False) -> None:
         """Add the finished reductions to their shares, in start order (an earlier one writes the share)."""
         while self._reducing:
@@ -132,38 +165,40 @@ class FSDP:
         for _, pending in self._flight.values():
             pending.test()                                            # drive MPI's progress engine
 
-    def forward(self, piece) -> None:
-        """Before the piece's forward (a block index, "embedding"; "head" after the last block)."""
-        ks = self._buckets(piece)
+    def forward(self, piece, j: int = 0) -> None:
+        """Before the piece's forward (a block index, "embedding"; "head" after the last block) in chunk j."""
+        ks = self._buckets(piece, j)
         for k in self._fwd:
             if k not in ks:
                 self.buckets[k].drop_params()
         for k in ks:
             self._ready(k)
         self._fwd = ks
-        self._gather(self._buckets(self._after(piece, forward=True)))     # flies while this piece computes
+        self._gather(self._buckets(self._after(piece, True, j), j))        # flies while this piece computes
         self._progress()
 
-    def backward(self, piece) -> None:
-        """Before the piece's backward ("head", a block index, "embedding"); "end" after the last one."""
+    def backward(self, piece, j: int = 0) -> None:
+        """Before the piece's backward ("head", a block index, "embedding") in chunk j; "end" after the last."""
         if piece == "end":
-            for k, b in enumerate(self.buckets):
-                if b.grads is not None:
-                    self._reduce(k)
+            for k in list(self._held):
+                self._release(k)
+            for b in self.buckets:
                 b.drop_params()
             self._fwd = self._bwd = ()
             self._progress()
             return
-        ks = self._buckets(piece)
+        ks = self._buckets(piece, j)
         for k in self._bwd:
-            if k not in ks and k not in self.outer:                     # the outer buckets: until "end"
-                self._reduce(k)
+            if k not in ks and k not in self.outer and k in self._held:     # the outer buckets: until "end"
+                self._release(k)
                 self.buckets[k].drop_params()
         for k in ks:
             self._ready(k)
             self.buckets[k].hold_grads()
+            if k not in self._held:
+                self._held.append(k)
         self._bwd = ks or self._bwd
-        self._gather(self._buckets(self._after(piece, forward=False)))
+        self._gather(self._buckets(self._after(piece, False, j), j))
         self._progress()
 
     def finish(self) -> None:
@@ -185,6 +220,19 @@ class FSDP:
         for b in self.buckets:
             b.drop_params()
         self._fwd = self._bwd = ()
+
+
+class ChunkFSDP:
+    """What chunk j of a pipeline stage calls as its fsdp: the stage's FSDP, told which chunk."""
+
+    def __init__(self, fsdp: FSDP, j: int):
+        self.fsdp, self.j = fsdp, j
+
+    def forward(self, piece) -> None:
+        self.fsdp.forward(piece, self.j)
+
+    def backward(self, piece) -> None:
+        self.fsdp.backward(piece, self.j)
 
 
 class Whole:

@@ -74,7 +74,7 @@ class TrainConfig:
     zero: int = opt(0, "ZeRO stage, sharding over the data-parallel replicas (an expert's over the replicas "
                     "holding it): 1 the optimizer state; 2 also the gradients (each rank keeps its share once "
                     "reduce-scattered); 3 (FSDP) also the parameters, each layer's all-gathered before its "
-                    "forward and its backward (1.5x the data-parallel bytes of 0-2; not with --pp); "
+                    "forward and its backward (1.5x the data-parallel bytes of 0-2); "
                     "the same numbers at every stage", [0, 1, 2, 3])
     recompute: str = opt("none", "activation recomputation: 'selective' keeps q, k, v and computes the attention "
                          "softmax again in the backward pass; 'full' keeps only each block's input and runs "
@@ -268,9 +268,6 @@ class TrainConfig:
         """What ZeRO-3 does not run with, and what to use instead."""
         if self.zero != 3:
             return
-        if self.pp > 1 or self.virtual_stages > 1:
-            raise ConfigError("--zero 3 gathers the layers of a model not cut into pipeline stages: use --zero 2 "
-                              "with --pp")
         if self.dp_allreduce == "hierarchical":
             raise ConfigError("--zero 3 reduce-scatters layer by layer: use --dp-allreduce flat with it, or "
                               "--zero 2 with --dp-allreduce hierarchical")
