@@ -7,7 +7,8 @@
 
 Categories (bytes this rank keeps; views counted once, in the first category that reaches them):
 
-    parameters     each parameter storage (Param.base; ZeRO-1: the buckets' flat parameter buffers it views)
+    parameters     each parameter storage (Param.base; ZeRO-1: the buckets' flat parameter buffers it views;
+                   ZeRO-3: the shares, and the whole buffers of the pieces gathered)
     gradients      each gradient storage (the buckets' flat gradient buffers that Param.grad views;
                    ZeRO-1's averaged share, grad_share)
     optimizer      the optimizer's state: AdamW's m and v, SGD's momentum, fp32 masters of 16-bit weights
@@ -109,7 +110,8 @@ class MemoryMeter:
         """(category, arrays) in the order that decides where an array shared by two is counted."""
         params = self.stage.parameters()
         buckets = self.reducer.buckets if self.reducer is not None else []
-        yield "parameters", [p.base for p in params] + [b.params for b in buckets if b.params is not None]
+        yield "parameters", [p.base for p in params] + [b.params for b in buckets if b.params is not None] + \
+            [b.param_share for b in buckets if b.param_share is not None]     # ZeRO-3: a copy of its own
         yield "gradients", [p.grad_base for p in params if p.grad_base is not None] + \
             [b.grads for b in buckets if b.grads is not None] + [b.grad_share for b in buckets if b.grad_share is not None]
         opt = self.opt
