@@ -135,7 +135,7 @@ def measured_terms(block) -> dict:
         add("block input", x)
         return out
     for ln in (block.ln_1, block.ln_2):
-        xhat, _, rstd = ln._cache[0]
+        xhat, rstd = ln._cache
         add("LayerNorm inputs", xhat)
         add("LayerNorm 1/std", rstd)
     add("q/k/v input", block.attn.qkv._cache[0][0])
@@ -149,12 +149,12 @@ def measured_terms(block) -> dict:
     elif not block.attn.recompute:
         add("softmax output", attn[3])
         add("softmax dropout mask", attn[4])
-    add("attention projection input", block.attn.proj._cache[0][0])
+    add("attention projection input", block.attn.proj._cache[0])
     add("fc input", block.mlp.fc._cache[0][0])
     gelu_in, tanh = block.mlp._cache[0]
     add("GELU input", gelu_in)
     add("GELU tanh", tanh)
-    add("MLP projection input", block.mlp.proj._cache[0][0])
+    add("MLP projection input", block.mlp.proj._cache[0])
     m_a, m_h, _ = block._cache                          # (and the pass's masks key: no array)
     add("attention dropout mask", m_a)
     add("MLP dropout mask", m_h)

@@ -228,7 +228,7 @@ class TrainConfig:
                               f"/ (pp * dp)), got tp={self.tp} pp={self.pp} dp={self.dp} "
                               f"virtual_stages={self.virtual_stages}")
         if self.zero >= 2 and self.dp_allreduce == "hierarchical":
-            raise ConfigError("--zero 2 drops each bucket's gradients after its flat reduce-scatter: use "
+            raise ConfigError(f"--zero {self.zero} drops each bucket's gradients after its flat reduce-scatter: use "
                               "--dp-allreduce flat (or --zero 1 with the hierarchical all-reduce)")
         if self.schedule == "zb-v" and self.virtual_stages != 2:
             raise ConfigError(f"--schedule zb-v places two chunks per stage in a V: use --virtual-stages 2 "
@@ -244,7 +244,6 @@ class TrainConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         self._validate_cp()
-        self._validate_zero()
         self._validate_moe()
         self._validate_precision()
         self._validate_loss_scale()
@@ -263,14 +262,6 @@ class TrainConfig:
         if self.block_size < 2 * self.cp:
             raise ConfigError(f"--cp {self.cp} cuts each sequence into {2 * self.cp} chunks: --block-size "
                               f"{self.block_size} is too short (at least {2 * self.cp})")
-
-    def _validate_zero(self) -> None:
-        """What ZeRO-3 does not run with, and what to use instead."""
-        if self.zero != 3:
-            return
-        if self.dp_allreduce == "hierarchical":
-            raise ConfigError("--zero 3 reduce-scatters layer by layer: use --dp-allreduce flat with it, or "
-                              "--zero 2 with --dp-allreduce hierarchical")
 
     def _validate_arch(self) -> None:
         """The architecture's options, in CLI terms (the model's own checks follow: GPTConfig.validate)."""

@@ -16,9 +16,8 @@ MUTANTS = [
     Mutant("regions/row-bias-before-reduce",
            "the row layer adds its (replicated) bias before the reduce: T copies of b in the sum",
            "mpi_tp/model/parallel_linear.py",
-           "        y, cache = kern.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial\n",
-           "        y, cache = kern.linear_forward(x, self.weight.data)              # (B, S, K_i) -> (B, S, O) partial\n"
-           "        if self.bias is not None:\n            y += self.bias.data\n",
+           "        early = self.bias is not None and self.group.size > 1 and planted(\"bug-bias-before-reduce\")",
+           "        early = self.bias is not None and self.group.size > 1",
            ("tests/test_layers.py::test_row_parallel_linear",), (2,)),
     Mutant("regions/vocab-offset-dropped",
            "the parallel embedding looks its ids up without subtracting its vocabulary start",

@@ -17,7 +17,7 @@ MUTANTS = [
     Mutant("sequence/overlap-never-runs",
            "the column layers' cache forgets the overlap flag: Megatron's overlapped backward never runs",
            "mpi_tp/model/parallel_linear.py",
-           "    return y, (kept, w, has_bias, seq, sp is not None and sp.overlap)",
-           "    return y, (kept, w, has_bias, seq, False)",
+           "    return y, (kept, has_bias, seq, sp is not None and sp.overlap)",
+           "    return y, (kept, has_bias, seq, False)",
            ("tests/test_layouts.py::test_sequence_parallel_overlap_changes_no_number",), (2, 3)),
 ]

@@ -48,21 +48,25 @@ BELOW = ("the measured bubble counts as idle whatever happens between a stage's 
 
 
 def _timeline(events: list[list[dict]]) -> tuple[list[str], float]:
-    """Each stage's F/B events as a row of WIDTH columns, and the measured bubble: the step's span
-    minus the busiest stage's compute time (its F and B events), over that compute time."""
+    """Each stage's F/B/W events as a row of WIDTH columns, and the measured bubble: the step's span
+    minus the busiest stage's compute time (its F, B and W events), over that compute time. A stage runs one
+    action at a time, so its events are drawn in order, each in columns of its own: one shorter than a column
+    (a W under load) still shows, nudged right past the one before it (while a stage has no more events than
+    columns)."""
     start = min(e["ts"] for ev in events for e in ev)
     end = max(e["ts"] + e["dur"] for ev in events for e in ev)
     scale = WIDTH / (end - start)
     rows = []
     for ev in events:
-        row = ["."] * WIDTH
-        for e in ev:
+        row, free, ev = ["."] * WIDTH, 0, sorted(ev, key=lambda e: e["ts"])
+        for i, e in enumerate(ev):
             letter = LETTERS[e["args"]["micro"] % 26]
             mark = {"F": str(e["args"]["micro"] % 10), "B": letter, "W": letter.upper()}[e["name"]]
-            a, b = int((e["ts"] - start) * scale), max(int((e["ts"] + e["dur"] - start) * scale), 1 + int(
-                (e["ts"] - start) * scale))
-            for t in range(a, min(b, WIDTH)):
-                row[t] = mark
+            last = WIDTH - (len(ev) - i if len(ev) <= WIDTH else 1)     # a column left for each event after
+            a = min(max(int((e["ts"] - start) * scale), free), last)
+            b = min(max(int((e["ts"] + e["dur"] - start) * scale), a + 1), last + 1)
+            row[a:b] = mark * (b - a)
+            free = b
         rows.append("".join(row))
     busy = max(sum(e["dur"] for e in ev) for ev in events)
     return rows, (end - start - busy) / busy

@@ -29,27 +29,24 @@ class TiedEmbedding:
         self.group = Group(sub, "emb", stats) if holds else None
 
     def sum_grads(self) -> None:
-        if len(self.tables) == 0 or (len(self.tables) == 1 and self.group is None):
-            return
-        total = self.tables[0].weight.grad.copy()
-        for t in self.tables[1:]:
-            total += t.weight.grad
-        if self.group is not None and not planted("bug-tied-embedding"):
-            self.group.all_reduce(total, kind="embedding_all_reduce")
+        self._sum_in_place([t.weight.grad for t in self.tables])
         for t in self.tables:
-            t.weight.grad[...] = total
             t.weight.fresh = False
 
     def sum_shares(self, buckets) -> None:
         """ZeRO-3 (whole gradients are gone after the backward): the same sum over the copies' buckets'
         shares, each copy a bucket of its own and cut alike on every stage (buckets.tied_copies)."""
         mine = [b for b in buckets if any(p is t.weight for t in self.tables for _, _, ps in b.stores for p in ps)]
-        if len(mine) == 0 or (len(mine) == 1 and self.group is None):
+        self._sum_in_place([b.grad_share for b in mine])
+
+    def _sum_in_place(self, copies: list) -> None:
+        """Every array in `copies` (this stage's) becomes the sum of all copies on all stages holding one."""
+        if len(copies) == 0 or (len(copies) == 1 and self.group is None):
             return
-        total = mine[0].grad_share.copy()
-        for b in mine[1:]:
-            total += b.grad_share
+        total = copies[0].copy()
+        for c in copies[1:]:
+            total += c
         if self.group is not None and not planted("bug-tied-embedding"):
             self.group.all_reduce(total, kind="embedding_all_reduce")
-        for b in mine:
-            b.grad_share[...] = total
+        for c in copies:
+            c[...] = total
