@@ -12,6 +12,7 @@ from mpi_tp.core.testing import all_true, assert_close, gather_full, max_rel_dif
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
+from mpi_tp.parallel.expert_balance import balance_experts
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, expert_of
 from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
@@ -25,6 +26,13 @@ MOE = {   # E = 3 splits unevenly over ep = 2 (2 + 1); E = 4 over ep = 3 (2 + 1 
     "E3-top1-capacity-every2": dict(moe_experts=3, moe_top_k=1, moe_capacity=1.0, moe_every=2),
     "E3-top2-capacity": dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0),
     "E4-top1-capacity": dict(moe_experts=4, moe_top_k=1, moe_capacity=1.25),
+    # the routers of DeepSeek-V3 (sigmoid, scaled gates, a shared expert) and Mixtral, dropping by probability
+    "E4-top2-sigmoid-shared": dict(moe_experts=4, moe_top_k=2, moe_router="sigmoid", moe_gate_scale=2.5,
+                                   moe_shared_experts=1),
+    "E3-top2-topk-softmax-probs": dict(moe_experts=3, moe_top_k=2, moe_router="topk-softmax", moe_capacity=1.0,
+                                       moe_drop_policy="probs"),
+    # the aux-loss-free balance: the bias moved by the global batch's loads after each step
+    "E4-top2-sigmoid-bias": dict(moe_experts=4, moe_top_k=2, moe_router="sigmoid", moe_bias_rate=0.05),
 }
 B, T, STEPS = 2, 8, 5                               # sequences per replica, positions, AdamW steps
 
@@ -58,6 +66,7 @@ def run(model, topo, rows):
         finalize_grads(model, reducer)
         norms.append(grad_norm(params, topo.tp))
         opt.step(grad_scale=clip_coefficient(norms[-1], 1.0))
+        balance_experts(model)
     return np.array(losses), np.array(norms), routing
 
 
@@ -69,7 +78,7 @@ def serial_reference(name, dp):
     if (name, dp) not in _serial:
         model = GPT(GPTConfig(**CFG, **MOE[name]), SERIAL, dtype="float64", seed=3)
         losses, norms, routing = run(model, model.topo, rows=B * dp)
-        _serial[name, dp] = losses, norms, routing, {p.name: p.data.copy() for p in model.parameters()}
+        _serial[name, dp] = losses, norms, routing, {p.name: p.data.copy() for p in model.parameters() + model.buffers()}
     return _serial[name, dp]
 
 
@@ -103,7 +112,11 @@ def test_moe_layouts_equal_serial(world, name):
                for p in model.parameters() if not p.name.endswith("attn/k/bias")    # exact gradient 0
                and max_rel_diff(gather_full(p, topo.tp.comm), ref_weights[p.name]) > 1e-8]
         assert all_true(not bad, world), f"weights after {STEPS} steps differ from serial, {what}: {bad}"
-        held = {p.name for p in model.parameters()}
+        biases = [b for b in model.buffers() if not np.array_equal(b.data, ref_weights[b.name])]
+        assert all_true(not biases, world), f"expert biases differ from serial, {what}: {[b.name for b in biases]}"
+        if cfg.moe_bias_rate:
+            assert all(np.abs(b.data).max() > 0 for b in model.buffers()), f"no bias moved, {what}"
+        held = {p.name for p in model.parameters() + model.buffers()}
         everywhere = set().union(*topo.ep.comm.allgather(held))
         assert all_true(everywhere == set(ref_weights), world), f"some parameter is nowhere, {what}"
         same = True                                     # replicas hold the same numbers, bit for bit

@@ -11,7 +11,8 @@ import pytest
 from mpi_tp.core.testing import randomize
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.model.moe import MoEMLP, admitted
+from mpi_tp.model.moe import MoEMLP
+from mpi_tp.model.routing import admitted
 from mpi_tp.parallel.topology import Topology
 
 C = 8
@@ -71,9 +72,9 @@ def test_backward_matches_finite_differences(E, k, capacity):
         assert keep.all()
 
 
-def ffn(m, e, x):
-    """Expert e by hand: gelu(x A_fc + b_fc) A_proj + b_proj (tanh GELU)."""
-    ex = m.experts[e]
+def ffn(m, e, x, expert=None):
+    """Expert e (or the expert given) by hand: gelu(x A_fc + b_fc) A_proj + b_proj (tanh GELU)."""
+    ex = m.experts[e] if expert is None else expert
     h = x @ ex.fc_weight.data + ex.fc_bias.data
     h = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
     return h @ ex.proj_weight.data + ex.proj_bias.data

@@ -57,7 +57,8 @@ def sha256_file(path: str) -> str:
 
 
 def state_tensors(model, optimizer):
-    """(group, Param, array) for every tensor saved: model/<name>, optim/<kind>/<name>.
+    """(group, Param, array) for every tensor saved: model/<name> (the parameters, then the buffers: state
+    without a gradient, e.g. an MoE block's expert bias), optim/<kind>/<name>.
 
     Each parameter once: a pipeline stage's copy of the tied table (the output layer's) is
     left out, since the first stage saves the same numbers. ZeRO-3: the parameters are gathered whole
@@ -66,6 +67,7 @@ def state_tensors(model, optimizer):
     keep = {id(p) for p in params}
     with whole_params(model):
         out = [("model", p, p.data) for p in params]
+    out += [("model", b, b.data) for b in model.buffers()]
     if optimizer is not None:
         for kind, arrays in optimizer.state_tensors().items():
             out += [(f"optim/{kind}", p, a) for p, a in zip(optimizer.params, arrays) if id(p) in keep]

@@ -179,7 +179,8 @@ class Checkpoint:
 # ---------------------------------------------------------------- loading into a model
 
 # How a model is trained, not what it is: these may differ between a checkpoint and the model loading it.
-TRAINING_ONLY = ("dropout", "moe_capacity", "moe_aux_weight", "moe_z_weight")
+TRAINING_ONLY = ("dropout", "moe_capacity", "moe_aux_weight", "moe_z_weight", "moe_drop_policy",
+                 "moe_bias_rate")
 
 
 def check_model_config(ckpt: Checkpoint, cfg) -> None:
@@ -233,6 +234,9 @@ def load_into(ckpt: Checkpoint, model, optimizer=None) -> None:
     with whole_params(model):          # ZeRO-3: whole while read; each rank keeps its share after
         for p in model.parameters():
             p.data[...] = read("model", p, p.data.shape, p.data.dtype)
+        for b in model.buffers():          # a checkpoint older than a buffer has none: it stays as built (zeros)
+            if f"model/{b.name}" in getattr(ckpt, "tensors", ()):
+                b.data[...] = read("model", b, b.data.shape, b.data.dtype)
         if optimizer is None:
             return
         # each kind in its own dtype (fp32 masters and moments of 16-bit params); without the optimizer's state

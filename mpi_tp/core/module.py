@@ -8,7 +8,7 @@ gradients.
 """
 from __future__ import annotations
 
-from mpi_tp.core.params import Param
+from mpi_tp.core.params import Buffer, Param
 
 
 class Module:
@@ -26,6 +26,10 @@ class Module:
                         seen.add(id(p))
                         out.append(p)
         return out
+
+    def buffers(self) -> list[Buffer]:
+        """Every Buffer (state without a gradient) of this module and the modules below it."""
+        return [v for m in self.modules() for v in vars(m).values() if isinstance(v, Buffer)]
 
     def zero_grad(self) -> None:
         for p in self.parameters():

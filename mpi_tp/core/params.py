@@ -188,6 +188,24 @@ def normal_shard(name, global_shape, std, seed, dtype, axis=None, start=0, stop=
     return backend.asarray(full.astype(dtype))
 
 
+@dataclass(eq=False)
+class Buffer:
+    """State a layer keeps beside its parameters and updates without a gradient (a mixture of experts' expert
+    bias): whole on every rank that holds the layer, saved and loaded with the parameters (model/<name>), left
+    out of the optimizer, the gradient reduction and the gradient norm. Checkpoints read the fields a Param has."""
+    name: str
+    data: object
+    axis = None
+    start = stop = 0
+    replicas = None
+
+    sharded = False
+
+    @property
+    def global_shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+
 def make_param(name, global_shape, dtype, *, init="normal", std=0.02, seed=0,
                axis=None, start=0, stop=None, decay=False, sp_partial=False, replicas=None) -> Param:
     """Create the shard [start, stop) along `axis` (None: whole) of parameter `name`.

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from mpi_tp.core.errors import UserError
+from mpi_tp.model.routing import DROP_POLICIES, ROUTERS, TOPK_NORMS
 from mpi_tp.parallel.topology import TopologyError, check_splittable
 
 
@@ -40,6 +41,13 @@ class GPTConfig:
     moe_capacity: float = 0.0     # capacity factor per sequence and expert; 0: dropless
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss (Switch / GShard)
     moe_z_weight: float = 0.0     # weight of the router z-loss (ST-MoE)
+    moe_router: str = "softmax"   # "softmax", "topk-softmax" (Mixtral) or "sigmoid" (DeepSeek-V3): model.routing
+    moe_topk_norm: str = "auto"   # the k gates divided by their sum: "sum", "none", "auto" (sum when k > 1)
+    moe_gate_scale: float = 1.0   # each gate times this (DeepSeek-V3's routed_scaling_factor)
+    moe_shared_experts: int = 0   # experts every token goes through, beside its k routed ones (DeepSeek)
+    moe_drop_policy: str = "position"   # past the capacity, drop by "position" (choice rank, then position)
+    #                                     or by "probs" (the lowest gates first)
+    moe_bias_rate: float = 0.0    # the aux-loss-free balance's bias step (DeepSeek-V3: 0.001); 0: the bias stays 0
 
     @property
     def llama(self) -> bool:
@@ -138,6 +146,19 @@ class GPTConfig:
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
                 raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
+        for key, choices in (("moe_router", ROUTERS), ("moe_topk_norm", TOPK_NORMS),
+                             ("moe_drop_policy", DROP_POLICIES)):
+            if getattr(self, key) not in choices:
+                raise ConfigError(f"{key} = {getattr(self, key)!r}: choose one of {', '.join(choices)}")
+        if self.moe_router == "topk-softmax" and self.moe_topk_norm == "none":
+            raise ConfigError("moe_router topk-softmax normalises the k gates by definition (a softmax over "
+                              "them): drop moe_topk_norm none, or use moe_router softmax")
+        if not (isinstance(self.moe_bias_rate, (int, float)) and 0.0 <= self.moe_bias_rate < float("inf")):
+            raise ConfigError(f"moe_bias_rate must be a finite number >= 0 (0: no bias), got {self.moe_bias_rate!r}")
+        if not (isinstance(self.moe_gate_scale, (int, float)) and 0.0 < self.moe_gate_scale < float("inf")):
+            raise ConfigError(f"moe_gate_scale must be a finite number > 0, got {self.moe_gate_scale!r}")
+        if not _is_int(self.moe_shared_experts) or self.moe_shared_experts < 0:
+            raise ConfigError(f"moe_shared_experts must be an integer >= 0, got {self.moe_shared_experts!r}")
         if ep > E:
             raise ConfigError(f"{E} experts cannot be divided among ep={ep} expert-parallel ranks (some "
                               f"rank would hold none): use ep <= {E} or more experts")

@@ -12,12 +12,17 @@ as in the dense MLP), E_i rank i's experts (expert parallelism, mpi_tp.parallel.
         prob_top / sum prob_top (k > 1)      learns from the loss (a renormalised top-1 is always 1)
     a = admitted(top)               (N, k)   0/1: the capacity (below); all 1 when dropless
     y_j = sum_q a_jq g_jq FFN_{top_jq}(x_j)  token j, its q-th choice; FFN_e: the block's MLP
-                                             (mpi_tp.model.experts): fc C -> F, GELU, proj F -> C
-                                             (gpt2), or gate/up C -> F, SwiGLU, down F -> C (llama)
+          + FFN_shared(x_j)                  (mpi_tp.model.experts): fc C -> F, GELU, proj F -> C
+                                             (gpt2), or gate/up C -> F, SwiGLU, down F -> C (llama);
+                                             FFN_shared: moe_shared_experts of them side by side
+
+That is the default router (moe_router "softmax"); Mixtral's top-k-then-softmax and DeepSeek-V3's
+sigmoid, normalised and scaled gates are in mpi_tp.model.routing, with the capacity and the losses.
 
 Capacity (moe_capacity > 0): each sequence may send at most cap = ceil(moe_capacity * S * k / E)
 assignments to an expert; they are admitted in order of choice rank, then position (every first
-choice in position order, then the second choices, ...), and those past cap are dropped: they add
+choice in position order, then the second choices, ...; moe_drop_policy "probs": the highest gates
+first), and those past cap are dropped: they add
 nothing (a token with every assignment dropped passes through the residual alone). Capacity is
 per sequence and a replica holds whole sequences, so the same assignments are dropped at every
 layout (tp, dp, ep).
@@ -50,16 +55,18 @@ The backward sums in fp32 too (dgate, dz, the k choices' dx with the router's), 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy
 
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core.module import Module
-from mpi_tp.core.params import make_param
-from mpi_tp.core.precision import computed, stored, sum_rows
+from mpi_tp.core.params import Buffer, make_param
+from mpi_tp.core.precision import computed, is_half, stored, sum_rows
 from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.experts import Expert, SwiGLUExpert
+from mpi_tp.model.routing import admitted, balance_loss, route, route_backward, z_loss
 from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
 from mpi_tp.parallel.sequence_parallel import (
     gather_positions,
@@ -68,72 +75,6 @@ from mpi_tp.parallel.sequence_parallel import (
     keep_positions_backward,
 )
 from mpi_tp.parallel.tensor_parallel import copy_to_tp_backward, reduce_from_tp
-
-# ---------------------------------------------------------------- routing (pure functions)
-
-def route(z, k: int):
-    """Router logits z (N, E) -> p (N, E), lse (N,), choice (N, k) best first, gate (N, k)."""
-    xp = backend.array_module(z)
-    m = z.max(axis=1, keepdims=True)
-    e = xp.exp(z - m)
-    s = e.sum(axis=1, keepdims=True)
-    p = e / s
-    lse = (m + xp.log(s))[:, 0]
-    rest, choice = p.copy(), []
-    rows = xp.arange(p.shape[0])
-    for _ in range(k):                     # argmax takes the first maximum: ties go to the lower index
-        c = rest.argmax(axis=1)
-        choice.append(c)
-        rest[rows, c] = -1.0
-    choice = xp.stack(choice, axis=1)
-    chosen = xp.take_along_axis(p, choice, axis=1)                    # prob_top (N, k)
-    gate = chosen if k == 1 else chosen / chosen.sum(axis=1, keepdims=True)
-    return p, lse, choice, gate
-
-
-def gate_backward(dgate, p, choice, gate):
-    """d/d prob (N, E) of the gates, given dgate (N, k): through prob_top (k = 1) or the renormalisation."""
-    xp = backend.array_module(p)
-    if choice.shape[1] == 1:
-        dchosen = dgate
-    else:   # g_j = p_j / Z  =>  dp_j = (dg_j - sum_l dg_l g_l) / Z
-        Z = xp.take_along_axis(p, choice, axis=1).sum(axis=1, keepdims=True)
-        dchosen = (dgate - (dgate * gate).sum(axis=1, keepdims=True)) / Z
-    dp = xp.zeros_like(p)
-    dp[xp.arange(p.shape[0])[:, None], choice] = dchosen              # a token's k choices differ
-    return dp
-
-
-def admitted(choice, n_experts: int, capacity: float):
-    """choice (B, S, k) -> (B, S, k) bool: which assignments fit in their expert's capacity."""
-    xp = backend.array_module(choice)
-    B, S, k = choice.shape
-    if capacity <= 0:
-        return xp.ones(choice.shape, dtype=bool)
-    cap = math.ceil(round(capacity * S * k / n_experts, 9))          # rounded: 1.1 * 25 * 2 / 11 is 5, not 6
-    queue = choice.transpose(0, 2, 1).reshape(B, k * S)               # choice rank first, then position
-    seen = xp.cumsum(queue[:, :, None] == xp.arange(n_experts), axis=1)   # (B, kT, E) so far, itself included
-    place = xp.take_along_axis(seen, queue[:, :, None], axis=2)[:, :, 0]  # (B, kT): 1 = first in its queue
-    return (place <= cap).reshape(B, k, S).transpose(0, 2, 1)
-
-
-def balance_loss(p, choice, n_experts: int):
-    """aux = mean_b E sum_e f_be P_be (a 0-d array: no copy to the host here) and d aux / dp (N, E), for
-    p (B, S, E), choice (B, S, k)."""
-    xp = backend.array_module(p)
-    B, S, k = choice.shape
-    f = (choice[..., None] == xp.arange(n_experts)).sum(axis=(1, 2)) / (k * S)   # (B, E)
-    P = p.mean(axis=1)                                                             # (B, E)
-    aux = (f * P).sum() * (n_experts / B)
-    dp = xp.broadcast_to((n_experts / (B * S)) * f[:, None, :], p.shape)           # through P only
-    return aux, dp.reshape(B * S, n_experts)
-
-
-def z_loss(z_lse):
-    """zl = mean_n lse_n^2 (a 0-d array) and d zl / d lse (N,)."""
-    n = z_lse.shape[0]
-    return (z_lse * z_lse).sum() * (1.0 / n), z_lse * (2.0 / n)
-
 
 # ---------------------------------------------------------------- layers
 
@@ -159,13 +100,23 @@ class MoEMLP(Module):
     def __init__(self, name, cfg, topo, dtype, seed):
         self.E, self.k, self.capacity = cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity
         self.aux_weight, self.z_weight, self.tp = cfg.moe_aux_weight, cfg.moe_z_weight, topo.tp
+        self.router_kind, self.topk_norm, self.gate_scale = cfg.moe_router, cfg.moe_topk_norm, cfg.moe_gate_scale
+        self.by_probs, self.bias_rate = cfg.moe_drop_policy == "probs", cfg.moe_bias_rate
         self.router = make_param(f"{name}/router/weight", (cfg.n_embd, self.E), dtype, seed=seed,
                                  decay=True)                                          # W_r (C, E)
+        # the aux-loss-free balance (mpi_tp.parallel.expert_balance): a bias on the choice, moved after each step
+        # by the experts' loads, counted in the backward (once per micro-batch, recomputed or not)
+        fp = numpy.float32 if is_half(self.router.data) else self.router.data.dtype      # the router's arithmetic
+        self.expert_bias = Buffer(f"{name}/router/expert_bias", backend.xp().zeros(self.E, fp))
+        self.load = backend.xp().zeros(self.E, dtype=numpy.int64)
         self.dispatcher = ExpertDispatcher(self.E, topo.ep)
         expert = SwiGLUExpert if cfg.llama else Expert
         self.experts = [expert(f"{name}/experts/{e}", cfg, topo.tp, dtype, seed) for e in self.dispatcher.local]
-        for e, expert in zip(self.dispatcher.local, self.experts):
-            mark_expert(expert.parameters(), e, topo)
+        for e, expert_e in zip(self.dispatcher.local, self.experts):
+            mark_expert(expert_e.parameters(), e, topo)
+        # shared experts: one MLP n_shared F wide (the n MLPs side by side), every token, every ep rank
+        wide = replace(cfg, intermediate_size=cfg.moe_shared_experts * cfg.ffn)
+        self.shared = expert(f"{name}/shared", wide, topo.tp, dtype, seed) if cfg.moe_shared_experts else None
         self.stats, self.routing, self.loss_term = {}, None, 0.0
 
     def forward(self, x, ps=None):
@@ -191,10 +142,12 @@ class MoEMLP(Module):
         x2 = x.reshape(N, C)
         z, _ = kern.linear_forward(computed(x2), computed(self.router.data))  # (N, C) -> (N, E), fp32 for 16 bits
         router = x2                                                          # the cache: x, not W_r (read again)
-        p, lse, choice, gate = route(z, k)
-        keep = admitted(choice.reshape(B, S, k), E, 0.0 if self.dropless else self.capacity)
-        aux, daux = balance_loss(p.reshape(B, S, E), choice.reshape(B, S, k), E)
-        zl, dlse = z_loss(lse)
+        r = route(z, k, self.router_kind, self.topk_norm, self.gate_scale, self.expert_bias.data)
+        choice, gate = r.choice, r.gate
+        priority = gate.reshape(B, S, k) if self.by_probs else None
+        keep = admitted(choice.reshape(B, S, k), E, 0.0 if self.dropless else self.capacity, priority)
+        aux, daux = balance_loss(r.p.reshape(B, S, E), choice.reshape(B, S, k), E)
+        zl, dlse = z_loss(r.lse)
         self.loss_term = self.aux_weight * aux + self.z_weight * zl
         keep = keep.reshape(N, k)
         # Admitted assignments (token n, choice j), sorted by expert (so by destination rank too), in
@@ -211,8 +164,11 @@ class MoEMLP(Module):
         out = xp.zeros((N, k, C), dtype=x.dtype)                             # FFN_{c_nj}(x_n), 0 if dropped
         out[n_idx, j_idx] = y_send
         w = gate * keep                                                      # a g (N, k)
-        y = stored(xp.einsum("nk,nkc->nc", w, computed(out)), x.dtype)      # in fp32, rounded once (16 bits)
-        self.save_cache(router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse)
+        y = xp.einsum("nk,nkc->nc", w, computed(out))                       # in fp32, rounded once (16 bits)
+        if self.shared is not None:
+            y += computed(self._experts_forward(x2, [N], [self.shared]))
+        y = stored(y, x.dtype)
+        self.save_cache(router, r, keep, w, out, n_idx, j_idx, plan, daux, dlse)
         self.stats = {"aux_loss": aux, "z_loss": zl, "tokens_per_expert": kept,
                       "dropped": int(N * k - int(kept.sum()))}
         self.routing = (choice.reshape(B, S, k), keep.reshape(B, S, k))
@@ -220,10 +176,12 @@ class MoEMLP(Module):
 
     def _backward(self, dout):
         xp = backend.array_module(dout)
-        router, p, choice, gate, keep, w, out, n_idx, j_idx, plan, daux, dlse = self.take_cache()
+        router, r, keep, w, out, n_idx, j_idx, plan, daux, dlse = self.take_cache()
+        if self.bias_rate:
+            self.load += xp.bincount(r.choice.reshape(-1), minlength=self.E)
         N, _, C = out.shape
         dy = dout.reshape(N, C)
-        # y = sum_j w_j out_j
+        # y = sum_j w_j out_j (+ the shared experts' output)
         dy_c = computed(dy)
         dgate = xp.einsum("nkc,nc->nk", computed(out), dy_c) * keep
         dy_send = stored(w[n_idx, j_idx, None] * dy_c[n_idx], dout.dtype)   # (M, C): admitted rows only
@@ -232,13 +190,12 @@ class MoEMLP(Module):
         dfull = xp.zeros_like(out)
         dfull[n_idx, j_idx] = dx_send
         dx = computed(dfull).sum(axis=1)                                     # (N, k, C) -> (N, C)
-        # The router: gates, the aux loss through P, softmax, the z-loss through lse.
-        dp = gate_backward(dgate, p, choice, gate)
-        if self.aux_weight:
-            dp += (self.loss_scale * self.aux_weight) * daux
-        dz = p * (dp - (dp * p).sum(axis=1, keepdims=True))
-        if self.z_weight:
-            dz += (self.loss_scale * self.z_weight) * dlse[:, None] * p      # d lse / dz = p
+        if self.shared is not None:
+            dx += computed(self._experts_backward(dy, [N], [self.shared]))
+        # The router: the gates, the aux loss through p, the z-loss through lse (mpi_tp.model.routing).
+        dp = (self.loss_scale * self.aux_weight) * daux if self.aux_weight else None
+        dlse = (self.loss_scale * self.z_weight) * dlse if self.z_weight else None
+        dz = route_backward(dgate, r, self.router_kind, self.topk_norm, self.gate_scale, dp, dlse)
         x2 = router
         dx += kern.linear_backward_input(dz, computed(self.router.data))                # fp32 for 16 bits
         weight_grad(self._router_grad, dz, x2)
@@ -248,26 +205,29 @@ class MoEMLP(Module):
         """W of the router: X^T dz in fp32, rounded once into a 16-bit gradient."""
         self.router.accumulate(kern.linear_backward_weight(dz, computed(x2))[0])
 
-    def _experts_forward(self, x_recv, rows):
-        """x_recv (R, C), whole on every tp rank (f), expert by expert -> outputs (R, C) after one g."""
+    def _experts_forward(self, x_recv, rows, experts=None):
+        """x_recv (R, C), whole on every tp rank (f), expert by expert (rows[i] rows each; experts: this
+        rank's routed ones, or [self.shared]) -> outputs (R, C) after one g."""
+        experts = self.experts if experts is None else experts
         y = backend.array_module(x_recv).empty_like(x_recv)
         at = 0
-        for expert, n in zip(self.experts, rows):
+        for expert, n in zip(experts, rows):
             y[at:at + n] = expert.forward(x_recv[at:at + n])
             at += n
         y = reduce_from_tp(y, self.tp)                                       # g: the partial sums
         at = 0
-        for expert, n in zip(self.experts, rows):
+        for expert, n in zip(experts, rows):
             if expert.proj_bias is not None:
                 y[at:at + n] += expert.proj_bias.data                         # once, after the reduce
             at += n
         return y
 
-    def _experts_backward(self, dy, rows):
+    def _experts_backward(self, dy, rows, experts=None):
         """dy (R, C), the same on every tp rank (g's gradient) -> dx (R, C) after one all-reduce (f's)."""
+        experts = self.experts if experts is None else experts
         dx = backend.array_module(dy).empty_like(dy)
         at = 0
-        for expert, n in zip(self.experts, rows):
+        for expert, n in zip(experts, rows):
             if expert.proj_bias is not None:                                # an fp32 sum at 16 bits (W)
                 weight_grad(lambda p, d: p.accumulate(sum_rows(d)), expert.proj_bias, dy[at:at + n])
             dx[at:at + n] = expert.backward(dy[at:at + n])
@@ -275,6 +235,8 @@ class MoEMLP(Module):
         return copy_to_tp_backward(dx, self.tp)
 
     def num_params(self) -> int:
-        """Parameters of the whole layer: the router and all E experts (wherever they live)."""
-        one = sum(int(math.prod(p.global_shape)) for p in self.experts[0].parameters())
-        return int(math.prod(self.router.global_shape)) + self.E * one
+        """Parameters of the whole layer: the router, all E experts (wherever they live), the shared ones."""
+        def count(module):
+            return sum(int(math.prod(p.global_shape)) for p in module.parameters())
+        shared = 0 if self.shared is None else count(self.shared)
+        return int(math.prod(self.router.global_shape)) + self.E * count(self.experts[0]) + shared

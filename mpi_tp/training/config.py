@@ -11,9 +11,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.core.precision import precision
 from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.routing import DROP_POLICIES, ROUTERS, TOPK_NORMS
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.training.loss_scale import LossScaler
 from mpi_tp.training.optim import SGD, AdamW
+
+MOE_OPTIONS = ("moe_top_k", "moe_every", "moe_capacity", "moe_aux_weight", "moe_z_weight", "moe_router", "moe_topk_norm",
+               "moe_gate_scale", "moe_shared_experts", "moe_drop_policy", "moe_bias_rate")    # what a dense model refuses
 
 
 def opt(default, help, choices=None):
@@ -48,6 +52,19 @@ class TrainConfig:
                               "ceil(factor * S * k / E) are dropped (0: dropless)")
     moe_aux_weight: float = opt(0.01, "weight of the load-balancing loss (Switch / GShard)")
     moe_z_weight: float = opt(0.0, "weight of the router z-loss (ST-MoE)")
+    moe_router: str = opt("softmax", "router: 'softmax' (top-k of softmax over the experts: Switch, GShard), "
+                          "'topk-softmax' (softmax over the top-k logits: Mixtral) or 'sigmoid' (a sigmoid per "
+                          "expert: DeepSeek-V3)", list(ROUTERS))
+    moe_topk_norm: str = opt("auto", "the k gates divided by their sum: 'sum', 'none', or 'auto' (sum when k > 1; "
+                             "topk-softmax always)", list(TOPK_NORMS))
+    moe_gate_scale: float = opt(1.0, "each gate multiplied by this (DeepSeek-V3's routed scaling factor, 2.5)")
+    moe_shared_experts: int = opt(0, "shared experts every token goes through beside its k routed ones "
+                                  "(DeepSeek): one MLP that many expert widths wide, tensor-parallel, on every ep rank")
+    moe_bias_rate: float = opt(0.0, "the aux-loss-free balance (DeepSeek-V3): after each step every expert's "
+                               "choice bias moves by this toward an even load (DeepSeek-V3: 0.001; 0: off)")
+    moe_drop_policy: str = opt("position", "which assignments past --moe-capacity are dropped: by 'position' "
+                               "(later choice ranks, then later positions) or by 'probs' (the lowest gates)",
+                               list(DROP_POLICIES))
     # parallel layout
     tp: int = opt(0, f"tensor-parallel size; 0 = world size / (cp * pp * dp) ({RULE})")
     cp: int = opt(1, "context-parallel size: each sequence cut into 2 cp chunks, two per rank, for the whole "
@@ -196,7 +213,10 @@ class TrainConfig:
                          rope_theta=self.rope_theta, norm_eps=self.norm_eps, tie_word_embeddings=tied,
                          moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every,
                          moe_capacity=self.moe_capacity, moe_aux_weight=self.moe_aux_weight,
-                         moe_z_weight=self.moe_z_weight)
+                         moe_z_weight=self.moe_z_weight, moe_router=self.moe_router,
+                         moe_topk_norm=self.moe_topk_norm, moe_gate_scale=self.moe_gate_scale,
+                         moe_shared_experts=self.moe_shared_experts, moe_drop_policy=self.moe_drop_policy,
+                         moe_bias_rate=self.moe_bias_rate)
 
     def validate(self, world_size: int) -> None:
         for f in fields(self):
@@ -283,8 +303,7 @@ class TrainConfig:
         if ep < 1:
             raise ConfigError(f"--ep must be at least 1, got {ep}")
         if E == 0:
-            set_ = [f"--{k.replace('_', '-')}" for k in ("moe_top_k", "moe_every", "moe_capacity", "moe_aux_weight",
-                                                        "moe_z_weight") if getattr(self, k) != getattr(TrainConfig, k)]
+            set_ = [f"--{k.replace('_', '-')}" for k in MOE_OPTIONS if getattr(self, k) != getattr(TrainConfig, k)]
             if set_:
                 raise ConfigError(f"{', '.join(set_)} set on a dense model: pass --moe-experts E as well, or drop them")
         if ep > 1 and E == 0:

@@ -66,7 +66,9 @@ def model_defaults(cfg: GPTConfig) -> dict:
                    untie_embeddings=not cfg.tied)
     if cfg.moe_experts:
         out.update(moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
-                   moe_capacity=cfg.moe_capacity)
+                   moe_capacity=cfg.moe_capacity, moe_router=cfg.moe_router, moe_topk_norm=cfg.moe_topk_norm,
+                   moe_gate_scale=cfg.moe_gate_scale, moe_shared_experts=cfg.moe_shared_experts,
+                   moe_drop_policy=cfg.moe_drop_policy)
     return out
 
 

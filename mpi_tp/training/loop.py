@@ -117,8 +117,9 @@ def _train(run: Run, cfg: TrainConfig, comm) -> dict:
     moe = model.cfg.moe_experts > 0
     meter = MoEMeter(model, topo.dp, topo.pp) if moe else None
     pipeline = f" ({cfg.schedule}, M={cfg.micro_batches})" if topo.pp.size > 1 else ""
-    experts = (f" (MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, every {cfg.moe_every} block(s), "
-               f"capacity {cfg.moe_capacity or 'none'})") if moe else ""
+    shared = f" + {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else ""
+    experts = (f" (MoE: {cfg.moe_experts} experts{shared}, top-{cfg.moe_top_k} by {cfg.moe_router}, every "
+               f"{cfg.moe_every} block(s), capacity {cfg.moe_capacity or 'none'})") if moe else ""
     mc = model.cfg
     arch = (f" (llama: {mc.n_head} heads, {mc.kv_heads} key/value, MLP {mc.ffn}, "
             f"{'tied' if mc.tied else 'untied'} output layer)") if mc.llama else ""

@@ -30,6 +30,7 @@ import numpy
 
 from mpi_tp.core import memory
 from mpi_tp.core.failpoints import armed
+from mpi_tp.parallel import expert_balance
 from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.pipeline.stage import as_stage, micro_batch_rows
 from mpi_tp.parallel.trace import span
@@ -77,6 +78,7 @@ def train_step(model, opt, x, y, rows: slice, micro_batches: int | None = None, 
     """
     if meter is not None:
         meter.begin()
+    expert_balance.reset(model)
     scale = 1.0 if scaler is None else scaler.scale          # this step's, before the check moves it
     topo = model.topo
     loss = forward_backward(model, x, y, rows, micro_batches, reducer, meter, scale)
@@ -97,6 +99,7 @@ def train_step(model, opt, x, y, rows: slice, micro_batches: int | None = None, 
     with span(topo.stats.trace, "optimizer", "compute", step=step):
         opt.step(lr, grad_scale=clip_coefficient(norm, grad_clip) / scale)     # clip and unscale in the update
     memory.probe("updated")
+    expert_balance.balance_experts(model)            # the aux-loss-free bias (MoE, moe_bias_rate > 0)
     if meter is not None:
         meter.commit()
     return loss, norm, None

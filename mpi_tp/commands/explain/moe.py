@@ -30,7 +30,8 @@ from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.moe import MoEMLP, route
+from mpi_tp.model.moe import MoEMLP
+from mpi_tp.model.routing import route
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
@@ -118,7 +119,8 @@ def moved_rows(routes, E: int, me: int) -> tuple[int, int]:
 def _table(x, layer, routing, first_seq: int, k: int) -> list[str]:
     """One line per token of this replica: global index, (sequence, position), each choice's gate and fate."""
     B, S, C = x.shape
-    _, _, choice, gate = route(x.reshape(B * S, C) @ layer.router.data, k)
+    r = route(x.reshape(B * S, C) @ layer.router.data, k, layer.router_kind, layer.topk_norm, layer.gate_scale)
+    choice, gate = r.choice, r.gate
     lines = [("  token  seq pos  " + "".join(f"{f'choice {j + 1}':<19}" for j in range(k))).rstrip()]
     for n in range(B * S):
         b, t = divmod(n, S)

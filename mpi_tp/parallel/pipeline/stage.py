@@ -100,6 +100,10 @@ class PipelineStage:
         """Every parameter once over the whole pipeline: the output layer's copy of wte left out."""
         return [p for c in self.chunks for p in c.unique_parameters()]
 
+    def buffers(self) -> list:
+        """Every Buffer of this stage's chunks (the MoE blocks' expert biases)."""
+        return [b for c in self.chunks for b in c.buffers()]
+
     def moe_layers(self) -> list:
         """The MoEMLP of every MoE block of this stage, in order."""
         return [m for c in self.chunks for m in c.moe_layers()]
