@@ -21,8 +21,9 @@ COUNTED = re.compile(r"^  (forward|backward) +(\w+/\w+): (\d+) calls?, (\d+) buf
                      re.MULTILINE)
 
 
-def parse(out):
-    """Owners of the experts, and per world rank: ep rank, tp rank, routing rows, counted collectives."""
+def parse(out, wire_is_buffer=True):
+    """Owners of the experts, and per world rank: ep rank, tp rank, routing rows, counted collectives
+    (wire_is_buffer: the all-to-all's wire bytes are what it sends; the all-gather dispatcher's are not)."""
     owner = {}
     for r, names in re.findall(r"rank (\d+): ((?:e\d+ ?)+)", out.split("\n", 2)[1]):
         owner.update({int(e): int(r) for e in re.findall(r"e(\d+)", names)})
@@ -32,7 +33,7 @@ def parse(out):
         tokens = [(int(n), int(b), int(t), [(int(e), float(g), f == "kept") for e, g, f in CHOICE.findall(rest)])
                   for n, b, t, rest in TOKEN.findall(part)]
         found = COUNTED.findall(part)
-        assert all(int(nb) == int(wire) for *_, nb, wire in found)   # all-to-all: what it sends; tp 2: 2(2-1)/2 n
+        assert not wire_is_buffer or all(int(nb) == int(wire) for *_, nb, wire in found)   # tp 2: 2(2-1)/2 n
         counted = {(phase, key): (int(c), int(nb)) for phase, key, c, nb, _ in found}
         ranks.append({"world": int(head[1]), "ep": int(head[2]), "tp": int(head[3]), "tokens": tokens,
                       "counted": counted, "pass": "tolerance 1e-10: PASS" in part})
@@ -107,3 +108,21 @@ def test_moe_lesson_refuses_what_cannot_be_split():
     assert r.returncode == 2 and r.stderr.count("mpi-tp: error: --moe-experts 2 cannot be divided") == 1, r.stderr
     r = mpirun(3, "explain", "--layer", "moe", "--tp", "2", timeout=60)
     assert r.returncode == 2 and r.stderr.count("needs 2 MPI ranks but the job has 3") == 1, r.stderr
+
+
+def test_the_all_gather_dispatcher_prints_its_collectives_and_equals_serial():
+    """--moe-dispatcher allgather at 3 ranks (uneven experts): every rank equals the serial layer; each counts
+    one all-gather of ep x E counts, an all-gather and a reduce-scatter of every replica's admitted rows
+    (worked out here from the printed routing tables) each way, and no all-to-all."""
+    r = mpirun(3, "explain", "--layer", "moe", "--moe-dispatcher", "allgather", "--features", str(C), "--seq", str(S),
+               timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    _, ranks = parse(out, wire_is_buffer=False)
+    assert len(ranks) == 3 and all(rk["pass"] for rk in ranks), out
+    admitted = sum(kept for rk in ranks for *_, picks in rk["tokens"] for _, _, kept in picks)
+    want = {("forward", "ep/all_gather_counts"): (1, 3 * 4 * 8)}
+    for phase in ("forward", "backward"):
+        want.update({(phase, "ep/all_gather"): (1, admitted * C * 8), (phase, "ep/reduce_scatter"): (1, admitted * C * 8)})
+    assert all(rk["counted"] == want for rk in ranks), (want, [rk["counted"] for rk in ranks])
+    assert "all_to_all" not in out and "(all-gather rows and counts)" in out

@@ -13,7 +13,11 @@ from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.model.gpt import GPT
 from mpi_tp.parallel.data_parallel import GradReducer
 from mpi_tp.parallel.expert_balance import balance_experts
-from mpi_tp.parallel.expert_parallel import ExpertDispatcher, expert_of
+from mpi_tp.parallel.expert_parallel import (
+    ExpertDispatcher,
+    GatherDispatcher,
+    expert_of,
+)
 from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
@@ -33,6 +37,8 @@ MOE = {   # E = 3 splits unevenly over ep = 2 (2 + 1); E = 4 over ep = 3 (2 + 1 
                                        moe_drop_policy="probs"),
     # the aux-loss-free balance: the bias moved by the global batch's loads after each step
     "E4-top2-sigmoid-bias": dict(moe_experts=4, moe_top_k=2, moe_router="sigmoid", moe_bias_rate=0.05),
+    # the all-gather dispatcher (the others: all-to-all)
+    "E3-top2-capacity-allgather": dict(moe_experts=3, moe_top_k=2, moe_capacity=1.0, moe_dispatcher="allgather"),
 }
 B, T, STEPS = 2, 8, 5                               # sequences per replica, positions, AdamW steps
 
@@ -181,13 +187,14 @@ def test_all_to_all_calls_and_bytes(world):
         topo.free()
 
 
-def test_dispatch_and_combine_closed_form(world):
+@pytest.mark.parametrize("dispatcher", [ExpertDispatcher, GatherDispatcher])
+def test_dispatch_and_combine_closed_form(world, dispatcher):
     """Rank s sends (s + e) % 3 rows to expert e, each row filled with 100 s + e; expert j's rows must
-    arrive source by source; combine brings 2 x those rows back in the sender's order."""
+    arrive source by source; combine brings 2 x those rows back in the sender's order. Both dispatchers."""
     n = world.Get_size()
     topo = Topology.create(world, tp=1, dp=n, ep=n)
     E = n + 1 if n > 1 else 3                               # uneven: one rank holds two experts
-    d = ExpertDispatcher(E, topo.ep)
+    d = dispatcher(E, topo.ep)
     s = topo.ep.rank
     per_expert = np.array([(s + e) % 3 for e in range(E)])
     x = np.concatenate([np.full((per_expert[e], 4), 100.0 * s + e) for e in range(E)])
@@ -199,6 +206,42 @@ def test_dispatch_and_combine_closed_form(world):
     back = d.combine(2 * got, plan)
     assert all_true(np.array_equal(back, 2 * x), world), "combine is not dispatch's inverse"
     topo.free()
+
+
+def test_both_dispatchers_give_the_same_numbers(world):
+    """At ep = every rank (and tp 2 x ep 2 at 4 ranks): the all-gather dispatcher's loss and every gradient
+    equal the all-to-all's bit for bit. Its collectives, per MoE layer: one all-gather of the E row counts of
+    every rank, two all-gathers of the ep group's rows (dispatch, and combine's gradient) and two
+    reduce-scatters (combine, and dispatch's gradient), each of (rows of the ep group) x C x 8 bytes; no
+    all-to-all."""
+    n = world.Get_size()
+    tp, ep = (2, 2) if n == 4 else (1, n)
+    x, y = global_batch(0, B * n // tp)
+    grads, snaps = {}, {}
+    for kind in ("alltoall", "allgather"):
+        cfg = GPTConfig(**{**CFG, "dropout": 0.0}, **MOE["E3-top2-capacity"], moe_dispatcher=kind)
+        topo = Topology.create(world, tp=tp, dp=n // tp, ep=ep)
+        model = GPT(cfg, topo, dtype="float64", seed=3)
+        mine = topo.replica_rows(B)
+        topo.stats.reset()
+        loss = model.forward(x[mine], y[mine])
+        model.backward()
+        snaps[kind] = topo.stats.snapshot()
+        grads[kind] = [loss] + [p.grad.copy() for p in model.parameters()]
+        rows = sum(topo.ep.comm.allreduce(int(m.routing[1].sum())) for m in model.moe_layers())
+        L, C = len(model.moe_layers()), cfg.n_embd
+        topo.free()
+    same = all(np.array_equal(a, b) for a, b in zip(grads["alltoall"], grads["allgather"]))
+    assert all_true(same, world), "the dispatchers' losses or gradients differ"
+    g = snaps["allgather"]
+    if ep == 1:
+        ok = not any(k.startswith("ep/") for k in g)
+    else:
+        ok = (not any("all_to_all" in k for k in g) and g["ep/all_gather_counts"]["calls"] == L
+              and g["ep/all_gather_counts"]["bytes"] == L * ep * 3 * 8
+              and g["ep/all_gather"]["calls"] == 2 * L and g["ep/all_gather"]["bytes"] == 2 * rows * C * 8
+              and g["ep/reduce_scatter"]["calls"] == 2 * L and g["ep/reduce_scatter"]["bytes"] == 2 * rows * C * 8)
+    assert all_true(ok, world), f"all-gather dispatcher's counters at tp={tp} ep={ep}: {g}"
 
 
 def test_recompute_full_gives_the_same_gradients(world):

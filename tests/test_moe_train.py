@@ -159,16 +159,16 @@ def test_checkpoint_at_ep2_resumes_bitwise_and_loads_elsewhere(tmp_path, referen
 
 @cli
 def test_the_expert_bias_is_saved_and_resumed_bitwise(tmp_path):
-    """--moe-bias-rate at dp 2 x ep 2 with micro-batches: the checkpoint holds each MoE block's bias (moved:
-    not zero), a run resumed from step 2 equals the straight one bit for bit, and the bias is read back and
+    """--moe-bias-rate on one rank (the loads summed over replicas: tests/test_moe.py): the checkpoint holds
+    each MoE block's bias (moved: not zero), a run resumed from step 2 equals the straight one bit for bit, and the bias is read back and
     steers the routing: evaluated with its biases deleted (as a checkpoint saved before they existed, which
     still loads, biases zero) the same checkpoint gives another loss. (A rate this large, 0.5 against sigmoid
     scores in (0, 1), makes the bias decide the choices; the sign steps of a small one can cancel out.)"""
     a, b = tmp_path / "a", tmp_path / "b"
     rate = ["--moe-router", "sigmoid", "--moe-bias-rate", "0.5", "--moe-shared-experts", "1"]
-    train(a, "dp2-ep2-micro2", *rate, "--steps", "3")       # an odd number of +-rate steps: no bias back at 0
-    train(b, "dp2-ep2-micro2", *rate, "--steps", "2")
-    train(b, "dp2-ep2-micro2", *rate, "--steps", "3", "--resume")
+    train(a, "one", *rate, "--steps", "3")                  # an odd number of +-rate steps: no bias back at 0
+    train(b, "one", *rate, "--steps", "2")
+    train(b, "one", *rate, "--steps", "3", "--resume")
     drop = ("step_s", "tokens_per_s", "comm_s", "elapsed_s")
     (sa, va), (sb, vb) = metrics(a), metrics(b)
     assert [{k: v for k, v in s.items() if k not in drop} for s in sa] == \

@@ -180,7 +180,7 @@ class Checkpoint:
 
 # How a model is trained, not what it is: these may differ between a checkpoint and the model loading it.
 TRAINING_ONLY = ("dropout", "moe_capacity", "moe_aux_weight", "moe_z_weight", "moe_drop_policy",
-                 "moe_bias_rate")
+                 "moe_bias_rate", "moe_dispatcher")
 
 
 def check_model_config(ckpt: Checkpoint, cfg) -> None:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, replace
 
 from mpi_tp.core.errors import UserError
 from mpi_tp.model.routing import DROP_POLICIES, ROUTERS, TOPK_NORMS
+
+DISPATCHER_KINDS = ("alltoall", "allgather")      # mpi_tp.parallel.expert_parallel.DISPATCHERS
 from mpi_tp.parallel.topology import TopologyError, check_splittable
 
 
@@ -48,6 +50,7 @@ class GPTConfig:
     moe_drop_policy: str = "position"   # past the capacity, drop by "position" (choice rank, then position)
     #                                     or by "probs" (the lowest gates first)
     moe_bias_rate: float = 0.0    # the aux-loss-free balance's bias step (DeepSeek-V3: 0.001); 0: the bias stays 0
+    moe_dispatcher: str = "alltoall"    # how tokens reach their experts over ep: "alltoall" or "allgather"
 
     @property
     def llama(self) -> bool:
@@ -147,7 +150,7 @@ class GPTConfig:
             if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
                 raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
         for key, choices in (("moe_router", ROUTERS), ("moe_topk_norm", TOPK_NORMS),
-                             ("moe_drop_policy", DROP_POLICIES)):
+                             ("moe_drop_policy", DROP_POLICIES), ("moe_dispatcher", DISPATCHER_KINDS)):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"{key} = {getattr(self, key)!r}: choose one of {', '.join(choices)}")
         if self.moe_router == "topk-softmax" and self.moe_topk_norm == "none":

@@ -67,7 +67,7 @@ from mpi_tp.core.precision import computed, is_half, stored, sum_rows
 from mpi_tp.core.weight_grads import weight_grad
 from mpi_tp.model.experts import Expert, SwiGLUExpert
 from mpi_tp.model.routing import admitted, balance_loss, route, route_backward, z_loss
-from mpi_tp.parallel.expert_parallel import ExpertDispatcher, mark_expert
+from mpi_tp.parallel.expert_parallel import DISPATCHERS, mark_expert
 from mpi_tp.parallel.sequence_parallel import (
     gather_positions,
     gather_positions_backward,
@@ -109,7 +109,7 @@ class MoEMLP(Module):
         fp = numpy.float32 if is_half(self.router.data) else self.router.data.dtype      # the router's arithmetic
         self.expert_bias = Buffer(f"{name}/router/expert_bias", backend.xp().zeros(self.E, fp))
         self.load = backend.xp().zeros(self.E, dtype=numpy.int64)
-        self.dispatcher = ExpertDispatcher(self.E, topo.ep)
+        self.dispatcher = DISPATCHERS[cfg.moe_dispatcher](self.E, topo.ep)
         expert = SwiGLUExpert if cfg.llama else Expert
         self.experts = [expert(f"{name}/experts/{e}", cfg, topo.tp, dtype, seed) for e in self.dispatcher.local]
         for e, expert_e in zip(self.dispatcher.local, self.experts):

@@ -128,3 +128,55 @@ class ExpertDispatcher:
     # Each is the other's gradient: they only move rows.
     dispatch_backward = combine
     combine_backward = dispatch
+
+
+@dataclass
+class GatherPlan:
+    """Every rank's rows, for one all-gather dispatch and its combine (data, host integers).
+
+    rows[r]: rows ep rank r sends (its admitted assignments, sorted by expert); expert_rows[j]: rows of the
+    gathered array for local expert j; order: which gathered rows those are, expert by expert, in the order
+    the all-to-all's plan gives them (by source, then the source's order), so both dispatchers hand the
+    experts the same rows in the same order."""
+
+    rows: list
+    expert_rows: list
+    order: object
+
+
+class GatherDispatcher(ExpertDispatcher):
+    """The all-gather dispatcher (Megatron's --moe-token-dispatcher-type allgather): every rank gathers every
+    ep rank's rows, its experts take theirs, and a reduce-scatter brings each result back to its sender (the
+    other ranks add zeros to a row: its sum is exact). It moves every row to every rank, ep - 1 times the
+    all-to-all's rows when the routing is uniform, with two collectives that need no count exchange ahead of
+    the rows (the row counts travel in one small all-gather); identical outputs (tests/test_moe.py)."""
+
+    def plan(self, per_expert) -> GatherPlan:
+        """per_expert (E,): rows this rank sends to each expert. One all-gather of E integers."""
+        per_expert = numpy.asarray(backend.asnumpy(per_expert), dtype=numpy.int64)
+        table = self.group.all_gather(per_expert[None, :], [1] * self.group.size, axis=0,
+                                      kind="all_gather_counts")           # (ep, E): source s, expert e
+        rows = [int(n) for n in table.sum(axis=1)]
+        first = numpy.cumsum(table.reshape(-1)) - table.reshape(-1)          # each (source, expert) block's row
+        first = first.reshape(table.shape)
+        order = numpy.concatenate([numpy.arange(first[s, e], first[s, e] + table[s, e])
+                                   for e in self.local for s in range(self.group.size)] + [numpy.zeros(0, int)])
+        return GatherPlan(rows, [int(table[:, e].sum()) for e in self.local],
+                          backend.asarray(order.astype(numpy.int64)))
+
+    def dispatch(self, x_send, plan: GatherPlan):
+        """x_send (n_send, C), sorted by expert -> x_recv (n_recv, C): this rank's experts' rows of all ranks."""
+        return self.group.all_gather(x_send, plan.rows, axis=0, kind="all_gather")[plan.order]
+
+    def combine(self, y_recv, plan: GatherPlan):
+        """y_recv (n_recv, C) -> y_send (n_send, C): every rank's rows, zeros but for this rank's experts',
+        summed over the group and cut back to each sender's."""
+        everyone = backend.array_module(y_recv).zeros((sum(plan.rows),) + y_recv.shape[1:], dtype=y_recv.dtype)
+        everyone[plan.order] = y_recv
+        return self.group.reduce_scatter(everyone, plan.rows, axis=0, kind="reduce_scatter")
+
+    dispatch_backward = combine
+    combine_backward = dispatch
+
+
+DISPATCHERS = {"alltoall": ExpertDispatcher, "allgather": GatherDispatcher}

@@ -10,14 +10,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.core.precision import precision
-from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.config import DISPATCHER_KINDS, ConfigError, GPTConfig
 from mpi_tp.model.routing import DROP_POLICIES, ROUTERS, TOPK_NORMS
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.training.loss_scale import LossScaler
 from mpi_tp.training.optim import SGD, AdamW
 
 MOE_OPTIONS = ("moe_top_k", "moe_every", "moe_capacity", "moe_aux_weight", "moe_z_weight", "moe_router", "moe_topk_norm",
-               "moe_gate_scale", "moe_shared_experts", "moe_drop_policy", "moe_bias_rate")    # what a dense model refuses
+               "moe_gate_scale", "moe_shared_experts", "moe_drop_policy", "moe_bias_rate",
+               "moe_dispatcher")    # what a dense model refuses
 
 
 def opt(default, help, choices=None):
@@ -62,6 +63,9 @@ class TrainConfig:
                                   "(DeepSeek): one MLP that many expert widths wide, tensor-parallel, on every ep rank")
     moe_bias_rate: float = opt(0.0, "the aux-loss-free balance (DeepSeek-V3): after each step every expert's "
                                "choice bias moves by this toward an even load (DeepSeek-V3: 0.001; 0: off)")
+    moe_dispatcher: str = opt("alltoall", "how tokens reach their experts over --ep: 'alltoall' (each row to its "
+                              "expert's rank and back) or 'allgather' (every row to every rank, the results "
+                              "back by a reduce-scatter); the same numbers", list(DISPATCHER_KINDS))
     moe_drop_policy: str = opt("position", "which assignments past --moe-capacity are dropped: by 'position' "
                                "(later choice ranks, then later positions) or by 'probs' (the lowest gates)",
                                list(DROP_POLICIES))
@@ -216,7 +220,7 @@ class TrainConfig:
                          moe_z_weight=self.moe_z_weight, moe_router=self.moe_router,
                          moe_topk_norm=self.moe_topk_norm, moe_gate_scale=self.moe_gate_scale,
                          moe_shared_experts=self.moe_shared_experts, moe_drop_policy=self.moe_drop_policy,
-                         moe_bias_rate=self.moe_bias_rate)
+                         moe_bias_rate=self.moe_bias_rate, moe_dispatcher=self.moe_dispatcher)
 
     def validate(self, world_size: int) -> None:
         for f in fields(self):

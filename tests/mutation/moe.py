@@ -130,4 +130,10 @@ MUTANTS = [
            "an overloaded expert's bias rises (the balance made worse)",
            "mpi_tp/parallel/expert_balance.py", "numpy.sign(load.mean() - load)", "numpy.sign(load - load.mean())",
            (f"{ROUTING}::test_the_expert_bias_moves_toward_an_even_load",), (1,)),
+    Mutant("moe/allgather-hands-rows-by-source",
+           "the all-gather dispatcher hands its experts the gathered rows source by source, not expert by expert",
+           "mpi_tp/parallel/expert_parallel.py",
+           "                                   for e in self.local for s in range(self.group.size)]",
+           "                                   for s in range(self.group.size) for e in self.local]",
+           ("tests/test_moe.py::test_dispatch_and_combine_closed_form[GatherDispatcher]",), (2, 3)),
 ]

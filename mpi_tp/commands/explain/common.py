@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 ALL_REDUCE_KINDS = ("all_reduce", "iall_reduce", "sp_grad_all_reduce", "embedding_all_reduce", "grad_norm",
                     "kv_grad_all_reduce")
-HALF_KINDS = ("all_gather", "regather", "reduce_scatter", "reduce")      # (G-1)/G n: half an all-reduce
+HALF_KINDS = ("all_gather", "all_gather_counts", "regather", "reduce_scatter", "reduce")      # (G-1)/G n: half an all-reduce
 
 
 def wire_bytes(kind: str, n: float, G: int) -> float:

@@ -4,6 +4,7 @@ split over the ranks of the job.
     mpiexec -n 2 mpi-tp explain --layer moe                           # ep = 2: 4 experts, 2 per rank
     mpiexec -n 3 mpi-tp explain --layer moe --moe-top-k 1 --moe-capacity 0   # 4 experts: 2 + 1 + 1, dropless
     mpiexec -n 4 mpi-tp explain --layer moe --tp 2                    # T = 2 inside each of ep = 2 replicas
+    mpiexec -n 2 mpi-tp explain --layer moe --moe-dispatcher allgather   # every row to every rank instead
 
 Builds one MoEMLP (float64, random weights) at T = --tp (default 1) and
 ep = D = world size / T: each replica holds B sequences of S tokens of its
@@ -48,7 +49,9 @@ LESSON = ("MoEMLP: a router (W_r, C x E, whole on every rank) scores each token;
           "carries every admitted row to its expert's rank; combine: the inverse Alltoallv brings the "
           "results back. Backward: the same two exchanges in reverse (combine's gradient is a dispatch). "
           "With --tp > 1 each expert is also split column/row over the tp ranks, with one g (all-reduce) "
-          "for all of a rank's experts.")
+          "for all of a rank's experts. With --moe-dispatcher allgather an all-gather carries every rank's "
+          "rows to every rank instead, each keeps its experts' rows, and a reduce-scatter sums the results "
+          "(zeros but the owner's) back to their senders: more bytes, no count exchange, the same numbers.")
 DENSE = ("Beside the dense MLP (mpi-tp explain --layer mlp): there every rank holds every token and a slice "
          "of every weight, and the activations are all-reduced (g forward, f backward), whatever the routing. "
          "Here every rank holds whole experts and only its own tokens, and the tokens travel: an all-to-all "
@@ -58,6 +61,11 @@ ROLES = {
     ("forward", "ep/all_to_all"): "the row counts per expert, before the rows",
     ("forward", "ep/all_to_allv"): "dispatch the rows to the experts' ranks, combine the results back",
     ("backward", "ep/all_to_allv"): "output gradients to the experts, input gradients back",
+    ("forward", "ep/all_gather_counts"): "every rank's row counts per expert (all-gather dispatcher)",
+    ("forward", "ep/all_gather"): "every rank's rows to every rank; each keeps its experts' (dispatch)",
+    ("forward", "ep/reduce_scatter"): "the results, zeros but the owner's, summed back to each sender (combine)",
+    ("backward", "ep/all_gather"): "every output gradient row to every rank (combine's gradient)",
+    ("backward", "ep/reduce_scatter"): "the input gradients summed back to each sender (dispatch's gradient)",
     ("forward", "tp/all_reduce"): "g: sum the experts' partial outputs, once for all local experts",
     ("backward", "tp/all_reduce"): "f's backward: sum the partial input gradients",
 }
@@ -71,6 +79,8 @@ def add_arguments(e) -> None:
     e.add_argument("--moe-capacity", type=float, default=1.0,
                    help="with --layer moe (or step): capacity factor per sequence and expert (default 1.0; "
                         "0: dropless)")
+    e.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+                   help="with --layer moe: how rows reach the experts (default alltoall)")
     e.add_argument("--tp", type=int, default=None,
                    help="with --layer moe: tensor-parallel size inside each replica (default 1; ep = ranks / T)")
 
@@ -94,7 +104,8 @@ def plan(args, world: int) -> dict:
     if 4 * C < tp:
         raise UserError(f"an expert's width 4C = {4 * C} cannot be split over --tp {tp}: use --features {tp} or more")
     cfg = GPTConfig(vocab_size=1, block_size=S, n_layer=1, n_head=1, n_embd=C, moe_experts=E, moe_top_k=k,
-                    moe_capacity=capacity, moe_aux_weight=AUX_WEIGHT, moe_z_weight=Z_WEIGHT)
+                    moe_capacity=capacity, moe_aux_weight=AUX_WEIGHT, moe_z_weight=Z_WEIGHT,
+                    moe_dispatcher=args.moe_dispatcher)
     cfg.validate(1, ep)
     cap = math.ceil(round(capacity * S * k / E, 9)) if capacity else None
     return {"cfg": cfg, "B": B, "S": S, "C": C, "E": E, "k": k, "tp": tp, "ep": ep, "cap": cap}
@@ -137,7 +148,15 @@ def _expected(p: dict, routes, me: int, rows_here: int) -> dict:
     out, back = moved_rows(routes, E, me)
     a2av = (out + back) * C * 8
     expect, why = {}, {}
-    if ep > 1:
+    if ep > 1 and p["cfg"].moe_dispatcher == "allgather":
+        total = sum(int(a.sum()) for _, a in routes)                    # every replica's admitted rows
+        expect[("forward", "ep/all_gather_counts")] = (1, ep * E * 8)
+        why[("forward", "ep/all_gather_counts")] = f"ep x E x 8 (int64 counts) = {ep} x {E} x 8"
+        for phase in ("forward", "backward"):
+            for key in ("ep/all_gather", "ep/reduce_scatter"):
+                expect[(phase, key)] = (1, total * C * 8)
+                why[(phase, key)] = f"(every replica's {total} admitted rows) x C {C} x 8 bytes"
+    elif ep > 1:
         counts = (ep - 1) * max(split_sizes(E, ep)) * 8
         expect[("forward", "ep/all_to_all")] = (1, counts)
         why[("forward", "ep/all_to_all")] = (f"(ep - 1) x E_max x 8 (int64 counts) = {ep - 1} x "
@@ -216,7 +235,8 @@ def lesson(args, comm) -> bool:
     me, local = topo.ep.rank, list(par.dispatcher.local)
     rows = {e: sum(int((a & (c == e)).sum()) for c, a in routes) for e in local}
     formula = _expected(p, routes, me, sum(rows.values()))
-    G = {f"{g.name}/{k}": g.size for g in (topo.ep, topo.tp) for k in ("all_to_all", "all_to_allv", "all_reduce")}
+    G = {f"{g.name}/{k}": g.size for g in (topo.ep, topo.tp)
+         for k in ("all_to_all", "all_to_allv", "all_reduce", "all_gather_counts", "all_gather", "reduce_scatter")}
     counted = {(phase, key): (v["calls"], v["bytes"]) for phase, snap in (("forward", fwd), ("backward", bwd))
                for key, v in snap.items()}
     sizes = {key: G[key] for snap in (fwd, bwd) for key in snap}
@@ -264,7 +284,8 @@ def lesson(args, comm) -> bool:
               f"assignments (the same ones at every layout: capacity is per sequence)")
         print(f"\n{textwrap.fill(DENSE, 100)}\nOn these N = {N} tokens: the dense MLP at T = {world} all-reduces "
               f"(N, C) = {dense} bytes forward and {dense} backward on every rank (ring: {2 * (world - 1) / world:.2f}"
-              f" x that on the wire); here a rank sent {mean_sent:.0f} bytes forward on average (all-to-all "
+              f" x that on the wire); here a rank sent {mean_sent:.0f} bytes forward on average "
+              f"({cfg.moe_dispatcher.replace('allgather', 'all-gather').replace('alltoall', 'all-to-all')} "
               f"{'rows and counts' if ep > 1 else ': none, one rank'}).")
         print(f"moe: all ranks equal the serial layer: {'yes' if every else 'no'}")
     topo.free()
