@@ -198,7 +198,6 @@ class Buffer:
     axis = None
     start = stop = 0
     replicas = None
-
     sharded = False
 
     @property

@@ -211,7 +211,7 @@ class RowParallelLinear(Module):
     def backward(self, dout):
         x, seq = self.take_cache()
         whole = leave_tp_backward(dout, self.group, seq)                # sp: (B, S_i, O) -> (B, S, O)
-        dx = kern.linear_backward_input(whole, self.weight.data)                      # (B, S, O) -> (B, S, K_i)
+        dx = kern.linear_backward_input(whole, self.weight.data)        # (B, S, O) -> (B, S, K_i)
         weight_grad(self._weights_grad, dout, whole, x)
         if not self.input_is_parallel:
             dx = scatter_to_tp_backward(dx, self.group, self.sizes)

@@ -10,15 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.core.precision import precision
-from mpi_tp.model.config import DISPATCHER_KINDS, ConfigError, GPTConfig
+from mpi_tp.model.config import DISPATCHER_KINDS, GPTConfig
 from mpi_tp.model.routing import DROP_POLICIES, ROUTERS, TOPK_NORMS
 from mpi_tp.parallel.layout import RULE, Layout
+from mpi_tp.training.config_checks import check
 from mpi_tp.training.loss_scale import LossScaler
 from mpi_tp.training.optim import SGD, AdamW
-
-MOE_OPTIONS = ("moe_top_k", "moe_every", "moe_capacity", "moe_aux_weight", "moe_z_weight", "moe_router", "moe_topk_norm",
-               "moe_gate_scale", "moe_shared_experts", "moe_drop_policy", "moe_bias_rate",
-               "moe_dispatcher")    # what a dense model refuses
 
 
 def opt(default, help, choices=None):
@@ -179,35 +176,6 @@ class TrainConfig:
                          reducer=reducer)
         return SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, reducer=reducer)
 
-    def _validate_loss_scale(self) -> None:
-        names = ("initial_loss_scale", "loss_scale_window", "loss_scale_backoff", "min_loss_scale")
-        if self.precision != "fp16":
-            default = {f.name: f.default for f in fields(self)}
-            changed = [f"--{n.replace('_', '-')}" for n in names if getattr(self, n) != default[n]]
-            if changed:
-                raise ConfigError(f"{', '.join(changed)}: loss scaling is for --precision fp16 (bf16 has fp32's "
-                                  "exponent range and needs none)")
-            return
-        try:
-            self.loss_scaler()
-        except ValueError as e:
-            raise ConfigError(f"fp16 loss scaling: {e}") from None
-
-    def _validate_precision(self) -> None:
-        """16 bits' reach, in CLI terms: every layout (tp, sp, cp, pp, dp, ZeRO-1, ep); bf16 on NumPy, fp16
-        on NumPy and CuPy; what they do not run with is one line each (a float64 checkpoint: build)."""
-        if self.precision == "fp32":
-            if self.fp32_grads:
-                raise ConfigError("--fp32-grads is for --precision bf16 or fp16 (fp32 gradients are fp32 already)")
-            return
-        if self.dtype != "float32":
-            raise ConfigError(f"--precision {self.precision} with --dtype {self.dtype}: 16-bit training keeps fp32 "
-                              "masters (leave --dtype float32), or train in float64 with --precision fp32")
-        if self.precision == "bf16" and self.backend != "numpy":   # emulated, it would save no byte
-            raise ConfigError("--precision bf16 runs on --backend numpy only: CuPy has no bfloat16 dtype "
-                              "(cupy/cupy#7527) and mpi_tp does not emulate it; use --precision fp16 (CuPy's "
-                              "float16) or fp32 on CuPy")
-
     def model_config(self, vocab_size: int = 256) -> GPTConfig:
         """The model to build; vocab_size: the data's, when the vocab_size option is 0."""
         tied = True if self.tie_embeddings else False if self.untie_embeddings else None    # None: arch's
@@ -215,107 +183,12 @@ class TrainConfig:
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, arch=self.arch,
                          n_kv_head=self.n_kv_head or None, intermediate_size=self.intermediate_size or None,
                          rope_theta=self.rope_theta, norm_eps=self.norm_eps, tie_word_embeddings=tied,
-                         moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every,
-                         moe_capacity=self.moe_capacity, moe_aux_weight=self.moe_aux_weight,
-                         moe_z_weight=self.moe_z_weight, moe_router=self.moe_router,
-                         moe_topk_norm=self.moe_topk_norm, moe_gate_scale=self.moe_gate_scale,
-                         moe_shared_experts=self.moe_shared_experts, moe_drop_policy=self.moe_drop_policy,
-                         moe_bias_rate=self.moe_bias_rate, moe_dispatcher=self.moe_dispatcher)
+                         **{f.name: getattr(self, f.name) for f in fields(GPTConfig) if f.name.startswith("moe_")})
 
     def validate(self, world_size: int) -> None:
-        for f in fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ConfigError(f"{f.name} = {getattr(self, f.name)!r}: choose one of "
-                                  f"{', '.join(map(str, choices))}")
-        for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        for key in ("warmup", "sample_len", "save_every", "keep", "vocab_size"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        if self.resume and not self.out:
-            raise ConfigError("--resume needs --out: the folder of the run to continue")
-        if self.resume and self.init_from:
-            raise ConfigError("use either --resume or --init-from, not both")
-        if self.overwrite and self.resume:
-            raise ConfigError("use either --resume (continue the run in --out) or --overwrite (move it aside and "
-                              "start afresh), not both")
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        if self.dp < 1 or self.pp < 1 or self.tp < 0 or self.virtual_stages < 1:
-            raise ConfigError(f"dp, pp and virtual_stages must be at least 1 and tp at least 0 (0: world size "
-                              f"/ (pp * dp)), got tp={self.tp} pp={self.pp} dp={self.dp} "
-                              f"virtual_stages={self.virtual_stages}")
-        if self.zero >= 2 and self.dp_allreduce == "hierarchical":
-            raise ConfigError(f"--zero {self.zero} drops each bucket's gradients after its flat reduce-scatter: use "
-                              "--dp-allreduce flat (or --zero 1 with the hierarchical all-reduce)")
-        if self.schedule == "zb-v" and self.virtual_stages != 2:
-            raise ConfigError(f"--schedule zb-v places two chunks per stage in a V: use --virtual-stages 2 "
-                              f"(got {self.virtual_stages})")
-        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zb-v"):
-            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved (or zb-v)")
-        if self.schedule == "interleaved" and self.micro_batches % self.pp:
-            raise ConfigError(f"the interleaved schedule needs a multiple of the {self.pp} pipeline stages as "
-                              f"--micro-batches, got {self.micro_batches}")
-        if self.n_layer < self.pp * self.virtual_stages:
-            raise ConfigError(f"{self.n_layer} layers cannot fill {self.pp} pipeline stages x "
-                              f"{self.virtual_stages} chunks: every chunk needs a block")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        self._validate_cp()
-        self._validate_moe()
-        self._validate_precision()
-        self._validate_loss_scale()
-        lay = self.layout(world_size)          # the world-size rule and the others: Layout.check
-        self._validate_arch()
-        self.model_config().validate(lay.tp, lay.ep)
-
-    def _validate_cp(self) -> None:
-        """Context parallelism, in CLI terms."""
-        if self.cp < 1:
-            raise ConfigError(f"--cp must be at least 1, got {self.cp}")
-        if self.cp == 1:
-            return
-        if self.moe_experts:
-            raise ConfigError(f"--cp {self.cp} runs dense models for now: drop --moe-experts, or use --cp 1")
-        if self.block_size < 2 * self.cp:
-            raise ConfigError(f"--cp {self.cp} cuts each sequence into {2 * self.cp} chunks: --block-size "
-                              f"{self.block_size} is too short (at least {2 * self.cp})")
-
-    def _validate_arch(self) -> None:
-        """The architecture's options, in CLI terms (the model's own checks follow: GPTConfig.validate)."""
-        if self.n_kv_head < 0 or self.intermediate_size < 0:
-            raise ConfigError(f"--n-kv-head and --intermediate-size must be >= 0 (0: the default), got "
-                              f"{self.n_kv_head} and {self.intermediate_size}")
-        if self.tie_embeddings and self.untie_embeddings:
-            raise ConfigError("use either --tie-embeddings or --untie-embeddings, not both")
-        if self.arch == "gpt2":
-            llama_only = ("n_kv_head", "rope_theta", "untie_embeddings", "tie_embeddings")
-            given = [f"--{k.replace('_', '-')}" for k in llama_only if getattr(self, k) != getattr(TrainConfig, k)]
-            if given:
-                raise ConfigError(f"{', '.join(given)} set with --arch gpt2: llama options (pass --arch llama, "
-                                  "or drop them)")
-
-    def _validate_moe(self) -> None:
-        """The expert-parallel layout, in CLI terms."""
-        E, ep = self.moe_experts, self.ep
-        if ep < 1:
-            raise ConfigError(f"--ep must be at least 1, got {ep}")
-        if E == 0:
-            set_ = [f"--{k.replace('_', '-')}" for k in MOE_OPTIONS if getattr(self, k) != getattr(TrainConfig, k)]
-            if set_:
-                raise ConfigError(f"{', '.join(set_)} set on a dense model: pass --moe-experts E as well, or drop them")
-        if ep > 1 and E == 0:
-            raise ConfigError(f"--ep {ep} needs a mixture-of-experts model: pass --moe-experts E (E >= {ep}), "
-                              "or drop --ep")
-        if E > 0 and ep > E:
-            raise ConfigError(f"--ep {ep} exceeds --moe-experts {E}: some rank would hold no expert; use "
-                              f"--ep <= {E} or more experts")
+        """Refuse a configuration that cannot run on world_size ranks: one ConfigError (or TopologyError)
+        that says what to change (mpi_tp.training.config_checks)."""
+        check(self, world_size)
 
     def layout(self, world_size: int) -> Layout:
         """The layout of a job of world_size ranks (tp 0: what cp x pp x dp leave), checked: TopologyError
