@@ -35,7 +35,7 @@ def test_train_at_cp_2_equals_the_serial_run(tmp_path):
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--cp", "2", "--moe-experts", "2"], "runs dense models for now"),
+    (["--cp", "2", "--moe-experts", "4", "--ep", "4"], "--ep 4 x --etp 1 = 4 must divide tp x cp x dp = 2"),
     (["--cp", "3"], "needs 3 MPI ranks but the job has 2"),
     (["--cp", "2", "--block-size", "3"], "too short (at least 4)"),
 ])

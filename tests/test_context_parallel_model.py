@@ -121,8 +121,6 @@ def test_a_checkpoint_saved_at_cp_loads_without_it(world, tmp_path_factory):
 
 def test_what_cp_does_not_run_is_one_line(world):
     topo = Topology.create(world, tp=1, cp=world.Get_size())
-    with pytest.raises(ConfigError, match="context parallelism"):
-        GPT(GPTConfig(vocab_size=37, block_size=S, n_layer=2, n_head=4, n_embd=16, moe_experts=2), topo)
     model = GPT(cfg("gpt2"), topo)
     with pytest.raises(ConfigError, match="sampling needs the whole sequence"):
         model.last_logits(np.zeros((1, S), dtype=np.int64))

@@ -33,25 +33,34 @@ def parse(out, wire_is_buffer=True):
         tokens = [(int(n), int(b), int(t), [(int(e), float(g), f == "kept") for e, g, f in CHOICE.findall(rest)])
                   for n, b, t, rest in TOKEN.findall(part)]
         found = COUNTED.findall(part)
-        assert not wire_is_buffer or all(int(nb) == int(wire) for *_, nb, wire in found)   # tp 2: 2(2-1)/2 n
+        assert not wire_is_buffer or all(int(nb) == int(wire) for *_, nb, wire in found)
         counted = {(phase, key): (int(c), int(nb)) for phase, key, c, nb, _ in found}
         ranks.append({"world": int(head[1]), "ep": int(head[2]), "tp": int(head[3]), "tokens": tokens,
                       "counted": counted, "pass": "tolerance 1e-10: PASS" in part})
     return owner, ranks
 
 
-def expected(owner, routing, me, ep, tp, E):
-    """The counters of ep rank `me`, from the routing tables of every replica (ep rank -> tokens)."""
-    out = sum(kept and owner[e] != me for _, _, _, picks in routing[me] for e, _, kept in picks)
-    back = sum(kept and owner[e] == me for s in routing if s != me for _, _, _, picks in routing[s]
+def expected(owner, routing, me, j, ep, tp, E, B, k):
+    """The counters of ep rank `me`, tp rank j, from the routing tables of every replica (ep rank -> tokens):
+    each tp rank sends the rows of the positions it owns (split_sizes(S, tp), as sequence parallelism cuts)."""
+    sizes = split_sizes(S, tp)
+    mine = range(sum(sizes[:j]), sum(sizes[:j + 1]))
+    out = sum(kept and owner[e] != me for _, _, t, picks in routing[me] if t in mine for e, _, kept in picks)
+    back = sum(kept and owner[e] == me for s in routing if s != me for _, _, t, picks in routing[s] if t in mine
                for e, _, kept in picks)
     here = sum(kept and owner[e] == me for s in routing for _, _, _, picks in routing[s] for e, _, kept in picks)
     want = {}
     if ep > 1:
         want[("forward", "ep/all_to_all")] = (1, (ep - 1) * max(split_sizes(E, ep)) * 8)
         want[("forward", "ep/all_to_allv")] = want[("backward", "ep/all_to_allv")] = (2, (out + back) * C * 8)
-    if tp > 1:
-        want[("forward", "tp/all_reduce")] = want[("backward", "tp/all_reduce")] = (1, here * C * 8)
+    if tp > 1:    # the whole sequences' routing, the etp group's rows (R = here) gathered and scattered
+        want[("forward", "tp/routing")] = (1, B * S * k * 8)
+        want[("forward", "tp/routing_sums")] = (1, (B * E + 1) * 8)
+        want[("forward", "tp/expert_counts")] = (1, E * 8)
+        want[("forward", "tp/etp_counts")] = (1, tp * split_sizes(E, ep)[me] * 8)
+        for phase in ("forward", "backward"):
+            want[(phase, "tp/etp_gather")] = want[(phase, "tp/etp_scatter")] = (1, here * C * 8)
+            want[(phase, "tp/all_gather")] = (1, B * S * C * 8)
     return want
 
 
@@ -70,7 +79,7 @@ def test_moe_lesson_equals_serial_and_prints_the_counted_bytes(ranks, extra):
     B = int(extra[extra.index("--batch") + 1]) if "--batch" in extra else 2
     dropless = "--moe-capacity" in extra
     ep = ranks // tp
-    owner, found = parse(out)
+    owner, found = parse(out, wire_is_buffer=tp == 1)
     assert len(found) == ranks and all(f["pass"] for f in found)
     sizes = split_sizes(E, ep)                                   # experts split as split_sizes says
     assert [sum(1 for e in owner if owner[e] == r) for r in range(ep)] == sizes
@@ -96,7 +105,7 @@ def test_moe_lesson_equals_serial_and_prints_the_counted_bytes(ranks, extra):
     for f in found:
         if f["tp"] > 0:
             assert not f["tokens"] and "those of tp rank 0" in out
-        assert f["counted"] == expected(owner, routing, f["ep"], ep, tp, E), f
+        assert f["counted"] == expected(owner, routing, f["ep"], f["tp"], ep, tp, E, B, k), f
     if ranks == 1:
         assert "  forward   none (one rank: every expert is here)" in out
     else:

@@ -61,7 +61,8 @@ def parse(out):
 
 
 def ring(kind, n, G):
-    return round((2 if "all_reduce" in kind else 1) * (G - 1) / G * n)
+    reduce = "all_reduce" in kind or kind in ("routing_sums", "expert_counts")     # the MoE's sums over tp
+    return round((2 if reduce else 1) * (G - 1) / G * n)
 
 
 def ar(calls, n, T):
@@ -179,7 +180,7 @@ def test_bad_step_options_are_usage_errors(capsys, world):
 @one_rank_pass
 @pytest.mark.parametrize("args,message", [
     (["--dp", "3"], "needs 3 MPI ranks but the job has 2"),
-    (["--moe-experts", "4", "--ep", "3"], "--ep 3 must divide the data-parallel size --dp 1"),
+    (["--moe-experts", "4", "--ep", "3"], "--ep 3 x --etp 2 = 6 must divide tp x cp x dp = 2"),
 ])
 def test_the_command_refuses_in_one_line(args, message):
     r = mpirun(2, "explain", "--layer", "step", *args, timeout=60)

@@ -30,7 +30,7 @@ def test_a_world_that_does_not_fit_names_the_rule(world, sizes, needs):
 
 def test_check_names_every_broken_rule_once():
     wrong = Layout(tp=2, dp=3, ep=2).problems(world=4)
-    assert len(wrong) == 2 and "needs 6 MPI ranks" in wrong[0] and "--ep 2 must divide" in wrong[1]
+    assert len(wrong) == 2 and "needs 6 MPI ranks" in wrong[0] and "--ep 2 x --etp 2 = 4 must divide tp x cp x dp = 6" in wrong[1]
     with pytest.raises(TopologyError, match="at least 1"):
         Layout(tp=0).check()
     assert Layout(tp=2, dp=2, ep=2).check(4).ranks == 4

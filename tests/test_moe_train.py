@@ -37,6 +37,10 @@ LAYOUTS = {   # the same global batch of 8 sequences
     "dp2-ep2-micro2": (2, ["--dp", "2", "--ep", "2", "--batch-size", "2", "--micro-batches", "2"]),
     "tp2-dp2-ep2": (4, ["--tp", "2", "--dp", "2", "--ep", "2", "--batch-size", "4"]),
     "dp4-ep2-zero1": (4, ["--dp", "4", "--ep", "2", "--batch-size", "2", "--zero", "1", "--log-every", "2"]),
+    # the experts' own grid: whole experts on the two tp ranks; experts with cp, each split over 2 (etp > tp)
+    "tp2-etp1-ep2": (2, ["--tp", "2", "--etp", "1", "--ep", "2", "--batch-size", "8"]),
+    "cp2-dp2-ep2-etp2-zero1": (4, ["--cp", "2", "--dp", "2", "--ep", "2", "--etp", "2", "--batch-size", "4",
+                                   "--zero", "1"]),
 }
 
 
@@ -82,7 +86,8 @@ def check_moe_fields(steps):
 
 
 @cli
-@pytest.mark.parametrize("layout", ["dp2-ep2-micro2", "tp2-dp2-ep2", "dp4-ep2-zero1"])
+@pytest.mark.parametrize("layout", ["dp2-ep2-micro2", "tp2-dp2-ep2", "dp4-ep2-zero1", "tp2-etp1-ep2",
+                                    "cp2-dp2-ep2-etp2-zero1"])
 def test_train_equals_one_rank(tmp_path, reference, layout):
     """Losses and their parts, routing (tokens per expert, drops), gradient norms and the saved weights and
     AdamW moments (every expert, from every ep rank's shards) equal the 1-rank run's (float64)."""
@@ -223,7 +228,10 @@ def test_dense_and_moe_checkpoints_do_not_mix(tmp_path, reference):
     (["--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
     (["--moe-top-k", "2"], "--moe-top-k set on a dense model"),
     (["--moe-experts", "1", "--dp", "2", "--ep", "2"], "--ep 2 exceeds --moe-experts 1"),
-    (["--moe-experts", "4", "--ep", "2"], "--ep 2 must divide the data-parallel size --dp 1"),
+    (["--moe-experts", "4", "--ep", "2"], "--ep 2 x --etp 2 = 4 must divide tp x cp x dp = 2"),
+    (["--moe-experts", "4", "--dp", "2", "--etp", "4"], "--ep 1 x --etp 4 = 4 must divide tp x cp x dp = 2"),
+    (["--dp", "2", "--etp", "2"], "--etp 2 needs a mixture-of-experts model"),
+    (["--moe-experts", "4", "--etp", "-1"], "--etp must be at least 1 (or 0: --tp's), got -1"),
     (["--moe-experts", "4", "--dp", "2", "--ep", "0"], "--ep must be at least 1"),
     (["--moe-experts", "4", "--moe-top-k", "5"], "moe_top_k = 5 must be an integer in [1, moe_experts = 4]"),
     (["--moe-experts", "4", "--moe-capacity", "-1"], "moe_capacity must be a finite number >= 0"),

@@ -21,12 +21,14 @@ LAYOUTS = {     # world size -> the layouts verified at it
     1: [[], ["--micro-batches", "2", "--recompute", "full"], LLAMA],
     2: [["--tp", "2"], ["--tp", "2", "--sequence-parallel", "--recompute", "selective"], ["--pp", "2", "--micro-batches", "2"],
         ["--pp", "2", "--micro-batches", "3", "--schedule", "zb-v", "--virtual-stages", "2", "--n-layer", "4"],
-        ["--dp", "2", "--zero", "1"], ["--cp", "2"], [*MOE, "--dp", "2", "--ep", "2"], [*LLAMA, "--tp", "2"]],
+        ["--dp", "2", "--zero", "1"], ["--cp", "2"], [*MOE, "--dp", "2", "--ep", "2"], [*LLAMA, "--tp", "2"],
+        [*MOE, "--tp", "2", "--etp", "1", "--ep", "2"], [*MOE, "--cp", "2", "--ep", "2", "--moe-capacity", "1"]],
     3: [["--tp", "3", "--n-head", "5", "--n-embd", "20"], ["--dp", "3", "--zero", "1", "--micro-batches", "2"], ["--pp", "3", "--micro-batches", "3", "--n-layer", "3"],
         ["--pp", "3", "--micro-batches", "4", "--n-layer", "3", "--schedule", "zb-h1"]],
     4: [["--tp", "2", "--dp", "2", "--zero", "1"], ["--tp", "2", "--pp", "2", "--micro-batches", "2"],
         ["--tp", "2", "--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1", "--sequence-parallel"],
-        ["--cp", "2", "--dp", "2"], ["--pp", "2", "--micro-batches", "2", *INTERLEAVED], [*MOE, "--tp", "2", "--dp", "2", "--ep", "2"]],
+        ["--cp", "2", "--dp", "2"], ["--pp", "2", "--micro-batches", "2", *INTERLEAVED], [*MOE, "--tp", "2", "--dp", "2", "--ep", "2"],
+        [*MOE, "--tp", "2", "--cp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel"]],
 }
 
 
@@ -136,4 +138,18 @@ def test_eight_ranks_every_dimension_with_zero_bubble():
     for schedule in (["--schedule", "zb-h1"], ["--schedule", "zb-v", "--virtual-stages", "2", "--n-layer", "4"]):
         r = mpirun(8, "verify", *TINY, "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "1", "--sequence-parallel",
                    "--micro-batches", "2", *schedule)
+        assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr
+
+
+@cli
+def test_eight_ranks_every_dimension_with_experts():
+    """Mixture of experts on 8 tiny ranks (oversubscribed here), every dimension > 1 in each: tp 2 x pp 2 x
+    dp 2 with whole experts over the tp ranks (ep 2, etp 1), sequence parallelism, ZeRO-1, 2 micro-batches;
+    and tp 2 x cp 2 x pp 2 with 4 experts over tp x cp (ep 4, etp 1), capacity dropping: every step equals
+    the serial model's (mpi-tp verify)."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--micro-batches", "2"]
+    for layout in (["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--etp", "1", "--zero", "1",
+                    "--sequence-parallel"],
+                   ["--tp", "2", "--cp", "2", "--pp", "2", "--ep", "4", "--etp", "1", "--moe-capacity", "1"]):
+        r = mpirun(8, "verify", *TINY, *moe, *layout)
         assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr

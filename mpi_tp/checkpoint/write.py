@@ -170,8 +170,9 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
     """
     topo = model.topo
     group, comm, ep = topo.tp, topo.world, topo.ep
-    writer = topo.edp.rank == 0 and topo.cp.rank == 0     # dp rank 0 (and the rest of its ep group: experts),
-    #                                                     cp rank 0 (the cp ranks hold the same weights)
+    # the first replica's ranks (dp and cp rank 0: the cp ranks hold the same weights) and the first holders of
+    # each expert shard (edp rank 0: the rest of that replica's ep group, and with etp != tp other tp ranks)
+    writer = (topo.dp.rank == 0 and topo.cp.rank == 0) or topo.edp.rank == 0
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, "." + step_dir_name(step) + ".tmp")
     pointer = os.path.join(root, "latest.tmp")
@@ -192,6 +193,8 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
         return free
     pp = topo.pp                                      # one shard per (ep rank, stage, tensor-parallel rank)
     fname = shard_name((ep.rank * pp.size + pp.rank) * group.size + group.rank, ep.size * pp.size * group.size)
+    if topo.etp is not topo.tp:                       # the experts' own grid (mpi_tp.parallel.expert_grid)
+        fname = shard_name(comm.Get_rank(), comm.Get_size())
 
     def write():
         if not writer:
@@ -254,9 +257,12 @@ def save(root: str, step: int, model, optimizer=None, meta: dict | None = None, 
 
 def _writes(p, topo) -> bool:
     """Whether this rank writes tensor p: its replica is the first to hold p (dp rank 0 for a dense
-    tensor, edp rank 0 for an expert's), and p is a shard or this is tensor-parallel rank 0; a shard
+    tensor, edp rank 0 for an expert's), and p is a shard or this is tensor-parallel rank 0 (etp's for an
+    expert); a shard
     that several tensor-parallel ranks hold (Param.replicas) is written by the first of them."""
-    first = (topo.dp.rank == 0 if expert_of(p) is None else topo.edp.rank == 0) and topo.cp.rank == 0
+    if expert_of(p) is not None:                      # the first of the ranks holding this expert shard
+        return topo.edp.rank == 0 and (p.sharded or topo.etp.rank == 0)
+    first = topo.dp.rank == 0 and topo.cp.rank == 0
     if p.replicas is not None:
         return first and p.replicas.rank == 0
     return first and (p.sharded or topo.tp.rank == 0)

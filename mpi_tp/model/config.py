@@ -81,7 +81,7 @@ class GPTConfig:
         """Whether block i's MLP is a mixture of experts."""
         return self.moe_experts > 0 and i % self.moe_every == self.moe_every - 1
 
-    def validate(self, tp: int = 1, ep: int = 1) -> None:
+    def validate(self, tp: int = 1, ep: int = 1, etp: int | None = None) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if int(getattr(self, key)) < 1:
                 raise ConfigError(f"{key} must be a positive integer, got {getattr(self, key)}")
@@ -99,7 +99,7 @@ class GPTConfig:
             check_splittable(self.vocab_size, tp, "vocab_size")
         except TopologyError as e:
             raise ConfigError(str(e)) from None
-        self._validate_moe(ep)
+        self._validate_moe(ep, tp if etp is None else etp)
 
     def _validate_arch(self, tp: int) -> None:
         if self.arch not in ARCHS:
@@ -131,7 +131,7 @@ class GPTConfig:
             raise ConfigError("arch gpt2 always ties its output layer to wte: --untie-embeddings "
                               "(tie_word_embeddings false) needs --arch llama")
 
-    def _validate_moe(self, ep: int) -> None:
+    def _validate_moe(self, ep: int, etp: int) -> None:
         E, k = self.moe_experts, self.moe_top_k
         if not isinstance(E, int) or E < 0:
             raise ConfigError(f"moe_experts must be an integer >= 0 (0: a dense model), got {E!r}")
@@ -140,6 +140,9 @@ class GPTConfig:
                 raise ConfigError(f"expert parallelism ep={ep} needs a mixture-of-experts model: set "
                                   "moe_experts > 0, or use ep=1")
             return
+        if self.ffn < etp:
+            raise ConfigError(f"an expert's width {self.ffn} cannot be split over etp={etp} expert tensor-parallel "
+                              f"ranks: use etp <= {self.ffn}")
         if not isinstance(k, int) or not 1 <= k <= E:
             raise ConfigError(f"moe_top_k = {k!r} must be an integer in [1, moe_experts = {E}]")
         if not isinstance(self.moe_every, int) or not 1 <= self.moe_every <= self.n_layer:

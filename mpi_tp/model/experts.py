@@ -1,9 +1,11 @@
 """A mixture-of-experts block's experts: the block's MLP, split like it, without its communication.
 
 Legend (docs/notation.md): C = channels, F = cfg.ffn an expert's width, F_i rank i's columns of it,
-R_e the rows (token assignments) expert e received. MoEMLP (mpi_tp.model.moe) does f and g once for
-all of a rank's experts; an expert's forward returns this rank's partial sum, before the all-reduce
-(and the proj bias, added once after it: `proj_bias`, None when there is none).
+R_e the rows (token assignments) expert e received. Split over its group: etp for a routed expert
+(mpi_tp.parallel.expert_tensor), tp for the shared ones. MoEMLP (mpi_tp.model.moe) gathers the rows and
+sums the partial outputs once for all of a rank's experts; an expert's forward returns this rank's
+partial sum, before that sum (and the proj bias, added once after it: `proj_bias`, None when there is
+none).
 
     Expert (gpt2):        X A_fc,i + b_fc,i -> GELU -> @ A_proj,i            fc column, proj row
     SwiGLUExpert (llama): X [A_gate,i | A_up,i] -> silu(g) * u -> @ A_down,i  gate/up column (one GEMM),
@@ -23,8 +25,9 @@ from mpi_tp.parallel.topology import shard_range
 
 class Expert(Module):
     """One GELU expert: the dense MLP's parameters and split (fc column-parallel, proj row-parallel), without
-    its communication: MoEMLP does f and g once for all its experts. forward returns this rank's
-    partial sum X_e A_fc,i -> gelu -> @ A_proj,i, before the all-reduce and the proj bias."""
+    its communication: MoEMLP gathers and sums once for all its experts. forward returns this rank's
+    partial sum X_e A_fc,i -> gelu -> @ A_proj,i, before that sum and the proj bias. tp: the group it is
+    split over (etp for a routed expert)."""
 
     def __init__(self, name, cfg, tp, dtype, seed):
         C, F = cfg.n_embd, cfg.ffn
@@ -47,7 +50,7 @@ class Expert(Module):
         x, act, h = self.take_cache()
         dh = kern.gelu_backward(kern.linear_backward_input(dout, self.proj_weight.data), act)   # (R_e, F_i)
         weight_grad(self._weights_grad, dout, h, dh, x)
-        return kern.linear_backward_input(dh, self.fc_weight.data)          # (R_e, C), partial over tp
+        return kern.linear_backward_input(dh, self.fc_weight.data)          # (R_e, C), partial over the group
 
     def _weights_grad(self, dout, h, dh, x):
         """W: proj's weight from (h, dout), fc's weight and bias from (x, dh)."""
@@ -60,7 +63,7 @@ class Expert(Module):
 class SwiGLUExpert(Module):
     """One SwiGLU expert (llama's MLP): gate and up column-parallel, side by side in one (C, 2 F_i) array
     (one GEMM), silu(gate) * up on each rank's F_i columns, down row-parallel; no biases. forward returns
-    this rank's partial sum, before MoEMLP's all-reduce."""
+    this rank's partial sum, before MoEMLP's sum over the group."""
 
     proj_bias = None
 
@@ -85,7 +88,7 @@ class SwiGLUExpert(Module):
         x, act, h = self.take_cache()
         dgu = kl.swiglu_backward(kern.linear_backward_input(dout, self.down_weight.data), act)   # (R_e, 2 F_i)
         weight_grad(self._weights_grad, dout, h, dgu, x)
-        return kern.linear_backward_input(dgu, self.gate_up[0].base)         # (R_e, C), partial over tp
+        return kern.linear_backward_input(dgu, self.gate_up[0].base)         # (R_e, C), partial over the group
 
     def _weights_grad(self, dout, h, dgu, x):
         """W: down's weight from (h, dout), gate/up's from (x, [dgate | dup])."""

@@ -74,7 +74,7 @@ class GPT(Module):
                  last: bool = True, recompute: str = "none", dropout: Dropout | None = None):
         """dropout: the Dropout state to share (a pipeline stage's chunks share one); default a new one."""
         topo = Topology.serial() if topo is None else topo
-        cfg.validate(topo.tp.size, topo.ep.size)
+        cfg.validate(topo.tp.size, topo.ep.size, topo.etp.size)
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
         self.cfg, self.topo, self.dtype = cfg, topo, dtype_of(dtype)     # float32, float64, bfloat16, float16
@@ -85,8 +85,6 @@ class GPT(Module):
         self.sequence_parallel = sequence_parallel
         self.sp_overlap = None       # SequenceSplit.overlap of its passes (None: MPI_TP_SP_OVERLAP's default)
         # Context parallelism (topo.cp): every layer on this rank's chunks of the sequence only.
-        if topo.cp.size > 1 and cfg.moe_experts:
-            raise ConfigError("context parallelism (cp > 1) runs dense models: use --cp 1 with --moe-experts")
         sp = sequence_parallel
         self._loss_scale = 1.0
         self.embedding = GPTEmbedding(cfg, topo, self.dtype, seed, sp) if first else None

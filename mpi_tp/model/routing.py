@@ -146,19 +146,19 @@ def admitted(choice, n_experts: int, capacity: float, priority=None):
     return (place <= cap).reshape(B, k, S).transpose(0, 2, 1)
 
 
-def balance_loss(p, choice, n_experts: int):
-    """aux = mean_b E sum_e f_be P_be (a 0-d array: no copy to the host here) and d aux / dp (N, E), for
-    p (B, S, E), choice (B, S, k)."""
-    xp = backend.array_module(p)
+def balance_loss(P, choice, n_experts: int, positions: int):
+    """aux = mean_b E sum_e f_be P_be (a 0-d array: no copy to the host here) and d aux / dp (N_o, E) at this
+    rank's `positions` (B S_o of them) for P (B, E): each sequence's mean probabilities (its positions' p summed
+    wherever they live, over S), choice (B, S, k): its whole routing."""
+    xp = backend.array_module(P)
     B, S, k = choice.shape
     f = (choice[..., None] == xp.arange(n_experts)).sum(axis=(1, 2)) / (k * S)   # (B, E)
-    P = p.mean(axis=1)                                                             # (B, E)
     aux = (f * P).sum() * (n_experts / B)
-    dp = xp.broadcast_to((n_experts / (B * S)) * f[:, None, :], p.shape)           # through P only
-    return aux, dp.reshape(B * S, n_experts)
+    dp = xp.broadcast_to((n_experts / (B * S)) * f[:, None, :], (B, positions // B, n_experts))   # through P only
+    return aux, dp.reshape(positions, n_experts)
 
 
-def z_loss(z_lse):
-    """zl = mean_n lse_n^2 (a 0-d array) and d zl / d lse (N,)."""
-    n = z_lse.shape[0]
-    return (z_lse * z_lse).sum() * (1.0 / n), z_lse * (2.0 / n)
+def z_loss(z_lse, total_sq, n: int):
+    """zl = mean_n lse_n^2 over n positions (a 0-d array) from total_sq, their lse^2 summed wherever they live,
+    and d zl / d lse (N_o,) at this rank's z_lse (N_o,)."""
+    return total_sq * (1.0 / n), z_lse * (2.0 / n)

@@ -58,6 +58,7 @@ from __future__ import annotations
 from mpi_tp.core.failpoints import planted
 from mpi_tp.parallel.buckets import make_buckets
 from mpi_tp.parallel.collectives import Group
+from mpi_tp.parallel.expert_parallel import expert_of
 from mpi_tp.parallel.fsdp import FSDP
 from mpi_tp.parallel.grad_release import ChunkGrads, GradRelease
 from mpi_tp.parallel.hierarchical import HierarchicalAllReduce
@@ -87,8 +88,9 @@ class GradReducer:
         self.tp = model.topo.tp
         self._done, self._started, self._pending, self._gathers = set(), set(), [], []
         tp_sums = self.tp.size > 1 and any(p.sp_partial or p.replicas is not None for p in model.parameters())
+        edp_sums = any(expert_of(p) is not None and expert_of(p).edp.size > 1 for p in model.parameters())
         self.buckets = make_buckets(model, group, bucket_mb, self.distributed, self.stage) \
-            if group.size > 1 or tp_sums else []
+            if group.size > 1 or tp_sums or edp_sums else []
         self.fsdp = FSDP(model, self) if self.stage == 3 else None
         self.release = GradRelease(self.buckets) if self.stage == 2 else None
         self.grad_dtype = self.buckets[0].grad_dtype if self.buckets else None    # what the reductions carry
@@ -102,7 +104,7 @@ class GradReducer:
         b = self.buckets[k]
         self._started.add(k)
         self.sum_over_tp(b)
-        if self.group.size == 1 or self.hierarchical:     # hierarchical: node by node, blocking, in finish()
+        if self.hierarchical or (self.group.size == 1 and b.group.size == 1):   # hierarchical: in finish()
             return
         if self.distributed and b.group.size == 1:        # experts held by one replica (ep = D): nothing to sum
             b.grad_share[...] = b.grads

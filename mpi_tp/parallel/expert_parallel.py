@@ -20,16 +20,16 @@ with the same plan. Per MoE layer and step: one Alltoall of counts (int64) and
 four Alltoallv of rows (two forward, two backward), each moving
 rows x C x itemsize bytes per row that leaves the rank.
 
-With tensor parallelism the ep groups are per tensor-parallel coordinate (ep
-splits the data-parallel group, whose members share the tp and pp coordinates),
-and every tp rank of a replica holds the same tokens and routes them alike, so
-tp rank j's copy of the rows reaches tp rank j of the expert's owner, which
-holds column/row shard j of that expert: each shard sees the same tokens.
+The groups come from the experts' own grid (mpi_tp.parallel.expert_grid: a stage's tp x cp x dp
+ranks laid out again as etp x ep x edp). Every rank routes its own positions (mpi_tp.model.moe);
+after the dispatch, an expert's etp group gathers its members' rows, computes its column/row shards
+on all of them, and reduce-scatters the partial outputs back, so each shard sees the same rows.
 
 Expert parameters carry an `ExpertShard` mark (`p.expert`): the data-parallel
-reducer sums their gradients over `edp` (the replicas holding the same experts)
-instead of `dp`, then divides by dp like the rest (each copy has gathered the
-tokens of ep replicas already); the gradient norm sums their squares over `ep`.
+reducer sums their gradients over `edp` (the ranks holding the same shard)
+instead of dp x cp, then divides by dp x cp like the rest (the edp sum holds every
+token of the stage once); the gradient norm sums their squares over etp (the shards
+of one expert) and ep (the experts).
 """
 from __future__ import annotations
 
@@ -44,19 +44,20 @@ from mpi_tp.parallel.topology import TopologyError, offsets, split_sizes
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """What marks a Param as (a tensor-parallel shard of) expert `index`'s: it lives on one member of
-    `ep` (sum its gradient's squares over ep for the norm) and is replicated over `edp` (sum its
-    gradient there, not over the whole data-parallel group)."""
+    """What marks a Param as (an etp shard of) expert `index`'s: it lives on one member of `ep` and, when
+    sharded, on one member of `etp` (sum its gradient's squares over both for the norm) and is replicated
+    over `edp` (sum its gradient there, not over the dense gradient's group)."""
 
     index: int
     ep: Group
     edp: Group
+    etp: Group
 
 
 def mark_expert(params, index: int, topo) -> None:
     """Mark expert `index`'s parameters (p.expert = ExpertShard), for the reducer and the norm."""
     for p in params:
-        p.expert = ExpertShard(index, topo.ep, topo.edp)
+        p.expert = ExpertShard(index, topo.ep, topo.edp, topo.etp)
 
 
 def expert_of(p) -> ExpertShard | None:

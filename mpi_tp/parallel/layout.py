@@ -9,7 +9,8 @@ topology builds its groups from it, the planner prices many (mpi_tp.planning: a 
 is a Layout with a micro-batch size and recomputation), and the start-up line,
 `mpi-tp explain` and `mpi-tp plan` print its describe(). The world-size rule is
 
-    world size = tp x cp x pp x dp          (ep divides dp: experts split among replicas)
+    world size = tp x cp x pp x dp
+    tp x cp x dp = etp x ep x edp           (each stage's ranks again, for the experts: Megatron's rule)
 
 and `check` says every rule a layout breaks, in one line, the same from train,
 bench and plan. No MPI here: the planner lays out machines it does not run on.
@@ -33,7 +34,9 @@ class Layout:
     """The ranks of each dimension (tp x cp x pp x dp of them), and the options that shape the layout.
 
     tp: tensor-parallel size; cp: context-parallel; pp: pipeline stages; virtual: model chunks per stage
-    (the interleaved schedule); dp: data-parallel replicas; ep: expert-parallel size (dividing dp);
+    (the interleaved schedule); dp: data-parallel replicas; ep: expert-parallel size; etp: expert tensor-
+    parallel size (0: tp's), each expert's columns/rows split over etp ranks (ep x etp dividing tp x cp x dp:
+    a stage's ranks laid out again for the experts, mpi_tp.parallel.expert_grid);
     sp: sequence parallelism inside tp; zero: the ZeRO stage, 0-3 (1: the optimizer state split over
     dp x cp, 2: the gradients too, 3: the parameters too; mpi_tp.parallel.buckets).
     """
@@ -43,6 +46,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    etp: int = 0
     virtual: int = 1
     sp: bool = False
     zero: int = 0
@@ -63,19 +67,31 @@ class Layout:
     def ranks(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size: etp, or the dense tp when etp is 0."""
+        return self.etp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks of a stage holding the same expert shard,
+        tp x cp x dp / (etp x ep)."""
+        return max(1, self.tp * self.cp * self.dp // (self.expert_tp * self.ep))
+
     def problems(self, world: int | None = None) -> list[str]:
         """One message per rule this layout breaks (for a job of `world` ranks, when given)."""
         out = []
         small = [f"{k}={getattr(self, k)}" for k in (*DIMENSIONS, "ep", "virtual") if getattr(self, k) < 1]
-        if small:
-            return [f"every size must be at least 1, got {', '.join(small)}"]
+        if small or self.etp < 0:
+            return [f"every size must be at least 1, got {', '.join(small + ([f'etp={self.etp}'] if self.etp < 0 else []))}"]
         if world is not None and self.ranks != world:
             out.append(f"no layout of {world} ranks can be expressed: the layout {self.describe()} needs "
                        f"{self.ranks} MPI ranks but the job has {world} ({RULE}): launch with mpiexec -n "
                        f"{self.ranks}, or change --tp/--cp/--pp/--dp")
-        if self.dp % self.ep:
-            out.append(f"--ep {self.ep} must divide the data-parallel size --dp {self.dp}: the experts are split "
-                       "among groups of ep consecutive data-parallel replicas")
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.expert_tp):
+            out.append(f"--ep {self.ep} x --etp {self.expert_tp} = {self.ep * self.expert_tp} must divide tp x cp x dp "
+                       f"= {stage}: a stage's ranks are laid out again as etp x ep x edp for the experts")
         if self.zero not in (0, 1, 2, 3):
             out.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         return out
@@ -88,9 +104,10 @@ class Layout:
         return self
 
     def words(self) -> list[str]:
-        """The grid in words, 'tp2 cp2 pp2 dp4 ep2' (cp and ep only when > 1)."""
+        """The grid in words, 'tp2 cp2 pp2 dp4 ep2 etp1' (cp and ep only when > 1, etp when not tp's)."""
         return [f"{k}{getattr(self, k)}" for k in ("tp", "cp", "pp", "dp", "ep")
-                if k not in ("cp", "ep") or getattr(self, k) > 1]
+                if k not in ("cp", "ep") or getattr(self, k) > 1] + \
+            ([f"etp{self.etp}"] if self.etp and self.etp != self.tp else [])
 
     def flags(self) -> list[str]:
         """The options in words: 'v2 +sp +zero1' (each only when on)."""
@@ -105,4 +122,6 @@ class Layout:
         """The grid as a checkpoint records it: {'world', 'tp', 'pp', 'dp'} (+ 'ep', 'cp' when > 1)."""
         out = {"world": self.ranks, "tp": self.tp, "pp": self.pp, "dp": self.dp}
         out.update({k: getattr(self, k) for k in ("ep", "cp") if getattr(self, k) > 1})
+        if self.etp and self.etp != self.tp:
+            out["etp"] = self.etp
         return out

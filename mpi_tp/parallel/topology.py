@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from mpi_tp.parallel.collectives import Group
 from mpi_tp.parallel.comm_stats import CommStats
+from mpi_tp.parallel.expert_grid import expert_groups
 from mpi_tp.parallel.layout import Layout, TopologyError
 
 
@@ -73,10 +74,13 @@ class Topology:
     world: every rank of the job.  tp: this rank's tensor-parallel group.
     pp: its pipeline group (the stages of one model replica; size 1 without a pipeline).
     dp: its data-parallel group (size 1 until data parallelism is used).
-    ep: its expert-parallel group: ep consecutive members of dp, among which the experts of a
-        mixture-of-experts layer are split (tokens travel between them by all-to-all).
-    edp: its expert-data-parallel group: the members of dp holding the same experts (dp / ep
-        of them), over which those experts' gradients are averaged; dp itself when ep = 1.
+    ep: its expert-parallel group, among which the experts of a mixture-of-experts layer are split
+        (tokens travel between them by all-to-all); etp: its expert tensor-parallel group, over which
+        each expert's columns and rows are split (the tp group unless Layout.etp says otherwise);
+        edp: its expert-data-parallel group, the ranks of its stage holding the same expert shards,
+        over which their gradients are summed. A stage's tp x cp x dp ranks laid out again as
+        etp x ep x edp (mpi_tp.parallel.expert_grid); with etp = tp and no cp, ep consecutive
+        members of dp, and edp the dp / ep replicas holding the same experts (dp itself when ep = 1).
     stats: the collective counters shared by all groups.
     """
 
@@ -91,16 +95,20 @@ class Topology:
     cp: Group | None = None     # its context-parallel group (size 1 without context parallelism)
     dpcp: Group | None = None   # the ranks holding the same weights: dp x cp (the gradient reducer's group)
     layout: Layout | None = None    # the sizes it was made from (mpi_tp.parallel.layout)
+    etp: Group | None = None        # its expert tensor-parallel group (tp's when None)
 
     def __post_init__(self):
         if self.cp is None:
             self.cp, self.dpcp = Group(MPI.COMM_SELF, "cp", self.stats), self.dp
+        if self.etp is None:
+            self.etp = self.tp
         if self.layout is None:
-            self.layout = Layout(tp=self.tp.size, cp=self.cp.size, pp=self.pp.size, dp=self.dp.size, ep=self.ep.size)
+            self.layout = Layout(tp=self.tp.size, cp=self.cp.size, pp=self.pp.size, dp=self.dp.size, ep=self.ep.size,
+                                 etp=self.etp.size)
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, tp: int | None = None, dp: int = 1, pp: int = 1,
-               ep: int = 1, cp: int = 1, *, layout: Layout | None = None) -> "Topology":
+               ep: int = 1, cp: int = 1, *, etp: int = 0, layout: Layout | None = None) -> "Topology":
         """The communicators of `layout` (default: Layout.resolve of the sizes given; tp None: the rest of
         the world). world = dp x pp x cp x tp ranks: tensor-parallel groups are consecutive ranks (inside a
         node), context-parallel groups next, then pipeline stages, data-parallel replicas outermost
@@ -111,10 +119,10 @@ class Topology:
         comm = MPI.COMM_WORLD if comm is None else comm
         n = comm.Get_size()
         if layout is None:
-            layout = Layout.resolve(n, tp=tp or 0, cp=cp, pp=pp, dp=dp, ep=ep)
+            layout = Layout.resolve(n, tp=tp or 0, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp)
         else:
             layout.check(n)
-        tp, cp, pp, dp, ep = layout.tp, layout.cp, layout.pp, layout.dp, layout.ep
+        tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
         stats = CommStats()
         # Rank order is kept (reorder=False) so that tp groups are consecutive world ranks.
         cart = comm.Create_cart(dims=[dp, pp, cp, tp], periods=[False] * 4, reorder=False)
@@ -126,15 +134,11 @@ class Topology:
             cp_group = Group(cart.Sub([False, False, True, False]), "cp", stats)
             dpcp_group = Group(cart.Sub([True, False, True, False]), "dpcp", stats)
         cart.Free()
-        dp_group = Group(dp_comm, "dp", stats)
-        if ep == 1:            # no new communicators (an MPI process has a few thousand): one rank, and dp
-            ep_group, edp_group = Group(MPI.COMM_SELF, "ep", stats), dp_group
-        else:
-            r = dp_comm.Get_rank()
-            ep_group = Group(dp_comm.Split(r // ep, key=r), "ep", stats)
-            edp_group = Group(dp_comm.Split(r % ep, key=r), "edp", stats)
-        return cls(world=comm, tp=Group(tp_comm, "tp", stats), pp=Group(pp_comm, "pp", stats), dp=dp_group,
-                   ep=ep_group, edp=edp_group, stats=stats, cp=cp_group, dpcp=dpcp_group, layout=layout)
+        tp_group, dp_group = Group(tp_comm, "tp", stats), Group(dp_comm, "dp", stats)
+        ep_group, etp_group, edp_group = expert_groups(comm, layout, stats, tp_group,
+                                                       dp_group if dpcp_group is None else dpcp_group)
+        return cls(world=comm, tp=tp_group, pp=Group(pp_comm, "pp", stats), dp=dp_group, ep=ep_group,
+                   edp=edp_group, stats=stats, cp=cp_group, dpcp=dpcp_group, layout=layout, etp=etp_group)
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -163,7 +167,8 @@ class Topology:
 
     def free(self) -> None:
         """Release the layout's communicators (collective over its ranks); a second call does nothing."""
-        groups = (self.tp, self.pp, self.dp, self.ep, self.edp, self.cp, self.dpcp, *self.subgroups.values())
+        groups = (self.tp, self.pp, self.dp, self.ep, self.etp, self.edp, self.cp, self.dpcp,
+                  *self.subgroups.values())
         for comm in {id(g.comm): g.comm for g in groups}.values():
             if comm not in (MPI.COMM_SELF, MPI.COMM_NULL):      # mpi4py sets a freed handle to COMM_NULL
                 comm.Free()

@@ -79,8 +79,11 @@ class TrainConfig:
     virtual_stages: int = opt(1, "model chunks per pipeline stage (the interleaved schedule, micro_batches "
                               "then a multiple of pp; zb-v: 2)")
     dp: int = opt(1, f"data-parallel size (replicas, each on micro_batches x batch_size sequences) ({RULE})")
-    ep: int = opt(1, "expert-parallel size: each MoE block's experts split over ep consecutive data-parallel "
-                  "replicas (must divide dp; the world size stays tp x cp x pp x dp)")
+    ep: int = opt(1, "expert-parallel size: each MoE block's experts divided among ep groups of a stage's "
+                  "ranks (ep x etp must divide tp x cp x dp; the world size stays tp x cp x pp x dp)")
+    etp: int = opt(0, "expert tensor-parallel size: each expert's columns/rows split over etp ranks, "
+                   "independently of --tp (0: --tp's); the stage's tp x cp x dp ranks are laid out again as "
+                   "etp x ep x edp for the experts (Megatron's rule)")
     overlap_dp: bool = opt(True, "start the data-parallel gradient all-reduces during the backward pass "
                            "(--no-overlap-dp: after it)")
     bucket_mb: float = opt(8.0, "size of the data-parallel gradient buckets in MB")
@@ -193,7 +196,7 @@ class TrainConfig:
     def layout(self, world_size: int) -> Layout:
         """The layout of a job of world_size ranks (tp 0: what cp x pp x dp leave), checked: TopologyError
         names every rule it breaks."""
-        return Layout.resolve(world_size, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
+        return Layout.resolve(world_size, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
                               virtual=self.virtual_stages, sp=self.sequence_parallel, zero=self.zero)
 
     def to_dict(self) -> dict:

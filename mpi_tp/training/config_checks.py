@@ -65,7 +65,7 @@ def check(cfg, world_size: int) -> None:
     _loss_scale(cfg)
     lay = cfg.layout(world_size)          # the world-size rule and the others: Layout.check
     _arch(cfg)
-    cfg.model_config().validate(lay.tp, lay.ep)
+    cfg.model_config().validate(lay.tp, lay.ep, lay.expert_tp)
 
 
 def _loss_scale(cfg) -> None:
@@ -104,8 +104,6 @@ def _cp(cfg) -> None:
         raise ConfigError(f"--cp must be at least 1, got {cfg.cp}")
     if cfg.cp == 1:
         return
-    if cfg.moe_experts:
-        raise ConfigError(f"--cp {cfg.cp} runs dense models for now: drop --moe-experts, or use --cp 1")
     if cfg.block_size < 2 * cfg.cp:
         raise ConfigError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks: --block-size "
                           f"{cfg.block_size} is too short (at least {2 * cfg.cp})")
@@ -135,6 +133,10 @@ def _moe(cfg) -> None:
         set_ = _given(cfg, [f.name for f in fields(cfg) if f.name.startswith("moe_") and f.name != "moe_experts"])
         if set_:
             raise ConfigError(f"{', '.join(set_)} set on a dense model: pass --moe-experts E as well, or drop them")
+    if cfg.etp < 0:
+        raise ConfigError(f"--etp must be at least 1 (or 0: --tp's), got {cfg.etp}")
+    if cfg.etp and E == 0:
+        raise ConfigError(f"--etp {cfg.etp} needs a mixture-of-experts model: pass --moe-experts E, or drop --etp")
     if ep > 1 and E == 0:
         raise ConfigError(f"--ep {ep} needs a mixture-of-experts model: pass --moe-experts E (E >= {ep}), "
                           "or drop --ep")

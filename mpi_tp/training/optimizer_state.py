@@ -112,12 +112,13 @@ def grad_norm(spaces: list[Space], tp, pp=None, counted=None) -> float:
 
     Squares by kind: [dense sharded over tp, dense replicated, expert sharded, expert replicated].
     Bucket shares (distributed optimizer) are first summed over their group (dp, or edp for experts),
-    whose members hold different elements; then the tp shards are summed and replicated parameters
-    counted once; experts (one copy per ep group) summed over ep; pipeline stages summed over pp.
+    whose members hold different elements; then the tp shards are summed (an expert's over etp) and
+    replicated parameters counted once; experts (one copy per ep group) summed over ep; pipeline stages
+    summed over pp.
     counted: ids of the parameters to count (a pipeline's second copy of wte is left out); None: all.
     """
     xp = backend.xp()
-    squares, groups, ep = {}, {}, None          # per group: 4 float64 sums, on the device until the end
+    squares, groups, expert = {}, {}, None      # per group: 4 float64 sums, on the device until the end
     for space in spaces:
         g, key = space.grads(), (space.group.name if space.group is not None else None)
         if key not in squares:
@@ -129,7 +130,7 @@ def grad_norm(spaces: list[Space], tp, pp=None, counted=None) -> float:
             if replicas is not None and replicas.rank != 0:      # a replicated key/value shard: counted once,
                 continue                                         # by the first rank holding it
             shard = expert_of(seg.members[0])
-            ep = shard.ep if shard is not None else ep
+            expert = shard if shard is not None else expert
             x = g[seg.lo:seg.hi]
             if is_half(x):                                      # 16-bit gradients: squared and summed in fp32
                 x = widen(x)
@@ -143,15 +144,19 @@ def grad_norm(spaces: list[Space], tp, pp=None, counted=None) -> float:
         if groups[key] is not None:                     # bucket shares: every member's elements
             part = groups[key].all_reduce(numpy.ascontiguousarray(part), kind="grad_norm")
         total += part
-    if ep is None:
+    if expert is None:
         buf = numpy.array([total[0]])
         tp.all_reduce(buf)                              # one scalar all-reduce per step
         norm_sq = float(buf[0]) + float(total[1])
     else:
-        buf = numpy.array([total[0], total[2]])
-        tp.all_reduce(buf)                              # dense and expert shards over tp
+        if expert.etp is tp:
+            buf = numpy.array([total[0], total[2]])
+            tp.all_reduce(buf)                          # dense shards and expert shards over tp
+        else:                                           # expert shards over their own etp group
+            buf = numpy.array([tp.all_reduce(numpy.array([total[0]]))[0],
+                               expert.etp.all_reduce(numpy.array([total[2]]))[0]])
         experts = numpy.array([buf[1] + total[3]])
-        ep.all_reduce(experts)                          # every expert, over the ranks holding them
+        expert.ep.all_reduce(experts)                   # every expert, over the ranks holding them
         norm_sq = float(buf[0]) + float(total[1]) + float(experts[0])
     if pp is not None and pp.size > 1:
         norm_sq = float(pp.all_reduce(numpy.array([norm_sq]))[0])

@@ -48,8 +48,11 @@ LESSON = ("MoEMLP: a router (W_r, C x E, whole on every rank) scores each token;
           "replica with tokens of its own. Dispatch: one all-to-all of the row counts, then an Alltoallv "
           "carries every admitted row to its expert's rank; combine: the inverse Alltoallv brings the "
           "results back. Backward: the same two exchanges in reverse (combine's gradient is a dispatch). "
-          "With --tp > 1 each expert is also split column/row over the tp ranks, with one g (all-reduce) "
-          "for all of a rank's experts. With --moe-dispatcher allgather an all-gather carries every rank's "
+          "With --tp > 1 each tp rank routes its own slice of the positions (each decision is made once; the "
+          "capacity and the losses read the whole sequences' choices, all-gathered), and each expert is split "
+          "column/row over the tp ranks (its etp group): the group's dispatched rows are all-gathered, every "
+          "rank computes its columns of every local expert on all of them, a reduce-scatter returns each rank "
+          "the sums for its own rows, and the output is all-gathered back over tp. With --moe-dispatcher allgather an all-gather carries every rank's "
           "rows to every rank instead, each keeps its experts' rows, and a reduce-scatter sums the results "
           "(zeros but the owner's) back to their senders: more bytes, no count exchange, the same numbers.")
 DENSE = ("Beside the dense MLP (mpi-tp explain --layer mlp): there every rank holds every token and a slice "
@@ -66,8 +69,16 @@ ROLES = {
     ("forward", "ep/reduce_scatter"): "the results, zeros but the owner's, summed back to each sender (combine)",
     ("backward", "ep/all_gather"): "every output gradient row to every rank (combine's gradient)",
     ("backward", "ep/reduce_scatter"): "the input gradients summed back to each sender (dispatch's gradient)",
-    ("forward", "tp/all_reduce"): "g: sum the experts' partial outputs, once for all local experts",
-    ("backward", "tp/all_reduce"): "f's backward: sum the partial input gradients",
+    ("forward", "tp/routing"): "every position's k choices, for the capacity and the balance loss",
+    ("forward", "tp/routing_sums"): "the mean probabilities and the z-loss's sum over the sequences' owners",
+    ("forward", "tp/etp_counts"): "rows per local expert of every etp member",
+    ("forward", "tp/expert_counts"): "each expert's admitted rows of the whole sequences (the metrics)",
+    ("forward", "tp/etp_gather"): "the etp group's rows, to every member (each computes its columns)",
+    ("forward", "tp/etp_scatter"): "the partial outputs summed, each member its own rows",
+    ("forward", "tp/all_gather"): "the output of every rank's positions, back to every tp rank",
+    ("backward", "tp/etp_gather"): "the output gradients of the group's rows, to every member",
+    ("backward", "tp/etp_scatter"): "the partial input gradients summed, each member its own rows",
+    ("backward", "tp/all_gather"): "the input gradient of every rank's positions, back to every tp rank",
 }
 
 
@@ -142,7 +153,7 @@ def _table(x, layer, routing, first_seq: int, k: int) -> list[str]:
     return lines
 
 
-def _expected(p: dict, routes, me: int, rows_here: int) -> dict:
+def _expected(p: dict, routes, me: int, rows_group: int) -> dict:
     """{(pass, key): (calls, bytes)} the counters should show on this rank, and the formula texts."""
     E, ep, tp, C = p["E"], p["ep"], p["tp"], p["C"]
     out, back = moved_rows(routes, E, me)
@@ -166,10 +177,22 @@ def _expected(p: dict, routes, me: int, rows_here: int) -> dict:
             why[(phase, "ep/all_to_allv")] = (f"({out} rows out + {back} rows back) x C {C} x 8 bytes"
                                               if phase == "forward" else
                                               f"({out} gradient rows out + {back} back) x C {C} x 8 bytes")
-    if tp > 1:
+    if tp > 1:                 # rows_group: the rows the tp (= etp) group received, R
+        B, S, k, E_i = p["B"], p["S"], p["k"], split_sizes(E, ep)[me]
+        expect[("forward", "tp/routing")] = (1, B * S * k * 8)
+        why[("forward", "tp/routing")] = f"B {B} x S {S} x k {k} x 8 (int64 choices)"
+        expect[("forward", "tp/routing_sums")] = (1, (B * E + 1) * 8)
+        why[("forward", "tp/routing_sums")] = f"(B {B} x E {E} + 1) x 8"
+        expect[("forward", "tp/expert_counts")] = (1, E * 8)
+        why[("forward", "tp/expert_counts")] = f"E {E} x 8 (int64: the whole sequences' rows per expert)"
+        expect[("forward", "tp/etp_counts")] = (1, tp * E_i * 8)
+        why[("forward", "tp/etp_counts")] = f"tp {tp} x E_i {E_i} x 8 (int64 counts)"
         for phase in ("forward", "backward"):
-            expect[(phase, "tp/all_reduce")] = (1, rows_here * C * 8)
-            why[(phase, "tp/all_reduce")] = f"(R = {rows_here} rows, C {C}) x 8 bytes"
+            for key in ("tp/etp_gather", "tp/etp_scatter"):
+                expect[(phase, key)] = (1, rows_group * C * 8)
+                why[(phase, key)] = f"(R = {rows_group} rows of the group, C {C}) x 8 bytes"
+            expect[(phase, "tp/all_gather")] = (1, B * S * C * 8)
+            why[(phase, "tp/all_gather")] = f"B {B} x S {S} x C {C} x 8 bytes"
     return {"expect": expect, "why": why, "out": out, "back": back}
 
 
@@ -220,8 +243,9 @@ def lesson(args, comm) -> bool:
     bwd = topo.stats.snapshot()
 
     # Against the serial layer: the router's gradient is summed over the replicas (as the reducer would).
-    router_grad = par.router.grad.copy()
+    router_grad = par.router.grad.copy()                      # this rank's positions' part: over tp too
     topo.dp.comm.Allreduce(MPI.IN_PLACE, router_grad)
+    topo.tp.comm.Allreduce(MPI.IN_PLACE, router_grad)
     reference = {q.name: q for q in ser.parameters()}
     scale = max(float(numpy.abs(q.grad).max()) for q in ser.parameters())
     grads = {q.name: max_rel_diff(router_grad if q is par.router else q.grad, reference[q.name].grad[q.index()],
@@ -231,12 +255,14 @@ def lesson(args, comm) -> bool:
     aux = topo.dp.comm.allreduce(par.stats["aux_loss"]) / ep
     err_aux = abs(aux - ser.stats["aux_loss"]) / abs(ser.stats["aux_loss"])
 
-    routes = topo.ep.comm.allgather(par.routing)              # a lesson: pickled once
+    own = tuple(a[:, par._owners.positions] for a in par.routing)      # the positions this rank routed
+    routes = topo.ep.comm.allgather(own)                      # a lesson: pickled once
     me, local = topo.ep.rank, list(par.dispatcher.local)
     rows = {e: sum(int((a & (c == e)).sum()) for c, a in routes) for e in local}
-    formula = _expected(p, routes, me, sum(rows.values()))
+    formula = _expected(p, routes, me, topo.tp.comm.allreduce(sum(rows.values())))
     G = {f"{g.name}/{k}": g.size for g in (topo.ep, topo.tp)
-         for k in ("all_to_all", "all_to_allv", "all_reduce", "all_gather_counts", "all_gather", "reduce_scatter")}
+         for k in ("all_to_all", "all_to_allv", "all_gather_counts", "all_gather", "reduce_scatter", "routing",
+                   "routing_sums", "expert_counts", "etp_counts", "etp_gather", "etp_scatter")}
     counted = {(phase, key): (v["calls"], v["bytes"]) for phase, snap in (("forward", fwd), ("backward", bwd))
                for key, v in snap.items()}
     sizes = {key: G[key] for snap in (fwd, bwd) for key in snap}
@@ -252,11 +278,12 @@ def lesson(args, comm) -> bool:
              (f"  holds experts {', '.join(f'e{e}' for e in local)} (E_i = {len(local)} of {E}); each: fc "
               f"{ex.fc_weight.global_shape} -> shard {tuple(ex.fc_weight.data.shape)}, proj "
               f"{ex.proj_weight.global_shape} -> shard {tuple(ex.proj_weight.data.shape)}; router "
-              f"{par.router.global_shape} whole (replicated)")]
+              f"{par.router.global_shape} whole (every rank)")]
     if topo.tp.rank == 0:
         lines += _table(x[mine], par, par.routing, mine.start, k)
     else:
-        lines.append("  tokens and routing: those of tp rank 0 of this replica (the router is replicated)")
+        lines.append("  tokens and routing: those of tp rank 0 of this replica (the same whole-sequence routing; "
+                     f"this rank routed positions {par._owners.positions.min()}-{par._owners.positions.max()})")
     kept = int(par.routing[1].sum())
     lines.append(f"  assignments B S k = {B * S * k}: {kept} admitted, {B * S * k - kept} dropped; rows out to "
                  f"other ep ranks {formula['out']}, rows in from them {formula['back']}; rows per local expert: "
@@ -270,7 +297,7 @@ def lesson(args, comm) -> bool:
     every = all_true(ok, comm)
 
     per_expert = numpy.zeros(E, dtype=int)
-    for c, a in routes:
+    for c, a in topo.ep.comm.allgather(par.routing):          # whole sequences, every replica
         per_expert += numpy.bincount(c[a], minlength=E)
     N = B * S * ep
     sent = comm.gather(sum(v["bytes"] for key, v in fwd.items() if key.startswith("ep/")), root=0)
