@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip
 C, S, B = 32, 16, 2
 TINY = ["bench", "--moe", "--custom", f"{C},2,1,{S},{B}", "--steps", "2", "--warmup", "1"]
 MOE_FIELDS = ("dispatcher", "step_ms", "dispatch_ms", "compute_ms", "collectives_per_step", "all_to_allv_bytes_rank",
-              "counts_bytes_rank", "collective_bytes_rank", "wire_bytes_rank", "bytes_per_token", "rows_per_expert_per_rank", "tokens_per_expert",
+              "counts_bytes_rank", "collective_bytes_rank", "wire_bytes_rank", "bytes_per_token",
+              "rows_per_expert_per_rank", "tokens_per_expert",
               "routed_per_expert", "imbalance", "routed_imbalance", "rank_imbalance", "dropped_fraction",
               "gflop_per_rank")
 DENSE_FIELDS = ("width", "tp", "step_ms", "all_reduce_ms", "compute_ms", "all_reduce_bytes_rank",

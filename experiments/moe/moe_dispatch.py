@@ -79,18 +79,19 @@ def measure(comm):
     points = [("bytes", E, k, 0.0, d) for E in (2, 4, 8) if E >= T for k in (1, 2) for d in DISPATCHERS]
     if T == 2:
         points += [("capacity", 8, k, c, "alltoall") for k in (1, 2) for c in CAPACITIES]
-    for experiment, E, k, capacity, kind in points:
+    for experiment, E, k, capacity, dispatcher in points:
         load0 = os.getloadavg()[0]
         r = run_moe_shape(comm, C, S, B, E, k, capacity, steps=STEPS, warmup=2, x=x,
-                          routing={"moe_dispatcher": kind})
+                          routing={"moe_dispatcher": dispatcher})
         r.update(experiment=experiment, environment=env, loadavg_start=load0, loadavg_end=os.getloadavg()[0])
         if crowded:
             r["oversubscribed"] = crowded
         rows.append(r)
         if comm.Get_rank() == 0:
             m, d = r["moe"], r["dense"]
-            print(f"{experiment} T={T} E={E} k={k} capacity={capacity:g} {kind}: MoE {m['bytes_per_token']:.0f} B/token, "
-                  f"{m['step_ms']['median']:.0f} ms ({kind} {m['dispatch_ms']:.1f}); dense {d['bytes_per_token']:.0f} "
+            print(f"{experiment} T={T} E={E} k={k} capacity={capacity:g} {dispatcher}: MoE "
+                  f"{m['bytes_per_token']:.0f} B/token, {m['step_ms']['median']:.0f} ms ({dispatcher} "
+                  f"{m['dispatch_ms']:.1f}); dense {d['bytes_per_token']:.0f} "
                   f"B/token, {d['step_ms']['median']:.0f} ms (ar {d['all_reduce_ms']:.1f}); dropped "
                   f"{100 * m['dropped_fraction']:.1f}%, imbalance {m['imbalance']:.2f}; load {load0:.2f}", flush=True)
     return rows
@@ -108,7 +109,8 @@ def tables(rows):
     out = ["bytes sent per rank per token of the global batch (float32, C 256; dropless):",
            "  T  E  k   MoE a2a  formula   dense ar  formula   MoE ms  (a2a)   dense ms  (ar)  max/mean"]
     byte_rows = [r for r in rows if r["experiment"] == "bytes"]
-    for r in sorted((r for r in byte_rows if kind(r) == "alltoall"), key=lambda r: (r["ranks"], r["experts"], r["top_k"])):
+    a2a_rows = [r for r in byte_rows if kind(r) == "alltoall"]
+    for r in sorted(a2a_rows, key=lambda r: (r["ranks"], r["experts"], r["top_k"])):
         T, k, m, d = r["ranks"], r["top_k"], r["moe"], r["dense"]
         crowded = "  (oversubscribed)" if "oversubscribed" in r else ""
         out.append(f"{T:3d} {r['experts']:2d} {k:2d} {m['bytes_per_token']:9.0f} "
@@ -133,7 +135,8 @@ def tables(rows):
                    f"{a['moe']['step_ms']['median']:8.0f} ({a['moe']['dispatch_ms']:4.0f}) "
                    f"{a['dense']['step_ms']['median']:5.0f} {g['moe']['step_ms']['median']:7.0f} "
                    f"({g['moe']['dispatch_ms']:4.0f}) {g['dense']['step_ms']['median']:5.0f} {ratio:7.2f}  "
-                   f"{a['loadavg_start']:.1f}/{g['loadavg_start']:.1f}{'  (oversubscribed)' if 'oversubscribed' in a else ''}")
+                   f"{a['loadavg_start']:.1f}/{g['loadavg_start']:.1f}"
+                   + ("  (oversubscribed)" if "oversubscribed" in a else ""))
     out.append("  * (ag step / its dense step) / (a2a step / its dense step): the dispatchers compared through the "
                "dense step each call timed beside them, which takes out some of the load's drift")
     out += ["", "capacity factor at T = 2, E 8 (0: dropless):",
