@@ -14,8 +14,9 @@ from mpi_tp.parallel.topology import split_sizes
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 C, S, B = 32, 16, 2
 TINY = ["bench", "--moe", "--custom", f"{C},2,1,{S},{B}", "--steps", "2", "--warmup", "1"]
-MOE_FIELDS = ("step_ms", "all_to_all_ms", "compute_ms", "collectives_per_step", "all_to_allv_bytes_rank",
-              "counts_bytes_rank", "bytes_per_token", "rows_per_expert_per_rank", "tokens_per_expert",
+MOE_FIELDS = ("dispatcher", "step_ms", "dispatch_ms", "compute_ms", "collectives_per_step", "all_to_allv_bytes_rank",
+              "counts_bytes_rank", "collective_bytes_rank", "wire_bytes_rank", "bytes_per_token",
+              "rows_per_expert_per_rank", "tokens_per_expert",
               "routed_per_expert", "imbalance", "routed_imbalance", "rank_imbalance", "dropped_fraction",
               "gflop_per_rank")
 DENSE_FIELDS = ("width", "tp", "step_ms", "all_reduce_ms", "compute_ms", "all_reduce_bytes_rank",
@@ -53,6 +54,9 @@ def test_bench_moe_fields_and_counters(tmp_path, ranks, E, k, capacity):
         (ranks - 1) * max(split_sizes(E, ranks)) * 8
     calls = {key: v["calls"] for key, v in m["collectives_per_step"].items()}
     assert calls == ({"ep/all_to_all": 1, "ep/all_to_allv": 4} if ranks > 1 else {})
+    assert all(v["measured"] == v["formula"] for v in m["collective_bytes_rank"].values())
+    assert m["wire_bytes_rank"]["measured"] == m["wire_bytes_rank"]["formula"] == \
+        m["all_to_allv_bytes_rank"]["measured"] + m["counts_bytes_rank"]["measured"]
     # dense: two all-reduces of (N, C) float32
     assert d["all_reduce_bytes_rank"]["measured"] == d["all_reduce_bytes_rank"]["formula"] == \
         (2 * N * C * 4 if ranks > 1 else 0)
@@ -78,3 +82,42 @@ def test_bench_moe_refuses_other_modes(tmp_path):
     r, rows = bench(2, tmp_path, "--moe-experts", "1", "--moe-top-k", "1")
     assert r.returncode == 2 and r.stderr.count("--moe-experts 1 cannot be divided among 2 ranks") == 1, r.stderr
     assert rows == []
+
+
+@pytest.mark.parametrize("E,k,capacity", [(4, 2, 0.0), (3, 1, 0.5)], ids=["E4-top2-dropless", "E3-top1-capacity"])
+def test_bench_moe_all_gather_dispatcher_counts_its_formulas(tmp_path, E, k, capacity):
+    """--moe-dispatcher allgather at 2 ranks: per step, two all-gathers and two reduce-scatters of every replica's
+    admitted rows and one all-gather of the counts (T E int64), each equal to the formula worked out here from
+    the routing the bench reports; its wire bytes (T - 1) / T of those; the same routing as the all-to-all's."""
+    r, rows = bench(2, tmp_path, "--moe-experts", str(E), "--moe-top-k", str(k), "--moe-capacity", str(capacity),
+                    "--moe-dispatcher", "allgather")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("all-gather + reduce-scatter rows on rank 0") == 1
+    m = rows[0]["moe"]
+    assert m["dispatcher"] == rows[0]["routing"]["moe_dispatcher"] == "allgather"
+    admitted = sum(m["tokens_per_expert"])                      # every replica's admitted rows
+    calls = {key: v["calls"] for key, v in m["collectives_per_step"].items()}
+    assert calls == {"ep/all_gather_counts": 1, "ep/all_gather": 2, "ep/reduce_scatter": 2}
+    per = m["collective_bytes_rank"]
+    assert per["ep/all_gather"]["measured"] == per["ep/reduce_scatter"]["measured"] == 2 * admitted * C * 4
+    assert per["ep/all_gather_counts"]["measured"] == per["ep/all_gather_counts"]["formula"] == 2 * E * 8
+    assert all(v["measured"] == v["formula"] for v in per.values())
+    assert m["all_gather_bytes_rank"]["measured"] == m["all_gather_bytes_rank"]["formula"] == 4 * admitted * C * 4
+    assert m["wire_bytes_rank"]["measured"] == m["wire_bytes_rank"]["formula"] == (4 * admitted * C * 4 + 2 * E * 8) / 2
+    if not capacity:
+        assert m["all_gather_bytes_rank"]["uniform_formula"] == 4 * k * 2 * B * S * C * 4
+    a2a = bench(2, tmp_path, "--moe-experts", str(E), "--moe-top-k", str(k), "--moe-capacity", str(capacity))[1]
+    assert a2a[-1]["moe"]["tokens_per_expert"] == m["tokens_per_expert"]    # the same routing, the same drops
+    assert m["bytes_per_token"] > a2a[-1]["moe"]["bytes_per_token"]
+
+
+def test_bench_moe_passes_the_router_options(tmp_path):
+    """--moe-router sigmoid --moe-gate-scale 2.5 reach the layer's config (recorded from it; the choice, so the
+    bytes, are softmax's: top-k of sigmoid(z) is top-k of z); topk-softmax with --moe-topk-norm none is refused
+    before anything runs, as in train."""
+    r, rows = bench(2, tmp_path, "--moe-experts", "4", "--moe-router", "sigmoid", "--moe-gate-scale", "2.5")
+    assert r.returncode == 0, r.stderr
+    assert rows[0]["routing"]["moe_router"] == "sigmoid" and rows[0]["routing"]["moe_gate_scale"] == 2.5
+    assert "router sigmoid, gate-scale 2.5" in r.stdout
+    r, rows = bench(2, tmp_path, "--moe-router", "topk-softmax", "--moe-topk-norm", "none")
+    assert r.returncode == 2 and r.stderr.count("normalises the k gates by definition") == 1, r.stderr

@@ -135,3 +135,67 @@ def test_the_all_gather_dispatcher_prints_its_collectives_and_equals_serial():
         want.update({(phase, "ep/all_gather"): (1, admitted * C * 8), (phase, "ep/reduce_scatter"): (1, admitted * C * 8)})
     assert all(rk["counted"] == want for rk in ranks), (want, [rk["counted"] for rk in ranks])
     assert "all_to_all" not in out and "(all-gather rows and counts)" in out
+
+
+def gates_of(out):
+    """{token: [(expert, gate, kept)]} of every replica's printed routing table, and the printed sum range."""
+    _, ranks = parse(out, wire_is_buffer="tp rank 1" not in out)      # tp > 1: gathers, wire = (G-1)/G n
+    sums = re.findall(r"gates per token sum to ([\d.]+) \.\. ([\d.]+) \((\S+) router", out)
+    return {n: picks for rk in ranks for n, _, _, picks in rk["tokens"]}, sums, ranks
+
+
+def lesson(*extra, ranks=2):
+    r = mpirun(ranks, "explain", "--layer", "moe", "--features", str(C), "--seq", str(S), *extra, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("moe: all ranks equal the serial layer: yes") == 1 and "FAIL" not in r.stdout, r.stdout
+    return r.stdout
+
+
+def test_the_router_options_change_the_printed_gates():
+    """softmax without normalisation prints prob_top (the k gates sum to less than 1); topk-softmax picks the same
+    experts with those gates divided by their sum; sigmoid's gates are sigmoids, scaled by --moe-gate-scale and
+    summing to anything. If explain ignored an option, two of these tables would be the same."""
+    raw, raw_sums, _ = gates_of(lesson("--moe-topk-norm", "none"))
+    mixtral, mix_sums, _ = gates_of(lesson("--moe-router", "topk-softmax"))
+    deepseek, ds_sums, _ = gates_of(lesson("--moe-router", "sigmoid", "--moe-topk-norm", "none", "--moe-gate-scale",
+                                           "2.5"))
+    assert sorted(raw) == sorted(mixtral) == sorted(deepseek) == list(range(2 * 2 * S))
+    for n, picks in raw.items():
+        gates = [g for _, g, _ in picks]
+        assert sum(gates) < 0.999, (n, picks)                          # two probabilities of four experts
+        assert [e for e, _, _ in mixtral[n]] == [e for e, _, _ in picks]   # top-k of z = top-k of softmax(z)
+        for (_, g_raw, _), (_, g_mix, _) in zip(picks, mixtral[n]):
+            assert abs(g_mix - g_raw / sum(gates)) < 5e-3, (n, picks, mixtral[n])
+        assert all(0 < g < 2.5 for _, g, _ in deepseek[n])
+    assert any(abs(sum(g for _, g, _ in p) - 1) > 0.1 for p in deepseek.values())
+    assert all(float(hi) < 1 and kind == "softmax" for lo, hi, kind in raw_sums) and len(raw_sums) == 2
+    assert all(lo == hi == "1.000" and kind == "topk-softmax" for lo, hi, kind in mix_sums)
+    assert all(kind == "sigmoid" and float(hi) > 1 for lo, hi, kind in ds_sums)
+    scaled, sums, _ = gates_of(lesson("--moe-router", "sigmoid", "--moe-gate-scale", "2.5"))   # k 2: normalised
+    assert all(abs(sum(g for _, g, _ in p) - 2.5) < 5e-3 for p in scaled.values())
+    assert all(lo == hi == "2.500" for lo, hi, _ in sums)
+
+
+def test_drop_policy_probs_drops_the_lowest_gates():
+    """--moe-drop-policy probs: within a sequence and an expert, no dropped assignment has a higher gate than a
+    kept one (by position, later choices go first whatever their gate: the default run shows one that does)."""
+    def inversions(table):
+        by = {}
+        for n, picks in table.items():
+            for e, g, kept in picks:
+                by.setdefault((n // S, e), []).append((g, kept))
+        return sum(1 for v in by.values() for g, kept in v if not kept and any(k and g2 < g for g2, k in v))
+    probs, _, _ = gates_of(lesson("--moe-drop-policy", "probs", "--moe-top-k", "2", "--moe-capacity", "0.5"))
+    position, _, _ = gates_of(lesson("--moe-top-k", "2", "--moe-capacity", "0.5"))
+    assert any(not kept for p in probs.values() for *_, kept in p)
+    assert inversions(probs) == 0 and inversions(position) > 0
+
+
+@pytest.mark.parametrize("ranks,extra", [(2, []), (4, ["--tp", "2", "--batch", "1"])], ids=["ep2", "tp2-ep2"])
+def test_shared_experts_equal_serial_and_add_their_own_tp_all_reduce(ranks, extra):
+    out = lesson("--moe-shared-experts", "2", *extra, ranks=ranks)
+    assert "+ 2 shared experts" in out
+    _, _, found = gates_of(out)
+    for f in found:
+        calls = {key: v[0] for (phase, key), v in f["counted"].items() if phase == "forward"}
+        assert calls.get("tp/all_reduce", 0) == (1 if extra else 0), f["counted"]   # the shared experts' g

@@ -1,5 +1,5 @@
-"""What a mixture-of-experts MLP sends (all-to-all) against a dense MLP of the same active FLOPs (all-reduce),
-and how the capacity factor trades dropped tokens for balance.
+"""What a mixture-of-experts MLP sends (all-to-all, or all-gather) against a dense MLP of the same active FLOPs
+(all-reduce), and how the capacity factor trades dropped tokens for balance.
 
     mpiexec -n 2 python -m mpi4py experiments/moe/moe_dispatch.py       # T = 2: its lines, then the figures
     mpiexec -n 4 python -m mpi4py experiments/moe/moe_dispatch.py       # T = 4 (oversubscribed on 2 cores)
@@ -15,17 +15,24 @@ token as ln_2 would (no attention before it); the router is the layer's random
 initialisation. So the routing is that of an untrained model on real bytes:
 skewed by byte frequencies, not balanced by any training.
 
-- bytes: E in {2, 4, 8} (E >= T), k in {1, 2}, dropless. Per rank and per
-  token of the global batch: the all-to-all bytes counted (rows and counts)
-  against the ring all-reduce's wire bytes of the dense MLP; the formulas are
-  4 k (T - 1) / T^2 C x 4 (uniform routing) and 4 (T - 1) / T C x 4.
+- bytes: E in {2, 4, 8} (E >= T), k in {1, 2}, dropless, each point with both
+  dispatchers (--moe-dispatcher alltoall, then allgather; each call times the
+  dense MLP too, step by step alternating with the MoE). Per rank and per
+  token of the global batch, wire bytes: the all-to-all's (rows and counts),
+  the all-gather dispatcher's (ring: (T - 1) / T of its all-gathers' and
+  reduce-scatters' buffers, and the counts), the dense MLP's ring all-reduce;
+  the formulas are 4 k (T - 1) / T^2 C x 4 (uniform routing), 4 k (T - 1) / T
+  C x 4 (exact when dropless: every row goes to every rank) and 4 (T - 1) / T
+  C x 4.
 - capacity: E 8, k in {1, 2}, capacity factor 0.5 .. 2 and dropless: the share
   of assignments dropped, max / mean tokens per expert (after and before the
   capacity) and the all-to-all bytes per token.
 
 A run replaces its own T's lines of experiments/moe/results/moe_dispatch.jsonl
 (with the machine and the 1-minute load average of each point) and draws
-docs/figures/moe_dispatch.png (both T if present) and moe_capacity.png (T = 2).
+docs/figures/moe_dispatch.png (all-to-all vs dense, both T if present),
+moe_dispatchers.png (the two dispatchers: bytes and step time) and
+moe_capacity.png (T = 2).
 """
 import argparse
 import json
@@ -41,6 +48,12 @@ RESULTS = os.path.join(HERE, "results", "moe_dispatch.jsonl")
 FIGURES = os.path.join(HERE, "..", "..", "docs", "figures")
 C, S, B = 256, 128, 4
 CAPACITIES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 0.0)
+DISPATCHERS = ("alltoall", "allgather")
+STEPS = 7
+
+
+def kind(r):
+    return r["moe"].get("dispatcher", "alltoall")
 
 
 def inputs(T, seed=0):
@@ -63,20 +76,22 @@ def measure(comm):
     T = comm.Get_size()
     x, env, rows = inputs(T), environment(comm), []
     crowded = f"{T} ranks on {os.cpu_count()} cores (oversubscribed)" if T > os.cpu_count() else ""
-    points = [("bytes", E, k, 0.0) for E in (2, 4, 8) if E >= T for k in (1, 2)]
+    points = [("bytes", E, k, 0.0, d) for E in (2, 4, 8) if E >= T for k in (1, 2) for d in DISPATCHERS]
     if T == 2:
-        points += [("capacity", 8, k, c) for k in (1, 2) for c in CAPACITIES]
-    for experiment, E, k, capacity in points:
+        points += [("capacity", 8, k, c, "alltoall") for k in (1, 2) for c in CAPACITIES]
+    for experiment, E, k, capacity, dispatcher in points:
         load0 = os.getloadavg()[0]
-        r = run_moe_shape(comm, C, S, B, E, k, capacity, steps=5, warmup=2, x=x)
+        r = run_moe_shape(comm, C, S, B, E, k, capacity, steps=STEPS, warmup=2, x=x,
+                          routing={"moe_dispatcher": dispatcher})
         r.update(experiment=experiment, environment=env, loadavg_start=load0, loadavg_end=os.getloadavg()[0])
         if crowded:
             r["oversubscribed"] = crowded
         rows.append(r)
         if comm.Get_rank() == 0:
             m, d = r["moe"], r["dense"]
-            print(f"{experiment} T={T} E={E} k={k} capacity={capacity:g}: MoE {m['bytes_per_token']:.0f} B/token, "
-                  f"{m['step_ms']['median']:.0f} ms (a2a {m['all_to_all_ms']:.1f}); dense {d['bytes_per_token']:.0f} "
+            print(f"{experiment} T={T} E={E} k={k} capacity={capacity:g} {dispatcher}: MoE "
+                  f"{m['bytes_per_token']:.0f} B/token, {m['step_ms']['median']:.0f} ms ({dispatcher} "
+                  f"{m['dispatch_ms']:.1f}); dense {d['bytes_per_token']:.0f} "
                   f"B/token, {d['step_ms']['median']:.0f} ms (ar {d['all_reduce_ms']:.1f}); dropped "
                   f"{100 * m['dropped_fraction']:.1f}%, imbalance {m['imbalance']:.2f}; load {load0:.2f}", flush=True)
     return rows
@@ -94,13 +109,36 @@ def tables(rows):
     out = ["bytes sent per rank per token of the global batch (float32, C 256; dropless):",
            "  T  E  k   MoE a2a  formula   dense ar  formula   MoE ms  (a2a)   dense ms  (ar)  max/mean"]
     byte_rows = [r for r in rows if r["experiment"] == "bytes"]
-    for r in sorted(byte_rows, key=lambda r: (r["ranks"], r["experts"], r["top_k"])):
+    a2a_rows = [r for r in byte_rows if kind(r) == "alltoall"]
+    for r in sorted(a2a_rows, key=lambda r: (r["ranks"], r["experts"], r["top_k"])):
         T, k, m, d = r["ranks"], r["top_k"], r["moe"], r["dense"]
         crowded = "  (oversubscribed)" if "oversubscribed" in r else ""
         out.append(f"{T:3d} {r['experts']:2d} {k:2d} {m['bytes_per_token']:9.0f} "
                    f"{4 * k * (T - 1) / T ** 2 * C * 4:8.0f} {d['bytes_per_token']:10.0f} "
-                   f"{4 * (T - 1) / T * C * 4:8.0f} {m['step_ms']['median']:8.0f} {m['all_to_all_ms']:6.1f} "
+                   f"{4 * (T - 1) / T * C * 4:8.0f} {m['step_ms']['median']:8.0f} {m['dispatch_ms']:6.1f} "
                    f"{d['step_ms']['median']:10.0f} {d['all_reduce_ms']:5.1f} {m['imbalance']:9.2f}{crowded}")
+    out += ["", "the two dispatchers (wire bytes per rank per token; ms: MoE step, in brackets its collectives, "
+            "then the dense step of the same call; load: 1-min average at the start of each call):",
+            "  T  E  k   a2a B/tok  formula   ag B/tok  formula   a2a ms (coll) dense   ag ms (coll) dense"
+            "  ag/a2a*  load"]
+    pairs = {}
+    for r in byte_rows:
+        pairs.setdefault((r["ranks"], r["experts"], r["top_k"]), {})[kind(r)] = r
+    for (T, E, k), p in sorted(pairs.items()):
+        if len(p) < 2:
+            continue
+        a, g = p["alltoall"], p["allgather"]
+        ratio = (g["moe"]["step_ms"]["median"] / g["dense"]["step_ms"]["median"]) / (
+            a["moe"]["step_ms"]["median"] / a["dense"]["step_ms"]["median"])
+        out.append(f"{T:3d} {E:2d} {k:2d} {a['moe']['bytes_per_token']:11.0f} {4 * k * (T - 1) / T ** 2 * C * 4:8.0f} "
+                   f"{g['moe']['bytes_per_token']:10.0f} {4 * k * (T - 1) / T * C * 4:8.0f} "
+                   f"{a['moe']['step_ms']['median']:8.0f} ({a['moe']['dispatch_ms']:4.0f}) "
+                   f"{a['dense']['step_ms']['median']:5.0f} {g['moe']['step_ms']['median']:7.0f} "
+                   f"({g['moe']['dispatch_ms']:4.0f}) {g['dense']['step_ms']['median']:5.0f} {ratio:7.2f}  "
+                   f"{a['loadavg_start']:.1f}/{g['loadavg_start']:.1f}"
+                   + ("  (oversubscribed)" if "oversubscribed" in a else ""))
+    out.append("  * (ag step / its dense step) / (a2a step / its dense step): the dispatchers compared through the "
+               "dense step each call timed beside them, which takes out some of the load's drift")
     out += ["", "capacity factor at T = 2, E 8 (0: dropless):",
             "  k  capacity  dropped  max/mean admitted  max/mean routed  busiest rank  MoE a2a B/token  MoE ms"]
     for r in sorted((r for r in rows if r["experiment"] == "capacity"), key=lambda r: (r["top_k"], r["capacity"] or 9)):
@@ -112,7 +150,7 @@ def tables(rows):
 
 
 def plot(rows, command):
-    sys.path.insert(0, os.path.join(HERE, "..", "bench"))     # experiments/bench/scaling.py
+    sys.path[:0] = [os.path.join(HERE, "..", "bench"), HERE]     # experiments/bench/scaling.py, moe_plots.py
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -134,7 +172,7 @@ def plot(rows, command):
         plt.close(fig)
         written.append(path)
 
-    byte_rows = [r for r in rows if r["experiment"] == "bytes"]
+    byte_rows = [r for r in rows if r["experiment"] == "bytes" and kind(r) == "alltoall"]
     Ts = sorted({r["ranks"] for r in byte_rows})
     fig, axes = plt.subplots(1, len(Ts), figsize=(max(9.0, 6.5 * len(Ts)), 4.4), dpi=110, squeeze=False)
     for ax, T in zip(axes[0], Ts):
@@ -162,6 +200,10 @@ def plot(rows, command):
                  f"B {B} sequences per replica (T B in all), float32, dropless; untrained router on pydoc bytes",
                  fontsize=9)
     save(fig, "moe_dispatch.png")
+    from moe_plots import dispatchers
+    fig = dispatchers(plt, [r for r in rows if r["experiment"] == "bytes"], C, S, B)
+    if fig is not None:
+        save(fig, "moe_dispatchers.png")
 
     cap_rows = [r for r in rows if r["experiment"] == "capacity"]
     if cap_rows:

@@ -148,8 +148,8 @@ class GatherPlan:
 class GatherDispatcher(ExpertDispatcher):
     """The all-gather dispatcher (Megatron's --moe-token-dispatcher-type allgather): every rank gathers every
     ep rank's rows, its experts take theirs, and a reduce-scatter brings each result back to its sender (the
-    other ranks add zeros to a row: its sum is exact). It moves every row to every rank, ep - 1 times the
-    all-to-all's rows when the routing is uniform, with two collectives that need no count exchange ahead of
+    other ranks add zeros to a row: its sum is exact). It moves every row to every rank, ep times the
+    all-to-all's wire bytes when the routing is uniform, with two collectives that need no count exchange ahead of
     the rows (the row counts travel in one small all-gather); identical outputs (tests/test_moe.py)."""
 
     def plan(self, per_expert) -> GatherPlan:

@@ -5,6 +5,7 @@ split over the ranks of the job.
     mpiexec -n 3 mpi-tp explain --layer moe --moe-top-k 1 --moe-capacity 0   # 4 experts: 2 + 1 + 1, dropless
     mpiexec -n 4 mpi-tp explain --layer moe --tp 2                    # T = 2 inside each of ep = 2 replicas
     mpiexec -n 2 mpi-tp explain --layer moe --moe-dispatcher allgather   # every row to every rank instead
+    mpiexec -n 2 mpi-tp explain --layer moe --moe-router sigmoid --moe-gate-scale 2.5   # DeepSeek-V3's gates
 
 Builds one MoEMLP (float64, random weights) at T = --tp (default 1) and
 ep = D = world size / T: each replica holds B sequences of S tokens of its
@@ -17,6 +18,12 @@ the rank x C x itemsize, worked out from every replica's routing), and how far
 the output, the input gradient and the parameter gradients are from the same
 layer on one rank over the whole batch (same seed and names: expert e has the
 same weights wherever it lives). Exit status 0 when everything matches.
+
+The router options (--moe-router, --moe-topk-norm, --moe-gate-scale,
+--moe-drop-policy, --moe-shared-experts; mpi_tp.model.routing) are the model
+config's: the printed gates are the chosen router's, and a line after each
+table gives the range of their sums per token (1 only when normalised and
+unscaled). The bytes each dispatcher should count: mpi_tp.commands.moe_common.
 """
 from __future__ import annotations
 
@@ -27,12 +34,14 @@ import numpy
 from mpi4py import MPI
 
 from mpi_tp.commands.explain.common import comm_text, formula_text, wire_bytes
+from mpi_tp.commands.moe_common import add_router_arguments, expected_counters, router_fields
 from mpi_tp.core.errors import UserError
 from mpi_tp.core.runtime import collective_setup, rank0_print
 from mpi_tp.core.testing import all_true, max_rel_diff, randomize
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.moe import MoEMLP
-from mpi_tp.model.routing import route
+from mpi_tp.model.routing import normalises, route
+from mpi_tp.parallel.expert_parallel import expert_of
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.parallel.topology import Topology, offsets, split_sizes
 
@@ -43,7 +52,7 @@ AUX_WEIGHT, Z_WEIGHT = 0.01, 0.001
 
 LESSON = ("MoEMLP: a router (W_r, C x E, whole on every rank) scores each token; its k best experts take it, "
           "weighted by the gates, and each sequence may send at most cap = ceil(capacity x S x k / E) "
-          "assignments to one expert (the rest are dropped: first choices first, then by position). The E "
+          "assignments to one expert (the rest are dropped: {drop}). The E "
           "experts are whole MLPs (C -> 4C -> C) divided among the ep ranks; each ep rank is a data-parallel "
           "replica with tokens of its own. Dispatch: one all-to-all of the row counts, then an Alltoallv "
           "carries every admitted row to its expert's rank; combine: the inverse Alltoallv brings the "
@@ -90,8 +99,10 @@ def add_arguments(e) -> None:
     e.add_argument("--moe-capacity", type=float, default=1.0,
                    help="with --layer moe (or step): capacity factor per sequence and expert (default 1.0; "
                         "0: dropless)")
-    e.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
-                   help="with --layer moe: how rows reach the experts (default alltoall)")
+    add_router_arguments(e, "with --layer moe")
+    e.add_argument("--moe-shared-experts", type=int, default=0,
+                   help="with --layer moe: shared experts every token goes through beside its k routed ones "
+                        "(DeepSeek), one MLP that many experts wide, replicated over ep (default 0)")
     e.add_argument("--tp", type=int, default=None,
                    help="with --layer moe: tensor-parallel size inside each replica (default 1; ep = ranks / T)")
 
@@ -104,6 +115,8 @@ def plan(args, world: int) -> dict:
     for flag, v in (("--features", C), ("--batch", B), ("--seq", S), ("--moe-experts", E), ("--tp", tp)):
         if v < 1:
             raise UserError(f"{flag} must be a positive integer, got {v}")
+    if args.moe_shared_experts < 0:
+        raise UserError(f"--moe-shared-experts must be an integer >= 0, got {args.moe_shared_experts}")
     ep = Layout.resolve(world, tp=tp, dp=0).dp            # ep = dp = ranks / T (the world-size rule's own line)
     if E < ep:
         raise UserError(f"--moe-experts {E} cannot be divided among ep = {ep} ranks (some rank would hold none): "
@@ -116,30 +129,30 @@ def plan(args, world: int) -> dict:
         raise UserError(f"an expert's width 4C = {4 * C} cannot be split over --tp {tp}: use --features {tp} or more")
     cfg = GPTConfig(vocab_size=1, block_size=S, n_layer=1, n_head=1, n_embd=C, moe_experts=E, moe_top_k=k,
                     moe_capacity=capacity, moe_aux_weight=AUX_WEIGHT, moe_z_weight=Z_WEIGHT,
-                    moe_dispatcher=args.moe_dispatcher)
-    cfg.validate(1, ep)
+                    moe_shared_experts=args.moe_shared_experts, **router_fields(args))
+    cfg.validate(1, ep)                        # a ConfigError (a UserError): e.g. topk-softmax with norm none
     cap = math.ceil(round(capacity * S * k / E, 9)) if capacity else None
     return {"cfg": cfg, "B": B, "S": S, "C": C, "E": E, "k": k, "tp": tp, "ep": ep, "cap": cap}
 
 
-def owners(E: int, ep: int):
-    """Expert -> the ep rank holding it (split_sizes: the first E % ep ranks hold one more)."""
-    return numpy.repeat(numpy.arange(ep), split_sizes(E, ep))
+ROUTERS = {"softmax": "prob = softmax(z) over the E experts, the k most probable take the token, gates prob_top",
+           "topk-softmax": "the k largest logits z take the token, gates a softmax over those k alone (Mixtral)",
+           "sigmoid": "s = sigmoid(z) for each expert on its own, the k largest take the token, gates s_top "
+                      "(DeepSeek-V3)"}
+DROPS = {"position": "first choices first, then by position", "probs": "the highest gates first"}
 
 
-def moved_rows(routes, E: int, me: int) -> tuple[int, int]:
-    """From every replica's (choice, admitted): rows ep rank `me` dispatches to other ranks (its tokens'
-    admitted assignments to experts it does not hold), and rows it returns (other replicas' admitted
-    assignments to its experts). Each crosses twice per pass (there, and back as a result or gradient)."""
-    owner = owners(E, len(routes))
-    c, a = routes[me]
-    out = int((a & (owner[c] != me)).sum())
-    back = sum(int((a_s & (owner[c_s] == me)).sum()) for s, (c_s, a_s) in enumerate(routes) if s != me)
-    return out, back
+def router_text(cfg) -> str:
+    """What --moe-router, --moe-topk-norm and --moe-gate-scale make of the logits z = x W_r."""
+    norm = ("divided by their sum" if normalises(cfg.moe_router, cfg.moe_topk_norm, cfg.moe_top_k)
+            else "not normalised (they need not sum to 1)")
+    scale = f", then times {cfg.moe_gate_scale:g}" if cfg.moe_gate_scale != 1.0 else ""
+    return f"router {cfg.moe_router}: {ROUTERS[cfg.moe_router]}; the k gates {norm}{scale}"
 
 
 def _table(x, layer, routing, first_seq: int, k: int) -> list[str]:
-    """One line per token of this replica: global index, (sequence, position), each choice's gate and fate."""
+    """One line per token of this replica: global index, (sequence, position), each choice's gate and fate;
+    then the range of the gates' sums per token (what the router options make of them)."""
     B, S, C = x.shape
     r = route(x.reshape(B * S, C) @ layer.router.data, k, layer.router_kind, layer.topk_norm, layer.gate_scale)
     choice, gate = r.choice, r.gate
@@ -150,50 +163,11 @@ def _table(x, layer, routing, first_seq: int, k: int) -> list[str]:
                  for j in range(k)]
         picks = "".join(f"{cell:<19}" for cell in cells)
         lines.append(f"  {(first_seq + b) * S + t:5d}  {first_seq + b:3d} {t:3d}  {picks.rstrip()}")
+    sums = gate.sum(axis=1)
+    lines.append(f"  gates per token sum to {float(sums.min()):.3f} .. {float(sums.max()):.3f} ({layer.router_kind} "
+                 f"router, {'normalised' if normalises(layer.router_kind, layer.topk_norm, k) else 'not normalised'}"
+                 f", scale {layer.gate_scale:g})")
     return lines
-
-
-def _expected(p: dict, routes, me: int, rows_group: int) -> dict:
-    """{(pass, key): (calls, bytes)} the counters should show on this rank, and the formula texts."""
-    E, ep, tp, C = p["E"], p["ep"], p["tp"], p["C"]
-    out, back = moved_rows(routes, E, me)
-    a2av = (out + back) * C * 8
-    expect, why = {}, {}
-    if ep > 1 and p["cfg"].moe_dispatcher == "allgather":
-        total = sum(int(a.sum()) for _, a in routes)                    # every replica's admitted rows
-        expect[("forward", "ep/all_gather_counts")] = (1, ep * E * 8)
-        why[("forward", "ep/all_gather_counts")] = f"ep x E x 8 (int64 counts) = {ep} x {E} x 8"
-        for phase in ("forward", "backward"):
-            for key in ("ep/all_gather", "ep/reduce_scatter"):
-                expect[(phase, key)] = (1, total * C * 8)
-                why[(phase, key)] = f"(every replica's {total} admitted rows) x C {C} x 8 bytes"
-    elif ep > 1:
-        counts = (ep - 1) * max(split_sizes(E, ep)) * 8
-        expect[("forward", "ep/all_to_all")] = (1, counts)
-        why[("forward", "ep/all_to_all")] = (f"(ep - 1) x E_max x 8 (int64 counts) = {ep - 1} x "
-                                             f"{max(split_sizes(E, ep))} x 8")
-        for phase in ("forward", "backward"):
-            expect[(phase, "ep/all_to_allv")] = (2, a2av)
-            why[(phase, "ep/all_to_allv")] = (f"({out} rows out + {back} rows back) x C {C} x 8 bytes"
-                                              if phase == "forward" else
-                                              f"({out} gradient rows out + {back} back) x C {C} x 8 bytes")
-    if tp > 1:                 # rows_group: the rows the tp (= etp) group received, R
-        B, S, k, E_i = p["B"], p["S"], p["k"], split_sizes(E, ep)[me]
-        expect[("forward", "tp/routing")] = (1, B * S * k * 8)
-        why[("forward", "tp/routing")] = f"B {B} x S {S} x k {k} x 8 (int64 choices)"
-        expect[("forward", "tp/routing_sums")] = (1, (B * E + 1) * 8)
-        why[("forward", "tp/routing_sums")] = f"(B {B} x E {E} + 1) x 8"
-        expect[("forward", "tp/expert_counts")] = (1, E * 8)
-        why[("forward", "tp/expert_counts")] = f"E {E} x 8 (int64: the whole sequences' rows per expert)"
-        expect[("forward", "tp/etp_counts")] = (1, tp * E_i * 8)
-        why[("forward", "tp/etp_counts")] = f"tp {tp} x E_i {E_i} x 8 (int64 counts)"
-        for phase in ("forward", "backward"):
-            for key in ("tp/etp_gather", "tp/etp_scatter"):
-                expect[(phase, key)] = (1, rows_group * C * 8)
-                why[(phase, key)] = f"(R = {rows_group} rows of the group, C {C}) x 8 bytes"
-            expect[(phase, "tp/all_gather")] = (1, B * S * C * 8)
-            why[(phase, "tp/all_gather")] = f"B {B} x S {S} x C {C} x 8 bytes"
-    return {"expect": expect, "why": why, "out": out, "back": back}
 
 
 def _comm_lines(phase, snapshot, formula, world, G) -> list[str]:
@@ -216,15 +190,19 @@ def lesson(args, comm) -> bool:
     cfg, B, S, C, E, k, tp, ep = (p[key] for key in ("cfg", "B", "S", "C", "E", "k", "tp", "ep"))
     world = comm.Get_size()
     sizes = split_sizes(E, ep)
+    n_shared = cfg.moe_shared_experts
+    shared = (f"; + {n_shared} shared expert{'s' * (n_shared > 1)} (one MLP {n_shared} x 4C wide that every token "
+              f"goes through, replicated over ep, split over tp)" if n_shared else "")
     cap = (f"cap = ceil({cfg.moe_capacity:g} x S x k / E) = {p['cap']} assignments per sequence and expert"
            if p["cap"] else "dropless (capacity 0)")
     rank0_print(f"mixture of experts: E = {E} experts, top-k = {k}, {cap}; T = {tp}, D = ep = {ep} "
                 f"replica{'s' * (ep > 1)} of B = {B} sequence{'s' * (B > 1)} x S = {S} tokens; C = {C}, "
-                f"F = 4C = {4 * C} per expert; float64; aux weight {AUX_WEIGHT}, z weight {Z_WEIGHT}\n"
+                f"F = 4C = {4 * C} per expert{shared}; float64; aux weight {AUX_WEIGHT}, z weight {Z_WEIGHT}\n"
                 f"experts by ep rank: " + "; ".join(
                     f"rank {r}: " + " ".join(f"e{e}" for e in range(o, o + n))
                     for r, (o, n) in enumerate(zip(offsets(sizes), sizes))) +
-                f"\n\n== moe ==\n{textwrap.fill(LESSON, 100)}", comm=comm)
+                f"\n{router_text(cfg)}; past the capacity: {DROPS[cfg.moe_drop_policy]}"
+                f"\n\n== moe ==\n{textwrap.fill(LESSON.format(drop=DROPS[cfg.moe_drop_policy]), 100)}", comm=comm)
     topo, serial = Topology.create(comm, tp=tp, dp=ep, ep=ep), Topology.serial()
     par, ser = MoEMLP("moe", cfg, topo, F64, SEED), MoEMLP("moe", cfg, serial, F64, SEED)
     randomize(par, seed=SEED)                  # the same values slice for slice, whoever holds the expert
@@ -242,14 +220,20 @@ def lesson(args, comm) -> bool:
     dx = par.backward(numpy.ascontiguousarray(dout[mine]))
     bwd = topo.stats.snapshot()
 
-    # Against the serial layer: the router's gradient is summed over the replicas (as the reducer would).
-    router_grad = par.router.grad.copy()                      # this rank's positions' part: over tp too
-    topo.dp.comm.Allreduce(MPI.IN_PLACE, router_grad)
-    topo.tp.comm.Allreduce(MPI.IN_PLACE, router_grad)
+    # Against the serial layer: the gradients of what every replica holds (the router, the shared experts)
+    # are summed over the replicas, as the reducer would (the router's, from each rank's own positions, over tp
+    # too: Param.sp_partial); an expert's copy has seen all its tokens already.
+    summed = {}
+    for q in par.parameters():
+        if expert_of(q) is None:
+            summed[q.name] = q.grad.copy()
+            topo.dp.comm.Allreduce(MPI.IN_PLACE, summed[q.name])
+            if q.sp_partial:
+                topo.tp.comm.Allreduce(MPI.IN_PLACE, summed[q.name])
     reference = {q.name: q for q in ser.parameters()}
     scale = max(float(numpy.abs(q.grad).max()) for q in ser.parameters())
-    grads = {q.name: max_rel_diff(router_grad if q is par.router else q.grad, reference[q.name].grad[q.index()],
-                                  scale) for q in par.parameters()}
+    grads = {q.name: max_rel_diff(summed.get(q.name, q.grad), reference[q.name].grad[q.index()], scale)
+             for q in par.parameters()}
     worst = max(grads, key=grads.get)
     err_out, err_in = max_rel_diff(y, y_ref[mine]), max_rel_diff(dx, dx_ref[mine])
     aux = topo.dp.comm.allreduce(par.stats["aux_loss"]) / ep
@@ -259,9 +243,10 @@ def lesson(args, comm) -> bool:
     routes = topo.ep.comm.allgather(own)                      # a lesson: pickled once
     me, local = topo.ep.rank, list(par.dispatcher.local)
     rows = {e: sum(int((a & (c == e)).sum()) for c, a in routes) for e in local}
-    formula = _expected(p, routes, me, topo.tp.comm.allreduce(sum(rows.values())))
+    formula = expected_counters(routes, E, me, C, 8, cfg.moe_dispatcher, tp, topo.tp.comm.allreduce(sum(rows.values())),
+                                B * S if n_shared else 0, (B, S, k))
     G = {f"{g.name}/{k}": g.size for g in (topo.ep, topo.tp)
-         for k in ("all_to_all", "all_to_allv", "all_gather_counts", "all_gather", "reduce_scatter", "routing",
+         for k in ("all_to_all", "all_to_allv", "all_reduce", "all_gather_counts", "all_gather", "reduce_scatter", "routing",
                    "routing_sums", "expert_counts", "etp_counts", "etp_gather", "etp_scatter")}
     counted = {(phase, key): (v["calls"], v["bytes"]) for phase, snap in (("forward", fwd), ("backward", bwd))
                for key, v in snap.items()}
