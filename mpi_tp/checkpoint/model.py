@@ -43,17 +43,23 @@ def check_format(dtype, cfg: GPTConfig, path: str) -> None:
                         "bfloat16 dtype; fp16 there is not yet tested): pass --precision fp32 (exact from 16 bits)")
 
 
-def load_model(path: str, comm, dtype: str | None = None):
+def load_model(path: str, comm, dtype: str | None = None, ep: int = 1):
     """(model, checkpoint): the saved model rebuilt at tp = world size and filled from the checkpoint
     (an mpi_tp checkpoint, or a Hugging Face model folder: open_checkpoint), in `dtype` ('float32',
-    'bfloat16', ...; None: as saved)."""
+    'bfloat16', ...; None: as saved). ep > 1 (a mixture of experts): the experts divided among ep groups of
+    the tp ranks, each expert split over world / ep of them (etp; mpi_tp.parallel.expert_grid)."""
     def build():
         ck = open_checkpoint(path)
         try:
             cfg = GPTConfig(**ck.meta["config"])
             want = dtype_of(dtype or ck.meta.get("dtypes", "float32"))
             check_format(want, cfg, path)
-            return GPT(cfg, Topology.create(comm), dtype=want), ck
+            n = comm.Get_size()
+            if ep > 1 and (not cfg.moe_experts or n % ep):
+                raise UserError(f"--ep {ep}: needs a mixture-of-experts model and a world size it divides "
+                                f"(here {n} ranks, moe_experts = {cfg.moe_experts})")
+            topo = Topology.create(comm, ep=ep, etp=n // ep) if ep > 1 else Topology.create(comm)
+            return GPT(cfg, topo, dtype=want), ck
         except BaseException:
             ck.close()
             raise

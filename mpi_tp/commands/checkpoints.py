@@ -84,7 +84,7 @@ def cmd_generate(args, comm) -> int:
     """Every prompt continued, in one batch, with a KV cache (mpi_tp.inference.generate); a prompt
     longer than block_size keeps its last block_size tokens (said on stderr)."""
     use_backend(args, comm)
-    model, ck = load_model(args.checkpoint, comm, model_dtype(args))
+    model, ck = load_model(args.checkpoint, comm, model_dtype(args), args.ep)
     tok = model_tokenizer(args.tokenizer, ck, comm)
     S = model.cfg.block_size
     prompts = [tok.encode(p) for p in (args.prompt or ["The "])]
@@ -179,7 +179,7 @@ def add_parsers(sub) -> None:
     e.set_defaults(run=cmd_eval)
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
-                   "GPT-2 or Llama folder")
+                   "GPT-2, Llama or Mixtral folder")
     g.add_argument("--prompt", action="append", help="text to continue (default 'The '); repeat it for a "
                    "batch of prompts, generated together")
     g.add_argument("--max-new-tokens", type=_positive, default=200, help="tokens to generate (default 200)")
@@ -189,6 +189,9 @@ def add_parsers(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens whose probability "
                    "reaches p (default 1: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (the i-th: seed + i)")
+    g.add_argument("--ep", type=_positive, default=1, help="a mixture of experts: its experts divided among ep "
+                   "groups of the ranks, each expert split over ranks / ep of them (default 1: every rank holds a "
+                   "slice of every expert)")
     add_model_arguments(g)
     g.set_defaults(run=cmd_generate)
     i = sub.add_parser("inspect", help="layout, tensors and a full integrity check of a checkpoint")

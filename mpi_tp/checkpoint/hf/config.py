@@ -24,6 +24,17 @@ Llama (LlamaConfig, model_type "llama"), arch "llama":
     tie_word_embeddings                                     tie_word_embeddings (false: lm_head)
     hidden_act: silu; attention_bias, mlp_bias: false; head_dim: hidden_size / num_attention_heads
 
+Mixtral (MixtralConfig, model_type "mixtral"), arch "llama" with a mixture of experts in every block:
+Llama's fields above, and
+
+    num_local_experts, num_experts_per_tok      moe_experts E, moe_top_k k
+    (Mixtral's router)                          moe_router softmax, moe_topk_norm sum: softmax over the E
+                                                logits in fp32, the k best, divided by their sum (k = 1: 1)
+    intermediate_size                           each expert's width (SwiGLU: w1 gate, w3 up, w2 down)
+    (dropless)                                  moe_capacity 0: every assignment computed
+    router_aux_loss_coef (if output_router_logits)   moe_aux_weight (training only; 0 otherwise)
+    router_jitter_noise: 0; sliding_window: null or at least max_position_embeddings
+
 Anything else that changes the numbers (another model type, activation, attention scaling, biases,
 rope scaling, cross-attention, ...) is refused with one line naming it: a model that loads must
 compute what transformers computes.
@@ -32,12 +43,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.routing import normalises
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel")}
+ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel"),
+                 "mixtral": ("MixtralForCausalLM", "MixtralModel")}
 
 
 class HFConfigError(CheckpointError):
@@ -96,7 +110,7 @@ def gpt_config(hf: dict, folder: str = "") -> GPTConfig:
         raise _refuse(folder, f"architectures {arch} are not supported (mpi_tp imports {ARCHITECTURES[kind][0]})")
     if hf.get("rope_scaling") is not None:
         raise _refuse(folder, f"rope_scaling {json.dumps(hf['rope_scaling'])} is not supported")
-    cfg = _llama(hf, folder) if kind == "llama" else _gpt2(hf, folder)
+    cfg = {"llama": _llama, "mixtral": _mixtral, "gpt2": _gpt2}[kind](hf, folder)
     cfg.validate()
     return cfg
 
@@ -156,11 +170,49 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
                      dropout=float(dropout) if isinstance(dropout, (int, float)) and 0 <= dropout < 1 else 0.0)
 
 
+def _mixtral(hf: dict, folder: str) -> GPTConfig:
+    _require(hf, folder, (("router_jitter_noise", 0.0, "the router reads the input as it is"),))
+    window, S = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if window is not None and not (isinstance(S, int) and isinstance(window, int) and window >= S):
+        raise _refuse(folder, f"sliding_window = {window!r} is not supported (mpi_tp attends to every earlier "
+                              f"position: a window of null, or at least max_position_embeddings = {S})")
+    moe = _sizes(hf, folder, (("moe_experts", "num_local_experts"), ("moe_top_k", "num_experts_per_tok")))
+    coef = hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.0
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+        raise _refuse(folder, f"router_aux_loss_coef = {coef!r}: config.json needs a number >= 0")
+    return replace(_llama(hf, folder), **moe, moe_router="softmax", moe_topk_norm="sum", moe_capacity=0.0,
+                   moe_aux_weight=float(coef), moe_z_weight=0.0, moe_every=1)
+
+
+def mixtral_refusal(cfg: GPTConfig) -> str | None:
+    """Why MixtralForCausalLM cannot compute this mixture of experts (None: it can)."""
+    if not cfg.llama:
+        return "its experts are GPT-2 MLPs (GELU, biases); Mixtral's are SwiGLU: a llama model exports"
+    why = {"moe_every": (cfg.moe_every == 1, f"moe_every = {cfg.moe_every}: Mixtral's blocks are all MoE blocks"),
+           "moe_shared_experts": (not cfg.moe_shared_experts, "shared experts, which Mixtral has not"),
+           "moe_router": (cfg.moe_router != "sigmoid", "the sigmoid router (DeepSeek-V3's); Mixtral's is a softmax"),
+           "moe_topk_norm": (normalises(cfg.moe_router, cfg.moe_topk_norm, cfg.moe_top_k),
+                             "gates not divided by their sum; Mixtral normalises its k gates (top-1: a gate of 1)"),
+           "moe_gate_scale": (cfg.moe_gate_scale == 1.0, f"gates scaled by {cfg.moe_gate_scale:g}; Mixtral's are not"),
+           "moe_capacity": (cfg.moe_capacity == 0, f"a capacity ({cfg.moe_capacity:g}) that drops assignments; "
+                                                   "Mixtral computes every one (export a model trained dropless)")}
+    bad = [text for ok, text in why.values() if not ok]
+    return "; ".join(bad) if bad else None
+
+
 def hf_config(cfg: GPTConfig, dtype: str) -> dict:
-    """The config.json of GPT2LMHeadModel or LlamaForCausalLM for an mpi_tp GPTConfig (a dense one: export
-    refuses mixtures of experts)."""
+    """The config.json of GPT2LMHeadModel, LlamaForCausalLM or (a llama model with experts in every block)
+    MixtralForCausalLM for an mpi_tp GPTConfig (export checks mixtral_refusal first)."""
     common = {"vocab_size": cfg.vocab_size, "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None,
               "use_cache": True, "dtype": dtype, "torch_dtype": dtype}    # transformers 5 reads dtype, 4 torch_dtype
+    if cfg.llama and cfg.moe_experts:
+        llama = hf_config(replace(cfg, moe_experts=0), dtype)
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):      # MixtralConfig has none of them
+            llama.pop(key)
+        return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+                "output_router_logits": cfg.moe_aux_weight > 0, "router_aux_loss_coef": cfg.moe_aux_weight,
+                "router_jitter_noise": 0.0, "sliding_window": None}
     if cfg.llama:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
                 "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layer,

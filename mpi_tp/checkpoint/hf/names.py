@@ -42,6 +42,14 @@ LlamaForCausalLM (pre = "model.", or "" from LlamaModel), for each block i (mpi_
     ln_f/weight (C,)             pre norm.weight (C,)                        whole
     lm_head (V, C)                 lm_head.weight (V, C)                     whole; absent when tied (wte serves)
 
+MixtralForCausalLM: Llama's names, but each block's MLP is a mixture of experts (moe = pre layers.i.block_sparse_moe,
+the names transformers' save_pretrained writes and the Hub's Mixtral folders hold):
+
+    h/i/moe/router/weight (C, E)            moe.gate.weight (E, C)                      transposed
+    h/i/moe/experts/e/gate/weight (C, F)    moe.experts.e.w1.weight (F, C)              transposed
+    h/i/moe/experts/e/up/weight (C, F)      moe.experts.e.w3.weight (F, C)              transposed
+    h/i/moe/experts/e/down/weight (F, C)    moe.experts.e.w2.weight (C, F)              transposed
+
 torch.nn.Linear stores (out, in) and computes x W^T: each linear weight is the transpose of
 mpi_tp's (in, out). A rank's column shard of q (its heads) is a block of q_proj's rows, so a
 shard is still one contiguous read. The rotary pairing (rotate_half) and the head order are
@@ -73,6 +81,8 @@ LLAMA_LAYER = {                 # mpi_tp name in block i -> (LlamaForCausalLM's 
     "mlp/gate/weight": ("mlp.gate_proj.weight", True), "mlp/up/weight": ("mlp.up_proj.weight", True),
     "mlp/down/weight": ("mlp.down_proj.weight", True)}
 
+MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}      # an expert's SwiGLU in MixtralForCausalLM
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -101,11 +111,21 @@ def gpt2_pieces(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, Piece
 
 
 def llama_pieces(cfg: GPTConfig, prefix: str = "model.") -> dict[str, Piece]:
-    """mpi_tp parameter name -> its Piece of a LlamaForCausalLM folder, for every parameter of the model."""
+    """mpi_tp parameter name -> its Piece of a LlamaForCausalLM (MixtralForCausalLM, with experts) folder, for
+    every parameter of the model."""
     out = {"wte": Piece(f"{prefix}embed_tokens.weight", None), "ln_f/weight": Piece(f"{prefix}norm.weight", None)}
     for n in range(cfg.n_layer):
+        moe = cfg.is_moe_block(n)
         for ours, (theirs, transposed) in LLAMA_LAYER.items():
-            out[f"h/{n}/{ours}"] = Piece(f"{prefix}layers.{n}.{theirs}", None, transposed=transposed)
+            if not (moe and ours.startswith("mlp/")):
+                out[f"h/{n}/{ours}"] = Piece(f"{prefix}layers.{n}.{theirs}", None, transposed=transposed)
+        if moe:
+            block = f"{prefix}layers.{n}.block_sparse_moe"
+            out[f"h/{n}/moe/router/weight"] = Piece(f"{block}.gate.weight", None, transposed=True)
+            for e in range(cfg.moe_experts):
+                for ours, w in MIXTRAL_EXPERT.items():
+                    out[f"h/{n}/moe/experts/{e}/{ours}/weight"] = Piece(f"{block}.experts.{e}.{w}.weight", None,
+                                                                        transposed=True)
     if not cfg.tied:
         out["lm_head"] = Piece(TIED_HEAD, None)
     return out

@@ -1,4 +1,5 @@
-"""Writing an mpi_tp checkpoint as a Hugging Face folder (GPT-2, or Llama) that transformers loads:
+"""Writing an mpi_tp checkpoint as a Hugging Face folder (GPT-2, Llama, or Mixtral: a llama model with experts) that
+transformers loads:
 
     mpi-tp export runs/X/checkpoints gpt2-folder --format hf
     transformers.AutoModelForCausalLM.from_pretrained("gpt2-folder")
@@ -30,7 +31,7 @@ import ml_dtypes
 import numpy
 
 from mpi_tp.checkpoint.format import CheckpointError, put_in_place
-from mpi_tp.checkpoint.hf.config import hf_config
+from mpi_tp.checkpoint.hf.config import hf_config, mixtral_refusal
 from mpi_tp.checkpoint.hf.names import hf_shapes, pieces, region
 from mpi_tp.checkpoint.hf.read import INDEX, SINGLE, require_safetensors
 from mpi_tp.core.errors import refuse_to_replace
@@ -87,6 +88,20 @@ def _shards(shapes: dict, itemsize: int, limit: int) -> list[list[str]]:
     return shards
 
 
+def _check_mixtral(ckpt, cfg: GPTConfig) -> None:
+    """One CheckpointError if MixtralForCausalLM cannot compute this mixture of experts: its config, or an
+    aux-loss-free expert bias that has moved (it steers the choice; Mixtral's router has none)."""
+    why = mixtral_refusal(cfg)
+    if why is None:
+        biases = [n for n in getattr(ckpt, "tensors", {}) if n.endswith("/router/expert_bias")]
+        moved = [n for n in biases if numpy.any(ckpt.read(n) != 0)]
+        why = (f"its router carries an expert bias ({moved[0]}, --moe-bias-rate) that steers the choice; "
+               "Mixtral's router has none") if moved else None
+    if why is not None:
+        raise CheckpointError(f"export --format hf: {ckpt.dir} is a mixture of experts that MixtralForCausalLM "
+                              f"cannot compute: {why}")
+
+
 def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            dtype: str | None = None) -> list[str]:
     """Write checkpoint `ckpt` (a Checkpoint) as the Hugging Face folder `out`, its tensors in `dtype` (one of
@@ -96,9 +111,7 @@ def export(ckpt, out: str, overwrite: bool = False, max_shard_bytes: int = DEFAU
         raise CheckpointError(f"export: {out} is a file; a Hugging Face model is a folder: give a folder name")
     cfg = GPTConfig(**ckpt.meta["config"])
     if cfg.moe_experts:
-        raise CheckpointError(f"export --format hf: {ckpt.dir} is a mixture-of-experts model "
-                              f"(moe_experts = {cfg.moe_experts}), which GPT2LMHeadModel and LlamaForCausalLM have no "
-                              "form for")
+        _check_mixtral(ckpt, cfg)
     require_safetensors()
     from safetensors.numpy import save_file
     dtype = export_dtype(ckpt, dtype)

@@ -1,0 +1,154 @@
+"""Hugging Face Mixtral folders in and out (mpi_tp.checkpoint.hf): against transformers' MixtralForCausalLM.
+
+A tiny random Mixtral saved by transformers (float64; 4 experts, top-2, grouped-query attention; every
+weight moved off its initial value) is read at the pass's world size as tp = world (3: heads, key/value
+heads and each expert's width split unevenly) and, at an even world size, with the experts divided among
+ep = 2 groups of the ranks (etp = world / 2: at 2 ranks whole experts on each): the logits equal
+transformers' (which runs its norms and rotary angles in float32: 1e-6; the float64 Mixtral throughout, to
+1e-9), and greedy generation gives transformers' own `generate(do_sample=False)` tokens. Exported back, the
+folder holds the same tensors bit for bit, transformers loads it, and what Mixtral cannot compute is refused
+in one line.
+
+    mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_hf_mixtral.py     (N = 1 .. 4)
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from test_hf import IDS, LLAMA_TOL, loaded, needs_oracle, shared_dir  # noqa: F401 (the fixture)
+
+from mpi_tp.checkpoint import open_checkpoint
+from mpi_tp.checkpoint.format import CheckpointError
+from mpi_tp.checkpoint.hf.write import export
+from mpi_tp.core.errors import UserError
+from mpi_tp.core.testing import all_true, assert_close, from_rank0
+from mpi_tp.inference.generate import Request, generate
+from mpi_tp.parallel.topology import Topology
+
+SIZES = dict(vocab_size=97, hidden_size=24, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=3, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+             rope_theta=1000.0, rms_norm_eps=1e-6)
+PROMPTS = [IDS[0, :5], IDS[1, :1], IDS[2, :12]]
+NEW = 12
+
+
+def mixtral_folder(path, seed=0, **overrides):
+    """A random-weight MixtralForCausalLM in float64 saved by save_pretrained (norms moved off ones too)."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(**{**SIZES, **overrides}, bos_token_id=None, eos_token_id=None,
+                                        pad_token_id=None)
+    model = transformers.MixtralForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def eager(path, dtype="float64"):
+    """The folder in transformers, experts computed one by one (its grouped product takes no float64)."""
+    import torch
+    import transformers
+    return transformers.MixtralForCausalLM.from_pretrained(path, experts_implementation="eager",
+                                                           dtype=getattr(torch, dtype)).eval()
+
+
+def oracle(folder):
+    """Logits at S = 1, 3, 32 (as loaded: float64 weights) and greedy continuations of PROMPTS."""
+    import torch
+    mixtral_folder(folder, seed=3)
+    model = eager(folder)
+    with torch.no_grad():
+        logits = {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in (1, 3, 32)}
+    tokens = [model.generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+              for p in PROMPTS]
+    return logits, tokens
+
+
+@needs_oracle
+@pytest.mark.mpi(min_size=1)
+def test_mixtral_logits_and_greedy_text_equal_transformers(world, shared_dir):  # noqa: F811
+    folder = os.path.join(shared_dir, "mixtral")
+    logits, tokens = from_rank0(lambda: oracle(folder), world)
+    n = world.Get_size()
+    layouts = [dict()] + ([dict(ep=2, etp=n // 2)] if n % 2 == 0 else [])
+    for layout in layouts:
+        topo = Topology.create(world, **layout)
+        what = f"tp={n} ep={topo.ep.size} etp={topo.etp.size}"
+        model = loaded(folder, topo)
+        cfg = model.cfg
+        assert (cfg.moe_experts, cfg.moe_top_k, cfg.moe_router, cfg.moe_topk_norm, cfg.moe_capacity) == \
+            (4, 2, "softmax", "sum", 0.0)
+        for S in (1, 3, 32):
+            assert_close(model.full_logits(IDS[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
+        got = generate(model, [Request(bytes(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
+        assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
+        topo.free()
+
+
+@needs_oracle
+def test_export_gives_the_folder_back_and_transformers_loads_it(tmp_path):
+    import torch
+    from safetensors.numpy import load_file
+    from mpi4py import MPI
+
+    from mpi_tp.checkpoint import Checkpoint
+    from mpi_tp.commands.hf import import_folder
+    src, out = str(tmp_path / "mixtral"), str(tmp_path / "out")
+    mixtral_folder(src, seed=5)
+    with Checkpoint(import_folder(src, str(tmp_path / "imported"), MPI.COMM_SELF)) as ck:    # import, export
+        export(ck, out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+    a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)       # bit for bit
+    with torch.no_grad():
+        want, got = (m(torch.tensor(IDS[:, :9])).logits.numpy() for m in (eager(src), eager(out)))
+    assert np.array_equal(want, got)
+
+
+def _exported(tmp_path, **cfg):
+    """A one-rank mpi_tp Mixtral-like checkpoint with these config changes, exported (raises what export says)."""
+    from dataclasses import replace
+
+    from mpi_tp.checkpoint import save
+    from mpi_tp.model.config import GPTConfig
+    from mpi_tp.model.gpt import GPT
+    base = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=8, arch="llama", moe_experts=4,
+                     moe_top_k=2)
+    model = GPT(replace(base, **cfg), Topology.serial(), dtype="float32")
+    step = save(str(tmp_path / "ck"), 1, model, meta={"config": model.cfg.to_dict()})
+    with open_checkpoint(step) as ck:
+        return export(ck, str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("cfg, says", [
+    (dict(moe_shared_experts=1), "shared experts"),
+    (dict(moe_router="sigmoid"), "the sigmoid router"),
+    (dict(moe_topk_norm="none"), "gates not divided by their sum"),
+    (dict(moe_capacity=1.0), "a capacity (1) that drops assignments"),
+    (dict(moe_every=2), "moe_every = 2"),
+    (dict(arch="gpt2"), "GPT-2 MLPs"),
+])
+def test_what_mixtral_cannot_compute_is_refused_in_one_line(tmp_path, cfg, says):
+    pytest.importorskip("safetensors")
+    with pytest.raises(CheckpointError, match="MixtralForCausalLM cannot compute") as e:
+        _exported(tmp_path, **cfg)
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "hf")
+
+
+@needs_oracle
+@pytest.mark.parametrize("overrides, says", [
+    (dict(sliding_window=8), "sliding_window = 8 is not supported"),
+    (dict(router_jitter_noise=0.1), "router_jitter_noise = 0.1 is not supported"),
+])
+def test_what_mpi_tp_cannot_import_is_refused_in_one_line(tmp_path, overrides, says):
+    folder = str(tmp_path / "m")
+    mixtral_folder(folder, **overrides)
+    with pytest.raises(UserError, match=says):
+        open_checkpoint(folder)
