@@ -65,7 +65,13 @@ def add_parser(sub) -> None:
                    "block (default 0: dense)")
     p.add_argument("--top-k", type=int, default=1, help="with --experts: experts per token (default 1)")
     p.add_argument("--moe-every", type=int, default=1, help="with --experts: every n-th block is an MoE block (1: every block)")
-    p.add_argument("--ep", type=int, default=None, help="with --experts: only this expert-parallel size (dividing dp)")
+    p.add_argument("--ep", type=int, default=None, help="with --experts: only this expert-parallel size")
+    p.add_argument("--etp", type=int, default=None, help="with --experts: only this expert tensor-parallel size "
+                   "(default: tp and its divisors are searched; ep x etp divides tp x cp x dp)")
+    p.add_argument("--shared-experts", type=int, default=0, help="with --experts: shared experts every token "
+                   "goes through (DeepSeek's; default 0)")
+    p.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+                   help="with --experts: how rows reach their experts (default alltoall)")
     p.add_argument("--explain", metavar="LAYOUT", default=None,
                    help="price one layout and print its terms, e.g. 'tp4 pp12 dp8 b2 +recompute' (as the table "
                         "writes layouts), whether or not it is among the top rows")
@@ -99,8 +105,11 @@ def _check(args):
     if args.experts and (args.top_k > args.experts or args.moe_every > args.layers):
         raise UserError(f"--top-k {args.top_k} must be at most --experts {args.experts}, and --moe-every "
                         f"{args.moe_every} at most --layers {args.layers}")
-    if args.ep is not None and (args.ep < 1 or not args.experts):
-        raise UserError("--ep needs a mixture of experts (--experts E) and must be at least 1")
+    for flag, value in (("--ep", args.ep), ("--etp", args.etp)):
+        if value is not None and (value < 1 or not args.experts):
+            raise UserError(f"{flag} needs a mixture of experts (--experts E) and must be at least 1")
+    if args.shared_experts < 0 or (args.shared_experts and not args.experts):
+        raise UserError("--shared-experts needs a mixture of experts (--experts E) and must be at least 0")
     if args.sp and args.no_sp or args.recompute and args.no_recompute or args.zero is not None and args.no_zero:
         raise UserError("a pin and its --no- form together (--sp / --no-sp, --zero / --no-zero, --recompute / "
                         "--no-recompute): give one")
@@ -114,14 +123,15 @@ def _check(args):
     if ranks % pinned:                 # the world-size rule's own message (dp, or tp, takes the rest)
         Layout.resolve(ranks, tp=args.tp or 0, cp=args.cp or 1, pp=args.pp or 1, dp=0 if args.tp else 1)
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab,
-                       experts=args.experts, top_k=args.top_k, moe_every=args.moe_every)
+                       experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
+                       shared_experts=args.shared_experts)
 
 
 def _allowed(args) -> dict:
     """candidates()'s settings from the command line's pins."""
     return dict(micro_only=args.micro_batch, cp_only=args.cp, virtual=args.virtual_stages,
                 schedules=(args.schedule,) if args.schedule else SCHEDULES,
-                ep_only=args.ep,
+                ep_only=args.ep, etp_only=args.etp, dispatcher=args.dispatcher,
                 sp=(True,) if args.sp else (False,) if args.no_sp else (False, True),
                 zeros=(args.zero,) if args.zero is not None else (0,) if args.no_zero else (0, 1, 2, 3),
                 recomputes=(True,) if args.recompute else (False,) if args.no_recompute else (False, True))
@@ -138,7 +148,7 @@ def _empty(w: Workload, ranks: int, args) -> str:
             "batch or the pins")
 
 
-LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))? b(\d+)"
+LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))?(?: etp(\d+))? b(\d+)"
                        r"((?: v\d+| zb-h1| zb-v| \+sp| \+zero[0-3]| \+recompute| -overlap)*)")
 
 
@@ -149,12 +159,12 @@ def parse_layout(text: str, ranks: int) -> Plan:
     if got is None:
         raise UserError(f"--explain {text!r}: write a layout as the table does, e.g. 'tp4 pp12 dp8 b2' or "
                         "'tp2 cp4 pp1 dp2 b1 v2 +sp +zero1 +recompute' or 'tp2 pp4 dp2 b1 zb-v +zero3'")
-    t, c, p, d, e, b = (int(x) if x else 1 for x in got.groups()[:6])
-    flags = got.group(7).split()
+    t, c, p, d, e, x, b = (int(x) if x else 0 if i == 5 else 1 for i, x in enumerate(got.groups()[:7]))
+    flags = got.group(8).split()
     zb = next((f for f in flags if f in ZERO_BUBBLE), None)
     v = 2 if zb == "zb-v" else next((int(f[1:]) for f in flags if f.startswith("v")), 1)
     zero = next((int(f[5:]) for f in flags if f.startswith("+zero")), 0)
-    lay = Plan(tp=t, cp=c, pp=p, dp=d, ep=e, virtual=v, sp="+sp" in flags, zero=zero, micro_batch=b,
+    lay = Plan(tp=t, cp=c, pp=p, dp=d, ep=e, etp=x, virtual=v, sp="+sp" in flags, zero=zero, micro_batch=b,
                recompute="+recompute" in flags, overlap_dp="-overlap" not in flags, schedule=zb)
     wrong = lay.problems()
     if wrong:
@@ -192,11 +202,13 @@ def train_config(w: Workload, lay: Plan) -> dict:
     """The options of `mpi-tp train` that run layout `lay` of workload `w` (JSON for --config)."""
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
-            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "batch_size": lay.micro_batch,
+            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
+            "batch_size": lay.micro_batch,
             "micro_batches": micro_batches, "schedule": lay.schedule_name,
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
             "recompute": "full" if lay.recompute else "none",
-            **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every} if w.experts else {})}
+            **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every,
+                "moe_shared_experts": w.shared_experts, "moe_dispatcher": lay.dispatcher} if w.experts else {})}
 
 
 def trainable(w: Workload, result: dict) -> tuple[Plan | None, list[str]]:

@@ -18,11 +18,10 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  / (2M), w the weights' gradients' share: mpi_tp.planning.bubble), plus the activation
                  messages (receives are posted ahead: pp_overlap of a transfer hides behind compute,
                  but in the fill and the drain; the V sends twice 1F1B's)
-    experts      (E experts, top-k, every moe_every-th block) each token's MLP runs k times (the
-                 experts' GEMMs times k); per MoE block and micro-batch 4 all-to-alls (dispatch and
-                 combine, forward and backward) over the ep group, each sending k B S C values x
-                 (ep - 1)/ep from a rank (tp ranks send their own copies), ep - 1 steps of alpha;
-                 an expert's gradients are reduced over the dp / ep replicas holding it
+    experts      (E experts, top-k, every moe_every-th block, n shared) each token's MLP runs k + n
+                 times; the dispatch (all-to-all or all-gather) over ep of each rank's own positions'
+                 rows, the etp group's rows gathered and reduce-scattered, the output gathered back over
+                 tp; an expert shard's gradients reduced over edp (mpi_tp.planning.experts)
     context par. (cp = Z > 1) each rank computes S / Z positions (the GEMMs, the attention's
                  S^2 / Z score entries, the elementwise work and the tensor-parallel messages all
                  shrink by Z) and its ring passes 3Z - 2 messages of K and V per layer and micro-
@@ -57,6 +56,7 @@ from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
+from mpi_tp.planning.experts import DISPATCHERS, expert_params_rank, moe_step_terms
 from mpi_tp.planning.links import link, placement
 from mpi_tp.planning.machines import Machine, state_bytes
 
@@ -73,6 +73,7 @@ class Workload:
     experts: int = 0             # E experts in each MoE block (0: dense); block i is one when i % every = every - 1
     top_k: int = 1               # k experts per token
     moe_every: int = 1
+    shared_experts: int = 0      # n shared experts (one MLP n wide) beside the routed ones
 
     @property
     def moe_layers(self) -> int:
@@ -87,7 +88,8 @@ class Workload:
     def params(self) -> float:
         """Parameters: 12 L C^2 (+ biases, LayerNorms) + V C + S C (tied embedding, positions)."""
         L, h = self.n_layer, self.n_embd
-        moe = self.moe_layers * ((self.experts - 1) * self.expert_params + h * self.experts)   # + the routers
+        shared = self.shared_experts * (8 * h * h + 4 * h) + h if self.shared_experts else 0    # one MLP n wide
+        moe = self.moe_layers * ((self.experts - 1) * self.expert_params + shared + h * self.experts)
         return L * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h + moe
 
 
@@ -99,6 +101,7 @@ class Plan(Layout):
     recompute: bool = False      # full activation recomputation
     overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
     schedule: str | None = None  # "zb-h1" (v = 1) or "zb-v" (v = 2); None: 1F1B, or interleaved at v > 1
+    dispatcher: str = "alltoall"  # how an MoE block's rows reach their experts: "alltoall" or "allgather"
 
     @property
     def schedule_name(self) -> str:
@@ -107,6 +110,8 @@ class Plan(Layout):
 
     def problems(self, world: int | None = None) -> list[str]:
         out = super().problems(world)
+        if self.dispatcher not in DISPATCHERS:
+            out.append(f"dispatcher {self.dispatcher!r}: one of {', '.join(DISPATCHERS)}")
         if self.schedule is not None and (self.schedule not in ZERO_BUBBLE or self.pp < 2 or
                                           self.virtual != (2 if self.schedule == "zb-v" else 1)):
             out.append(f"schedule {self.schedule!r} needs pp > 1 and is one of {', '.join(ZERO_BUBBLE)} "
@@ -184,13 +189,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         per_layer += 2 * ring_all_gather(n, t, alpha, bw)         # the column layers' inputs, again
     tp_comm = micro * layers * per_layer
     moe = math.ceil(w.moe_layers / p)                          # this stage's MoE blocks (at most)
-    if moe:                          # each token's MLP runs k times in an MoE block (one GEMM pass already counted)
-        compute += micro * (w.top_k - 1) * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe / gemm_rate(m, b * s)
     ep_comm = 0.0
-    if moe and lay.ep > 1:          # dispatch and combine, forward and backward: 4 all-to-alls per block
-        ea, ebw = link(links["ep"], m)
-        rows = w.top_k * b * s * h * m.bytes_per_value * (lay.ep - 1) / lay.ep
-        ep_comm = micro * moe * 4 * ((lay.ep - 1) * ea + rows / ebw)
+    if moe:                          # the experts' GEMMs, dispatch, etp and tp traffic (mpi_tp.planning.experts)
+        terms = moe_step_terms(m, w, lay, links, micro, b, s, fwd_bwd, mlp_share, moe, gemm_rate)
+        compute += terms["compute"]
+        tp_comm += terms["tp"] + terms["etp"]
+        ep_comm = terms["ep"]
     cp_comm = 0.0
     if c > 1:                       # the ring: 3Z - 2 messages of K and V (or their gradients) per layer
         ca, cbw = link(links["cp"], m)
@@ -199,7 +203,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
     # of a stage's work: what the zero-bubble schedules move into the bubble (mpi_tp.planning.bubble)
     wgrad = 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers + 2 * b * s * h * V / t / p
-    wgrad += (w.top_k - 1) * 2 * b * s * 8 * h * h * mlp_share * moe if moe else 0.0
+    wgrad += (w.top_k - 1 + w.shared_experts) * 2 * b * s * 8 * h * h * mlp_share * moe if moe else 0.0
     work = compute + tp_comm + cp_comm + ep_comm
     w_share = micro * wgrad / gemm_rate(m, b * s) / work if work else 0.0
     pp_comm, bubble = 0.0, 0.0
@@ -217,14 +221,14 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
         bubble = bubble_fraction(lay.schedule, p, v, micro, w_share) * work
     params_rank = w.params / (t * p)
-    experts_rank = 0.0               # the rank's E / ep experts: reduced over the dp / ep replicas holding them
+    experts_rank = 0.0               # the rank's E / ep experts' etp shards: reduced over edp
     if w.moe_layers:
-        params_rank -= w.moe_layers * w.experts * w.expert_params * (1 - 1 / lay.ep) / (t * p)
-        experts_rank = w.moe_layers * w.experts * w.expert_params / lay.ep / (t * p)
+        experts_rank = expert_params_rank(w, lay, w.moe_layers) / p
+        params_rank += experts_rank - w.moe_layers * w.experts * w.expert_params / (t * p)
     overlaps = lay.overlap_dp and not hierarchical_dp
     da, dbw = link(links["dp"], m)
     d = d * c                                                  # the reducer's group: cp x dp
-    de = d // lay.ep                                           # the experts' (edp; cp is 1 with experts)
+    de = lay.edp                                               # the experts' (mpi_tp.parallel.expert_grid)
     per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
     zero = int(lay.zero)
     gather, gathers, dp_comm = 0.0, 0.0, 0.0     # the parameters' all-gathers: after the update; ZeRO-3's per pass

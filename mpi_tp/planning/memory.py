@@ -39,6 +39,7 @@ import math
 
 from mpi_tp.planning import activations
 from mpi_tp.planning.costmodel import Plan, Workload
+from mpi_tp.planning.experts import dense_mlp_bytes, expert_params_rank, mlp_params_rank, moe_block_bytes
 from mpi_tp.planning.machines import Machine, state_bytes
 
 
@@ -62,11 +63,17 @@ def params_per_rank(w: Workload, lay: Plan) -> float:
     T, C, layers = lay.tp, w.n_embd, math.ceil(w.n_layer / lay.pp)
     sharded = layers * (12 * C * C + 7 * C) / T + math.ceil(w.vocab / T) * C
     replicated = layers * 6 * C + w.seq * C + (2 * C if lay.pp == 1 else 0)
-    moe = math.ceil(w.moe_layers / lay.pp)            # an MoE block: E / ep experts instead of one MLP, a router
-    if moe:
-        sharded += moe * (math.ceil(w.experts / lay.ep) - 1) * w.expert_params / T
+    moe = math.ceil(w.moe_layers / lay.pp)            # an MoE block: E / ep experts' etp shards, the shared
+    if moe:                                           # ones over tp, a router, instead of one MLP
+        sharded += moe * (mlp_params_rank(w, lay, w.shared_experts) - mlp_params_rank(w, lay)) + \
+            expert_params_rank(w, lay, moe)
         replicated += moe * C * w.experts
     return sharded + replicated
+
+
+def expert_share(w: Workload, lay: Plan) -> float:
+    """The part of params_per_rank that is routed experts' (reduced and shared out over edp, not dp x cp)."""
+    return expert_params_rank(w, lay, math.ceil(w.moe_layers / lay.pp)) if w.experts else 0.0
 
 
 def recompute_mode(lay: Plan) -> str:
@@ -84,7 +91,8 @@ def unit_params(w: Workload, lay: Plan) -> float:
     C = w.n_embd
     block = (12 * C * C + 7 * C) / lay.tp + 6 * C
     if w.experts:
-        block += (math.ceil(w.experts / lay.ep) - 1) * w.expert_params / lay.tp + C * w.experts
+        block += expert_params_rank(w, lay, 1) + mlp_params_rank(w, lay, w.shared_experts) - mlp_params_rank(w, lay) \
+            + C * w.experts
     return max(block, math.ceil(w.vocab / lay.tp) * C + w.seq * C)
 
 
@@ -95,9 +103,11 @@ def state_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
     D = lay.dp * lay.cp              # the ranks holding the same weights (the reducer's group)
     zero = lay.zero if D > 1 else 0
     unit = unit_params(w, lay) if zero >= 2 else 0.0
-    return {"parameters": wb * psi / D + wb * unit if zero >= 3 else wb * psi,
-            "gradients": {0: gb * psi, 1: gb * psi + gb * psi / D}.get(zero, gb * psi / D + gb * unit),
-            "optimizer": kb * psi / D if zero else kb * psi}
+    experts = expert_share(w, lay)
+    share = (psi - experts) / D + experts / lay.edp          # a rank's share: experts' over edp
+    return {"parameters": wb * share + wb * unit if zero >= 3 else wb * psi,
+            "gradients": {0: gb * psi, 1: gb * psi + gb * share}.get(zero, gb * share + gb * unit),
+            "optimizer": kb * share if zero else kb * psi}
 
 
 def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
@@ -128,7 +138,7 @@ def weight_input_bytes(m: Machine, w: Workload, lay: Plan) -> tuple[float, float
         output layer           input X: S B C (1/T under sp); dY, the logits' gradient: S B V / T
 
     a block: S B C (6 / T_sp + 2 + 12 / T) values, T_sp = T under sequence parallelism, else 1. MoE
-    blocks are counted as dense ones (their experts' and router's inputs are not priced apart)."""
+    blocks are counted as dense ones here (what a deferred W of their experts keeps is not priced apart)."""
     S, B, C, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, lay.tp
     t_sp, v = (T if lay.sp else 1), m.bytes_per_value
     block = S * B * C * (6 / t_sp + 2 + 12 / T) * v
@@ -165,11 +175,16 @@ def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]
     (the interleaved schedule holds about 1F1B's activations in chunks of 1 / v: priced as 1F1B's)."""
     mode = recompute_mode(lay)
     P, M = lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch))
+    # an MoE block keeps its experts' state in place of the dense MLP's (mpi_tp.planning.experts): spread over
+    # the stage's blocks as an average
+    n_blocks, n_moe = math.ceil(w.n_layer / P), min(math.ceil(w.n_layer / P), math.ceil(w.moe_layers / P))
+    moe = (moe_block_bytes(m, w, lay) - dense_mlp_bytes(m, w, lay)) if n_moe else 0.0
     if mode == "full":
         a = w.seq / lay.cp * lay.micro_batch * w.n_embd * m.bytes_per_value / (lay.tp if lay.sp else 1)
-        r = activation_bytes_per_layer(m, w, lay)
+        r = activation_bytes_per_layer(m, w, lay) + moe
     else:
         a, r = activation_bytes_per_layer(m, w, lay, mode if mode == "selective" else "none"), 0.0
+        a += moe * n_moe / n_blocks
     w_block, w_head = weight_input_bytes(m, w, lay)
     g = logits_bytes(m, w, lay)
     if lay.schedule == "zb-v":

@@ -34,15 +34,16 @@ def divisors(n: int) -> list[int]:
 def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None, tp_only: int | None = None,
                pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1, 2, 3),
                recomputes=(False, True), cp_only: int | None = None, schedules=SCHEDULES,
-               virtual: int | None = None, even_stages: bool = False, ep_only: int | None = None):
+               virtual: int | None = None, even_stages: bool = False, ep_only: int | None = None,
+               etp_only: int | None = None, dispatcher: str = "alltoall"):
     """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
     uneven), cp > 1 for sequences of LONG positions or more (at least 4 positions per rank), pp up to the
     layers (stages need not divide them: the largest sets the pace), interleaving (2 chunks a stage, or
     `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, the
     zero-bubble schedules where there are at least as many micro-batches as stages (zb-v: and every chunk
     of its V has a block), dp the rest; micro-batches up to 16 sequences; ZeRO stages 1-3 where dp x cp > 1.
-    Pins: tp_only, cp_only, pp_only, micro_only, virtual, ep_only (a mixture of experts: ep divides dp, at
-    most the experts); schedules (of SCHEDULES), sp, zeros, recomputes: the settings allowed; even_stages: only stage counts that divide the layers (the search space of papers
+    Pins: tp_only, cp_only, pp_only, micro_only, virtual, ep_only, etp_only (a mixture of experts: etp tp or a
+    divisor of it, ep x etp dividing tp x cp x dp, ep at most the experts; dispatcher: theirs); schedules (of SCHEDULES), sp, zeros, recomputes: the settings allowed; even_stages: only stage counts that divide the layers (the search space of papers
     that had only those)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
@@ -61,20 +62,29 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                 if micro_only and b != micro_only:
                     continue
                 micro = w.global_batch // (dp * b)
-                for (v, zb), ep in ((x, ep) for x in _schedules(w, pp, micro, schedules, virtual)
-                                    for ep in _eps(w, dp, ep_only)):
+                for (v, zb), (ep, etp) in ((x, e) for x in _schedules(w, pp, micro, schedules, virtual)
+                                           for e in _experts(w, tp, cp, dp, ep_only, etp_only)):
                     for seq in (sp if tp > 1 else (False,)):
                         for zero in (zeros if dp * cp > 1 else (0,)):
                             for recompute in recomputes:
-                                yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, virtual=v, sp=seq, zero=zero,
-                                           micro_batch=b, recompute=recompute, schedule=zb)
+                                yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, virtual=v, sp=seq,
+                                           zero=zero, micro_batch=b, recompute=recompute, schedule=zb,
+                                           dispatcher=dispatcher)
 
 
-def _eps(w: Workload, dp: int, ep_only: int | None) -> list[int]:
-    """Expert-parallel sizes to try: divisors of dp up to the experts (1 for a dense model)."""
+def _experts(w: Workload, tp: int, cp: int, dp: int, ep_only: int | None, etp_only: int | None) -> list[tuple]:
+    """(ep, etp) to try (etp 0: tp's): etp tp or a divisor of it (or the pin), ep up to the experts with ep x etp
+    dividing the stage's tp x cp x dp ranks (mpi_tp.parallel.expert_grid); (1, 0) for a dense model."""
     if not w.experts:
-        return [1]
-    return [e for e in divisors(dp) if e <= w.experts and (not ep_only or e == ep_only)]
+        return [(1, 0)]
+    stage = tp * cp * dp
+    out = []
+    for etp in ([etp_only] if etp_only else divisors(tp)):
+        if stage % etp or etp > 4 * w.n_embd:
+            continue
+        out += [(e, 0 if etp == tp else etp) for e in divisors(stage // etp)
+                if e <= w.experts and (not ep_only or e == ep_only)]
+    return out
 
 
 def _schedules(w: Workload, pp: int, micro: int, schedules, virtual: int | None) -> list[tuple]:

@@ -1,0 +1,122 @@
+"""The mixture of experts in the cost model: the experts' grid, their traffic, their memory per rank.
+
+Legend: b the micro-batch, s = S / cp a rank's positions, C channels, F = 4C an expert's width, E experts,
+k per token, n shared experts, t = tp, e = etp (Layout.expert_tp), ep, edp = t cp dp / (e ep) (Layout.edp);
+N_o = b s / t the tokens a rank routes (each rank its own positions: mpi_tp.parallel.expert_tokens),
+R = e k N_o the rows its etp group's experts compute on it (balanced, dropless routing). Per MoE block and
+micro-batch, as mpi_tp.model.moe runs it:
+
+    compute      the routed experts' GEMMs k times a token's MLP (spread over the e ep edp ranks: 1/t of the
+                 stage's tokens' k MLPs per rank, balanced), the n shared experts n times, split over tp
+    dispatch     alltoall: 4 all-to-alls (dispatch, combine; forward, backward) of k N_o C values x (ep-1)/ep
+                 from a rank, ep - 1 steps of alpha; allgather: 4 ring collectives (all-gather, reduce-scatter)
+                 of the ep group's ep k N_o C values, (ep - 1)/ep of them on the wire: ep times the bytes
+    etp          an all-gather and a reduce-scatter of R C values over etp, forward and backward
+    tp           the output gathered back over tp (no sequence parallelism), forward and backward (b s C);
+                 the routing of whole sequences: 3 small collectives over tp (and cp), 1 alpha each; the
+                 shared experts' f and g as the dense MLP's. The dense MLP's two all-reduces are not run.
+    gradients    an expert shard's over edp; the router's and the shared experts' with the dense ones
+
+Memory (moe_block_bytes): the activations one MoE block keeps on a rank in place of the dense MLP's (its own
+tokens' input, router state in fp32, the k outputs per token, each expert's rows and hidden widths, the
+shared experts' dense-MLP terms), and the parameters (expert_params_rank): E / ep experts' 1/e shards.
+Checked against the memory a step measures: experiments/memory/moe_memory.py.
+"""
+from __future__ import annotations
+
+import math
+
+from mpi_tp.planning.links import link
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def expert_grid_links(lay, per_node: int) -> dict:
+    """{"etp", "ep"}: "node" or "network", for the experts' groups of the first stage (mpi_tp.parallel.expert_grid:
+    a stage's place d = (dp_r cp + cp_r) tp + tp_r read again as (edp_r ep + ep_r) etp + etp_r)."""
+    t, c, d, p = lay.tp, lay.cp, lay.dp, lay.pp
+    e, ep = lay.expert_tp, lay.ep
+    D = t * c * d
+
+    def world(x):                    # a stage place -> its world rank (stage 0): tp fastest, cp, then dp past pp
+        return (x // (t * c)) * (t * c * p) + x % (t * c)
+
+    def crosses(stride, size):
+        if size <= 1:
+            return False
+        leaders = range(0, min(D, 4 * per_node + stride * size))
+        return any(len({world(g + i * stride) // per_node for i in range(size)}) > 1
+                   for g in leaders if (g // stride) % size == 0 and g + (size - 1) * stride < D)
+    return {"etp": "network" if crosses(1, e) else "node", "ep": "network" if crosses(e, ep) else "node"}
+
+
+def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_bwd: int, mlp_share: float,
+                   moe_layers: int, gemm_rate) -> dict:
+    """Seconds per step on a rank for this stage's MoE blocks: {"compute" (beyond one dense MLP pass, already
+    counted), "tp" (their tp traffic minus the dense MLP's two all-reduces), "ep", "etp"}."""
+    from mpi_tp.planning.costmodel import ring_all_gather, ring_all_reduce
+    h, k, t, v = w.n_embd, w.top_k, lay.tp, m.bytes_per_value
+    e, ep = lay.expert_tp, lay.ep
+    extra = (k - 1) + w.shared_experts                        # MLP passes beyond the one counted
+    compute = micro * extra * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe_layers / gemm_rate(m, b * s)
+    ta, tbw = link(links["tp"], m)
+    n = b * s * h * v                                         # one micro-batch's activation, whole
+    n_o = n / t                                               # a rank's own positions
+    dense_mlp = 2 * ring_all_reduce(n, t, ta, tbw)            # the dense MLP's f and g: not run
+    shared = dense_mlp if w.shared_experts else 0.0           # the shared experts' f and g (or SP's AG, RS)
+    gather_out = 0.0 if lay.sp else 2 * ring_all_gather(n, t, ta, tbw)
+    routing = 3 * (t - 1) * ta if t > 1 else 0.0
+    tp = micro * moe_layers * (shared + gather_out + routing - dense_mlp)
+    xa, xbw = link(expert_grid_links(lay, m.ranks_per_node)["etp"] if e != t else links["tp"], m)
+    rows = e * k * n_o                                        # the etp group's rows, in bytes
+    etp = micro * moe_layers * 4 * ring_all_gather(rows, e, xa, xbw)
+    ep_comm = 0.0
+    if ep > 1:
+        ea, ebw = link(expert_grid_links(lay, m.ranks_per_node)["ep"], m)
+        if lay.dispatcher == "allgather":
+            ep_comm = micro * moe_layers * 4 * ring_all_gather(ep * k * n_o, ep, ea, ebw)
+        else:
+            ep_comm = micro * moe_layers * 4 * ((ep - 1) * ea + k * n_o * (ep - 1) / ep / ebw)
+    return {"compute": compute, "tp": tp, "etp": etp, "ep": ep_comm}
+
+
+def expert_params_rank(w, lay, moe_layers: int) -> float:
+    """The routed experts' parameters on a rank of a stage of moe_layers MoE blocks: E / ep experts (the first
+    E % ep ranks one more), each its 1/etp shard of fc (weight and bias) and proj's weight, proj's bias whole."""
+    C = w.n_embd
+    return moe_layers * math.ceil(w.experts / lay.ep) * ((8 * C * C + 4 * C) / lay.expert_tp + C)
+
+
+def mlp_params_rank(w, lay, width: int = 1) -> float:
+    """A dense MLP `width` expert widths wide on a rank: fc and proj's weight split over tp, proj's bias whole
+    (the shared experts are one such MLP; 0 wide: none)."""
+    C = w.n_embd
+    return width * (8 * C * C + 4 * C) / lay.tp + C if width else 0.0
+
+
+def moe_block_bytes(m, w, lay) -> float:
+    """Activations one MoE block keeps on a rank for one micro-batch, in place of the dense MLP's (balanced,
+    dropless routing): the module docstring's list, at the value width (router state: fp32 or wider)."""
+    C, k, E, t, e = w.n_embd, w.top_k, w.experts, lay.tp, lay.expert_tp
+    v, f = m.bytes_per_value, max(m.bytes_per_value, 4)
+    s_cp = w.seq / lay.cp
+    n_o = lay.micro_batch * s_cp / t                          # own tokens
+    rows = e * k * n_o                                        # the etp group's rows, on this rank
+    F = 4 * C
+    routed = (n_o * C * v                                     # the input rows it routes
+              + n_o * E * f + 3 * n_o * f                     # probabilities; lse, its gradient, a spare
+              + n_o * k * (2 * f + 1 + 8 + 2 * 8)             # gates twice, admitted, choices, row indices
+              + n_o * k * C * v                               # each choice's output
+              + lay.micro_batch * w.seq * k * 8               # the whole sequences' choices
+              + rows * 8                                      # the etp order
+              + rows * (C + 3 * F / e) * v)                   # the experts: input rows, GELU in and tanh, proj in
+    if w.shared_experts:                                      # the dense MLP's terms, n wide
+        whole = lay.micro_batch * s_cp / (t if lay.sp else 1)
+        routed += whole * C * v + 3 * lay.micro_batch * s_cp * w.shared_experts * F / t * v
+    return routed
+
+
+def dense_mlp_bytes(m, w, lay) -> float:
+    """What a dense block's MLP keeps (the fc input, GELU input and tanh, the projection's input)."""
+    s = lay.micro_batch * w.seq / lay.cp
+    return (s * w.n_embd / (lay.tp if lay.sp else 1) + 3 * s * 4 * w.n_embd / lay.tp) * m.bytes_per_value
