@@ -56,7 +56,7 @@ def global_batch(step, rows):
 def run(model, topo, rows):
     """5 AdamW steps on the global batch (rows per replica): losses, norms, routing per step and layer."""
     params = model.parameters()
-    reducer = GradReducer(model, topo.dp, bucket_mb=0.001)          # tiny buckets: several per step
+    reducer = GradReducer(model, topo.dpcp, bucket_mb=0.001)        # tiny buckets: several per step
     opt = AdamW(params, lr=1e-2)
     losses, norms, routing = [], [], []
     for step in range(STEPS):
@@ -64,7 +64,7 @@ def run(model, topo, rows):
         mine = topo.replica_rows(rows)
         model.zero_grad()
         ps = model.new_pass(x.shape[1], row0=mine.start, step=step)      # this replica's rows of step's batch
-        loss = np.array([model.forward(x[mine], y[mine], ps)])
+        loss = np.array([model.forward(x[mine], y[mine], ps)])          # the whole sequences' loss (cp too)
         topo.dp.all_reduce(loss)
         losses.append(loss[0] / topo.dp.size)
         routing.append([(c.copy(), a.copy()) for c, a in (m.routing for m in model.moe_layers())])

@@ -12,18 +12,14 @@ give the serial weights, and the copies of each expert shard (edp) must agree bi
 """
 import numpy as np
 import pytest
-from test_moe import B, MOE, STEPS, global_batch
+from test_moe import B, MOE, STEPS, run
 from test_moe import CFG as MOE_CFG
 
 from mpi_tp.core.testing import all_true, assert_close, gather_full, max_rel_diff
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
-from mpi_tp.parallel.data_parallel import GradReducer
-from mpi_tp.parallel.expert_balance import balance_experts
 from mpi_tp.parallel.expert_parallel import expert_of
-from mpi_tp.parallel.finalize import finalize_grads
 from mpi_tp.parallel.topology import Topology
-from mpi_tp.training.optim import AdamW, clip_coefficient, grad_norm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 CFG = {**MOE_CFG, "n_head": 4}                     # tp up to 4 (3: uneven heads, experts' widths, positions)
@@ -41,29 +37,6 @@ GRIDS = {
     4: [(2, 1, 2, 2, 1, False), (2, 2, 1, 2, 2, True), (1, 2, 2, 2, 2, False), (4, 1, 1, 1, 2, False),
         (2, 2, 1, 4, 1, False)],
 }
-
-
-def run(model, topo, rows):
-    """5 AdamW steps on the global batch (rows per replica): losses, norms, whole routing per step and layer."""
-    params = model.parameters()
-    reducer = GradReducer(model, topo.dpcp, bucket_mb=0.001)          # tiny buckets: several per step
-    opt = AdamW(params, lr=1e-2)
-    losses, norms, routing = [], [], []
-    for step in range(STEPS):
-        x, y = global_batch(step, rows * topo.dp.size)
-        mine = topo.replica_rows(rows)
-        model.zero_grad()
-        ps = model.new_pass(x.shape[1], row0=mine.start, step=step)
-        loss = np.array([model.forward(x[mine], y[mine], ps)])          # the whole sequences' loss
-        topo.dp.all_reduce(loss)
-        losses.append(loss[0] / topo.dp.size)
-        routing.append([(c.copy(), a.copy()) for c, a in (m.routing for m in model.moe_layers())])
-        model.backward(reducer=reducer)
-        finalize_grads(model, reducer)
-        norms.append(grad_norm(params, topo.tp))
-        opt.step(grad_scale=clip_coefficient(norms[-1], 1.0))
-        balance_experts(model)
-    return np.array(losses), np.array(norms), routing
 
 
 _serial = {}
