@@ -6,6 +6,8 @@ the first step; bad input is one line.
     python -m pytest -q --with-mpi tests/test_verify.py                       (the jobs: 2 and 8 ranks)
     mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_verify.py   (N = 1 .. 4)
 """
+import json
+
 import pytest
 from jobs import MPIEXEC, clean_env, mpirun, run_job
 
@@ -16,13 +18,17 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16
         "--dropout", "0.1", "--steps", "2"]
 LLAMA = ["--arch", "llama", "--n-kv-head", "1"]
 MOE = ["--moe-experts", "2", "--moe-top-k", "1"]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,
+               "original_max_position_embeddings": 4}
 INTERLEAVED = ["--schedule", "interleaved", "--virtual-stages", "2", "--n-layer", "4"]
 LAYOUTS = {     # world size -> the layouts verified at it
     1: [[], ["--micro-batches", "2", "--recompute", "full"], LLAMA],
     2: [["--tp", "2"], ["--tp", "2", "--sequence-parallel", "--recompute", "selective"], ["--pp", "2", "--micro-batches", "2"],
         ["--pp", "2", "--micro-batches", "3", "--schedule", "zb-v", "--virtual-stages", "2", "--n-layer", "4"],
         ["--dp", "2", "--zero", "1"], ["--cp", "2"], [*MOE, "--dp", "2", "--ep", "2"], [*LLAMA, "--tp", "2"],
-        [*MOE, "--tp", "2", "--etp", "1", "--ep", "2"], [*MOE, "--cp", "2", "--ep", "2", "--moe-capacity", "1"]],
+        [*MOE, "--tp", "2", "--etp", "1", "--ep", "2"], [*MOE, "--cp", "2", "--ep", "2", "--moe-capacity", "1"],
+        [*LLAMA, "--qkv-bias", "--tp", "2"],                      # Qwen2's biases on replicated key/value heads
+        [*LLAMA, "--rope-scaling", json.dumps(LLAMA3_ROPE), "--tp", "2", "--sequence-parallel"]],
     3: [["--tp", "3", "--n-head", "5", "--n-embd", "20"], ["--dp", "3", "--zero", "1", "--micro-batches", "2"], ["--pp", "3", "--micro-batches", "3", "--n-layer", "3"],
         ["--pp", "3", "--micro-batches", "4", "--n-layer", "3", "--schedule", "zb-h1"]],
     4: [["--tp", "2", "--dp", "2", "--zero", "1"], ["--tp", "2", "--pp", "2", "--micro-batches", "2"],

@@ -65,13 +65,17 @@ def rmsnorm_backward_input(dout, cache):
 
 # ---------------------------------------------------------------- rotary position embeddings
 
-def rope_tables(positions, hs: int, theta: float, dtype):
+def rope_tables(positions, hs: int, theta: float, dtype, scaling=None):
     """cos, sin (n, hs) for integer positions (n,) (NumPy or CuPy): angle p / theta^(2j/hs) at dimension j
-    and at j + hs/2 alike (Llama's `cat(freqs, freqs)`), computed in float64, then cast to dtype."""
+    and at j + hs/2 alike (Llama's `cat(freqs, freqs)`), computed in float64, then cast to dtype; scaling: the
+    frequencies stretched (mpi_tp.model.rope_scaling), None: as they are."""
     xp = array_module(positions)
     if hs % 2:
         raise ValueError(f"rotary embeddings need an even head size, got {hs}")
     inv_freq = 1.0 / (float(theta) ** (xp.arange(0, hs, 2, dtype="float64") / hs))   # (hs/2,)
+    if scaling is not None:
+        from mpi_tp.model.rope_scaling import scaled_inv_freq
+        inv_freq = scaled_inv_freq(inv_freq, scaling)
     angles = positions.astype("float64")[:, None] * inv_freq[None, :]               # (n, hs/2)
     angles = xp.concatenate([angles, angles], axis=1)                               # (n, hs)
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)

@@ -56,8 +56,8 @@ class ParallelAttention(Module):
         self.heads, self.kv_heads = self.layout.q[tp.rank], self.layout.kv[tp.rank]
         self.H_i, self.H_kv_i = len(self.heads), len(self.kv_heads)
         bias = not cfg.llama
-        self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias, seed=seed)
-        self.rope = Rope(self.hs, cfg.rope_theta, dtype) if cfg.llama else None
+        self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias or cfg.qkv_bias, seed=seed)
+        self.rope = Rope(self.hs, cfg.rope_theta, dtype, cfg.rope_scaling) if cfg.llama else None
         cols = [len(q) * self.hs for q in self.layout.q]   # the output projection's rows follow the query heads
         self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed, bias=bias,
                                       std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
@@ -111,7 +111,7 @@ class ParallelAttention(Module):
         softmax over every rank's keys by ring attention."""
         angles, cp = None, ps.cp
         if self.rope is not None:
-            cos, sin = rope_table(cp.S, self.hs, self.rope.theta, self.rope.dtype)
+            cos, sin = rope_table(cp.S, self.hs, self.rope.theta, self.rope.dtype, self.rope.scaling)
             at = backend.asarray(cp.positions)
             angles = (cos[at], sin[at])
         q, k, v = self.project_qkv(x, angles, ps.sp)                     # (B, heads, S_r, hs)

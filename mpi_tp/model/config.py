@@ -36,6 +36,8 @@ class GPTConfig:
     rope_theta: float = 10000.0   # llama: the rotary embeddings' base
     norm_eps: float = 1e-5        # the LayerNorms' (gpt2) or RMSNorms' (llama) epsilon
     tie_word_embeddings: bool | None = None   # output layer = wte; None: True (gpt2, always), False (llama)
+    rope_scaling: dict | None = None   # llama: the rotary frequencies stretched (mpi_tp.model.rope_scaling)
+    qkv_bias: bool = False        # llama: biases on q, k and v (Qwen2)
     # Mixture of experts (mpi_tp.model.moe); moe_experts = 0 is the dense model.
     moe_experts: int = 0          # E: experts in each MoE block
     moe_top_k: int = 1            # k: experts per token
@@ -119,7 +121,12 @@ class GPTConfig:
                 raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
         if self.tie_word_embeddings not in (None, True, False):
             raise ConfigError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        if not self.llama and (self.rope_scaling is not None or self.qkv_bias):
+            raise ConfigError("rope_scaling and qkv_bias are llama options (arch gpt2 has learned positions and "
+                              "biases everywhere)")
         if self.llama:
+            from mpi_tp.model.rope_scaling import check_rope_scaling
+            self.rope_scaling = check_rope_scaling(self.rope_scaling)
             if (self.n_embd // self.n_head) % 2:
                 raise ConfigError(f"rotary embeddings rotate pairs of a head's dimensions: the head size "
                                   f"n_embd / n_head = {self.n_embd // self.n_head} must be even")

@@ -57,6 +57,9 @@ def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple]:
         out.update({f"h/{i}/ln_1/weight": (C,), f"h/{i}/attn/q/weight": (C, H * hs),
                     f"h/{i}/attn/k/weight": (C, H_kv * hs), f"h/{i}/attn/v/weight": (C, H_kv * hs),
                     f"h/{i}/attn/proj/weight": (H * hs, C), f"h/{i}/ln_2/weight": (C,)})
+        if cfg.qkv_bias:                                     # Qwen2
+            out.update({f"h/{i}/attn/q/bias": (H * hs,), f"h/{i}/attn/k/bias": (H_kv * hs,),
+                        f"h/{i}/attn/v/bias": (H_kv * hs,)})
         mlps = [f"h/{i}/mlp"]
         if cfg.is_moe_block(i):
             out[f"h/{i}/moe/router/weight"] = (C, cfg.moe_experts)

@@ -35,7 +35,8 @@ class QKVParallelLinear(Module):
     The three shards sit side by side in one (C, (H_i + 2 H_kv_i) hs) array (fuse_last_axis), which the
     GEMM reads as it is. When key/value heads are replicated (H_kv < T), W_k,i and W_v,i are the same
     slices on several ranks: they get a storage of their own, (C, 2 hs), marked `replicas` (their
-    gradients are summed over the replica group after the backward pass: Param.replicas), and the
+    gradients are summed over the replica group after the backward pass: Param.replicas; their biases
+    likewise, Qwen2's), and the
     forward concatenates [W_q,i | W_kv,i] first, a copy of C (H_i + 2) hs weights, small beside the GEMM
     (and the backward again: the copy is not kept).
     """
@@ -49,8 +50,6 @@ class QKVParallelLinear(Module):
         replicas = None
         if layout.replicated:                       # the ranks holding my key/value head, as a Group
             replicas = topo.tp_subgroup("kv", [layout.kv[r].start for r in range(tp.size)])
-        if bias and replicas is not None:
-            raise ValueError(f"{name}: replicated key/value heads (grouped-query attention) have no biases")
 
         def param(part, kind, heads, n_heads, rep):
             shape = (C, n_heads * hs) if kind == "weight" else (n_heads * hs,)
@@ -63,6 +62,8 @@ class QKVParallelLinear(Module):
         self.split = replicas is not None
         if self.split:
             fuse_last_axis(self.weights[1:])                                           # (C, 2 hs)
+            if bias:
+                fuse_last_axis(self.biases[1:])                                        # (2 hs,)
         else:
             fuse_last_axis(self.weights)                                               # (C, (H_i + 2 H_kv_i) hs)
             if bias:
@@ -81,10 +82,15 @@ class QKVParallelLinear(Module):
             return self.weights[0].base
         return backend.xp().concatenate([self.weights[0].base, self.weights[1].base], axis=1)
 
+    def _fused_bias(self):
+        if not self.biases or not self.split:
+            return self.biases[0].base if self.biases else None
+        return backend.xp().concatenate([self.biases[0].base, self.biases[1].base])
+
     def forward(self, x, sp=None):
         """x (B, S, C) (sp, the pass's SequenceSplit: (B, S_i, C)) -> q (B, S, H_i, hs), k and v
         (B, S, H_kv_i, hs): views of one array."""
-        b = self.biases[0].base if self.biases else None
+        b = self._fused_bias()
         y, cache = column_forward(x, self._fused_weight(), b, self.group, sp)    # (B, S, (H_i + 2 H_kv_i) hs)
         self.save_cache(cache)
         B, S = y.shape[:2]
@@ -109,5 +115,9 @@ class QKVParallelLinear(Module):
             n_q = self.H_i * self.hs
             accumulate_base(self.weights[:1], dw[:, :n_q])
             accumulate_base(self.weights[1:], dw[:, n_q:])
+            if has_bias:                                   # replicated k|v biases: summed over their replicas too
+                accumulate_base(self.biases[:1], db[:n_q])
+                accumulate_base(self.biases[1:], db[n_q:])
+                return
         if has_bias:
             accumulate_base(self.biases, db)

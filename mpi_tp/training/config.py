@@ -7,10 +7,11 @@ The resolved configuration is written into every run's output folder
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 
 from mpi_tp.core.precision import precision
-from mpi_tp.model.config import DISPATCHER_KINDS, GPTConfig
+from mpi_tp.model.config import DISPATCHER_KINDS, ConfigError, GPTConfig
 from mpi_tp.model.routing import DROP_POLICIES, ROUTERS, TOPK_NORMS
 from mpi_tp.parallel.layout import RULE, Layout
 from mpi_tp.training.config_checks import check
@@ -35,6 +36,10 @@ class TrainConfig:
     n_embd: int = opt(128, "channels (hidden size C)")
     intermediate_size: int = opt(0, "MLP width F (0: 4C for gpt2, 8C/3 rounded up to a multiple of 8 for llama)")
     rope_theta: float = opt(10000.0, "llama: the base of the rotary position embeddings")
+    rope_scaling: str = opt("", "llama: the rotary frequencies stretched, a JSON object: "
+                            "{\"rope_type\": \"llama3\", \"factor\": 8, ...} or linear (Llama 3.1-3.3; "
+                            "mpi_tp.model.rope_scaling); empty: none")
+    qkv_bias: bool = opt(False, "llama: biases on q, k and v (Qwen2)")
     norm_eps: float = opt(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)")
     untie_embeddings: bool = opt(False, "llama: give the output layer its own table lm_head (the default)")
     tie_embeddings: bool = opt(False, "llama: tie the output layer to the token table wte, as gpt2 always does")
@@ -186,7 +191,21 @@ class TrainConfig:
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, arch=self.arch,
                          n_kv_head=self.n_kv_head or None, intermediate_size=self.intermediate_size or None,
                          rope_theta=self.rope_theta, norm_eps=self.norm_eps, tie_word_embeddings=tied,
+                         rope_scaling=self.rope_scaling_dict(), qkv_bias=self.qkv_bias,
                          **{f.name: getattr(self, f.name) for f in fields(GPTConfig) if f.name.startswith("moe_")})
+
+    def rope_scaling_dict(self) -> dict | None:
+        """--rope-scaling's JSON as a dict (None: ''); one ConfigError for what is not a JSON object."""
+        if not self.rope_scaling:
+            return None
+        try:
+            value = json.loads(self.rope_scaling)
+        except ValueError as e:
+            raise ConfigError(f"--rope-scaling {self.rope_scaling!r} is not JSON ({e}): write an object, e.g. "
+                              '\'{"rope_type": "linear", "factor": 2}\'') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--rope-scaling {self.rope_scaling!r}: a JSON object with a rope_type")
+        return value
 
     def validate(self, world_size: int) -> None:
         """Refuse a configuration that cannot run on world_size ranks: one ConfigError (or TopologyError)

@@ -117,7 +117,7 @@ def _arch(cfg) -> None:
     if cfg.tie_embeddings and cfg.untie_embeddings:
         raise ConfigError("use either --tie-embeddings or --untie-embeddings, not both")
     if cfg.arch == "gpt2":
-        llama_only = ("n_kv_head", "rope_theta", "untie_embeddings", "tie_embeddings")
+        llama_only = ("n_kv_head", "rope_theta", "untie_embeddings", "tie_embeddings", "rope_scaling", "qkv_bias")
         given = _given(cfg, llama_only)
         if given:
             raise ConfigError(f"{', '.join(given)} set with --arch gpt2: llama options (pass --arch llama, "

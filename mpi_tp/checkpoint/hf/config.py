@@ -19,10 +19,15 @@ Llama (LlamaConfig, model_type "llama"), arch "llama":
     num_key_value_heads (null: the heads)                   n_kv_head (grouped-query attention)
     intermediate_size                                       intermediate_size (SwiGLU's width)
     max_position_embeddings                                 block_size (the longest sequence)
-    rope_theta (transformers 5: rope_parameters.rope_theta) rope_theta; rope_type "default" only
+    rope_theta (transformers 5: rope_parameters.rope_theta) rope_theta
+    rope_scaling (5: rope_parameters' rope_type ...)        rope_scaling: default, linear, llama3 (Llama 3.1-3.3);
+                                                            any other refused by name (mpi_tp.model.rope_scaling)
     rms_norm_eps                                            norm_eps
     tie_word_embeddings                                     tie_word_embeddings (false: lm_head)
     hidden_act: silu; attention_bias, mlp_bias: false; head_dim: hidden_size / num_attention_heads
+
+Qwen2 (Qwen2Config, model_type "qwen2"), arch "llama" with qkv_bias: Llama's fields, biases on q, k and v
+(tied or not); use_sliding_window (or a sliding_attention layer) refused.
 
 Mixtral (MixtralConfig, model_type "mixtral"), arch "llama" with a mixture of experts in every block:
 Llama's fields above, and
@@ -46,12 +51,13 @@ import os
 from dataclasses import replace
 
 from mpi_tp.checkpoint.format import CheckpointError
-from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.model.rope_scaling import check_rope_scaling
 from mpi_tp.model.routing import normalises
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel"),
-                 "mixtral": ("MixtralForCausalLM", "MixtralModel")}
+                 "mixtral": ("MixtralForCausalLM", "MixtralModel"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Model")}
 
 
 class HFConfigError(CheckpointError):
@@ -108,9 +114,9 @@ def gpt_config(hf: dict, folder: str = "") -> GPTConfig:
     arch = hf.get("architectures") or [ARCHITECTURES[kind][0]]
     if not set(arch) <= set(ARCHITECTURES[kind]):
         raise _refuse(folder, f"architectures {arch} are not supported (mpi_tp imports {ARCHITECTURES[kind][0]})")
-    if hf.get("rope_scaling") is not None:
+    if kind == "gpt2" and hf.get("rope_scaling") is not None:
         raise _refuse(folder, f"rope_scaling {json.dumps(hf['rope_scaling'])} is not supported")
-    cfg = {"llama": _llama, "mixtral": _mixtral, "gpt2": _gpt2}[kind](hf, folder)
+    cfg = {"llama": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "gpt2": _gpt2}[kind](hf, folder)
     cfg.validate()
     return cfg
 
@@ -144,11 +150,15 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
                           ("pretraining_tp", 1, "each linear layer in one product"),
                           ("partial_rotary_factor", 1.0, "every dimension of a head rotated")))
     rope = hf.get("rope_parameters") or {}          # transformers 5 keeps rope_theta and rope_type here
-    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or \
-            set(rope) - {"rope_type", "rope_theta", "partial_rotary_factor"} or \
-            rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse(folder, f"rope_parameters {json.dumps(rope)} are not supported (mpi_tp rotates by the "
-                              "default rope: rope_type 'default', a rope_theta)")
+    if not isinstance(rope, dict) or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(folder, f"rope_parameters {json.dumps(rope)} are not supported (mpi_tp rotates every "
+                              "dimension of a head)")
+    key = "rope_parameters" if rope.get("rope_type", "default") != "default" else "rope_scaling"   # (4: rope_scaling)
+    scaling = rope if key == "rope_parameters" else hf.get("rope_scaling")
+    try:
+        scaling = check_rope_scaling(scaling)
+    except ConfigError as e:
+        raise _refuse(folder, f"{key} {json.dumps(hf.get(key))}: {e}") from None
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     sizes = _sizes(hf, folder, (("vocab_size", "vocab_size"), ("block_size", "max_position_embeddings"),
                                 ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
@@ -165,9 +175,18 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise _refuse(folder, f"rope_theta = {theta!r}: config.json needs a positive number")
     dropout = hf.get("attention_dropout", 0.0)
-    return GPTConfig(**sizes, arch="llama", n_kv_head=kv, rope_theta=float(theta),
+    return GPTConfig(**sizes, arch="llama", n_kv_head=kv, rope_theta=float(theta), rope_scaling=scaling,
                      norm_eps=_eps(hf, folder, "rms_norm_eps"), tie_word_embeddings=tied,
                      dropout=float(dropout) if isinstance(dropout, (int, float)) and 0 <= dropout < 1 else 0.0)
+
+
+def _qwen2(hf: dict, folder: str) -> GPTConfig:
+    """Qwen2: Llama with biases on q, k and v; a sliding window (use_sliding_window, layer_types) refused."""
+    layers = hf.get("layer_types") or []
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in layers):
+        raise _refuse(folder, "use_sliding_window / sliding_attention layers are not supported (mpi_tp attends to "
+                              "every earlier position)")
+    return replace(_llama(hf, folder), qkv_bias=True)
 
 
 def _mixtral(hf: dict, folder: str) -> GPTConfig:
@@ -205,6 +224,12 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict:
     MixtralForCausalLM for an mpi_tp GPTConfig (export checks mixtral_refusal first)."""
     common = {"vocab_size": cfg.vocab_size, "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None,
               "use_cache": True, "dtype": dtype, "torch_dtype": dtype}    # transformers 5 reads dtype, 4 torch_dtype
+    if cfg.llama and cfg.qkv_bias and not cfg.moe_experts:
+        llama = hf_config(replace(cfg, qkv_bias=False), dtype)
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp", "head_dim"):      # Qwen2Config has none
+            llama.pop(key)
+        return {**llama, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": cfg.n_layer}
     if cfg.llama and cfg.moe_experts:
         llama = hf_config(replace(cfg, moe_experts=0), dtype)
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):      # MixtralConfig has none of them
@@ -218,8 +243,8 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict:
                 "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layer,
                 "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
                 "head_dim": cfg.n_embd // cfg.n_head, "max_position_embeddings": cfg.block_size,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+                "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
                 "attention_dropout": cfg.dropout, "tie_word_embeddings": cfg.tied}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,

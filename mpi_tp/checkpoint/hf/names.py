@@ -42,6 +42,8 @@ LlamaForCausalLM (pre = "model.", or "" from LlamaModel), for each block i (mpi_
     ln_f/weight (C,)             pre norm.weight (C,)                        whole
     lm_head (V, C)                 lm_head.weight (V, C)                     whole; absent when tied (wte serves)
 
+Qwen2ForCausalLM: Llama's names, and h/i/attn/{q,k,v}/bias (H hs,) / (H_kv hs,) = layers.i.self_attn.{q,k,v}_proj.bias.
+
 MixtralForCausalLM: Llama's names, but each block's MLP is a mixture of experts (moe = pre layers.i.block_sparse_moe,
 the names transformers' save_pretrained writes and the Hub's Mixtral folders hold):
 
@@ -119,6 +121,9 @@ def llama_pieces(cfg: GPTConfig, prefix: str = "model.") -> dict[str, Piece]:
         for ours, (theirs, transposed) in LLAMA_LAYER.items():
             if not (moe and ours.startswith("mlp/")):
                 out[f"h/{n}/{ours}"] = Piece(f"{prefix}layers.{n}.{theirs}", None, transposed=transposed)
+        if cfg.qkv_bias:                                             # Qwen2: q_proj.bias, ... (H hs,), whole
+            for part in "qkv":
+                out[f"h/{n}/attn/{part}/bias"] = Piece(f"{prefix}layers.{n}.self_attn.{part}_proj.bias", None)
         if moe:
             block = f"{prefix}layers.{n}.block_sparse_moe"
             out[f"h/{n}/moe/router/weight"] = Piece(f"{block}.gate.weight", None, transposed=True)

@@ -1,0 +1,68 @@
+"""Rotary embeddings stretched past the length a model was trained at: the rope_scaling types of transformers
+(`rope_scaling` in a config.json of transformers 4, `rope_parameters` in 5) that change the frequencies alone.
+
+Legend: inv_freq_j = theta^(-2j/hs), j < hs/2, each pair's angle per position (mpi_tp.model.rope); wavelen_j =
+2 pi / inv_freq_j, the positions one turn takes; L0 = original_max_position_embeddings.
+
+    linear   inv_freq / factor                          every pair turns factor times slower (positions / factor)
+    llama3   wavelen < L0 / high_freq_factor:  inv_freq           (fast pairs: kept)
+             wavelen > L0 / low_freq_factor:   inv_freq / factor  (slow pairs: stretched)
+             between: (1 - a) inv_freq / factor + a inv_freq,  a = (L0 / wavelen - low) / (high - low)
+
+Llama 3.1, 3.2 and 3.3 use llama3 (factor 8 or 32, low 1, high 4, L0 8192); their attention is not rescaled
+(attention_factor 1). "dynamic" (NTK) recomputes theta from the longest sequence a forward has seen, so a
+token's angles depend on what was decoded before it: refused for now, as every other type, by name.
+"""
+from __future__ import annotations
+
+import math
+
+from mpi_tp.model.config import ConfigError
+
+ROPE_TYPES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings")}
+
+
+def check_rope_scaling(scaling) -> dict | None:
+    """The scaling as mpi_tp keeps it ({"rope_type", and the type's numbers}), or None for none; one ConfigError
+    naming what is not supported."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling {scaling!r}: expected an object with a rope_type")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"rope_scaling rope_type {kind!r} is not supported (mpi_tp computes "
+                          f"{', '.join(ROPE_TYPES)}; 'dynamic' makes a token's angles depend on the sequence "
+                          "decoded before it, and is not in yet)")
+    out = {"rope_type": kind}
+    for key in ROPE_TYPES[kind]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"rope_scaling {kind}: {key} = {value!r} must be a finite number > 0")
+        out[key] = float(value) if key != "original_max_position_embeddings" else int(value)
+    extra = scaling.get("attention_factor")
+    if extra not in (None, 1, 1.0):
+        raise ConfigError(f"rope_scaling {kind}: attention_factor = {extra!r} is not supported (mpi_tp scales "
+                          "attention by 1/sqrt(head size) alone)")
+    if kind == "llama3" and not out["low_freq_factor"] < out["high_freq_factor"]:
+        raise ConfigError("rope_scaling llama3: low_freq_factor must be below high_freq_factor")
+    return out
+
+
+def scaled_inv_freq(inv_freq, scaling: dict | None):
+    """inv_freq (hs/2,) float64 -> the frequencies of the scaling (the module docstring); None: unchanged."""
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    from mpi_tp.core.backend import array_module
+    xp = array_module(inv_freq)
+    L0, low, high = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    a = (L0 / wavelen - low) / (high - low)
+    between = (1 - a) * inv_freq / factor + a * inv_freq
+    return xp.where(wavelen < L0 / high, inv_freq, xp.where(wavelen > L0 / low, inv_freq / factor, between))
