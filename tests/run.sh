@@ -32,7 +32,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 MPIEXEC=${MPIEXEC:-mpiexec}
-TIMEOUT=${MPI_TP_PASS_TIMEOUT:-900}
+TIMEOUT=${MPI_TP_PASS_TIMEOUT:-1800}
 # One BLAS thread per rank: 3 or 4 ranks on 2 cores are oversubscribed as it is.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 command -v "$MPIEXEC" >/dev/null || { echo "tests/run.sh: no '$MPIEXEC' on PATH (pip install mpich, or load your MPI module)"; exit 1; }

@@ -175,13 +175,16 @@ def test_text_pieces_join_into_the_whole_text():
 
 
 def test_parse_completion_defaults_and_errors():
-    req, stream = parse_completion(b'{"prompt": "h\\u00e9", "stop": ["\\n"]}', BLOCK)
-    assert (req.prompt, req.stop, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, stream) == \
-           ("hé".encode(), (b"\n",), 64, 1.0, 1.0, 0, 0, False)
+    req, stream, timeout = parse_completion(b'{"prompt": "h\\u00e9", "stop": ["\\n"]}', BLOCK)
+    assert (req.prompt, req.stop, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, stream, timeout) == \
+           ("hé".encode(), (b"\n",), 64, 1.0, 1.0, 0, 0, False, 0.0)
+    assert parse_completion(b'{"prompt": "x", "timeout": 2.5}', BLOCK)[2] == 2.5
     assert parse_completion(rb'{"prompt": "x", "stop": ["ab", "\u00e9"]}', BLOCK)[0].stop == (b"ab", "é".encode())
     for body, says in [('{"prompt": "x", "stream": 1}', "stream must be true or false"),
                        ('{"prompt": "x", "max_tokens": true}', "max_tokens must be an integer"),
                        ('{"prompt": "x", "seed": -1}', "seed must be an integer from 0 to 2^64 - 1"),
+                       ('{"prompt": "x", "timeout": -1}', "timeout must be a number of seconds > 0"),
+                       ('{"prompt": "x", "timeout": "1"}', "timeout must be a number of seconds"),
                        ('{"prompt": "x", "seed": 18446744073709551616}', "seed must be an integer from 0"),
                        ('{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "at most 4 non-empty strings"),
                        ('{"prompt": "x", "stop": [""]}', "at most 4 non-empty strings"),

@@ -3,6 +3,7 @@
 Each of the defects the issue found has a test here; how each failed on the code before it was fixed
 is in the test's docstring. Rank 0's failures are per request; the job lives through all of them.
 """
+import json
 import socket
 import subprocess
 import threading
@@ -23,9 +24,10 @@ pytestmark = needs_mpiexec
 
 @pytest.fixture(scope="module")
 def server(serving_checkpoint, tmp_path_factory):
-    """Continuous batching of 4 rows; rank 0's sampling fails at the third token of requests with seed 7."""
+    """Continuous batching of 4 rows; rank 0's sampling fails at the third token of requests with seed 7, the
+    HTTP thread answering one with seed 8 after its second."""
     yield from module_server(serving_checkpoint, tmp_path_factory.mktemp("server"), "--max-batch", "4",
-                             "--read-timeout", "1", env={"MPI_TP_FAILPOINT": "sample-error:7"})
+                             "--read-timeout", "1", env={"MPI_TP_FAILPOINT": "sample-error:7,answer-error:8"})
 
 
 def answer(server, body):
@@ -179,3 +181,59 @@ def test_past_the_queue_bound_429_and_past_the_connections_503(serving_checkpoin
         assert m['mpi_tp_requests_total{status="200"}'] >= 2 and m["mpi_tp_cancelled_total"] == 1
     finally:
         assert s.stop() == 0, s.stderr()
+
+
+def raw_completion(server, body) -> "socket.socket":
+    """A non-streaming completion sent on a raw socket, nothing read: the caller closes it."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection((server.host, server.port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_row(server):
+    """Before (issue 42): a non-streaming client that disconnected kept its row to max_tokens: the server
+    looked for it only after 0.25 s without a token, which never happens while decoding. Now at every token."""
+    before = server.metrics()
+    s = raw_completion(server, {"prompt": "The ", "max_tokens": 4000})
+    server.wait_for(lambda: server.metrics()["mpi_tp_running_rows"] == 1)
+    s.close()
+    server.wait_for(lambda: server.metrics()["mpi_tp_running_rows"] == 0)
+    m = server.metrics()
+    assert m["mpi_tp_cancelled_total"] == before["mpi_tp_cancelled_total"] + 1
+    assert m["mpi_tp_tokens_generated_total"] - before["mpi_tp_tokens_generated_total"] < 3000, m
+
+
+def test_a_failing_handler_frees_its_row(server):
+    """Before: an exception other than OSError in the answering thread left its row decoding, nobody reading."""
+    before = server.metrics()["mpi_tp_tokens_generated_total"]
+    status, answered = answer(server, {"prompt": "The ", "max_tokens": 4000, "seed": 8})
+    assert status == 500 and "internal error" in answered["error"]["message"]
+    server.wait_for(lambda: server.metrics()["mpi_tp_running_rows"] == 0)
+    assert server.metrics()["mpi_tp_tokens_generated_total"] - before < 3000
+
+
+def test_a_deadline_ends_a_request_with_what_it_has(server):
+    """Before: no limit on a request's generation time. A body's timeout (or --request-timeout): 504 before
+    anything was sent; streaming, the text so far, then an error event of type timeout and [DONE]."""
+    before = server.metrics()["mpi_tp_deadlines_total"]
+    status, answered = answer(server, {"prompt": "The ", "max_tokens": 4000, "timeout": 0.3})
+    assert status == 504 and answered["error"]["type"] == "timeout" and "deadline of 0.3 s" in \
+        answered["error"]["message"]
+    events = list(server.stream({"prompt": "The ", "max_tokens": 4000, "timeout": 0.5}))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "timeout", events[-2:]
+    assert len(events) > 3 and all("choices" in e for e in events[:-2])        # the text so far, streamed
+    server.wait_for(lambda: server.metrics()["mpi_tp_running_rows"] == 0)
+    assert server.metrics()["mpi_tp_deadlines_total"] == before + 2
+    assert answer(server, {"prompt": "x", "max_tokens": 2, "timeout": 60})[0] == 200
+
+
+def test_scrapes_are_not_counted_as_completions(server):
+    """Before: every GET /metrics and /health counted in mpi_tp_requests_total{status="200"}."""
+    before = server.metrics()
+    for path in ("/health", "/v1/models", "/nowhere"):
+        server.call(path)
+    m = server.metrics()
+    assert m.get('mpi_tp_requests_total{status="200"}') == before.get('mpi_tp_requests_total{status="200"}')
+    assert m['mpi_tp_other_requests_total{path="/metrics"}'] >= before['mpi_tp_other_requests_total{path="/metrics"}'] + 1
+    assert m['mpi_tp_other_requests_total{path="/health"}'] >= 1 and m['mpi_tp_other_requests_total{path="other"}'] >= 1

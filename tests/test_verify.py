@@ -159,3 +159,13 @@ def test_eight_ranks_every_dimension_with_experts():
                    ["--tp", "2", "--cp", "2", "--pp", "2", "--ep", "4", "--etp", "1", "--moe-capacity", "1"]):
         r = mpirun(8, "verify", *TINY, *moe, *layout)
         assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr
+
+
+@cli
+def test_eight_ranks_tensor_context_and_pipeline_together():
+    """tp 2 x cp 2 x pp 2 on 8 tiny ranks (issue 42: never tested together before), dropout, 2 micro-batches: GPT-2
+    under 1F1B, and a grouped-query Llama under sequence parallelism and zb-h1: every step equals the serial
+    model's (mpi-tp verify)."""
+    for layout in ([], [*LLAMA, "--sequence-parallel", "--schedule", "zb-h1"]):
+        r = mpirun(8, "verify", *TINY, "--tp", "2", "--cp", "2", "--pp", "2", "--micro-batches", "2", *layout)
+        assert r.returncode == 0 and "every step agrees with the serial model" in r.stdout, r.stdout + r.stderr

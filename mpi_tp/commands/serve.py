@@ -50,6 +50,7 @@ def cmd_serve(args, comm) -> int:
     return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
                  max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop, batching=args.batching,
                  max_queue=args.max_queue, max_connections=args.max_connections, read_timeout=args.read_timeout,
+                 request_timeout=args.request_timeout,
                  tokenizer=tokenizer)
 
 
@@ -77,5 +78,8 @@ def add_parser(sub) -> None:
                    help="connections handled at once; past it: 503 at once (default 256)")
     s.add_argument("--read-timeout", type=_seconds, default=30.0,
                    help="seconds a client has to send its whole request, headers and body (default 30)")
+    s.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds a completion may take from its arrival, unless its body's timeout says: past it, "
+                        "504 (streaming: the text so far, then an error event) and its row freed (default 0: none)")
     add_model_arguments(s)
     s.set_defaults(run=cmd_serve)

@@ -15,6 +15,8 @@ MPI_TP_FAILPOINT=name[:STEP][,name[:STEP]...] arms the named points below:
                                                  would (mpi_tp.training.loss_scale)
     sample-error:SEED                            rank 0's sampling fails (a RuntimeError) at the third
                                                  byte of every request with this seed (serving tests)
+    answer-error:SEED                            the HTTP thread answering a request with this seed fails
+                                                 (a RuntimeError, not an OSError) after its second token
 
 Planted bugs (PLANTED below): the classic mistakes of a parallel implementation, each switched on by
 its name (MPI_TP_FAILPOINT=bug-f-backward), for `mpi-tp verify` to find and name, and for a learner to
@@ -73,3 +75,9 @@ def sample_error(seed: int, chosen: int) -> None:
     """Raise here, in rank 0's sampling, at a request's third byte when armed for its seed."""
     if chosen == 2 and f"sample-error:{seed}" in os.environ.get("MPI_TP_FAILPOINT", "").split(","):
         raise RuntimeError(f"failpoint sample-error:{seed}")
+
+
+def answer_error(seed: int, sent: int) -> None:
+    """Raise here, in the HTTP thread answering a request, after its second token when armed for its seed."""
+    if sent == 2 and f"answer-error:{seed}" in os.environ.get("MPI_TP_FAILPOINT", "").split(","):
+        raise RuntimeError(f"failpoint answer-error:{seed}")

@@ -23,7 +23,8 @@ class BadRequest(Exception):
 FIELDS = {"prompt": ((str,), None, "a string: the text to continue"), "max_tokens": ((int,), 64, "an integer"),
           "temperature": ((int, float), 1.0, "a number"), "top_p": ((int, float), 1.0, "a number"),
           "top_k": ((int,), 0, "an integer"), "seed": ((int,), 0, "an integer from 0 to 2^64 - 1"),
-          "stop": ((str, list), [], "a string or a list of strings"), "stream": ((bool,), False, "true or false")}
+          "stop": ((str, list), [], "a string or a list of strings"), "stream": ((bool,), False, "true or false"),
+          "timeout": ((int, float), 0, "a number of seconds > 0 (0: the server's --request-timeout)")}
 
 MAX_TOKENS = 4096        # a request's max_tokens at most
 MAX_STOPS, MAX_STOP_BYTES = 4, 64     # stop sequences per request, and UTF-8 bytes per sequence (OpenAI: 4)
@@ -33,9 +34,10 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256, tokenizer=None) -> tuple[Request, bool]:
-    """(request, stream) from a /v1/completions body, or BadRequest saying what is wrong. tokenizer:
-    the prompt's (default bytes: mpi_tp.text.tokenizer)."""
+def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256, tokenizer=None) -> tuple[Request, bool, float]:
+    """(request, stream, timeout) from a /v1/completions body, or BadRequest saying what is wrong. tokenizer:
+    the prompt's (default bytes: mpi_tp.text.tokenizer); timeout: the seconds the request may take (0: the
+    server's default)."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)             # NaN, Infinity: refused
     except (ValueError, RecursionError) as e:
@@ -56,7 +58,9 @@ def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256, tokeniz
     stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"]
     if len(stops) > MAX_STOPS or not all(isinstance(x, str) and x for x in stops):
         raise BadRequest(f"stop must be at most {MAX_STOPS} non-empty strings, not {json.dumps(stops)[:60]}")
-    stream = v.pop("stream")
+    stream, timeout = v.pop("stream"), v.pop("timeout")
+    if not 0 <= timeout < 1e9:
+        raise BadRequest(f"timeout must be a number of seconds > 0 (0: the server's default), not {timeout}")
     try:
         stop = tuple(x.encode() for x in stops)
         if max(map(len, stop), default=0) > MAX_STOP_BYTES:
@@ -72,7 +76,7 @@ def parse_completion(raw: bytes, block_size: int, vocab_size: int = 256, tokeniz
         raise BadRequest("temperature and top_p must be numbers in their ranges") from None
     except UserError as e:
         raise BadRequest(str(e)) from None
-    return req, stream
+    return req, stream, float(timeout)
 
 
 class TextOut:

@@ -1,9 +1,11 @@
 """Rank 0's HTTP layer: each connection on a thread of its own, every request checked in full before
 it is queued, and no client able to hold the server: a deadline for sending the request (headers and
 body, --read-timeout), a cap on open connections (--max-connections, 503 past it), a bounded queue
-(429 with Retry-After past --max-queue), and a client that goes away freeing its row at the next
-decode step. Every failure here is this request's: an answer (4xx, or 500 saying what failed) and
-a line in the log, never an exception on the thread that calls MPI.
+(429 with Retry-After past --max-queue), a client that goes away (or a handler that fails) freeing its
+row at the next decode step, streaming or not, and a deadline per request (its body's timeout, or
+--request-timeout; 504, or an error event after the text streamed so far). Every failure here is this
+request's: an answer (4xx, or 500 saying what failed) and a line in the log, never an exception on the
+thread that calls MPI. /metrics counts completions by status and every other request apart.
 """
 from __future__ import annotations
 
@@ -19,11 +21,16 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from mpi_tp.core.failpoints import answer_error
 from mpi_tp.inference.api import BadRequest, TextOut, parse_completion
 from mpi_tp.inference.serving.scheduler import CLOSED, DONE, Job, log
 
 MAX_BODY = 1 << 20                     # bytes of JSON a request may send (413 above)
 GONE = 499                             # the status counted for a client that left before its answer
+
+
+class Deadline(Exception):
+    """A request's time (its timeout, or --request-timeout) ran out before its answer."""
 
 
 class HTTPServer(ThreadingHTTPServer):
@@ -108,6 +115,9 @@ class Handler(BaseHTTPRequestHandler):
         app, self.started, path = self.server.app, False, self.path.split("?", 1)[0].rstrip("/") or "/"
         routes = {"/health": ("GET", app.health), "/v1/models": ("GET", app.models),
                   "/metrics": ("GET", None), "/v1/completions": ("POST", None)}
+        # the completions counter counts completions; the rest apart, by path (a path not served: "other")
+        self.counted_as = None if (path, self.command) == ("/v1/completions", "POST") else \
+            path if path in routes else "other"
         try:
             if self.command != "POST":
                 self.server.watch(self.connection, False)
@@ -157,21 +167,29 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(503, "the server is shutting down", "server_error")
         try:
             self._answer(app, job)
-        except OSError:
-            job.cancelled = True                         # the client went away: its row leaves at the next step
-            app.metrics.answered(GONE)
+        except Exception as e:                           # the client went away, or a failure here: nobody will
+            job.cancelled = True                         # read the row, which leaves the batch at the next step
+            if isinstance(e, OSError):
+                app.metrics.answered(GONE)
             raise
         finally:
             app.scheduler.finished()
 
-    def _next(self, job: Job):
-        """The job's next item; a client gone meanwhile is a ConnectionError."""
+    def _next(self, job: Job, deadline: float | None):
+        """The job's next item. A client gone is a ConnectionError, looked for at every item (so within one
+        decode step, streaming or not) and every 0.25 s between; past the deadline (time.monotonic), Deadline."""
         while True:
+            wait = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+            if wait <= 0:
+                raise Deadline()
             try:
-                return job.items.get(timeout=0.25)
+                item = job.items.get(timeout=wait)
             except queue.Empty:
-                if self._client_gone():
-                    raise ConnectionError("the client closed the connection") from None
+                item = None
+            if self._client_gone():
+                raise ConnectionError("the client closed the connection")
+            if item is not None:
+                return item
 
     def _client_gone(self) -> bool:
         try:
@@ -181,7 +199,24 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _answer(self, app, job: Job):
-        item = self._next(job)
+        """The job's answer; past its deadline, what is said instead: a 504 before anything was sent, else an
+        error event after the text streamed so far."""
+        seconds = job.timeout or app.request_timeout
+        self.sent = 0
+        try:
+            return self._generate(app, job, job.arrived + seconds if seconds else None)
+        except Deadline:
+            job.cancelled = True                          # its row leaves the batch at the next decode step
+            app.metrics.count("deadlines")
+            why = f"the request's deadline of {seconds:g} s passed after {self.sent} tokens"
+            log(why)
+            if not self.started:
+                return self._error(504, why, "timeout")
+            self._event({"error": {"message": why, "type": "timeout"}})
+            return self._event("[DONE]")
+
+    def _generate(self, app, job: Job, deadline: float | None):
+        item = self._next(job, deadline)
         if item is CLOSED:
             return self._error(503, "the server shut down before this request's turn", "server_error")
         cid, created, n = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), 0
@@ -194,10 +229,12 @@ class Handler(BaseHTTPRequestHandler):
             self._start(200, "text/event-stream", **{"Cache-Control": "no-cache"})
         while item is not DONE and not isinstance(item, tuple):
             n, piece = n + 1, text.add(item)
+            self.sent = n
+            answer_error(job.request.seed, n)
             if piece and job.stream:
                 self._event(chunk(piece))
             pieces.append(piece)
-            item = self._next(job)
+            item = self._next(job, deadline)
         if isinstance(item, tuple):                      # ("error", message): this request failed on rank 0
             log(f"request {cid} failed after {n} tokens: {item[1]}")
             if not job.stream:
@@ -217,7 +254,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _start(self, status: int, content_type: str, **headers):
         self.started = True
-        self.server.app.metrics.answered(status)
+        self.server.app.metrics.answered(status, self.counted_as)
         self.send_response(status)
         for k, v in {"Content-Type": content_type, **headers, "Connection": "close"}.items():
             self.send_header(k, str(v))

@@ -1,6 +1,9 @@
 """GET /metrics: what the server has done and is doing, in the Prometheus text format (version 0.0.4).
 
-    mpi_tp_requests_total{status="200"}          answers by HTTP status (429: queue full, 499: the client left)
+    mpi_tp_requests_total{status="200"}          completions answered, by HTTP status (429: queue full, 499: the
+                                                 client left, 504: its deadline passed)
+    mpi_tp_other_requests_total{path="/metrics"} everything else (scrapes, /health, /v1/models, unknown paths)
+    mpi_tp_deadlines_total                       completions ended by their deadline (timeout, --request-timeout)
     mpi_tp_queue_depth, mpi_tp_running_rows      requests waiting; rows in the running batch
     mpi_tp_open_connections                      connections being handled
     mpi_tp_tokens_generated_total                bytes generated (a token is a byte)
@@ -55,15 +58,18 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.status, self.tokens, self.cancelled, self.refused, self.read_timeouts = {}, 0, 0, 0, 0
+        self.other, self.deadlines = {}, 0
         self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
 
     def count(self, what: str, n: int = 1) -> None:
         with self.lock:
             setattr(self, what, getattr(self, what) + n)
 
-    def answered(self, status: int) -> None:
+    def answered(self, status: int, path: str | None = None) -> None:
+        """A completion answered with `status`; or (path) another request, counted apart."""
         with self.lock:
-            self.status[status] = self.status.get(status, 0) + 1
+            table, key = (self.status, status) if path is None else (self.other, path)
+            table[key] = table.get(key, 0) + 1
 
     def token(self, first: bool, seconds: float) -> None:
         """One generated token of a request: seconds since its arrival (first) or since its last token."""
@@ -78,6 +84,8 @@ class Metrics:
         with self.lock:
             out = head("mpi_tp_requests_total", "counter", "Requests answered, by HTTP status.")
             out += [f'mpi_tp_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.status.items())]
+            out += head("mpi_tp_other_requests_total", "counter", "Other requests (scrapes, /health, /v1/models).")
+            out += [f'mpi_tp_other_requests_total{{path="{p}"}} {n}' for p, n in sorted(self.other.items())]
             for name, text in (("queue_depth", "Requests waiting for a row."),
                                ("running_rows", "Rows in the running batch."),
                                ("open_connections", "Connections being handled.")):
@@ -85,7 +93,8 @@ class Metrics:
             for name, value, text in (("tokens_generated", self.tokens, "Tokens generated."),
                                       ("cancelled", self.cancelled, "Requests whose client went away."),
                                       ("refused_connections", self.refused, "Connections over the cap."),
-                                      ("read_timeouts", self.read_timeouts, "Requests not sent in time.")):
+                                      ("read_timeouts", self.read_timeouts, "Requests not sent in time."),
+                                      ("deadlines", self.deadlines, "Completions ended by their deadline.")):
                 out += head(f"mpi_tp_{name}_total", "counter", text) + [f"mpi_tp_{name}_total {value}"]
             out += head("mpi_tp_time_to_first_token_seconds", "histogram", "Arrival to first token.")
             out += self.ttft.lines("mpi_tp_time_to_first_token_seconds")

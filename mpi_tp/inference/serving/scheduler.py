@@ -43,8 +43,8 @@ def log(message: str) -> None:
 class Job:
     """One request, between its HTTP thread and the scheduler."""
 
-    def __init__(self, request, stream: bool):
-        self.request, self.stream = request, stream
+    def __init__(self, request, stream: bool, timeout: float = 0.0):
+        self.request, self.stream, self.timeout = request, stream, timeout     # timeout: seconds, 0: the server's
         self.items = queue.SimpleQueue()      # each token's text (bytes), then DONE, ("error", message) or CLOSED
         self.cancelled = False                # set by the HTTP thread when the client goes away
         self.arrived, self.last = time.monotonic(), None

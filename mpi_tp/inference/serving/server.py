@@ -60,7 +60,8 @@ class App:
 
 def serve(model, comm, name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           batch_wait_ms: float = 20.0, stop: Stop | None = None, batching: str = "continuous",
-          max_queue: int = 64, max_connections: int = 256, read_timeout: float = 30.0, tokenizer=None) -> int:
+          max_queue: int = 64, max_connections: int = 256, read_timeout: float = 30.0, tokenizer=None,
+          request_timeout: float = 0.0) -> int:
     """Serve until SIGTERM / SIGINT; collective over comm (the model's tensor-parallel group).
     tokenizer: the prompts' and answers' (default bytes: mpi_tp.text.tokenizer)."""
     stop = stop or Stop().install()
@@ -69,6 +70,7 @@ def serve(model, comm, name: str, host: str = "127.0.0.1", port: int = 8000, max
     scheduler = Scheduler(model, comm, metrics, stop, max_batch, max_queue, batching, batch_wait_ms,
                           tokenizer or ByteTokenizer())
     app = App(model, comm, name, scheduler, metrics, stop)
+    app.request_timeout = request_timeout      # seconds a request may take unless it says (0: no limit)
 
     def bind():
         if comm.Get_rank() != 0:
