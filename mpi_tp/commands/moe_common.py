@@ -5,7 +5,7 @@ Legend: E = experts, ep = the expert-parallel group's size, C = channels, routes
 admitted (B, S, k)) of ep rank s. Per MoE layer and pass (forward, backward), the counters
 (mpi_tp.parallel.collectives) should read:
 
-    alltoall   ep/all_to_all      1 call   (ep - 1) x E_max x 8            the counts (forward only)
+    alltoall   ep/all_to_all      1 call   (ep - 1) x E_max x 8 (int64)    the counts (forward only)
                ep/all_to_allv     2 calls  (rows out + rows back) x C x itemsize
     allgather  ep/all_gather_counts 1 call ep x E x 8                       the counts (forward only)
                ep/all_gather      1 call   (every replica's admitted rows) x C x itemsize

@@ -125,8 +125,11 @@ class GPTConfig:
             raise ConfigError("rope_scaling and qkv_bias are llama options (arch gpt2 has learned positions and "
                               "biases everywhere)")
         if self.llama:
-            from mpi_tp.model.rope_scaling import check_rope_scaling
-            self.rope_scaling = check_rope_scaling(self.rope_scaling)
+            from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
+            try:
+                self.rope_scaling = check_rope_scaling(self.rope_scaling)
+            except RopeScalingError as e:
+                raise ConfigError(str(e)) from None
             if (self.n_embd // self.n_head) % 2:
                 raise ConfigError(f"rotary embeddings rotate pairs of a head's dimensions: the head size "
                                   f"n_embd / n_head = {self.n_embd // self.n_head} must be even")

@@ -17,38 +17,41 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.model.config import ConfigError
+
+
+class RopeScalingError(ValueError):
+    """A rope_scaling mpi_tp does not compute (GPTConfig.validate says it as a ConfigError)."""
 
 ROPE_TYPES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                  "original_max_position_embeddings")}
 
 
 def check_rope_scaling(scaling) -> dict | None:
-    """The scaling as mpi_tp keeps it ({"rope_type", and the type's numbers}), or None for none; one ConfigError
-    naming what is not supported."""
+    """The scaling as mpi_tp keeps it ({"rope_type", and the type's numbers}), or None for none; one
+    RopeScalingError naming what is not supported."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise ConfigError(f"rope_scaling {scaling!r}: expected an object with a rope_type")
+        raise RopeScalingError(f"rope_scaling {scaling!r}: expected an object with a rope_type")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
     if kind not in ROPE_TYPES:
-        raise ConfigError(f"rope_scaling rope_type {kind!r} is not supported (mpi_tp computes "
+        raise RopeScalingError(f"rope_scaling rope_type {kind!r} is not supported (mpi_tp computes "
                           f"{', '.join(ROPE_TYPES)}; 'dynamic' makes a token's angles depend on the sequence "
                           "decoded before it, and is not in yet)")
     out = {"rope_type": kind}
     for key in ROPE_TYPES[kind]:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ConfigError(f"rope_scaling {kind}: {key} = {value!r} must be a finite number > 0")
+            raise RopeScalingError(f"rope_scaling {kind}: {key} = {value!r} must be a finite number > 0")
         out[key] = float(value) if key != "original_max_position_embeddings" else int(value)
     extra = scaling.get("attention_factor")
     if extra not in (None, 1, 1.0):
-        raise ConfigError(f"rope_scaling {kind}: attention_factor = {extra!r} is not supported (mpi_tp scales "
+        raise RopeScalingError(f"rope_scaling {kind}: attention_factor = {extra!r} is not supported (mpi_tp scales "
                           "attention by 1/sqrt(head size) alone)")
     if kind == "llama3" and not out["low_freq_factor"] < out["high_freq_factor"]:
-        raise ConfigError("rope_scaling llama3: low_freq_factor must be below high_freq_factor")
+        raise RopeScalingError("rope_scaling llama3: low_freq_factor must be below high_freq_factor")
     return out
 
 

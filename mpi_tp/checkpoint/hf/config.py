@@ -51,8 +51,8 @@ import os
 from dataclasses import replace
 
 from mpi_tp.checkpoint.format import CheckpointError
-from mpi_tp.model.config import ConfigError, GPTConfig
-from mpi_tp.model.rope_scaling import check_rope_scaling
+from mpi_tp.model.config import GPTConfig
+from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
 from mpi_tp.model.routing import normalises
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
@@ -157,7 +157,7 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
     scaling = rope if key == "rope_parameters" else hf.get("rope_scaling")
     try:
         scaling = check_rope_scaling(scaling)
-    except ConfigError as e:
+    except RopeScalingError as e:
         raise _refuse(folder, f"{key} {json.dumps(hf.get(key))}: {e}") from None
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     sizes = _sizes(hf, folder, (("vocab_size", "vocab_size"), ("block_size", "max_position_embeddings"),
