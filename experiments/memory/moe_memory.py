@@ -2,6 +2,7 @@
 users report its MoE estimates ignore EP and ETP: #1784, #4050, #2439).
 
     mpiexec -n 2 python -m mpi4py experiments/memory/moe_memory.py       # the 2-rank layouts (and writes the table)
+    mpiexec -n 2 python -m mpi4py experiments/memory/moe_memory.py --only dp2-ep2-zero3   # some of them
     python experiments/memory/moe_memory.py                             # the 1-rank one
     python experiments/memory/moe_memory.py --table                     # the table again, from the JSON lines
 
@@ -39,6 +40,10 @@ LAYOUTS = {   # name: (ranks, Topology sizes and options)
     "tp2-etp1-ep2-sp": (2, dict(tp=2, ep=2, etp=1, k=2, sp=True)),
     "dp2-ep2-shared1": (2, dict(dp=2, ep=2, k=2, shared=1)),
     "dp2-ep2-allgather": (2, dict(dp=2, ep=2, k=2, dispatcher="allgather")),
+    "dp2-ep1-top2": (2, dict(dp=2, k=2)),
+    "dp2-ep2-zero2": (2, dict(dp=2, ep=2, k=2, zero=2)),
+    "dp2-ep2-zero3": (2, dict(dp=2, ep=2, k=2, zero=3)),
+    "dp2-ep2-capacity0.5": (2, dict(dp=2, ep=2, k=2, capacity=0.5)),
 }
 
 
@@ -58,7 +63,8 @@ def measure(name: str, comm) -> dict:
     o = LAYOUTS[name][1]
     topo = Topology.create(comm, tp=o.get("tp", 1), dp=o.get("dp", 1), ep=o.get("ep", 1), etp=o.get("etp", 0))
     cfg = GPTConfig(vocab_size=256, block_size=S, n_layer=L, n_head=H, n_embd=C, moe_experts=E, moe_top_k=o["k"],
-                    moe_shared_experts=o.get("shared", 0), moe_dispatcher=o.get("dispatcher", "alltoall"))
+                    moe_shared_experts=o.get("shared", 0), moe_dispatcher=o.get("dispatcher", "alltoall"),
+                    moe_capacity=o.get("capacity", 0.0))
     model = GPT(cfg, topo, dtype="float32", seed=0, sequence_parallel=o.get("sp", False))
     zero = o.get("zero", 0)
     reducer = GradReducer(model, topo.dpcp, distributed=zero >= 1, stage=max(zero, 1))
@@ -75,8 +81,9 @@ def measure(name: str, comm) -> dict:
     loads = numpy.array([m.stats["tokens_per_expert"] for m in model.moe_layers()], dtype=float)
     loads = comm.allreduce(loads, op=MPI.SUM) if topo.dp.size > 1 else loads
     imbalance = float((loads.max(axis=1) / loads.mean(axis=1)).mean())
+    admitted = float(loads.sum() / (len(loads) * B * topo.dp.size * S * o["k"]))     # the capacity's share kept
     topo.free()
-    return {"report": report, "imbalance": imbalance, "dp": topo.dp.size}
+    return {"report": report, "imbalance": imbalance, "admitted": admitted, "dp": topo.dp.size}
 
 
 def estimate(name: str, dp: int) -> dict:
@@ -85,7 +92,8 @@ def estimate(name: str, dp: int) -> dict:
     from mpi_tp.planning.memory import memory_per_rank
     o = LAYOUTS[name][1]
     m = with_precision(Machine.load(MACHINE), "fp32")
-    w = Workload(L, C, H, S, B * dp, vocab=256, experts=E, top_k=o["k"], shared_experts=o.get("shared", 0))
+    w = Workload(L, C, H, S, B * dp, vocab=256, experts=E, top_k=o["k"], shared_experts=o.get("shared", 0),
+                 capacity=o.get("capacity", 0.0))
     lay = Plan(tp=o.get("tp", 1), dp=dp, ep=o.get("ep", 1), etp=o.get("etp", 0), micro_batch=B,
                sp=o.get("sp", False), zero=o.get("zero", 0), dispatcher=o.get("dispatcher", "alltoall"))
     return {k: float(v) for k, v in memory_per_rank(m, w, lay).items()}
@@ -108,6 +116,7 @@ def table(rows: list) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", action="store_true", help="print the table from the JSON lines, run nothing")
+    ap.add_argument("--only", help="comma-separated layouts (default: all of this many ranks)")
     args = ap.parse_args()
     rows = []
     if os.path.exists(OUT):
@@ -118,14 +127,19 @@ def main() -> None:
 
         from mpi_tp.core.runtime import machine_text
         comm = MPI.COMM_WORLD
-        for name, (ranks, _) in LAYOUTS.items():
+        names = args.only.split(",") if args.only else list(LAYOUTS)
+        unknown = [n for n in names if n not in LAYOUTS]
+        if unknown:
+            sys.exit(f"unknown layouts {unknown}: choose from {', '.join(LAYOUTS)}")
+        for name, (ranks, _) in ((n, LAYOUTS[n]) for n in names):
             if ranks != comm.Get_size():
                 continue
             got = measure(name, comm)
             est = estimate(name, got["dp"])
             peak = got["report"]["peak"]["total"]
             row = {"layout": name, "ranks": ranks, "measured": got["report"], "estimate": est,
-                   "error": est["total"] / peak - 1, "imbalance": got["imbalance"], "machine": machine_text(),
+                   "error": est["total"] / peak - 1, "imbalance": got["imbalance"],
+                   "admitted": got["admitted"], "machine": machine_text(),
                    "date": time.strftime("%Y-%m-%d %H:%M"), "load": os.getloadavg()[0],
                    "command": f"{'mpiexec -n 2 python -m mpi4py ' if ranks > 1 else 'python '}"
                               "experiments/memory/moe_memory.py"}
