@@ -9,7 +9,7 @@ users report its MoE estimates ignore EP and ETP: #1784, #4050, #2439).
 Each layout: a GPT-2-style MoE model (C 256, H 4, L 4, S 128, B 4 per replica, vocabulary 256, every block MoE,
 E 8 experts, float32) built at the layout, one library training step (mpi_tp.training.step) to make every
 buffer, then one more under a MemoryMeter (mpi_tp.core.memory: parameters, gradients, optimizer, activations,
-... each array once, at the probe points); the peak of the rank that peaks highest, beside
+... each array once, at the probe points, and one more inside each block's backward: probed_backward); the peak of the rank that peaks highest, beside
 mpi_tp.planning.memory.memory_per_rank for the same layout (this machine's calibration,
 experiments/planner/results/machine_2ranks.json) and the error. Lines go to results/moe_memory.jsonl (a layout
 run again replaces its line); the table to docs/performance.md#mixture-of-experts-memory-per-rank.
@@ -44,7 +44,24 @@ LAYOUTS = {   # name: (ranks, Topology sizes and options)
     "dp2-ep2-zero2": (2, dict(dp=2, ep=2, k=2, zero=2)),
     "dp2-ep2-zero3": (2, dict(dp=2, ep=2, k=2, zero=3)),
     "dp2-ep2-capacity0.5": (2, dict(dp=2, ep=2, k=2, capacity=0.5)),
+    "dp2-dense-zero2": (2, dict(dp=2, E=0, k=1, zero=2)),      # controls: the dense model, this meter's probes
+    "dp2-dense-zero3": (2, dict(dp=2, E=0, k=1, zero=3)),
 }
+
+
+def probed_backward(backward):
+    """A block's MLP (or MoE) backward that samples the meter when it returns: the block's own gradients held
+    whole (ZeRO-2 and 3 hold them from the backward that reaches the block: mpi_tp.parallel.grad_release), its
+    parameters gathered (ZeRO-3), its attention's and the blocks' below activations still kept. The engine's
+    probes ("B") sample after the whole backward, when the activations are gone, so without this one a meter
+    sees ZeRO-2/3's forward peak ("loss") alone."""
+    from mpi_tp.core import memory
+
+    def run(dout):
+        dx = backward(dout)
+        memory.probe("block backward")
+        return dx
+    return run
 
 
 def measure(name: str, comm) -> dict:
@@ -62,7 +79,7 @@ def measure(name: str, comm) -> dict:
     from mpi_tp.training.step import train_step
     o = LAYOUTS[name][1]
     topo = Topology.create(comm, tp=o.get("tp", 1), dp=o.get("dp", 1), ep=o.get("ep", 1), etp=o.get("etp", 0))
-    cfg = GPTConfig(vocab_size=256, block_size=S, n_layer=L, n_head=H, n_embd=C, moe_experts=E, moe_top_k=o["k"],
+    cfg = GPTConfig(vocab_size=256, block_size=S, n_layer=L, n_head=H, n_embd=C, moe_experts=o.get("E", E), moe_top_k=o["k"],
                     moe_shared_experts=o.get("shared", 0), moe_dispatcher=o.get("dispatcher", "alltoall"),
                     moe_capacity=o.get("capacity", 0.0))
     model = GPT(cfg, topo, dtype="float32", seed=0, sequence_parallel=o.get("sp", False))
@@ -74,14 +91,16 @@ def measure(name: str, comm) -> dict:
     y = rng.integers(0, 256, (B * topo.dp.size, S))
     rows = topo.replica_rows(B)
     train_step(model, opt, x, y, rows, 1, grad_clip=1.0, reducer=reducer)       # every buffer made
+    for block in model.h:                               # a probe inside each block's backward (probed_backward)
+        block.mlp.backward = probed_backward(block.mlp.backward)
     meter = MemoryMeter(as_stage(model, 1), opt, reducer)
     with meter:
         train_step(model, opt, x, y, rows, 1, grad_clip=1.0, reducer=reducer)
     report = accounting.measured(meter, comm)
-    loads = numpy.array([m.stats["tokens_per_expert"] for m in model.moe_layers()], dtype=float)
+    loads = numpy.array([m.stats["tokens_per_expert"] for m in model.moe_layers()], dtype=float).reshape(-1, E)
     loads = comm.allreduce(loads, op=MPI.SUM) if topo.dp.size > 1 else loads
-    imbalance = float((loads.max(axis=1) / loads.mean(axis=1)).mean())
-    admitted = float(loads.sum() / (len(loads) * B * topo.dp.size * S * o["k"]))     # the capacity's share kept
+    imbalance = float((loads.max(axis=1) / loads.mean(axis=1)).mean()) if len(loads) else 1.0
+    admitted = float(loads.sum() / (len(loads) * B * topo.dp.size * S * o["k"])) if len(loads) else 1.0
     topo.free()
     return {"report": report, "imbalance": imbalance, "admitted": admitted, "dp": topo.dp.size}
 
@@ -92,7 +111,7 @@ def estimate(name: str, dp: int) -> dict:
     from mpi_tp.planning.memory import memory_per_rank
     o = LAYOUTS[name][1]
     m = with_precision(Machine.load(MACHINE), "fp32")
-    w = Workload(L, C, H, S, B * dp, vocab=256, experts=E, top_k=o["k"], shared_experts=o.get("shared", 0),
+    w = Workload(L, C, H, S, B * dp, vocab=256, experts=o.get("E", E), top_k=o["k"], shared_experts=o.get("shared", 0),
                  capacity=o.get("capacity", 0.0))
     lay = Plan(tp=o.get("tp", 1), dp=dp, ep=o.get("ep", 1), etp=o.get("etp", 0), micro_batch=B,
                sp=o.get("sp", False), zero=o.get("zero", 0), dispatcher=o.get("dispatcher", "alltoall"))
