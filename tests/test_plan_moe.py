@@ -85,6 +85,13 @@ def test_the_expert_gradients_cross_the_edp_groups_link():
     assert expert_grid_links(Plan(tp=2, dp=4, ep=4), 4)["edp"] == "node"
     assert expert_grid_links(Plan(tp=2, dp=4, ep=1, etp=1), 4)["edp"] == "network"
     assert expert_grid_links(Plan(tp=1, dp=8, ep=2), 8)["edp"] == "node"
+    from mpi_tp.planning.planner import links_text
+    w, lay = Workload(2, 64, 4, 32, 8, experts=8, top_k=2), Plan(tp=2, dp=4, ep=1, etp=1)
+    t = step_time(CPU, w, lay)                                     # CPU: 4 ranks a node
+    assert t["links"]["edp"] == "network" and "expert gradient reductions (edp 8) cross the network" in \
+        links_text(t, lay)
+    one, two = (step_time(CPU, w, Plan(tp=2, dp=4, ep=e))["dp_comm"] for e in (1, 4))
+    assert one > two                                               # edp 4 over the network; edp 1: no sum
 
 
 def test_the_search_takes_ep_above_1_when_memory_forces_it():

@@ -9,8 +9,8 @@ users report its MoE estimates ignore EP and ETP: #1784, #4050, #2439).
 Each layout: a GPT-2-style MoE model (C 256, H 4, L 4, S 128, B 4 per replica, vocabulary 256, every block MoE,
 E 8 experts, float32) built at the layout, one library training step (mpi_tp.training.step) to make every
 buffer, then one more under a MemoryMeter (mpi_tp.core.memory: parameters, gradients, optimizer, activations,
-... each array once, at the probe points, and one more inside each block's backward: probed_backward); the peak of the rank that peaks highest, beside
-mpi_tp.planning.memory.memory_per_rank for the same layout (this machine's calibration,
+... each array once, at the probe points, and one more inside each block's backward: probed_backward); the
+peak of the rank that peaks highest, beside mpi_tp.planning.memory.memory_per_rank for the same layout (this machine's calibration,
 experiments/planner/results/machine_2ranks.json) and the error. Lines go to results/moe_memory.jsonl (a layout
 run again replaces its line); the table to docs/performance.md#mixture-of-experts-memory-per-rank.
 The routing of an untrained model is not balanced: the estimate assumes every rank computes k N / ep rows, the
@@ -79,7 +79,8 @@ def measure(name: str, comm) -> dict:
     from mpi_tp.training.step import train_step
     o = LAYOUTS[name][1]
     topo = Topology.create(comm, tp=o.get("tp", 1), dp=o.get("dp", 1), ep=o.get("ep", 1), etp=o.get("etp", 0))
-    cfg = GPTConfig(vocab_size=256, block_size=S, n_layer=L, n_head=H, n_embd=C, moe_experts=o.get("E", E), moe_top_k=o["k"],
+    cfg = GPTConfig(vocab_size=256, block_size=S, n_layer=L, n_head=H, n_embd=C, moe_experts=o.get("E", E),
+                    moe_top_k=o["k"],
                     moe_shared_experts=o.get("shared", 0), moe_dispatcher=o.get("dispatcher", "alltoall"),
                     moe_capacity=o.get("capacity", 0.0))
     model = GPT(cfg, topo, dtype="float32", seed=0, sequence_parallel=o.get("sp", False))
@@ -125,7 +126,8 @@ def table(rows: list) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, e = r["measured"]["peak"], r["estimate"]
-        out.append(f"| {r['layout']} | {r['imbalance']:.2f} | {mib(p['parameters'])} | {mib(p['gradients'])} | "
+        kept = f" ({r['admitted']:.2f} admitted)" if r.get("admitted", 1.0) < 1 else ""
+        out.append(f"| {r['layout']} | {r['imbalance']:.2f}{kept} | {mib(p['parameters'])} | {mib(p['gradients'])} | "
                    f"{mib(p['optimizer'])} | {mib(p['activations'])} (+{mib(p['communication'])}) | "
                    f"{mib(p['total'])} | {mib(e['parameters'])}, {mib(e['gradients'])}, {mib(e['optimizer'])}, "
                    f"{mib(e['activations'])} + {mib(e['logits'])} | {mib(e['total'])} | {100 * r['error']:+.1f}% |")

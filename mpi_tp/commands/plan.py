@@ -265,7 +265,8 @@ def cmd_plan(args, comm) -> int:
     if args.json:
         print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"],
                           "bytes_per_value": m.bytes_per_value, "state_bytes_per_param": state_bytes(m),
-                          **({"moe": {**check_moe(args), "dispatcher": args.dispatcher}} if w.experts else {}), "ranked": [
+                          **({"moe": {**check_moe(args), "dispatcher": args.dispatcher}} if w.experts else {}),
+                          "ranked": [
             {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"],
              "achieved": r["achieved"]}
             for r in result["ranked"]]}, default=float))

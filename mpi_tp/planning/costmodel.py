@@ -19,10 +19,10 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  messages (receives are posted ahead: pp_overlap of a transfer hides behind compute,
                  but in the fill and the drain; the V sends twice 1F1B's)
     experts      (E experts, top-k, every moe_every-th block, n shared) each token's MLP runs k a + n
-                 times (a: the share a capacity admits); the dispatch (all-to-all or all-gather) over ep of each rank's own positions'
-                 rows, the etp group's rows gathered and reduce-scattered, the output gathered back over
-                 tp; an expert shard's gradients reduced over edp, on the link that group crosses
-                 (mpi_tp.planning.experts)
+                 times (a: the share a capacity admits); the dispatch (all-to-all or all-gather) over ep
+                 of each rank's own positions' rows, the etp group's rows gathered and reduce-scattered,
+                 the output gathered back over tp; an expert shard's gradients reduced over edp, on the
+                 link that group crosses (mpi_tp.planning.experts)
     context par. (cp = Z > 1) each rank computes S / Z positions (the GEMMs, the attention's
                  S^2 / Z score entries, the elementwise work and the tensor-parallel messages all
                  shrink by Z) and its ring passes 3Z - 2 messages of K and V per layer and micro-
@@ -169,6 +169,8 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     all-reduce that the backward pass hides; not in the total), and `links`: where each group's traffic
     goes (placement; per_node: the machine's ranks per node unless given)."""
     links = placement(lay, per_node or m.ranks_per_node)
+    if w.moe_layers:                 # the experts' groups, placed by their own grid: "etp", "ep", "edp"
+        links.update(expert_grid_links(lay, per_node or m.ranks_per_node))
     L, h, a, V = w.n_layer, w.n_embd, w.n_head, w.vocab
     t, p, d, b, c = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.cp
     s = w.seq / c                                              # positions per rank (context parallelism)

@@ -47,7 +47,7 @@ def mlp_passes(w) -> float:
 
 
 def expert_grid_links(lay, per_node: int) -> dict:
-    """{"etp", "ep", "edp"}: "node" or "network", for the experts' groups of the first stage (mpi_tp.parallel.expert_grid:
+    """{"etp", "ep", "edp"}: "node" or "network", for the experts' groups of the first stage (expert_grid:
     a stage's place d = (dp_r cp + cp_r) tp + tp_r read again as (edp_r ep + ep_r) etp + etp_r)."""
     t, c, d, p = lay.tp, lay.cp, lay.dp, lay.pp
     e, ep = lay.expert_tp, lay.ep
@@ -112,7 +112,8 @@ def mlp_params_rank(w, lay, width: int = 1) -> float:
 
 def moe_block_bytes(m, w, lay) -> float:
     """Activations one MoE block keeps on a rank for one micro-batch, in place of the dense MLP's (balanced
-    routing, the admitted share of the assignments): the module docstring's list, at the value width (router state: fp32 or wider)."""
+    routing, the admitted share of the assignments): the module docstring's list, at the value width (router
+    state: fp32 or wider)."""
     C, k, E, t, e = w.n_embd, w.top_k, w.experts, lay.tp, lay.expert_tp
     k_a = k * admitted_share(w)                               # the admitted assignments per token
     v, f = m.bytes_per_value, max(m.bytes_per_value, 4)
@@ -122,7 +123,8 @@ def moe_block_bytes(m, w, lay) -> float:
     F = 4 * C
     routed = (n_o * C * v                                     # the input rows it routes
               + n_o * E * f + 3 * n_o * f                     # probabilities; lse, its gradient, a spare
-              + n_o * k * (2 * f + 1 + 8) + n_o * k_a * 2 * 8  # gates twice, admitted, choices; admitted rows' indices
+              + n_o * k * (2 * f + 1 + 8)                     # gates twice, admitted, choices
+              + n_o * k_a * 2 * 8                             # the admitted rows' token and choice indices
               + n_o * k * C * v                               # each choice's output
               + lay.micro_batch * w.seq * k * 8               # the whole sequences' choices
               + rows * 8                                      # the etp order
