@@ -129,7 +129,7 @@ def test_groups_are_priced_by_the_links_they_cross():
 def test_experts_are_priced_and_planned(tmp_path):
     """A mixture of experts: the experts' GEMMs k times, 4 all-to-alls per MoE block and micro-batch over the
     ep group (k B S C (ep-1)/ep values from a rank), E / ep experts' parameters per rank; the planner searches
-    ep over the divisors of dp and emits a config `mpi-tp train` accepts."""
+    ep with ep x etp dividing tp x cp x dp (Megatron's rule) and emits a config `mpi-tp train` accepts."""
     from mpi_tp.planning.memory import params_per_rank
     m = Machine(name="t", ranks_per_node=8, gemm_flops=1e11, elem_rate=1e9, mem_bw=1e10, mem_bytes=1e12,
                 intra_alpha=1e-5, intra_bw=1e10, inter_alpha=1e-4, inter_bw=1e9)
@@ -141,7 +141,9 @@ def test_experts_are_priced_and_planned(tmp_path):
     assert params_per_rank(w, Plan(dp=4, ep=2)) < params_per_rank(w, Plan(dp=4, ep=1))
     assert w.params > dense.params
     r = plan(m, w, 1, top=100)
-    assert {x["layout"].ep for x in r["all"]} >= {1, 2, 4} and all(x["layout"].dp % x["layout"].ep == 0 for x in r["all"])
+    stage = (lambda lay: lay.tp * lay.cp * lay.dp)              # ep x etp divides a stage's ranks (expert_grid)
+    assert {x["layout"].ep for x in r["all"]} >= {1, 2, 4} and \
+        all(stage(x["layout"]) % (x["layout"].ep * x["layout"].expert_tp) == 0 for x in r["all"])
     out = tmp_path / "moe.json"
     text = run_plan("--machine", "dgx-a100", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128",
                     "--global-batch", "8", "--experts", "4", "--top-k", "2", "--moe-every", "2", "--ep", "2",

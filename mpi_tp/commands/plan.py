@@ -5,12 +5,14 @@
     mpi-tp plan ... --explain 'tp4 pp12 dp8 b2 +recompute'     # one layout, term by term
     mpi-tp plan ... --emit-config best.json                    # the winner as a config `mpi-tp train` runs
     mpi-tp plan ... --precision bf16                           # values, wire bytes and state at bf16's width
+    mpi-tp plan ... --moe-experts 8 --moe-top-k 2 [--ep 4 --etp 1 --moe-dispatcher allgather]   # experts
 
 Every bad input is one line and exit 2 (checked before anything is searched); an empty search says
 what could not be expressed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import sys
 
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.parallel.layout import Layout
+from mpi_tp.commands.plan_moe import add_moe_arguments, check_moe
 from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import PRESETS, machine, state_bytes, with_precision
@@ -61,17 +64,7 @@ def add_parser(sub) -> None:
                         "zb-v: the zero-bubble schedules, B and W apart; zb-v two chunks per rank in a V)")
     p.add_argument("--virtual-stages", type=int, default=None, help="only the interleaved schedule with this "
                    "many chunks per stage")
-    p.add_argument("--experts", type=int, default=0, help="a mixture of experts: E experts in every --moe-every-th "
-                   "block (default 0: dense)")
-    p.add_argument("--top-k", type=int, default=1, help="with --experts: experts per token (default 1)")
-    p.add_argument("--moe-every", type=int, default=1, help="with --experts: every n-th block is an MoE block (1: every block)")
-    p.add_argument("--ep", type=int, default=None, help="with --experts: only this expert-parallel size")
-    p.add_argument("--etp", type=int, default=None, help="with --experts: only this expert tensor-parallel size "
-                   "(default: tp and its divisors are searched; ep x etp divides tp x cp x dp)")
-    p.add_argument("--shared-experts", type=int, default=0, help="with --experts: shared experts every token "
-                   "goes through (DeepSeek's; default 0)")
-    p.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
-                   help="with --experts: how rows reach their experts (default alltoall)")
+    add_moe_arguments(p)
     p.add_argument("--explain", metavar="LAYOUT", default=None,
                    help="price one layout and print its terms, e.g. 'tp4 pp12 dp8 b2 +recompute' (as the table "
                         "writes layouts), whether or not it is among the top rows")
@@ -100,16 +93,7 @@ def _check(args):
     if args.hidden % args.heads:
         raise UserError(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}: every head has "
                         "hidden / heads channels")
-    if args.experts < 0 or args.top_k < 1 or args.moe_every < 1:
-        raise UserError("--experts must be >= 0, --top-k and --moe-every at least 1")
-    if args.experts and (args.top_k > args.experts or args.moe_every > args.layers):
-        raise UserError(f"--top-k {args.top_k} must be at most --experts {args.experts}, and --moe-every "
-                        f"{args.moe_every} at most --layers {args.layers}")
-    for flag, value in (("--ep", args.ep), ("--etp", args.etp)):
-        if value is not None and (value < 1 or not args.experts):
-            raise UserError(f"{flag} needs a mixture of experts (--experts E) and must be at least 1")
-    if args.shared_experts < 0 or (args.shared_experts and not args.experts):
-        raise UserError("--shared-experts needs a mixture of experts (--experts E) and must be at least 0")
+    moe = check_moe(args)
     if args.sp and args.no_sp or args.recompute and args.no_recompute or args.zero is not None and args.no_zero:
         raise UserError("a pin and its --no- form together (--sp / --no-sp, --zero / --no-zero, --recompute / "
                         "--no-recompute): give one")
@@ -122,9 +106,7 @@ def _check(args):
     ranks, pinned = args.nodes * m.ranks_per_node, (args.tp or 1) * (args.cp or 1) * (args.pp or 1)
     if ranks % pinned:                 # the world-size rule's own message (dp, or tp, takes the rest)
         Layout.resolve(ranks, tp=args.tp or 0, cp=args.cp or 1, pp=args.pp or 1, dp=0 if args.tp else 1)
-    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab,
-                       experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
-                       shared_experts=args.shared_experts)
+    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab, **moe)
 
 
 def _allowed(args) -> dict:
@@ -208,7 +190,8 @@ def train_config(w: Workload, lay: Plan) -> dict:
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
             "recompute": "full" if lay.recompute else "none",
             **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every,
-                "moe_shared_experts": w.shared_experts, "moe_dispatcher": lay.dispatcher} if w.experts else {})}
+                "moe_shared_experts": w.shared_experts, "moe_dispatcher": lay.dispatcher,
+                "moe_capacity": w.capacity} if w.experts else {})}
 
 
 def trainable(w: Workload, result: dict) -> tuple[Plan | None, list[str]]:
@@ -256,7 +239,8 @@ def cmd_plan(args, comm) -> int:
         return 0
     result = plan(m, w, args.nodes, args.top, args.max_tp, args.tp, args.pp, **_allowed(args))
     if args.explain:
-        print(explain_one(m, w, parse_layout(args.explain, result["ranks"]), result))
+        lay = dataclasses.replace(parse_layout(args.explain, result["ranks"]), dispatcher=args.dispatcher)
+        print(explain_one(m, w, lay, result))
         return 0
     if args.nodes > 1 and args.machine not in PRESETS and (m.inter_alpha, m.inter_bw) == (m.intra_alpha, m.intra_bw):
         print(f"mpi-tp plan: note: {args.machine} was calibrated on one node: its network figures (inter_alpha, "
@@ -280,7 +264,9 @@ def cmd_plan(args, comm) -> int:
               f"--config {args.emit_config}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"machine": m.name, "ranks": result["ranks"], "why": result["why"],
-                          "bytes_per_value": m.bytes_per_value, "state_bytes_per_param": state_bytes(m), "ranked": [
+                          "bytes_per_value": m.bytes_per_value, "state_bytes_per_param": state_bytes(m),
+                          **({"moe": {**check_moe(args), "dispatcher": args.dispatcher}} if w.experts else {}),
+                          "ranked": [
             {"layout": r["layout"].describe(), "seconds": r["time"], "memory_bytes": r["memory"],
              "achieved": r["achieved"]}
             for r in result["ranked"]]}, default=float))

@@ -18,10 +18,11 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  / (2M), w the weights' gradients' share: mpi_tp.planning.bubble), plus the activation
                  messages (receives are posted ahead: pp_overlap of a transfer hides behind compute,
                  but in the fill and the drain; the V sends twice 1F1B's)
-    experts      (E experts, top-k, every moe_every-th block, n shared) each token's MLP runs k + n
-                 times; the dispatch (all-to-all or all-gather) over ep of each rank's own positions'
-                 rows, the etp group's rows gathered and reduce-scattered, the output gathered back over
-                 tp; an expert shard's gradients reduced over edp (mpi_tp.planning.experts)
+    experts      (E experts, top-k, every moe_every-th block, n shared) each token's MLP runs k a + n
+                 times (a: the share a capacity admits); the dispatch (all-to-all or all-gather) over ep
+                 of each rank's own positions' rows, the etp group's rows gathered and reduce-scattered,
+                 the output gathered back over tp; an expert shard's gradients reduced over edp, on the
+                 link that group crosses (mpi_tp.planning.experts)
     context par. (cp = Z > 1) each rank computes S / Z positions (the GEMMs, the attention's
                  S^2 / Z score entries, the elementwise work and the tensor-parallel messages all
                  shrink by Z) and its ring passes 3Z - 2 messages of K and V per layer and micro-
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
-from mpi_tp.planning.experts import DISPATCHERS, expert_params_rank, moe_step_terms
+from mpi_tp.planning.experts import DISPATCHERS, expert_grid_links, expert_params_rank, mlp_passes, moe_step_terms
 from mpi_tp.planning.links import link, placement
 from mpi_tp.planning.machines import Machine, state_bytes
 
@@ -74,6 +75,7 @@ class Workload:
     top_k: int = 1               # k experts per token
     moe_every: int = 1
     shared_experts: int = 0      # n shared experts (one MLP n wide) beside the routed ones
+    capacity: float = 0.0        # moe_capacity c: an expert admits at most c S k / E of a sequence's rows (0: dropless)
 
     @property
     def moe_layers(self) -> int:
@@ -167,6 +169,8 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     all-reduce that the backward pass hides; not in the total), and `links`: where each group's traffic
     goes (placement; per_node: the machine's ranks per node unless given)."""
     links = placement(lay, per_node or m.ranks_per_node)
+    if w.moe_layers:                 # the experts' groups, placed by their own grid: "etp", "ep", "edp"
+        links.update(expert_grid_links(lay, per_node or m.ranks_per_node))
     L, h, a, V = w.n_layer, w.n_embd, w.n_head, w.vocab
     t, p, d, b, c = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.cp
     s = w.seq / c                                              # positions per rank (context parallelism)
@@ -203,7 +207,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
     # of a stage's work: what the zero-bubble schedules move into the bubble (mpi_tp.planning.bubble)
     wgrad = 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers + 2 * b * s * h * V / t / p
-    wgrad += (w.top_k - 1 + w.shared_experts) * 2 * b * s * 8 * h * h * mlp_share * moe if moe else 0.0
+    wgrad += (mlp_passes(w) - 1) * 2 * b * s * 8 * h * h * mlp_share * moe if moe else 0.0
     work = compute + tp_comm + cp_comm + ep_comm
     w_share = micro * wgrad / gemm_rate(m, b * s) / work if work else 0.0
     pp_comm, bubble = 0.0, 0.0
@@ -226,14 +230,16 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         experts_rank = expert_params_rank(w, lay, w.moe_layers) / p
         params_rank += experts_rank - w.moe_layers * w.experts * w.expert_params / (t * p)
     overlaps = lay.overlap_dp and not hierarchical_dp
-    da, dbw = link(links["dp"], m)
+    dense_link = link(links["dp"], m)                          # the experts' edp group crosses its own
+    expert_link = link(expert_grid_links(lay, m.ranks_per_node)["edp"], m) if w.moe_layers else dense_link
     d = d * c                                                  # the reducer's group: cp x dp
     de = lay.edp                                               # the experts' (mpi_tp.parallel.expert_grid)
     per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
     zero = int(lay.zero)
     gather, gathers, dp_comm = 0.0, 0.0, 0.0     # the parameters' all-gathers: after the update; ZeRO-3's per pass
     state = state_bytes(m)           # the gradients' and the weights' bytes per parameter
-    for n, g, g_node in ((params_rank - experts_rank, d, per_node), (experts_rank, de, max(1, per_node // lay.ep))):
+    for n, g, g_node, (da, dbw) in ((params_rank - experts_rank, d, per_node, dense_link),
+                                    (experts_rank, de, max(1, per_node // lay.ep), expert_link)):
         n_bytes = n * state["grads"]
         if g < 2 or n_bytes == 0:
             continue
@@ -274,9 +280,11 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
 def model_flops_per_step(w: Workload) -> float:
     """The model's FLOPs per training step, forward and backward, recomputation not counted (model
     FLOPs): 72 (D M B) S L C^2 (1 + S / (6 C)) + 6 (D M B) S C V for the global batch of D M B
-    sequences (Narayanan et al. 2021, eq. 3 without its recomputed forward)."""
+    sequences (Narayanan et al. 2021, eq. 3 without its recomputed forward); an MoE block's MLP (48 of the
+    72) counted mlp_passes times, its active experts'."""
     DMB, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # the global batch, D M B sequences
-    return 72 * DMB * S * L * C * C * (1 + S / (6 * C)) + 6 * DMB * S * C * V
+    moe = 48 * DMB * S * w.moe_layers * C * C * (mlp_passes(w) - 1) if w.moe_layers else 0.0
+    return 72 * DMB * S * L * C * C * (1 + S / (6 * C)) + 6 * DMB * S * C * V + moe
 
 
 def hardware_flops_per_step(w: Workload, recompute: bool) -> float:
@@ -286,7 +294,8 @@ def hardware_flops_per_step(w: Workload, recompute: bool) -> float:
     if not recompute:
         return model_flops_per_step(w)
     DMB, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # the global batch, D M B sequences
-    return 96 * DMB * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C))
+    moe = 64 * DMB * S * w.moe_layers * C * C * (mlp_passes(w) - 1) if w.moe_layers else 0.0
+    return 96 * DMB * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C)) + moe
 
 
 def achieved(m: Machine, w: Workload, lay: Layout, seconds: float) -> dict:

@@ -2,20 +2,24 @@
 
 Legend: b the micro-batch, s = S / cp a rank's positions, C channels, F = 4C an expert's width, E experts,
 k per token, n shared experts, t = tp, e = etp (Layout.expert_tp), ep, edp = t cp dp / (e ep) (Layout.edp);
-N_o = b s / t the tokens a rank routes (each rank its own positions: mpi_tp.parallel.expert_tokens),
-R = e k N_o the rows its etp group's experts compute on it (balanced, dropless routing). Per MoE block and
-micro-batch, as mpi_tp.model.moe runs it:
+N_o = b s / t the tokens a rank routes (each rank its own positions: mpi_tp.parallel.expert_tokens);
+a the share of the k N_o assignments admitted (admitted_share: 1 dropless, min(1, c) under a capacity c,
+mpi_tp.model.routing.admitted: an expert takes at most c S k / E of a sequence's rows, and balanced routing
+sends it S k / E); k_a = a k; R = e k_a N_o the rows its etp group's experts compute on it (balanced
+routing). Per MoE block and micro-batch, as mpi_tp.model.moe runs it:
 
-    compute      the routed experts' GEMMs k times a token's MLP (spread over the e ep edp ranks: 1/t of the
-                 stage's tokens' k MLPs per rank, balanced), the n shared experts n times, split over tp
-    dispatch     alltoall: 4 all-to-alls (dispatch, combine; forward, backward) of k N_o C values x (ep-1)/ep
+    compute      the routed experts' GEMMs k_a times a token's MLP (spread over the e ep edp ranks: 1/t of the
+                 stage's tokens' k_a MLPs per rank, balanced), the n shared experts n times, split over tp
+    dispatch     alltoall: 4 all-to-alls (dispatch, combine; forward, backward) of k_a N_o C values x (ep-1)/ep
                  from a rank, ep - 1 steps of alpha; allgather: 4 ring collectives (all-gather, reduce-scatter)
-                 of the ep group's ep k N_o C values, (ep - 1)/ep of them on the wire: ep times the bytes
+                 of the ep group's ep k_a N_o C values, (ep - 1)/ep of them on the wire: ep times the bytes
+                 (the counts' exchange, E or ep E integers, is not priced)
     etp          an all-gather and a reduce-scatter of R C values over etp, forward and backward
     tp           the output gathered back over tp (no sequence parallelism), forward and backward (b s C);
                  the routing of whole sequences: 3 small collectives over tp (and cp), 1 alpha each; the
                  shared experts' f and g as the dense MLP's. The dense MLP's two all-reduces are not run.
-    gradients    an expert shard's over edp; the router's and the shared experts' with the dense ones
+    gradients    an expert shard's over edp (on the link the edp group crosses: expert_grid_links); the
+                 router's and the shared experts' with the dense ones
 
 Memory (moe_block_bytes): the activations one MoE block keeps on a rank in place of the dense MLP's (its own
 tokens' input, router state in fp32, the k outputs per token, each expert's rows and hidden widths, the
@@ -31,8 +35,19 @@ from mpi_tp.planning.links import link
 DISPATCHERS = ("alltoall", "allgather")
 
 
+def admitted_share(w) -> float:
+    """The share of the k assignments an expert admits under balanced routing: 1 dropless (capacity 0), else
+    min(1, capacity) (each expert is sent S k / E of a sequence's rows and admits ceil(c S k / E))."""
+    return min(1.0, w.capacity) if w.capacity > 0 else 1.0
+
+
+def mlp_passes(w) -> float:
+    """A token's MLP passes in an MoE block: k a routed (admitted) ones and the n shared experts'."""
+    return w.top_k * admitted_share(w) + w.shared_experts
+
+
 def expert_grid_links(lay, per_node: int) -> dict:
-    """{"etp", "ep"}: "node" or "network", for the experts' groups of the first stage (mpi_tp.parallel.expert_grid:
+    """{"etp", "ep", "edp"}: "node" or "network", for the experts' groups of the first stage (expert_grid:
     a stage's place d = (dp_r cp + cp_r) tp + tp_r read again as (edp_r ep + ep_r) etp + etp_r)."""
     t, c, d, p = lay.tp, lay.cp, lay.dp, lay.pp
     e, ep = lay.expert_tp, lay.ep
@@ -47,7 +62,8 @@ def expert_grid_links(lay, per_node: int) -> dict:
         leaders = range(0, min(D, 4 * per_node + stride * size))
         return any(len({world(g + i * stride) // per_node for i in range(size)}) > 1
                    for g in leaders if (g // stride) % size == 0 and g + (size - 1) * stride < D)
-    return {"etp": "network" if crosses(1, e) else "node", "ep": "network" if crosses(e, ep) else "node"}
+    on = {"etp": crosses(1, e), "ep": crosses(e, ep), "edp": crosses(e * ep, lay.edp)}
+    return {k: "network" if v else "node" for k, v in on.items()}
 
 
 def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_bwd: int, mlp_share: float,
@@ -55,9 +71,9 @@ def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_b
     """Seconds per step on a rank for this stage's MoE blocks: {"compute" (beyond one dense MLP pass, already
     counted), "tp" (their tp traffic minus the dense MLP's two all-reduces), "ep", "etp"}."""
     from mpi_tp.planning.costmodel import ring_all_gather, ring_all_reduce
-    h, k, t, v = w.n_embd, w.top_k, lay.tp, m.bytes_per_value
+    h, k, t, v = w.n_embd, w.top_k * admitted_share(w), lay.tp, m.bytes_per_value
     e, ep = lay.expert_tp, lay.ep
-    extra = (k - 1) + w.shared_experts                        # MLP passes beyond the one counted
+    extra = mlp_passes(w) - 1                                 # MLP passes beyond the one counted
     compute = micro * extra * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe_layers / gemm_rate(m, b * s)
     ta, tbw = link(links["tp"], m)
     n = b * s * h * v                                         # one micro-batch's activation, whole
@@ -95,17 +111,20 @@ def mlp_params_rank(w, lay, width: int = 1) -> float:
 
 
 def moe_block_bytes(m, w, lay) -> float:
-    """Activations one MoE block keeps on a rank for one micro-batch, in place of the dense MLP's (balanced,
-    dropless routing): the module docstring's list, at the value width (router state: fp32 or wider)."""
+    """Activations one MoE block keeps on a rank for one micro-batch, in place of the dense MLP's (balanced
+    routing, the admitted share of the assignments): the module docstring's list, at the value width (router
+    state: fp32 or wider)."""
     C, k, E, t, e = w.n_embd, w.top_k, w.experts, lay.tp, lay.expert_tp
+    k_a = k * admitted_share(w)                               # the admitted assignments per token
     v, f = m.bytes_per_value, max(m.bytes_per_value, 4)
     s_cp = w.seq / lay.cp
     n_o = lay.micro_batch * s_cp / t                          # own tokens
-    rows = e * k * n_o                                        # the etp group's rows, on this rank
+    rows = e * k_a * n_o                                      # the etp group's rows, on this rank
     F = 4 * C
     routed = (n_o * C * v                                     # the input rows it routes
               + n_o * E * f + 3 * n_o * f                     # probabilities; lse, its gradient, a spare
-              + n_o * k * (2 * f + 1 + 8 + 2 * 8)             # gates twice, admitted, choices, row indices
+              + n_o * k * (2 * f + 1 + 8)                     # gates twice, admitted, choices
+              + n_o * k_a * 2 * 8                             # the admitted rows' token and choice indices
               + n_o * k * C * v                               # each choice's output
               + lay.micro_batch * w.seq * k * 8               # the whole sequences' choices
               + rows * 8                                      # the etp order

@@ -16,7 +16,8 @@ LEGEND = (
     ("#", "rank of the layout, fastest first (only layouts that fit in memory)"),
     ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
                "sequences; cpZ: Z context-parallel ranks (each sequence split over them, ring attention); epN: a "
-               "mixture of experts' experts over N of the D replicas; vN: N chunks per stage (the interleaved schedule); "
+               "mixture of experts' experts over N groups of a stage's T Z D ranks; etpN: each expert split over N "
+               "ranks (shown when not T; Megatron's T Z D = etp ep edp); vN: N chunks per stage (the interleaved schedule); "
                "zb-h1, zb-v: the zero-bubble schedules (zb-v: two chunks per rank in a V); +sp sequence parallelism; "
                "+zeroN ZeRO stage N (1: optimizer state, 2: and gradients, 3: and parameters sharded over D); "
                "+recompute full activation recomputation")),
@@ -26,29 +27,34 @@ LEGEND = (
                 "overhead, on the largest stage and the rank with the most heads")),
     ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
                 "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta (+sp: as all-gathers and reduce-scatters, and "
-                "2 more all-gathers of the column layers' inputs)")),
+                "2 more all-gathers of the column layers' inputs); MoE blocks: etp's all-gather and reduce-scatter of "
+                "the rows its experts compute and the output gathered over T, in place of the MLP's 2")),
     ("cp comm", ("context parallelism's ring: 3Z - 2 messages of K and V (or their gradients) per layer and "
                 "micro-batch, 2 B (S/Z) C / T values each; the machine's pp_overlap of the K/V messages hidden "
                 "behind the attention computed meanwhile")),
-    ("ep comm", ("a mixture of experts' all-to-alls: 4 per MoE block and micro-batch (dispatch and combine, "
-                "forward and backward), each sending k B S C (ep-1)/ep values from a rank")),
+    ("ep comm", ("a mixture of experts' dispatch: 4 all-to-alls per MoE block and micro-batch (dispatch and "
+                "combine, forward and backward), each sending k a B S C / T (ep-1)/ep values from a rank (a: the "
+                "share a capacity admits); the all-gather dispatcher's ring all-gathers and reduce-scatters "
+                "ep times those bytes")),
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
                 "without +sp; the machine's pp_overlap of each transfer hidden, but in the fill and drain)")),
     ("bubble", ("pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm; zb-h1 "
                 "(P-1)(1-2w)/M, zb-v (P-1)(1-3w)/(2M), w the share of the weights' gradients (1/3: (P-1)/(3M), 0)")),
-    ("dp comm", ("the gradient all-reduce over the D replicas (float32; experts' over the D/ep holding them), "
+    ("dp comm", ("the gradient all-reduce over the D replicas (float32; an expert shard's over the edp = T Z D / "
+                "(etp ep) holding it, on the link they cross), "
                 "minus what the last backward pass hides (+zero1: a reduce-scatter of the gradients, hidden "
                 "alike, and an all-gather of the parameters after the update; +zero2: a reduce-scatter after "
                 "every micro-batch's backward; +zero3: and all-gathers of the parameters before every forward "
                 "and backward instead of after the update, hidden a layer ahead)")),
     ("optim", ("AdamW: 28 bytes of memory traffic per parameter of the rank over the memory bandwidth "
-              "(+zeroN: its share, / D; experts' / (D/ep))")),
+              "(+zeroN: its share, / D; an expert shard's / edp)")),
     ("GB/rank", ("memory per rank (MB/rank when every row is under 1 GB): weights, gradients, optimizer state, "
                  "activations, logits, on the pipeline stage that holds the most (the first, or the last with "
                  "the logits; zb-h1, zb-v: and the deferred W's inputs)")),
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
                "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
-               "sequences (recomputation not counted), / step s / the W ranks")),
+               "sequences (recomputation not counted; an MoE block's MLP counted k a + n times, its active experts'), "
+               "/ step s / the W ranks")),
     ("of peak", ("that FLOP/s as a fraction of the machine's datasheet peak (a calibrated machine: of its "
                 "measured GEMM rate)")),
 )
@@ -93,6 +99,17 @@ def flops_unit(values) -> tuple[float, str]:
     return 1e6, "MFLOP/s"
 
 
+def moe_text(w, dispatcher: str | None = None) -> str:
+    """The model's experts in words for the table's header: ', experts E=8 top-2 +1 shared every block, ...'."""
+    if not w.experts:
+        return ""
+    every = "every block" if w.moe_every == 1 else f"every {w.moe_every}th block"
+    shared = f" +{w.shared_experts} shared" if w.shared_experts else ""
+    capacity = f", capacity {w.capacity:g}" if w.capacity else ", dropless"
+    return (f"; experts E={w.experts} top-{w.top_k}{shared} in {every} ({w.moe_layers} of {w.n_layer})"
+            f"{capacity}" + (f", {dispatcher} dispatcher" if dispatcher else ""))
+
+
 def table(m, w: Workload, nodes: int, result: dict) -> str:
     """The header line and the ranked layouts, one row each (columns: LEGEND)."""
     scale, unit = flops_unit([r["achieved"]["flops_per_rank"] for r in result["ranked"]])
@@ -100,7 +117,8 @@ def table(m, w: Workload, nodes: int, result: dict) -> str:
     sec, step = time_unit([r["time"]["total"] for r in result["ranked"]])
     header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
               f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
-              f"V={w.vocab}), global batch {w.global_batch} sequences")
+              f"V={w.vocab}), global batch {w.global_batch} sequences"
+              + moe_text(w, result["ranked"][0]["layout"].dispatcher if result["ranked"] else None))
     wide = max([28] + [len(r["layout"].describe()) for r in result["ranked"]])
     columns = (f"{'#':>3} {'layout':<{wide}} {step:>8} {'compute':>8} {'tp comm':>8} {'cp comm':>8} {'ep comm':>8} {'pp comm':>8} {'bubble':>8} "
                f"{'dp comm':>8} {'optim':>7} {mem_unit:>8} {unit:>8} {'of peak':>7}")

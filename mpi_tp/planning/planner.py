@@ -134,8 +134,12 @@ def links_text(t: dict, lay: Plan) -> str:
     links = t["links"]
     sizes = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp}
     names = {"tp": "tensor-parallel groups", "cp": "context-parallel rings", "pp": "pipeline hops",
-             "dp": "gradient reductions"}
-    used = [k for k in ("tp", "cp", "pp", "dp") if sizes[k] > 1]
+             "dp": "gradient reductions", "ep": f"expert dispatches (ep {lay.ep})",
+             "etp": f"expert tensor-parallel groups (etp {lay.expert_tp})",
+             "edp": f"expert gradient reductions (edp {lay.edp})"}
+    if "edp" in links:               # a mixture of experts (etp shown when it is not tp's group)
+        sizes.update(ep=lay.ep, etp=lay.expert_tp if lay.expert_tp != lay.tp else 1, edp=lay.edp)
+    used = [k for k in ("tp", "cp", "pp", "dp", "ep", "etp", "edp") if sizes.get(k, 1) > 1]
     inside = [names[k] for k in used if links[k] == "node"]
     across = [names[k] for k in used if links[k] == "network"]
     parts = []
