@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
 from mpi_tp.planning.experts import DISPATCHERS, expert_grid_links, expert_params_rank, mlp_passes, moe_step_terms
-from mpi_tp.planning.links import link, placement
+from mpi_tp.planning.links import link, placement, ring_all_gather, ring_all_reduce
 from mpi_tp.planning.machines import Machine, state_bytes
 
 
@@ -128,16 +128,6 @@ class Plan(Layout):
         if self.schedule:
             flags = [self.schedule] + [f for f in flags if f != f"v{self.virtual}"]
         return " ".join(self.words() + [f"b{self.micro_batch}"] + flags + extra)
-
-
-def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:
-    """2 (T-1) alpha + 2 (T-1)/T n / bw (p: the group size T): a reduce-scatter, then an all-gather."""
-    return 0.0 if p <= 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes / bw
-
-
-def ring_all_gather(n_bytes: float, p: int, alpha: float, bw: float) -> float:
-    """(T-1) alpha + (T-1)/T n / bw (p: the group size T); also the time of a reduce-scatter of n bytes."""
-    return 0.0 if p <= 1 else (p - 1) * alpha + (p - 1) / p * n_bytes / bw
 
 
 def hierarchical_all_reduce(n_bytes: float, p: int, per_node: int, m: Machine) -> float:

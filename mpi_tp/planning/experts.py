@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.planning.links import link
+from mpi_tp.planning.links import link, ring_all_gather, ring_all_reduce
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -70,7 +70,6 @@ def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_b
                    moe_layers: int, gemm_rate) -> dict:
     """Seconds per step on a rank for this stage's MoE blocks: {"compute" (beyond one dense MLP pass, already
     counted), "tp" (their tp traffic minus the dense MLP's two all-reduces), "ep", "etp"}."""
-    from mpi_tp.planning.costmodel import ring_all_gather, ring_all_reduce
     h, k, t, v = w.n_embd, w.top_k * admitted_share(w), lay.tp, m.bytes_per_value
     e, ep = lay.expert_tp, lay.ep
     extra = mlp_passes(w) - 1                                 # MLP passes beyond the one counted

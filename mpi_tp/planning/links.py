@@ -1,4 +1,4 @@
-"""Which links a layout's groups cross: inside a node, or over the network.
+"""Which links a layout's groups cross: inside a node, or over the network; and what a ring collective costs on one.
 
 The engine's rank order puts tp fastest, then cp, pp and dp (mpi_tp.parallel.topology); a machine
 holds ranks_per_node consecutive ranks a node. A group of `size` members `stride` ranks apart whose
@@ -42,3 +42,13 @@ def placement(lay: Layout, per_node: int) -> dict:
 def link(where: str, m: Machine) -> tuple:
     """(alpha, bw) of a group's link: "node" or "network"."""
     return (m.intra_alpha, m.intra_bw) if where == "node" else (m.inter_alpha, m.inter_bw)
+
+
+def ring_all_reduce(n_bytes: float, p: int, alpha: float, bw: float) -> float:
+    """2 (T-1) alpha + 2 (T-1)/T n / bw (p: the group size T): a reduce-scatter, then an all-gather."""
+    return 0.0 if p <= 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes / bw
+
+
+def ring_all_gather(n_bytes: float, p: int, alpha: float, bw: float) -> float:
+    """(T-1) alpha + (T-1)/T n / bw (p: the group size T); also the time of a reduce-scatter of n bytes."""
+    return 0.0 if p <= 1 else (p - 1) * alpha + (p - 1) / p * n_bytes / bw

@@ -17,7 +17,7 @@ LEGEND = (
     ("layout", ("tpT ppP dpD bB: T tensor-parallel ranks, P pipeline stages, D replicas, micro-batches of B "
                "sequences; cpZ: Z context-parallel ranks (each sequence split over them, ring attention); epN: a "
                "mixture of experts' experts over N groups of a stage's T Z D ranks; etpN: each expert split over N "
-               "ranks (shown when not T; Megatron's T Z D = etp ep edp); vN: N chunks per stage (the interleaved schedule); "
+               "ranks (shown when not T; a stage's T Z D ranks laid out as etp x ep x edp); vN: N chunks per stage (the interleaved schedule); "
                "zb-h1, zb-v: the zero-bubble schedules (zb-v: two chunks per rank in a V); +sp sequence parallelism; "
                "+zeroN ZeRO stage N (1: optimizer state, 2: and gradients, 3: and parameters sharded over D); "
                "+recompute full activation recomputation")),
