@@ -16,6 +16,8 @@ F = MLP width; under tensor parallelism the caller passes rank i's shards (H_i h
 """
 from __future__ import annotations
 
+import math
+
 from mpi_tp.core import kernels_half as half
 from mpi_tp.core.backend import array_module
 
@@ -65,6 +67,27 @@ def rmsnorm_backward_input(dout, cache):
 
 # ---------------------------------------------------------------- rotary position embeddings
 
+def scaled_inv_freq(inv_freq, scaling: dict | None):
+    """inv_freq (hs/2,) float64 stretched by a rope scaling (mpi_tp.model.rope_scaling checks it; None: unchanged).
+    wavelen = 2 pi / inv_freq, L0 = original_max_position_embeddings:
+
+        linear   inv_freq / factor
+        llama3   wavelen < L0 / high_freq_factor: inv_freq; wavelen > L0 / low_freq_factor: inv_freq / factor;
+                 between: (1 - a) inv_freq / factor + a inv_freq, a = (L0 / wavelen - low) / (high - low)
+    """
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    xp = array_module(inv_freq)
+    L0, low, high = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    a = (L0 / wavelen - low) / (high - low)
+    between = (1 - a) * inv_freq / factor + a * inv_freq
+    return xp.where(wavelen < L0 / high, inv_freq, xp.where(wavelen > L0 / low, inv_freq / factor, between))
+
+
 def rope_tables(positions, hs: int, theta: float, dtype, scaling=None):
     """cos, sin (n, hs) for integer positions (n,) (NumPy or CuPy): angle p / theta^(2j/hs) at dimension j
     and at j + hs/2 alike (Llama's `cat(freqs, freqs)`), computed in float64, then cast to dtype; scaling: the
@@ -73,9 +96,7 @@ def rope_tables(positions, hs: int, theta: float, dtype, scaling=None):
     if hs % 2:
         raise ValueError(f"rotary embeddings need an even head size, got {hs}")
     inv_freq = 1.0 / (float(theta) ** (xp.arange(0, hs, 2, dtype="float64") / hs))   # (hs/2,)
-    if scaling is not None:
-        from mpi_tp.model.rope_scaling import scaled_inv_freq
-        inv_freq = scaled_inv_freq(inv_freq, scaling)
+    inv_freq = scaled_inv_freq(inv_freq, scaling)
     angles = positions.astype("float64")[:, None] * inv_freq[None, :]               # (n, hs/2)
     angles = xp.concatenate([angles, angles], axis=1)                               # (n, hs)
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)

@@ -9,7 +9,8 @@ Legend: inv_freq_j = theta^(-2j/hs), j < hs/2, each pair's angle per position (m
              wavelen > L0 / low_freq_factor:   inv_freq / factor  (slow pairs: stretched)
              between: (1 - a) inv_freq / factor + a inv_freq,  a = (L0 / wavelen - low) / (high - low)
 
-Llama 3.1, 3.2 and 3.3 use llama3 (factor 8 or 32, low 1, high 4, L0 8192); their attention is not rescaled
+The frequencies are computed where the angles are (mpi_tp.core.kernels_llama.scaled_inv_freq); this module
+checks a configuration's scaling. Llama 3.1, 3.2 and 3.3 use llama3 (factor 8 or 32, low 1, high 4, L0 8192); their attention is not rescaled
 (attention_factor 1). "dynamic" (NTK) recomputes theta from the longest sequence a forward has seen, so a
 token's angles depend on what was decoded before it: refused for now, as every other type, by name.
 """
@@ -53,19 +54,3 @@ def check_rope_scaling(scaling) -> dict | None:
     if kind == "llama3" and not out["low_freq_factor"] < out["high_freq_factor"]:
         raise RopeScalingError("rope_scaling llama3: low_freq_factor must be below high_freq_factor")
     return out
-
-
-def scaled_inv_freq(inv_freq, scaling: dict | None):
-    """inv_freq (hs/2,) float64 -> the frequencies of the scaling (the module docstring); None: unchanged."""
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    from mpi_tp.core.backend import array_module
-    xp = array_module(inv_freq)
-    L0, low, high = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    a = (L0 / wavelen - low) / (high - low)
-    between = (1 - a) * inv_freq / factor + a * inv_freq
-    return xp.where(wavelen < L0 / high, inv_freq, xp.where(wavelen > L0 / low, inv_freq / factor, between))
