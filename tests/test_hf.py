@@ -164,6 +164,17 @@ def oracle_logits(model, lengths=LENGTHS):
         return {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in lengths}
 
 
+def greedy_oracle(model, prompts, new, lengths):
+    """(logits at each of `lengths`, greedy continuations of `prompts`): a transformers model, the oracle."""
+    import torch
+    with torch.no_grad():
+        logits = {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in lengths}
+    tokens = [model.generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+              for p in prompts]
+    return logits, tokens
+
+
 def check_shards(model, serial, world):
     """Each rank's shard is its slice of the whole tensor (the serial model's, read from the same folder)."""
     whole = {p.name: p.data for p in serial.parameters()}

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from test_hf import IDS, LLAMA_TOL, loaded, needs_oracle, shared_dir  # noqa: F401 (the fixture)
+from test_hf import IDS, LLAMA_TOL, greedy_oracle, loaded, needs_oracle, shared_dir  # noqa: F401
 
 from mpi_tp.checkpoint import open_checkpoint
 from mpi_tp.checkpoint.format import CheckpointError
@@ -58,15 +58,8 @@ def eager(path, dtype="float64"):
 
 def oracle(folder):
     """Logits at S = 1, 3, 32 (as loaded: float64 weights) and greedy continuations of PROMPTS."""
-    import torch
     mixtral_folder(folder, seed=3)
-    model = eager(folder)
-    with torch.no_grad():
-        logits = {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in (1, 3, 32)}
-    tokens = [model.generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-              for p in PROMPTS]
-    return logits, tokens
+    return greedy_oracle(eager(folder), PROMPTS, NEW, (1, 3, 32))
 
 
 @needs_oracle

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import pytest
-from test_hf import IDS, LLAMA_SIZES, LLAMA_TOL, loaded, needs_oracle, shared_dir  # noqa: F401 (the fixture)
+from test_hf import IDS, LLAMA_SIZES, LLAMA_TOL, greedy_oracle, loaded, needs_oracle, shared_dir  # noqa: F401
 
 from mpi_tp.checkpoint import open_checkpoint
 from mpi_tp.core.errors import UserError
@@ -51,14 +51,7 @@ def hf_folder(path, name, seed=0):
 
 
 def oracle(folder, name):
-    import torch
-    model = hf_folder(folder, name, seed=4)
-    with torch.no_grad():
-        logits = {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in (1, 5, 32)}
-    tokens = [model.generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-              for p in PROMPTS]
-    return logits, tokens
+    return greedy_oracle(hf_folder(folder, name, seed=4), PROMPTS, NEW, (1, 5, 32))
 
 
 @needs_oracle
