@@ -15,8 +15,8 @@ Another one is reached on load: widening is exact; narrowing (float64 or fp32 to
 value once to the nearest (ties to even: ml_dtypes and NumPy convert from float64 directly, not through fp32,
 so there is no second rounding). Narrowing is fine for inference, which reads only the weights; a value past
 fp16's largest (65504) is refused rather than made inf. 16-bit models run on NumPy only for now (CuPy has
-no bfloat16 dtype, and fp16 there is untested), dense ones only (the mixture-of-experts router is not yet
-computed in fp32, as `train --precision` says too).
+no bfloat16 dtype, and fp16 there is untested); a mixture of experts' router computes in fp32 at 16 bits
+(mpi_tp.model.moe).
 """
 from __future__ import annotations
 
