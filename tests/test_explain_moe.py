@@ -59,7 +59,7 @@ def expected(owner, routing, me, j, ep, tp, E, B, k):
         want[("forward", "tp/expert_counts")] = (1, E * 8)
         want[("forward", "tp/etp_counts")] = (1, tp * split_sizes(E, ep)[me] * 8)
         for phase in ("forward", "backward"):
-            want[(phase, "tp/etp_gather")] = want[(phase, "tp/etp_scatter")] = (1, here * C * 8)
+            want[(phase, "tp/etp_gather")] = want[(phase, "tp/etp_reduce")] = (1, here * C * 8)
             want[(phase, "tp/all_gather")] = (1, B * S * C * 8)
     return want
 

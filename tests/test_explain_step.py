@@ -61,7 +61,7 @@ def parse(out):
 
 
 def ring(kind, n, G):
-    reduce = "all_reduce" in kind or kind in ("routing_sums", "expert_counts")     # the MoE's sums over tp
+    reduce = "all_reduce" in kind or kind in ("routing_sums", "expert_counts", "etp_reduce")   # the MoE's sums
     return round((2 if reduce else 1) * (G - 1) / G * n)
 
 

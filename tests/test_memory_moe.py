@@ -83,13 +83,13 @@ def test_the_all_gather_dispatcher_moves_ep_times_the_all_to_alls_bytes():
 
 
 def test_expert_tensor_parallelism_adds_its_gather_and_scatter():
-    """tp 4, dp 2: etp 4 (the default) gathers and reduce-scatters the tp group's rows; etp 1 does not, its
+    """tp 4, dp 2: etp 4 (the default) gathers the tp group's rows and all-reduces their partial sums; etp 1 does not, its
     experts being whole (the ep dispatch carries the rows instead); the output gather over tp stays."""
     w, base = W, Plan(tp=4, dp=2, ep=2, micro_batch=4)
     whole = dataclasses.replace(base, etp=1)
     n = 4 * 32 * 64 * 4                                        # one micro-batch's activation, bytes
     M, k = 32 / (2 * 4), 2
-    etp_bytes = M * w.moe_layers * 4 * (4 - 1) / 4 * 4 * k * n / 4     # 4 collectives of R = etp k n / t
+    etp_bytes = M * w.moe_layers * 2 * 3 * (4 - 1) / 4 * 4 * k * n / 4  # an all-gather and an all-reduce each way
     diff = step_time(BYTES, w, base)["tp_comm"] - step_time(BYTES, w, whole)["tp_comm"]
     assert diff == pytest.approx(etp_bytes)
 

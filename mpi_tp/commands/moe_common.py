@@ -11,7 +11,7 @@ admitted (B, S, k)) of ep rank s. Per MoE layer and pass (forward, backward), th
                ep/all_gather      1 call   (every replica's admitted rows) x C x itemsize
                ep/reduce_scatter  1 call   the same
     tp > 1     tp/routing, tp/routing_sums, tp/expert_counts, tp/etp_counts   the whole sequences' routing
-               tp/etp_gather, tp/etp_scatter  1 call  (rows the tp group's experts compute) x C x itemsize
+               tp/etp_gather, tp/etp_reduce   1 call  (rows the tp group's experts compute) x C x itemsize
                tp/all_gather      1 call   the replica's B S positions' outputs (or input gradients)
                tp/all_reduce      1 call   shared experts only: its replica's N tokens x C x itemsize
 
@@ -107,7 +107,7 @@ def expected_counters(routes, E: int, me: int, C: int, itemsize: int, dispatcher
         for key, (nbytes, text) in forward.items():
             expect[("forward", key)], why[("forward", key)] = (1, nbytes), text
         for phase in ("forward", "backward"):
-            for key in ("tp/etp_gather", "tp/etp_scatter"):
+            for key in ("tp/etp_gather", "tp/etp_reduce"):
                 expect[(phase, key)] = (1, rows_group * C * itemsize)
                 why[(phase, key)] = f"(R = {rows_group} rows of the tp group, C {C}) x {itemsize} bytes"
             expect[(phase, "tp/all_gather")] = (1, B * S * C * itemsize)

@@ -6,11 +6,12 @@ dispatch: mpi_tp.parallel.expert_parallel), in expert order.
 
     member m: x_recv (R_m, C) --all-gather over etp--> (sum_m R_m, C), expert by expert, every member's rows
               each member: its columns F_m of fc (gate/up), its rows of proj (down) -> partial (sum R, C)
-    member m: y_recv (R_m, C) <--reduce-scatter over etp-- the partial sums, each member its own rows
+    member m: y_recv (R_m, C) <--all-reduce over etp, its rows-- the partial sums, each member its own rows
 
 The members hold different tokens (every rank routes its own positions: mpi_tp.parallel.expert_tokens),
 so the gather is what gives each shard the same rows. The two are each other's gradient: backward, an
-all-gather of dy and a reduce-scatter of the partial dx. One count exchange (E_i integers per member) per
+all-gather of dy and the partial dx summed back (an all-reduce of which each member keeps its rows: see
+scatter, why not a reduce-scatter). One count exchange (E_i integers per member) per
 layer and pass sets the plan. With etp = 1 both are nothing.
 """
 from __future__ import annotations
@@ -59,12 +60,21 @@ class ExpertRows:
         return self.group.all_gather(x, plan.members, axis=0, kind="etp_gather")[plan.order]
 
     def scatter(self, y, plan: EtpPlan):
-        """(sum R, C) partial sums, expert by expert -> (R_m, C): this member's rows, summed over etp."""
+        """(sum R, C) partial sums, expert by expert -> (R_m, C): this member's rows, summed over etp.
+
+        An all-reduce, then this member's rows: a reduce-scatter would sum a row's partials in an order that
+        depends on whose block the row is in (Open MPI's ring starts each block at its owner), so a token
+        decoded alone (its row in rank 0's block) and the same token in a whole sequence (in its owner's)
+        would differ in the last bit at 16 bits (tests/test_precision_infer.py). Twice a reduce-scatter's
+        bytes, for one answer whatever the batch."""
         if plan.order is None:
             return y
-        by_member = backend.array_module(y).empty_like(y)
+        xp = backend.array_module(y)
+        by_member = xp.empty_like(y)
         by_member[plan.order] = y
-        return self.group.reduce_scatter(by_member, plan.members, axis=0, kind="etp_scatter")
+        whole = self.group.all_reduce(by_member, kind="etp_reduce")
+        at = sum(plan.members[:self.group.rank])
+        return xp.ascontiguousarray(whole[at:at + plan.members[self.group.rank]])
 
     gather_backward = scatter
     scatter_backward = gather

@@ -14,7 +14,8 @@ routing). Per MoE block and micro-batch, as mpi_tp.model.moe runs it:
                  from a rank, ep - 1 steps of alpha; allgather: 4 ring collectives (all-gather, reduce-scatter)
                  of the ep group's ep k_a N_o C values, (ep - 1)/ep of them on the wire: ep times the bytes
                  (the counts' exchange, E or ep E integers, is not priced)
-    etp          an all-gather and a reduce-scatter of R C values over etp, forward and backward
+    etp          an all-gather and an all-reduce (each member keeps its rows: mpi_tp.parallel.expert_tensor)
+                 of R C values over etp, forward and backward
     tp           the output gathered back over tp (no sequence parallelism), forward and backward (b s C);
                  the routing of whole sequences: 3 small collectives over tp (and cp), 1 alpha each; the
                  shared experts' f and g as the dense MLP's. The dense MLP's two all-reduces are not run.
@@ -84,7 +85,7 @@ def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_b
     tp = micro * moe_layers * (shared + gather_out + routing - dense_mlp)
     xa, xbw = link(expert_grid_links(lay, m.ranks_per_node)["etp"] if e != t else links["tp"], m)
     rows = e * k * n_o                                        # the etp group's rows, in bytes
-    etp = micro * moe_layers * 4 * ring_all_gather(rows, e, xa, xbw)
+    etp = micro * moe_layers * 2 * (ring_all_gather(rows, e, xa, xbw) + ring_all_reduce(rows, e, xa, xbw))
     ep_comm = 0.0
     if ep > 1:
         ea, ebw = link(expert_grid_links(lay, m.ranks_per_node)["ep"], m)

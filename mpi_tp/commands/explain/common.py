@@ -21,9 +21,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 ALL_REDUCE_KINDS = ("all_reduce", "iall_reduce", "sp_grad_all_reduce", "embedding_all_reduce", "grad_norm",
-                    "kv_grad_all_reduce", "routing_sums", "expert_counts")
+                    "kv_grad_all_reduce", "routing_sums", "expert_counts", "etp_reduce")
 HALF_KINDS = ("all_gather", "all_gather_counts", "regather", "reduce_scatter", "reduce", "routing", "etp_counts",
-              "etp_gather", "etp_scatter")      # (G-1)/G n: half an all-reduce
+              "etp_gather")      # (G-1)/G n: half an all-reduce
 
 
 def wire_bytes(kind: str, n: float, G: int) -> float:

@@ -83,10 +83,10 @@ ROLES = {
     ("forward", "tp/etp_counts"): "rows per local expert of every etp member",
     ("forward", "tp/expert_counts"): "each expert's admitted rows of the whole sequences (the metrics)",
     ("forward", "tp/etp_gather"): "the etp group's rows, to every member (each computes its columns)",
-    ("forward", "tp/etp_scatter"): "the partial outputs summed, each member its own rows",
+    ("forward", "tp/etp_reduce"): "the partial outputs summed (all-reduce), each member keeps its own rows",
     ("forward", "tp/all_gather"): "the output of every rank's positions, back to every tp rank",
     ("backward", "tp/etp_gather"): "the output gradients of the group's rows, to every member",
-    ("backward", "tp/etp_scatter"): "the partial input gradients summed, each member its own rows",
+    ("backward", "tp/etp_reduce"): "the partial input gradients summed (all-reduce), each member keeps its rows",
     ("backward", "tp/all_gather"): "the input gradient of every rank's positions, back to every tp rank",
 }
 
@@ -247,7 +247,7 @@ def lesson(args, comm) -> bool:
                                 B * S if n_shared else 0, (B, S, k))
     G = {f"{g.name}/{k}": g.size for g in (topo.ep, topo.tp)
          for k in ("all_to_all", "all_to_allv", "all_reduce", "all_gather_counts", "all_gather", "reduce_scatter", "routing",
-                   "routing_sums", "expert_counts", "etp_counts", "etp_gather", "etp_scatter")}
+                   "routing_sums", "expert_counts", "etp_counts", "etp_gather", "etp_reduce")}
     counted = {(phase, key): (v["calls"], v["bytes"]) for phase, snap in (("forward", fwd), ("backward", bwd))
                for key, v in snap.items()}
     sizes = {key: G[key] for snap in (fwd, bwd) for key in snap}
