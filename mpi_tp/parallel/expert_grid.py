@@ -54,8 +54,6 @@ def expert_groups(comm: MPI.Comm, layout, stats, tp: Group, dpcp: Group) -> tupl
         return Group(comm.Split(color, key=key), name, stats)
 
     etp = tp if same_tp else split((pp_r * edp_n + edp_r) * ep_n + ep_r, etp_r, "etp", etp_n)
-    if not same_tp and etp_n == 1:
-        etp = Group(MPI.COMM_SELF, "etp", stats)
     ep = split((pp_r * edp_n + edp_r) * etp_n + etp_r, ep_r, "ep", ep_n)
     if same_tp and ep_n == 1:
         edp = dpcp                                   # the dense gradient's group: no new communicator
