@@ -40,6 +40,8 @@ class TrainConfig:
                             "{\"rope_type\": \"llama3\", \"factor\": 8, ...} or linear (Llama 3.1-3.3; "
                             "mpi_tp.model.rope_scaling); empty: none")
     qkv_bias: bool = opt(False, "llama: biases on q, k and v (Qwen2)")
+    sliding_window: int = opt(0, "llama: a query attends to its W latest positions, itself included (Mistral's "
+                              "sliding window); 0: to every earlier position")
     norm_eps: float = opt(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)")
     untie_embeddings: bool = opt(False, "llama: give the output layer its own table lm_head (the default)")
     tie_embeddings: bool = opt(False, "llama: tie the output layer to the token table wte, as gpt2 always does")
@@ -192,6 +194,7 @@ class TrainConfig:
                          n_kv_head=self.n_kv_head or None, intermediate_size=self.intermediate_size or None,
                          rope_theta=self.rope_theta, norm_eps=self.norm_eps, tie_word_embeddings=tied,
                          rope_scaling=self.rope_scaling_dict(), qkv_bias=self.qkv_bias,
+                         sliding_window=self.sliding_window or None,
                          **{f.name: getattr(self, f.name) for f in fields(GPTConfig) if f.name.startswith("moe_")})
 
     def rope_scaling_dict(self) -> dict | None:

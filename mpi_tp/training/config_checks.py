@@ -114,10 +114,13 @@ def _arch(cfg) -> None:
     if cfg.n_kv_head < 0 or cfg.intermediate_size < 0:
         raise ConfigError(f"--n-kv-head and --intermediate-size must be >= 0 (0: the default), got "
                           f"{cfg.n_kv_head} and {cfg.intermediate_size}")
+    if cfg.sliding_window < 0:
+        raise ConfigError(f"--sliding-window must be >= 0 (0: no window), got {cfg.sliding_window}")
     if cfg.tie_embeddings and cfg.untie_embeddings:
         raise ConfigError("use either --tie-embeddings or --untie-embeddings, not both")
     if cfg.arch == "gpt2":
-        llama_only = ("n_kv_head", "rope_theta", "untie_embeddings", "tie_embeddings", "rope_scaling", "qkv_bias")
+        llama_only = ("n_kv_head", "rope_theta", "untie_embeddings", "tie_embeddings", "rope_scaling", "qkv_bias",
+                      "sliding_window")
         given = _given(cfg, llama_only)
         if given:
             raise ConfigError(f"{', '.join(given)} set with --arch gpt2: llama options (pass --arch llama, "

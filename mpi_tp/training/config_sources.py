@@ -63,7 +63,7 @@ def model_defaults(cfg: GPTConfig) -> dict:
            "intermediate_size": cfg.intermediate_size or 0}
     if cfg.llama:
         out.update(n_kv_head=cfg.n_kv_head or 0, rope_theta=cfg.rope_theta, tie_embeddings=cfg.tied,
-                   untie_embeddings=not cfg.tied, qkv_bias=cfg.qkv_bias,
+                   untie_embeddings=not cfg.tied, qkv_bias=cfg.qkv_bias, sliding_window=cfg.sliding_window or 0,
                    rope_scaling=json.dumps(cfg.rope_scaling) if cfg.rope_scaling else "")
     if cfg.moe_experts:
         out.update(moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
