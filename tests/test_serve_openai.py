@@ -126,6 +126,14 @@ def test_chat_renders_the_template_and_streams_deltas(server, serving_serial):
     assert streamed[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in streamed[:-1]) == want[0]
     assert streamed[-2]["choices"][0]["finish_reason"] == want[1] and streamed[-2]["usage"] == got["usage"]
+    status, got = server.call("/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2})
+    plain = server.call("/v1/completions", {"prompt": "user: Hi\na:", "max_tokens": 6, "temperature": 0,
+                                            "logprobs": 2})[1]["choices"][0]["logprobs"]    # (checked above)
+    content = got["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == plain["tokens"] and [c["logprob"] for c in content] == \
+        plain["token_logprobs"]
+    assert [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content] == plain["top_logprobs"]
+    assert all(len(c["top_logprobs"]) == 2 and len(c["bytes"]) == 1 for c in content)
     status, got = server.call("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
     assert status == 400 and "role" in got["error"]["message"]
 

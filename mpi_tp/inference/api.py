@@ -41,10 +41,11 @@ COMPLETION = {"prompt": ((str, list), None, "a string, a list of strings, or tok
               "echo": ((bool,), False, "true or false"),
               "logprobs": ((int,), None, "an integer from 0 to 5: the likeliest tokens given at each token")}
 CHAT = {"messages": ((list,), None, 'a list of messages such as {"role": "user", "content": "Hi"}'),
-        "max_completion_tokens": ((int,), None, "an integer")}
+        "max_completion_tokens": ((int,), None, "an integer"), "logprobs": ((bool,), False, "true or false"),
+        "top_logprobs": ((int,), 0, "an integer from 0 to 5: the likeliest tokens given at each token")}
 # OpenAI's fields this server does not implement: accepted only with the value that changes nothing
 NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
-           "best_of": (1,), "stream_options": (), "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+           "best_of": (1,), "stream_options": (), "tools": ([],),
            "tool_choice": ("none",), "response_format": ({"type": "text"},), "parallel_tool_calls": ()}
 
 MAX_TOKENS = 4096        # a request's max_tokens at most
@@ -172,6 +173,8 @@ def parse_chat(raw: bytes, block_size: int, vocab_size: int, tokenizer, template
     v = _body(raw, {**FIELDS, **CHAT}, '{"messages": [{"role": "user", "content": "Hi"}]}')
     if v["max_completion_tokens"] is not None:
         v["max_tokens"] = v["max_completion_tokens"]
+    if not 0 <= v["top_logprobs"] <= MAX_LOGPROBS or (v["top_logprobs"] and not v["logprobs"]):
+        raise BadRequest(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, with logprobs true")
     if template is None:
         raise BadRequest("this model has no chat template (its folder's tokenizer_config.json has no "
                          "chat_template): use /v1/completions, or serve it with --chat-template FILE")
@@ -179,7 +182,8 @@ def parse_chat(raw: bytes, block_size: int, vocab_size: int, tokenizer, template
         prompt = template.render(v["messages"])
     except UserError as e:
         raise BadRequest(str(e)) from None
-    return _requests(v, [prompt], block_size, vocab_size, tokenizer, served, chat=True)
+    return _requests(v, [prompt], block_size, vocab_size, tokenizer, served, chat=True,
+                     logprobs=v["top_logprobs"] if v["logprobs"] else None)
 
 
 class TextOut:

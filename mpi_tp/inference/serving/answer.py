@@ -9,7 +9,8 @@
 Choice i is prompt i // n's (i % n)-th sample. finish_reason: "length" after max_tokens tokens, "stop" at a
 stop sequence or an end-of-sequence id. logprobs (completions): per generated token its text, its
 log-probability, the `logprobs` likeliest tokens' (and the chosen one's, if not among them) and the text's
-offset in the choice's text. A token's text is the tokenizer's decoding of it alone (bytes: a byte that is not
+offset in the choice's text; chat (logprobs: true, top_logprobs: k): {"content": [{"token", "logprob",
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}. A token's text is the tokenizer's decoding of it alone (bytes: a byte that is not
 a whole character is "bytes:\\xNN", as OpenAI writes it).
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ def token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
 
 
+def token_bytes(tokenizer, token: int) -> list[int]:
+    """A token's UTF-8 bytes (chat logprobs' "bytes")."""
+    return [token] if tokenizer.kind == "bytes" else list(tokenizer.decode([token]).encode())
+
+
 class Choice:
     """One choice so far: its text's pieces, tokens, log-probabilities and how it ended."""
 
@@ -34,9 +40,11 @@ class Choice:
         self.pieces = [prompt_text] if echo else []
         self.ids, self.logprobs, self.reason = [], {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                    "text_offset": []}, None
+        self.content = []                                     # chat's logprobs: one entry per token
 
-    def add(self, token, tokenizer) -> tuple[str, dict | None]:
-        """The text this token adds, and (logprobs asked) its log-probabilities in OpenAI's format."""
+    def add(self, token, tokenizer, chat: bool) -> tuple[str, dict | None]:
+        """The text this token adds, and (logprobs asked) its log-probabilities in OpenAI's format (completions',
+        or chat's)."""
         piece = self.out.add(token.piece)
         self.ids.append(token.id)
         self.pieces.append(piece)
@@ -45,12 +53,15 @@ class Choice:
         text = token_text(tokenizer, token.id)
         top = {token_text(tokenizer, i): lp for i, lp in token.top}
         top.setdefault(text, token.logprob)                   # the chosen token's, always (OpenAI: up to k + 1)
+        self.content.append({"token": text, "logprob": token.logprob, "bytes": token_bytes(tokenizer, token.id),
+                             "top_logprobs": [{"token": token_text(tokenizer, i), "logprob": v,
+                                               "bytes": token_bytes(tokenizer, i)} for i, v in token.top]})
         lp = self.logprobs
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else 0
         new = {"tokens": [text], "token_logprobs": [token.logprob], "top_logprobs": [top], "text_offset": [offset]}
         for k, v in new.items():
             lp[k] += v
-        return piece, new
+        return piece, new if not chat else {"content": self.content[-1:]}
 
     def finish(self) -> str:
         piece = self.out.finish()
@@ -72,7 +83,7 @@ class Answer:
     def _chunk(self, i: int, text: str, reason: str | None = None, logprobs=None, role: bool = False, **extra) -> dict:
         if self.c.chat:
             delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             kind = "chat.completion.chunk"
         else:
             choice, kind = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}, "text_completion"
@@ -87,7 +98,7 @@ class Answer:
 
     def add(self, i: int, token) -> dict | None:
         """Choice i's next token: the chunk to stream (None: nothing new to say yet)."""
-        piece, logprobs = self.choices[i].add(token, self.tokenizer)
+        piece, logprobs = self.choices[i].add(token, self.tokenizer, self.c.chat)
         return self._chunk(i, piece, logprobs=logprobs) if piece or logprobs else None
 
     def finish(self, i: int) -> list[dict]:
@@ -115,8 +126,8 @@ class Answer:
         for i, ch in enumerate(self.choices):
             text = "".join(ch.pieces)
             if self.c.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                          "finish_reason": ch.reason}
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": ch.reason,
+                          "logprobs": {"content": ch.content} if self.c.logprobs is not None else None}
             else:
                 choice = {"index": i, "text": text, "logprobs": ch.logprobs if self.c.logprobs is not None else None,
                           "finish_reason": ch.reason}
