@@ -1,0 +1,273 @@
+"""What the hostile mix's clients do to `mpi-tp serve`, on raw sockets and http.client: malformed bytes,
+a slow sender, clients that vanish (mid-stream, or several non-streamed ones at once), a burst past the
+queue, requests that outlive their deadline. Each act is `server -> (answer, detail, as expected)`;
+every socket operation has a timeout, so none hangs. Used by experiments/serving/serve_hostile.py.
+"""
+import contextlib
+import http.client
+import json
+import select
+import socket
+import threading
+import time
+from collections import Counter
+
+import serve_harness as sl
+
+def post(body, length=None, extra=b""):
+    """The bytes of a POST /v1/completions: body (bytes or an object as JSON), Content-Length as given or true."""
+    body = body if isinstance(body, bytes) else json.dumps(body).encode()
+    length = str(len(body)).encode() if length is None else length
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + length + b"\r\n" + extra + b"\r\n" + body)
+
+
+def raw(server, data, timeout=30.0):
+    """Send bytes, read until the server closes: (status, or 'closed' / 'timeout' / 'refused'; headers; body)."""
+    got = b""
+    try:
+        with socket.create_connection((server.host, server.port), timeout=5) as s:
+            s.settimeout(timeout)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):    # the answer may already be there
+                s.sendall(data)
+            while chunk := s.recv(1 << 16):
+                got += chunk
+    except ConnectionRefusedError:
+        return "refused", {}, ""
+    except TimeoutError:
+        if not got:
+            return "timeout", {}, ""
+    except ConnectionResetError:
+        pass
+    head, _, body = got.partition(b"\r\n\r\n")
+    head = head.decode("latin-1").split("\r\n")
+    if not got or not head[0].startswith("HTTP/"):
+        return "closed", {}, ""
+    return int(head[0].split()[1]), dict(h.split(": ", 1) for h in head[1:] if ": " in h), body.decode(errors="replace")
+
+
+def slow_sender(server, seconds):
+    """Headers one byte a second, for up to `seconds`: (what the server did, detail)."""
+    data, t0 = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 1000, time.monotonic()
+    try:
+        with socket.create_connection((server.host, server.port), timeout=5) as s:
+            for i, byte in enumerate(data):
+                if time.monotonic() - t0 > seconds:
+                    return "open", f"still open after {i} bytes in {seconds:.0f} s", False
+                if select.select([s], [], [], 0)[0]:               # the server wrote something, or closed
+                    answer = s.recv(4096)
+                    status = int(answer.split()[1]) if answer.startswith(b"HTTP/") else "closed"
+                    return status, f"after {i} bytes, {time.monotonic() - t0:.1f} s", status in ("closed", 408)
+                s.sendall(bytes([byte]))
+                time.sleep(1)
+    except OSError as e:
+        return "closed", f"{type(e).__name__} after {time.monotonic() - t0:.1f} s", True
+    return "open", "sent the whole header", False
+
+
+def running(server):
+    """Rows generating now (mpi_tp_running_rows from /metrics), else requests in progress (/health), else None."""
+    m = sl.metrics(server)
+    if m is not None and any(k.startswith("mpi_tp_running_rows") for k in m):
+        return "running_rows", sum(v for k, v in m.items() if k.startswith("mpi_tp_running_rows"))
+    with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+        return "in_progress", json.loads(sl.get(server, "/health")[2])["in_progress"]
+    return "unknown", None
+
+
+def disconnect(server, tokens=2000, events=2):
+    """Read `events` text events of a long streamed request, close the socket; then wait for 0 running."""
+    conn, r = http.client.HTTPConnection(server.host, server.port, timeout=30), None
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "The ", "max_tokens": tokens, "stream": True}))
+        r, seen = conn.getresponse(), 0
+        if r.status != 200:
+            return r.status, "no stream", False
+        while seen < events and (line := r.readline()):
+            seen += line.startswith(b"data: ")
+    except (OSError, http.client.HTTPException) as e:
+        return type(e).__name__, "", False
+    finally:
+        if r is not None:
+            r.close()                  # the response holds the socket (Connection: close): this closes it
+        conn.close()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        what, n = running(server)
+        if n == 0:
+            return "closed", f"{what} 0 after {time.monotonic() - t0:.1f} s", True
+        time.sleep(0.2)
+    return "closed", f"{what} still {n} after 5 s", False
+
+
+def burst(server, n):
+    """n non-streamed requests at once: ('200 x a, 429 x b', detail on Retry-After)."""
+    results, gate = [None] * n, threading.Barrier(n)
+
+    def one(i):
+        gate.wait()
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "The ", "max_tokens": 64, "seed": i}))
+            r = conn.getresponse()
+            r.read()
+            results[i] = (r.status, r.getheader("Retry-After"))
+        except (OSError, http.client.HTTPException) as e:
+            results[i] = (type(e).__name__, None)
+        finally:
+            conn.close()
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    count = Counter(str(r[0]) if r else "no answer" for r in results)
+    retry = sorted({str(r[1]) for r in results if r and r[0] == 429})
+    ok = count["429"] > 0 and set(count) <= {"200", "429"} and "None" not in retry
+    return ", ".join(f"{k} x {v}" for k, v in sorted(count.items())), f"Retry-After: {', '.join(retry) or '-'}", ok
+
+
+COUNTERS = {"cancelled": "mpi_tp_cancelled_total", "deadlines": "mpi_tp_deadlines_total",
+            "tokens": "mpi_tp_tokens_generated_total", "499": 'mpi_tp_requests_total{status="499"}',
+            "504": 'mpi_tp_requests_total{status="504"}'}
+
+
+def counters(server):
+    """The server's counters that these cases move ({} where it has no /metrics)."""
+    m = sl.metrics(server) or {}
+    return {k: m.get(name, 0) for k, name in COUNTERS.items()} if m else {}
+
+
+def settle(server, seconds=5.0):
+    """Wait for no row running and none queued: (seconds it took or None, rows, queued) from /metrics."""
+    t0, rows, queued = time.monotonic(), None, None
+    while time.monotonic() - t0 < seconds:
+        m = sl.metrics(server) or {}
+        rows, queued = m.get("mpi_tp_running_rows"), m.get("mpi_tp_queue_depth")
+        if rows == 0 and queued == 0:
+            return round(time.monotonic() - t0, 1), rows, queued
+        time.sleep(0.1)
+    return None, rows, queued
+
+
+def error_of(body):
+    """(type, message) of a JSON error body, else (None, the start of the body)."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        e = json.loads(body)["error"]
+        return e["type"], e["message"]
+    return None, body[:97]
+
+
+def abandon(server, n, tokens=2000, after_s=0.3):
+    """n non-streamed requests for `tokens` tokens sent at once, every socket closed `after_s` s later with
+    nothing read; then no row may run or wait, each must count as cancelled (and 499), and all of them
+    together must have generated fewer tokens than one would alone."""
+    before, socks = counters(server), []
+    if not before:
+        return "no /metrics", "", False
+    try:
+        for i in range(n):
+            socks.append(socket.create_connection((server.host, server.port), timeout=5))
+            socks[-1].sendall(post({"prompt": "The ", "max_tokens": tokens, "seed": i}))
+        time.sleep(after_s)
+        m = sl.metrics(server) or {}
+        busy = f"{m.get('mpi_tp_running_rows', -1):.0f} running and {m.get('mpi_tp_queue_depth', -1):.0f} queued " \
+               "at the close"
+    finally:
+        for s in socks:
+            s.close()
+    took, rows, queued = settle(server)
+    delta = {k: v - before[k] for k, v in counters(server).items()}
+    freed = f"0 and 0 after {took} s" if took is not None else f"still {rows:.0f} running, {queued:.0f} queued after 5 s"
+    detail = f"{busy}; {freed}; {delta['tokens']:.0f} tokens in all (to the end: {n * tokens})"
+    ok = took is not None and delta["cancelled"] == n and delta["499"] == n and delta["tokens"] < tokens
+    return f"cancelled +{delta['cancelled']:.0f}, 499 +{delta['499']:.0f}", detail, ok
+
+
+def deadline(server, stream, timeout=None, tokens=2000, expect=None):
+    """A request for `tokens` tokens with the body's timeout (None: the field left out, the server's
+    --request-timeout applies; expect: the deadline that must apply, default timeout). Non-streamed:
+    a 504 of type timeout naming the deadline; streamed: text events, then an error event of type timeout
+    and [DONE]; either within 2 s of the deadline, counted once in deadlines_total, its row freed."""
+    expect = expect or timeout
+    body = {"prompt": "The ", "max_tokens": tokens, "stream": stream, **({"timeout": timeout} if timeout else {})}
+    before, t0 = counters(server), time.monotonic()
+    if stream:
+        events = stream_events(server, body)
+        texts = sum(isinstance(e, dict) and bool(e.get("choices", [{}])[0].get("text")) for e in events)
+        last = events[-2] if len(events) > 1 and isinstance(events[-2], dict) else {}
+        kind, message = (last.get("error") or {}).get("type"), (last.get("error") or {}).get("message", "")
+        done = events[-1:] == ["[DONE]"]
+        got = f"{texts} text events, then " + (f"an error event ({kind})" if kind else "no error event") \
+            + (", [DONE]" if done else ", no [DONE]")
+        ok = texts > 0 and kind == "timeout" and done
+    else:
+        got, _, answer = raw(server, post(body), timeout=60)
+        kind, message = error_of(answer)
+        ok = got == 504 and kind == "timeout"
+    seconds = time.monotonic() - t0
+    took, _, _ = settle(server)
+    delta = {k: v - before.get(k, 0) for k, v in counters(server).items()}
+    ok = ok and f"deadline of {expect:g} s" in message and seconds < expect + 2 and took is not None
+    ok = ok and delta.get("deadlines") == 1
+    detail = (f"{message!r} after {seconds:.2f} s; deadlines_total +{delta.get('deadlines', 0):.0f}, "
+              f"cancelled_total +{delta.get('cancelled', 0):.0f}, {delta.get('tokens', 0):.0f} tokens")
+    return got, detail, ok
+
+
+def stream_events(server, body):
+    """Every event of one streamed completion, parsed ('[DONE]' as is); [] if it did not answer 200."""
+    conn, r, events = http.client.HTTPConnection(server.host, server.port, timeout=60), None, []
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        while r.status == 200 and (line := r.readline()):
+            if line.startswith(b"data: "):
+                data = line[6:].strip().decode()
+                events.append(data if data == "[DONE]" else json.loads(data))
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        events.append(f"{type(e).__name__}")
+    finally:
+        if r is not None:
+            r.close()
+        conn.close()
+    return events
+
+
+def outlives(server, timeout, tokens=2000):
+    """A non-streamed request whose body's timeout (longer than the server's) lets it finish: 200, all tokens."""
+    t0 = time.monotonic()
+    status, _, answer = raw(server, post({"prompt": "The ", "max_tokens": tokens, "timeout": timeout}), timeout=90)
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        n = json.loads(answer)["usage"]["completion_tokens"]
+        return status, f"{n} tokens in {time.monotonic() - t0:.2f} s", status == 200 and n == tokens
+    return status, error_of(answer)[1], False
+
+
+def queued_deadline(server, n, timeout=0.3, fill_timeout=1.5, tokens=2000):
+    """n requests (one per row) with the body's timeout fill_timeout, then one more with `timeout` that can
+    only wait in the queue: its 504 must come after about `timeout` s, naming 0 tokens; the n then end by
+    theirs (504 each); deadlines_total +n+1 and nothing left running or queued."""
+    before, answers = counters(server), [None] * (n + 1)
+
+    def one(i, seconds):
+        body = {"prompt": "The ", "max_tokens": tokens, "timeout": seconds, "seed": i}
+        answers[i] = raw(server, post(body), timeout=60), time.monotonic()
+    threads = [threading.Thread(target=one, args=(i, fill_timeout), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)                    # the n have their rows by now
+    t0 = time.monotonic()
+    one(n, timeout)
+    for t in threads:
+        t.join(60)
+    (status, _, body), seconds = answers[n][0], answers[n][1] - t0
+    kind, message = error_of(body)
+    rows = Counter(str(a[0][0]) if a else "no answer" for a in answers[:n])
+    took, _, _ = settle(server)
+    delta = {k: v - before.get(k, 0) for k, v in counters(server).items()}
+    ok = status == 504 and kind == "timeout" and "after 0 tokens" in message and seconds < timeout + 1
+    ok = ok and rows == {"504": n} and delta.get("deadlines") == n + 1 and took is not None
+    got = f"{status}; the {n} running: " + ", ".join(f"{k} x {v}" for k, v in sorted(rows.items()))
+    return got, (f"{message!r} after {seconds:.2f} s; deadlines_total +{delta.get('deadlines', 0):.0f}, "
+                 f"cancelled_total +{delta.get('cancelled', 0):.0f}"), ok
