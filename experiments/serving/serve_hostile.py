@@ -27,21 +27,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import serve_harness as sl
 from hostile_clients import (
     abandon,
     burst,
-    deadline,
     disconnect,
     error_of,
-    outlives,
     post,
-    queued_deadline,
     raw,
     slow_sender,
 )
+from hostile_deadlines import deadline, outlives, queued_deadline
 
 OUT = os.path.join(sl.HERE, "results", "serve_hostile")
 GOOD = {"prompt": "The ", "max_tokens": 8, "temperature": 0}
