@@ -130,7 +130,7 @@ def burst(server, n):
 
 COUNTERS = {"cancelled": "mpi_tp_cancelled_total", "deadlines": "mpi_tp_deadlines_total",
             "tokens": "mpi_tp_tokens_generated_total", "499": 'mpi_tp_requests_total{status="499"}',
-            "504": 'mpi_tp_requests_total{status="504"}'}
+            "504": 'mpi_tp_requests_total{status="504"}', "429": 'mpi_tp_requests_total{status="429"}'}
 
 
 def counters(server):
@@ -159,27 +159,39 @@ def error_of(body):
     return None, body[:97]
 
 
-def abandon(server, n, tokens=2000, after_s=0.3):
-    """n non-streamed requests for `tokens` tokens sent at once, every socket closed `after_s` s later with
-    nothing read; then no row may run or wait, each must count as cancelled (and 499), and all of them
-    together must have generated fewer tokens than one would alone."""
-    before, socks = counters(server), []
+def abandon(server, rows, queued, tokens=2000, after_s=0.3):
+    """`rows` non-streamed requests for `tokens` tokens (every row), then `queued` more once those run (sent
+    with them, a few would be refused: the queue's bound counts requests about to join free rows); every
+    socket closed `after_s` s later, nothing read. Then no row may run or wait, each request must count as
+    cancelled (and 499), none refused, and all together must have made fewer tokens than one would alone."""
+    before, socks, n = counters(server), [], rows + queued
     if not before:
         return "no /metrics", "", False
+
+    def gauges():
+        m = sl.metrics(server) or {}
+        return m.get("mpi_tp_running_rows", -1), m.get("mpi_tp_queue_depth", -1)
+
+    def until(what, seconds=5.0):
+        t0 = time.monotonic()
+        while not what(*gauges()) and time.monotonic() - t0 < seconds:
+            time.sleep(0.02)
     try:
         for i in range(n):
             socks.append(socket.create_connection((server.host, server.port), timeout=5))
             socks[-1].sendall(post({"prompt": "The ", "max_tokens": tokens, "seed": i}))
+            if i == rows - 1:
+                until(lambda r, q: r == rows)
+        until(lambda r, q: q == queued)
         time.sleep(after_s)
-        m = sl.metrics(server) or {}
-        busy = f"{m.get('mpi_tp_running_rows', -1):.0f} running and {m.get('mpi_tp_queue_depth', -1):.0f} queued " \
-               "at the close"
+        busy = "{:.0f} running and {:.0f} queued at the close".format(*gauges())
     finally:
         for s in socks:
             s.close()
-    took, rows, queued = settle(server)
+    took, r, q = settle(server)
     delta = {k: v - before[k] for k, v in counters(server).items()}
-    freed = f"0 and 0 after {took} s" if took is not None else f"still {rows:.0f} running, {queued:.0f} queued after 5 s"
+    freed = f"0 and 0 after {took} s" if took is not None else f"still {r:.0f} running, {q:.0f} queued after 5 s"
     detail = f"{busy}; {freed}; {delta['tokens']:.0f} tokens in all (to the end: {n * tokens})"
     ok = took is not None and delta["cancelled"] == n and delta["499"] == n and delta["tokens"] < tokens
-    return f"cancelled +{delta['cancelled']:.0f}, 499 +{delta['499']:.0f}", detail, ok
+    got = f"cancelled +{delta['cancelled']:.0f}, 499 +{delta['499']:.0f}, 429 +{delta['429']:.0f}"
+    return got, detail, ok and delta["429"] == 0

@@ -99,10 +99,10 @@ def cases(has_queue, slow_seconds):
          lambda s: slow_sender(s, slow_seconds)),
         ("disconnect mid-stream", "a 2000-token stream: 2 events read, then the socket closed",
          "running rows 0 within 5 s; the good request within 2 s (the abandoned row stops)", disconnect, 2.0),
-        ("disconnects, not streamed", f"{MAX_BATCH + 2} requests at once for 2000 tokens each, not streamed "
-         f"(max-batch {MAX_BATCH}), every socket closed after 0.3 s",
-         f"cancelled +{MAX_BATCH + 2} and 499 +{MAX_BATCH + 2}; no row running or queued within 5 s; fewer "
-         "tokens in all than 2000; the good request within 2 s", lambda s: abandon(s, MAX_BATCH + 2), 2.0),
+        ("disconnects, not streamed", f"{MAX_BATCH + 2} requests for 2000 tokens each, not streamed: "
+         f"{MAX_BATCH} (every row), then 2 queued; every socket closed 0.3 s later",
+         f"cancelled +{MAX_BATCH + 2} and 499 +{MAX_BATCH + 2}, none refused; no row running or queued within "
+         "5 s; fewer tokens in all than 2000; the good request within 2 s", lambda s: abandon(s, MAX_BATCH, 2), 2.0),
         ("deadline, not streamed", '2000 tokens, "timeout": 0.5',
          "504 of type timeout naming the 0.5 s deadline within 2.5 s; deadlines_total +1",
          lambda s: deadline(s, False, 0.5), 2.0),
