@@ -180,7 +180,7 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(app, c, jobs)
         except Exception as e:                           # the client went away, or a failure here: nobody will
             for job in jobs:                             # read the rows, which leave the batch at the next step
-                job.cancelled = True
+                job.cancel("client" if isinstance(e, OSError) else "error")
             if isinstance(e, OSError):
                 app.metrics.answered(GONE)
             raise
@@ -220,7 +220,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._generate(app, c, jobs, jobs[0].arrived + seconds if seconds else None)
         except Deadline:
             for job in jobs:
-                job.cancelled = True                      # its rows leave the batch at the next decode step
+                job.cancel("deadline")                    # its rows leave the batch at the next decode step
             app.metrics.count("deadlines")
             why = f"the request's deadline of {seconds:g} s passed after {self.sent} tokens"
             log(why)
@@ -253,7 +253,7 @@ class Handler(BaseHTTPRequestHandler):
             else:                                       # Failed on rank 0, or CLOSED (a stop began before its turn)
                 why = item.message if isinstance(item, Failed) else "the server shut down before its turn"
                 for job in jobs:
-                    job.cancelled = True
+                    job.cancel("error")
                 log(f"request {out.id} failed after {out.tokens} tokens (choice {i}): {why}")
                 message = f"generation failed after {out.tokens} tokens: {why}"
                 if not c.stream:

@@ -65,11 +65,25 @@ class Job:
                  logprobs: int | None = None):
         self.request, self.index, self.timeout, self.logprobs = request, index, timeout, logprobs
         self.items = items or queue.SimpleQueue()
-        self.cancelled = False                # set by the HTTP thread when the client goes away
+        self.ended_by = None                  # set by the HTTP thread: "client" (gone), "deadline" or "error"
         self.arrived, self.last = time.monotonic(), None
 
     def put(self, item) -> None:
         self.items.put((self.index, item))
+
+    def cancel(self, why: str) -> None:
+        """Nobody will read this job any more: its row leaves the batch at the next decode step."""
+        self.ended_by = why
+
+    @property
+    def cancelled(self) -> bool:
+        return self.ended_by is not None
+
+    def count_end(self, metrics) -> None:
+        """The scheduler frees a cancelled job's row: counted as cancelled when its client went away (a
+        deadline is counted where it is said, as deadlines_total; a failure as its answer's status)."""
+        if self.ended_by == "client":
+            metrics.count("cancelled")
 
 
 class ServedRow(Row):
@@ -110,7 +124,8 @@ class Scheduler:
         with self.cond:
             if not self.accepting or self.stop.requested:
                 return "stopping"
-            if len(self.waiting) + len(jobs) > self.max_queue:
+            free = max(0, self.max_batch - len(self.rows))      # jobs that join at the next step do not queue
+            if len(self.waiting) + len(jobs) > self.max_queue + free:
                 return "full"
             self.waiting.extend(jobs)
             self.active += 1
@@ -151,7 +166,7 @@ class Scheduler:
         """This step's command, or None when no row runs and none joins."""
         for row in self.rows:
             if row.job.cancelled:
-                self.metrics.count("cancelled")
+                row.job.count_end(self.metrics)
         cmd = step_command(self.rows, logits)              # each row's token; those done leave
         now, ended = time.monotonic(), []
         for row, token in zip(self.rows, cmd["tokens"]):
@@ -190,8 +205,8 @@ class Scheduler:
             jobs = []
             while self.waiting and len(jobs) < free:
                 job = self.waiting.popleft()
-                if job.cancelled:                        # its client left while it waited
-                    self.metrics.count("cancelled")
+                if job.cancelled:                        # its client left (or its deadline passed) while it waited
+                    job.count_end(self.metrics)
                 else:
                     jobs.append(job)
             return jobs
