@@ -1,0 +1,147 @@
+"""rope_scaling "dynamic" (NTK) as transformers computes it (issue 42).
+
+The angles against a hand calculation (float64): theta' = theta ((factor L / L0) - (factor - 1)) ^ (hs / (hs - 2)),
+L the sequence's length (never below L0) for a whole forward, a prefilled row and a decode step; the configuration
+checks; a Hugging Face config imported and exported keeping the type (max_position_embeddings is L0 there); and a
+transformers LlamaForCausalLM with max_position_embeddings 16 read at the pass's size (tp = world: 1, 2, 3): its
+logits over 40 positions (LLAMA_TOL: transformers computes the angles in float32) and its generate(do_sample=False)
+tokens for one prompt shorter than L0 and one longer, each from a fresh start, 40 positions at most (transformers
+rotates a batch for its longest row and keeps that length across calls; mpi_tp each row for its own length).
+
+    mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_rope_dynamic.py     (N = 1 .. 3)
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from test_hf import IDS, LLAMA_SIZES, LLAMA_TOL, loaded, needs_oracle, shared_dir  # noqa: F401
+
+from mpi_tp.checkpoint.hf.config import gpt_config, hf_config
+from mpi_tp.core import kernels_llama as kl
+from mpi_tp.model.config import ConfigError, GPTConfig
+from mpi_tp.core.testing import all_true, assert_close, from_rank0, max_rel_diff
+from mpi_tp.inference.generate import Request, generate
+from mpi_tp.model.rope import Rope, rope_table
+from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
+from mpi_tp.parallel.topology import Topology
+from mpi_tp.training.config import TrainConfig
+
+DYN = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+
+
+def by_hand(p, L, theta=100.0, factor=2.0, L0=8):
+    """Angles (hs = 4) of position p in a sequence of L: theta' = theta (factor max(L, L0) / L0 - (factor - 1))^2."""
+    base = theta * (factor * max(L, L0) / L0 - (factor - 1)) ** 2          # hs / (hs - 2) = 2
+    return np.array([p, p / base ** 0.5] * 2)                              # inv_freq: 1, theta'^(-1/2)
+
+
+def test_dynamic_angles_equal_a_hand_calculation():
+    # L = 20: theta' = 100 (2 * 20 / 8 - 1)^2 = 1600, inv_freq (1, 1/40); L <= L0 = 8: theta itself
+    assert by_hand(5, 20)[1] == 5 / 40 and by_hand(5, 6)[1] == 5 / 10
+    cos, sin = kl.rope_tables(np.arange(20), 4, 100.0, np.float64, DYN, lengths=20)
+    want = np.array([by_hand(p, 20) for p in range(20)])
+    assert np.allclose(cos, np.cos(want), rtol=0, atol=1e-15) and np.allclose(sin, np.sin(want), rtol=0, atol=1e-15)
+    rope = Rope(4, 100.0, np.float64, DYN)
+    for n in (5, 8, 20):                                      # one forward over n positions: L = max(n, L0)
+        cos, _ = rope_table(n, 4, 100.0, np.float64, DYN)
+        assert np.allclose(cos, np.cos([by_hand(p, n) for p in range(n)]), rtol=0, atol=1e-15), n
+    cos, sin = rope.angles(np.array([3, 7, 8, 19]), 32)      # decode steps: position p, L = p + 1
+    assert cos.shape == (4, 1, 1, 4)
+    want = np.array([by_hand(p, p + 1) for p in (3, 7, 8, 19)])
+    assert np.allclose(sin[:, 0, 0], np.sin(want), rtol=0, atol=1e-15)
+    cos, sin = rope.prefill_angles(np.array([12, 3]), 12)    # right-padded prompts: each row its own length
+    assert cos.shape == (2, 1, 12, 4)
+    for b, L in enumerate((12, 3)):
+        assert np.allclose(cos[b, 0], np.cos([by_hand(p, L) for p in range(12)]), rtol=0, atol=1e-15)
+    assert Rope(4, 100.0, np.float64, None).prefill_angles(np.array([3]), 3) is None
+    assert np.isclose(kl.dynamic_theta(100.0, 4, DYN, np.array([20]))[0], 1600.0, rtol=1e-15)
+
+
+def test_configuration_checks():
+    assert check_rope_scaling({"type": "dynamic", "factor": 2}, block_size=64) == \
+        {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+    assert check_rope_scaling(DYN, block_size=64) == DYN               # L0 given: kept
+    for bad, says in (({"rope_type": "dynamic"}, "factor = None"),
+                      ({"rope_type": "dynamic", "factor": 0}, "factor = 0"),
+                      ({"rope_type": "dynamic", "factor": 2, "original_max_position_embeddings": 8.5}, "whole number"),
+                      ({"rope_type": "dynamic", "factor": 2, "attention_factor": 2}, "attention_factor")):
+        with pytest.raises(RopeScalingError, match=says):
+            check_rope_scaling(bad, block_size=64)
+    train = TrainConfig(arch="llama", block_size=32, n_head=2, n_embd=16, n_layer=1,
+                        rope_scaling=json.dumps({"rope_type": "dynamic", "factor": 2}))
+    cfg = train.model_config()
+    cfg.validate()
+    assert cfg.rope_scaling == {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 32}
+    with pytest.raises(ConfigError, match="factor"):
+        GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8, arch="llama",
+                  rope_scaling={"rope_type": "dynamic", "factor": -1}).validate()
+
+
+def test_hf_config_import_and_export_keep_the_type():
+    hf = hf_config(GPTConfig(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_embd=8, arch="llama"), "float64")
+    hf.update(max_position_embeddings=16, rope_scaling=None,
+              rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 500.0})
+    cfg = gpt_config(hf)
+    assert cfg.rope_scaling == {"rope_type": "dynamic", "factor": 3.0, "original_max_position_embeddings": 16}
+    assert cfg.block_size == 48 and cfg.rope_theta == 500.0          # ceil(factor L0)
+    back = hf_config(cfg, "float64")
+    assert back["max_position_embeddings"] == 16
+    assert back["rope_parameters"] == {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 500.0}
+    assert back["rope_scaling"] == {"rope_type": "dynamic", "factor": 3.0}
+    assert gpt_config(back) == cfg
+    legacy = {**hf, "rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}   # transformers 4
+    assert gpt_config(legacy).rope_scaling["original_max_position_embeddings"] == 16
+
+
+# ---------------------------------------------------------------- against transformers, at the pass's size
+
+ROPE = {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 500.0}
+PROMPTS = [IDS[0, :5], IDS[1, :20]]               # shorter and longer than L0 = 16; 20 + 20 = 40 positions
+NEW = 20
+
+
+def fresh(model):
+    """transformers' dynamic rotary state back to its start: a forward shorter than L0 resets it (its own rule)."""
+    import torch
+    model(torch.tensor([[0]]))
+    return model
+
+
+def oracle(folder):
+    """(logits at S = 10 and 40, greedy tokens of each prompt alone): transformers, max_position_embeddings 16."""
+    import torch
+    import transformers
+    torch.manual_seed(4)
+    config = transformers.LlamaConfig(**{**LLAMA_SIZES, "max_position_embeddings": 16, "rope_parameters": ROPE},
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(folder)
+        logits = {S: fresh(model)(torch.tensor(np.tile(IDS[:, :20], 2)[:, :S])).logits.numpy() for S in (10, 40)}
+        tokens = [fresh(model).generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                        max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                  for p in PROMPTS]
+    return logits, tokens
+
+
+@needs_oracle
+@pytest.mark.mpi(min_size=1)
+def test_logits_and_greedy_tokens_equal_transformers(world, shared_dir):  # noqa: F811
+    folder = os.path.join(shared_dir, "dynamic")
+    logits, tokens = from_rank0(lambda: oracle(folder), world)
+    model = loaded(folder, Topology.create(world))
+    assert model.cfg.rope_scaling["rope_type"] == "dynamic" and model.cfg.block_size == 48
+    what = f"tp={world.Get_size()}"
+    ids = np.tile(IDS[:, :20], 2)
+    for S in (10, 40):
+        assert_close(model.full_logits(ids[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
+    got = generate(model, [Request(bytes(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
+    assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
+    # the scaling bites: the default rope's logits over 40 positions are far from transformers'
+    plain = loaded(folder, Topology.create(world))
+    for attn in (b.attn for b in plain.h):
+        attn.rope.scaling = None
+    assert max_rel_diff(plain.full_logits(ids), logits[40]) > 1e3 * LLAMA_TOL
