@@ -21,6 +21,7 @@ from mpi_tp.checkpoint.hf.config import gpt_config, hf_config
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.model.config import ConfigError, GPTConfig
 from mpi_tp.core.testing import all_true, assert_close, from_rank0, max_rel_diff
+from mpi_tp.inference.decode import Decoder
 from mpi_tp.inference.generate import Request, generate
 from mpi_tp.model.rope import Rope, rope_table
 from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
@@ -99,6 +100,7 @@ def test_hf_config_import_and_export_keep_the_type():
 ROPE = {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 500.0}
 PROMPTS = [IDS[0, :5], IDS[1, :20]]               # shorter and longer than L0 = 16; 20 + 20 = 40 positions
 NEW = 20
+IDS_40 = np.tile(IDS[:, :20], 2)
 
 
 def fresh(model):
@@ -109,7 +111,8 @@ def fresh(model):
 
 
 def oracle(folder):
-    """(logits at S = 10 and 40, greedy tokens of each prompt alone): transformers, max_position_embeddings 16."""
+    """(logits at S = 10 and 40, and for each prompt alone its greedy tokens and every step's logits (NEW, V)):
+    transformers' generate(do_sample=False), max_position_embeddings 16."""
     import torch
     import transformers
     torch.manual_seed(4)
@@ -120,28 +123,36 @@ def oracle(folder):
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
         model.save_pretrained(folder)
-        logits = {S: fresh(model)(torch.tensor(np.tile(IDS[:, :20], 2)[:, :S])).logits.numpy() for S in (10, 40)}
-        tokens = [fresh(model).generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                        max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                  for p in PROMPTS]
-    return logits, tokens
+        logits = {S: fresh(model)(torch.tensor(IDS_40[:, :S])).logits.numpy() for S in (10, 40)}
+        runs = [fresh(model).generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                      max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True,
+                                      return_dict_in_generate=True) for p in PROMPTS]
+    steps = [np.concatenate([t.numpy() for t in run.logits]) for run in runs]
+    return logits, [run.sequences[0, len(p):].tolist() for run, p in zip(runs, PROMPTS)], steps
 
 
 @needs_oracle
 @pytest.mark.mpi(min_size=1)
 def test_logits_and_greedy_tokens_equal_transformers(world, shared_dir):  # noqa: F811
     folder = os.path.join(shared_dir, "dynamic")
-    logits, tokens = from_rank0(lambda: oracle(folder), world)
+    logits, tokens, steps = from_rank0(lambda: oracle(folder), world)
     model = loaded(folder, Topology.create(world))
     assert model.cfg.rope_scaling["rope_type"] == "dynamic" and model.cfg.block_size == 48
     what = f"tp={world.Get_size()}"
-    ids = np.tile(IDS[:, :20], 2)
     for S in (10, 40):
-        assert_close(model.full_logits(ids[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
+        assert_close(model.full_logits(IDS_40[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
+    # the scaling bites: the default rope's logits over 40 positions are far from transformers'
+    for attn in (b.attn for b in model.h):
+        attn.rope.scaling = None
+    assert max_rel_diff(model.full_logits(IDS_40), logits[40]) > 1e3 * LLAMA_TOL
+
+    model = loaded(folder, Topology.create(world))
     got = generate(model, [Request(bytes(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
     assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
-    # the scaling bites: the default rope's logits over 40 positions are far from transformers'
-    plain = loaded(folder, Topology.create(world))
-    for attn in (b.attn for b in plain.h):
-        attn.rope.scaling = None
-    assert max_rel_diff(plain.full_logits(ids), logits[40]) > 1e3 * LLAMA_TOL
+    # every step's logits, the two rows batched (5 and 20 long: each rotated for its own length, as alone)
+    dec = Decoder(loaded(folder, Topology.create(world)), batch=2)
+    got = [dec.prefill([list(p) for p in PROMPTS])]
+    for i in range(NEW - 1):
+        got.append(dec.step([t[i] for t in tokens]))
+    for b in range(2):
+        assert_close(np.stack([g[b] for g in got]), steps[b], LLAMA_TOL, f"row {b}'s step logits, {what}", comm=world)
