@@ -110,19 +110,28 @@ def fresh(model):
     return model
 
 
-def oracle(folder):
-    """(logits at S = 10 and 40, and for each prompt alone its greedy tokens and every step's logits (NEW, V)):
-    transformers' generate(do_sample=False), max_position_embeddings 16."""
+def hf_model(folder, seed=4):
+    """A random-weight LlamaForCausalLM (float64, every weight moved off its start) with rope_scaling dynamic and
+    max_position_embeddings 16, saved in folder."""
     import torch
     import transformers
-    torch.manual_seed(4)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(**{**LLAMA_SIZES, "max_position_embeddings": 16, "rope_parameters": ROPE},
                                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = transformers.LlamaForCausalLM(config).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-        model.save_pretrained(folder)
+    model.save_pretrained(folder)
+    return model
+
+
+def oracle(folder):
+    """(logits at S = 10 and 40, and for each prompt alone its greedy tokens and every step's logits (NEW, V)):
+    transformers' generate(do_sample=False), max_position_embeddings 16."""
+    import torch
+    model = hf_model(folder)
+    with torch.no_grad():
         logits = {S: fresh(model)(torch.tensor(IDS_40[:, :S])).logits.numpy() for S in (10, 40)}
         runs = [fresh(model).generate(torch.tensor(p[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                       max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True,
@@ -156,3 +165,23 @@ def test_logits_and_greedy_tokens_equal_transformers(world, shared_dir):  # noqa
         got.append(dec.step([t[i] for t in tokens]))
     for b in range(2):
         assert_close(np.stack([g[b] for g in got]), steps[b], LLAMA_TOL, f"row {b}'s step logits, {what}", comm=world)
+
+
+@needs_oracle
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    import torch
+    import transformers
+    from mpi4py import MPI
+
+    from mpi_tp.checkpoint import Checkpoint
+    from mpi_tp.checkpoint.hf.write import export
+    from mpi_tp.commands.hf import import_folder
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    model = hf_model(src, seed=6)
+    with Checkpoint(import_folder(src, str(tmp_path / "imported"), MPI.COMM_SELF)) as ck:
+        export(ck, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    assert back.config.rope_parameters["rope_type"] == "dynamic" and back.config.max_position_embeddings == 16
+    with torch.no_grad():
+        want, got = (fresh(m)(torch.tensor(IDS_40)).logits.numpy() for m in (model, back))
+    assert np.array_equal(want, got)
