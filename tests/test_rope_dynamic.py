@@ -95,6 +95,36 @@ def test_hf_config_import_and_export_keep_the_type():
     assert gpt_config(legacy).rope_scaling["original_max_position_embeddings"] == 16
 
 
+@pytest.mark.mpi(min_size=2)
+def test_context_parallel_rotates_for_the_whole_sequence(world):
+    """Training at cp = world with S = 9 > L0 = 4 (chunks of 2 to 5 positions, each <= L0): the serial model's
+    losses and weights, so each rank's angles are the whole sequence's (L = 9), not its chunk's."""
+    import steps
+
+    from mpi_tp.model.gpt import GPT
+    from mpi_tp.parallel.data_parallel import GradReducer
+    from mpi_tp.training.optim import AdamW
+
+    def run(topo, scaling):
+        cfg = GPTConfig(vocab_size=37, block_size=9, n_layer=2, n_head=4, n_embd=16, arch="llama", n_kv_head=2,
+                        rope_scaling=scaling)
+        model = GPT(cfg, topo, dtype="float64", seed=5)
+        reducer = GradReducer(model, topo.dpcp)                   # the cp ranks' gradients summed
+        opt = AdamW(model.parameters(), lr=1e-2, reducer=reducer)
+        batch = lambda step, rows: steps.global_batch(step, rows, S=9, seed=11)     # noqa: E731
+        return steps.train(model, opt, 2, 2, batch, reducer=reducer), model
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4}
+    ref_losses, ref = run(Topology.serial(), scaling)
+    _, plain = run(Topology.serial(), None)
+    whole = {p.name: p.data for p in ref.parameters()}
+    moved = max(max_rel_diff(p.data, whole[p.name]) for p in plain.parameters())
+    assert moved > 1e-4                                           # L = 9 > L0: the scaling changes the training
+    losses, model = run(Topology.create(world, cp=world.Get_size()), scaling)
+    steps.assert_losses(losses, ref_losses, f"dynamic rope at cp={world.Get_size()}")
+    for p in steps.compared(model.parameters()):
+        assert_close(p.data, whole[p.name][p.index()], 1e-8, f"{p.name} at cp={world.Get_size()}", comm=world)
+
+
 # ---------------------------------------------------------------- against transformers, at the pass's size
 
 ROPE = {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 500.0}
