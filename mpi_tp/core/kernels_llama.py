@@ -74,6 +74,7 @@ def scaled_inv_freq(inv_freq, scaling: dict | None):
         linear   inv_freq / factor
         llama3   wavelen < L0 / high_freq_factor: inv_freq; wavelen > L0 / low_freq_factor: inv_freq / factor;
                  between: (1 - a) inv_freq / factor + a inv_freq, a = (L0 / wavelen - low) / (high - low)
+    (dynamic changes theta for each sequence length instead: dynamic_theta, in rope_tables)
     """
     if scaling is None:
         return inv_freq

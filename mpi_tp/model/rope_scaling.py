@@ -12,7 +12,7 @@ sequence an angle is made for, never below L0: L = max(S, L0).
     dynamic  theta' = theta ((factor L / L0) - (factor - 1)) ^ (hs / (hs - 2)),  inv_freq_j = theta'^(-2j/hs)
              (NTK-aware: the base grows with the sequence; L <= L0 gives theta itself, the default rope)
 
-The frequencies are computed where the angles are (mpi_tp.core.kernels_llama.scaled_inv_freq); this module
+The frequencies are computed where the angles are (mpi_tp.core.kernels_llama.rope_tables); this module
 checks a configuration's scaling. Llama 3.1, 3.2 and 3.3 use llama3 (factor 8 or 32, low 1, high 4, L0 8192); their
 attention is not rescaled (attention_factor 1). Any other type (yarn, longrope, ...) is refused by name.
 
