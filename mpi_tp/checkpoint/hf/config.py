@@ -21,7 +21,8 @@ Llama (LlamaConfig, model_type "llama"), arch "llama":
     max_position_embeddings                                 block_size (the longest sequence)
     rope_theta (transformers 5: rope_parameters.rope_theta) rope_theta
     rope_scaling (5: rope_parameters' rope_type ...)        rope_scaling: default, linear, llama3 (Llama 3.1-3.3),
-                                                            dynamic; any other refused by name (mpi_tp.model.rope_scaling)
+                                                            dynamic; any other refused by name
+                                                            (mpi_tp.model.rope_scaling)
     dynamic: max_position_embeddings                        its original_max_position_embeddings L0 (transformers'
                                                             dynamic reads it there), block_size = ceil(factor L0)
                                                             (transformers sets no limit; mpi_tp's cache needs one);
@@ -160,8 +161,9 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
                               "dimension of a head)")
     key = "rope_parameters" if rope.get("rope_type", "default") != "default" else "rope_scaling"   # (4: rope_scaling)
     scaling = rope if key == "rope_parameters" else hf.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "dynamic":   # L0: what
-        scaling = {**scaling, "original_max_position_embeddings": hf.get("max_position_embeddings")}  # transformers reads
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        L0 = hf.get("max_position_embeddings")                # what transformers' dynamic reads as L0
+        scaling = {**scaling, "original_max_position_embeddings": L0}
     try:
         scaling = check_rope_scaling(scaling)
     except RopeScalingError as e:
