@@ -96,8 +96,9 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, name):
 @pytest.mark.parametrize("overrides, says", [
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                            "original_max_position_embeddings": 8}), "rope_type 'yarn' is not supported"),
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-     "rope_type 'dynamic' is not supported"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 2,
+                           "long_factor": [2.0] * 2, "original_max_position_embeddings": 8}),
+     "rope_type 'longrope' is not supported"),
 ])
 def test_other_rope_types_are_refused_by_name(tmp_path, overrides, says):
     import transformers

@@ -74,6 +74,7 @@ def scaled_inv_freq(inv_freq, scaling: dict | None):
         linear   inv_freq / factor
         llama3   wavelen < L0 / high_freq_factor: inv_freq; wavelen > L0 / low_freq_factor: inv_freq / factor;
                  between: (1 - a) inv_freq / factor + a inv_freq, a = (L0 / wavelen - low) / (high - low)
+    (dynamic changes theta for each sequence length instead: dynamic_theta, in rope_tables)
     """
     if scaling is None:
         return inv_freq
@@ -88,17 +89,36 @@ def scaled_inv_freq(inv_freq, scaling: dict | None):
     return xp.where(wavelen < L0 / high, inv_freq, xp.where(wavelen > L0 / low, inv_freq / factor, between))
 
 
-def rope_tables(positions, hs: int, theta: float, dtype, scaling=None):
-    """cos, sin (n, hs) for integer positions (n,) (NumPy or CuPy): angle p / theta^(2j/hs) at dimension j
+def dynamic_theta(theta: float, hs: int, scaling: dict, lengths):
+    """rope_type dynamic's base for sequences of these lengths (an integer array, NumPy or CuPy), as transformers'
+    _compute_dynamic_ntk_parameters: theta' = theta ((factor L / L0) - (factor - 1)) ^ (hs / (hs - 2)), L = max(length,
+    L0), L0 = original_max_position_embeddings (transformers' max_position_embeddings). float64, lengths' shape."""
+    if hs <= 2:
+        raise ValueError(f"rope_type dynamic raises theta to hs / (hs - 2): it needs a head size above 2, got {hs}")
+    factor, L0 = scaling["factor"], scaling["original_max_position_embeddings"]
+    L = array_module(lengths).maximum(lengths.astype("float64"), L0)
+    return float(theta) * ((factor * L / L0) - (factor - 1)) ** (hs / (hs - 2))
+
+
+def rope_tables(positions, hs: int, theta: float, dtype, scaling=None, lengths=None):
+    """cos, sin (..., hs) for integer positions (...) (NumPy or CuPy): angle p / theta^(2j/hs) at dimension j
     and at j + hs/2 alike (Llama's `cat(freqs, freqs)`), computed in float64, then cast to dtype; scaling: the
-    frequencies stretched (mpi_tp.model.rope_scaling), None: as they are."""
+    frequencies stretched (mpi_tp.model.rope_scaling), None: as they are. rope_type dynamic: `lengths`, the length
+    of the sequence each angle is made for (an int for all, or an array broadcastable to positions), sets theta
+    (dynamic_theta)."""
     xp = array_module(positions)
     if hs % 2:
         raise ValueError(f"rotary embeddings need an even head size, got {hs}")
-    inv_freq = 1.0 / (float(theta) ** (xp.arange(0, hs, 2, dtype="float64") / hs))   # (hs/2,)
-    inv_freq = scaled_inv_freq(inv_freq, scaling)
-    angles = positions.astype("float64")[:, None] * inv_freq[None, :]               # (n, hs/2)
-    angles = xp.concatenate([angles, angles], axis=1)                               # (n, hs)
+    exponent = xp.arange(0, hs, 2, dtype="float64") / hs                           # (hs/2,): 2j / hs
+    if scaling is not None and scaling["rope_type"] == "dynamic":
+        if lengths is None:
+            raise ValueError("rope_type dynamic: the sequence length the angles are made for is needed (lengths)")
+        base = dynamic_theta(theta, hs, scaling, xp.asarray(lengths))               # (...) or ()
+        inv_freq = 1.0 / base[..., None] ** exponent                                # (..., hs/2)
+    else:
+        inv_freq = scaled_inv_freq(1.0 / (float(theta) ** exponent), scaling)      # (hs/2,)
+    angles = positions.astype("float64")[..., None] * inv_freq                     # (..., hs/2)
+    angles = xp.concatenate([angles, angles], axis=-1)                             # (..., hs)
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 

@@ -119,11 +119,11 @@ def _project(attn, y):
     return attn.proj.forward(y.transpose(0, 2, 1, 3).reshape(B, t, attn.H_i * attn.hs))
 
 
-def attend_prefill(attn, x, cache: KVCache, j: int, rows):
+def attend_prefill(attn, x, cache: KVCache, j: int, rows, angles=None):
     """Block j's attention (a model.attention.ParallelAttention) for rows starting empty: x (J, t, C),
     their positions 0 .. t - 1 (right-padded), `rows` the J cache rows (a slice, or host indices). Their
     keys and values go into the cache; the queries attend causally to their own: (J, t, C), every rank."""
-    q, k, v = attn.project_qkv(x)                                    # (J, H_i, t, hs), (J, H_kv_i, t, hs) x 2
+    q, k, v = attn.project_qkv(x, angles)      # (J, H_i, t, hs), (J, H_kv_i, t, hs) x 2; angles: Rope.prefill_angles
     t = x.shape[1]
     if t > cache.size:
         raise ValueError(f"the cache holds {cache.size} positions: {t} do not fit")

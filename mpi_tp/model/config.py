@@ -133,7 +133,7 @@ class GPTConfig:
         if self.llama:
             from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
             try:
-                self.rope_scaling = check_rope_scaling(self.rope_scaling)
+                self.rope_scaling = check_rope_scaling(self.rope_scaling, self.block_size)
             except RopeScalingError as e:
                 raise ConfigError(str(e)) from None
             if (self.n_embd // self.n_head) % 2:

@@ -10,6 +10,11 @@ backward is the inverse rotation (mpi_tp.core.kernels_llama). A rope_scaling (Ll
 the frequencies alone (mpi_tp.model.rope_scaling). The angles come from the position alone:
 the training forward uses 0 ... S-1 (under sequence parallelism attention sees the whole sequence,
 gathered, as without it); cached decoding passes each row's own position.
+
+rope_scaling dynamic (NTK) also reads the sequence's length L: a forward over S positions rotates them all
+with L = S (rope_table(S): under context parallelism the whole sequence's S), a prompt's prefill each row
+with its own prompt's length (Rope.prefill_angles), a decode step each row's new position p with L = p + 1
+(Rope.angles); mpi_tp.model.rope_scaling says how that follows transformers and where it differs.
 """
 from __future__ import annotations
 
@@ -20,15 +25,26 @@ from mpi_tp.core.module import Module
 _TABLES = {}
 
 
+def dynamic(scaling) -> bool:
+    """Whether the angles depend on the sequence's length (rope_type dynamic) and not on the position alone."""
+    return scaling is not None and scaling["rope_type"] == "dynamic"
+
+
 def rope_table(n: int, hs: int, theta: float, dtype, scaling=None):
-    """cos, sin (n, hs) for positions 0 ... n-1, on the current backend, made once per shape, dtype and scaling
-    (a longer table is made when asked for; its first rows are the same numbers)."""
+    """cos, sin (n, hs) for positions 0 ... n-1 of one forward over n positions, on the current backend, made once
+    per shape, dtype and scaling (a longer table is made when asked for; its first rows are the same numbers).
+    dynamic: n <= L0 is the default rope's table; a longer n has a table of its own (L = n), only the last kept."""
     xp = backend.xp()
     key = (hs, float(theta), str(dtype), xp.__name__, tuple(sorted((scaling or {}).items())))
+    if dynamic(scaling) and n > scaling["original_max_position_embeddings"]:
+        have = _TABLES.get(key + ("long",))
+        if have is None or have[0].shape[0] != n:
+            have = _TABLES[key + ("long",)] = kl.rope_tables(xp.arange(n), hs, theta, dtype, scaling, lengths=n)
+        return have
     have = _TABLES.get(key)
     if have is None or have[0].shape[0] < n:
-        _TABLES[key] = kl.rope_tables(xp.arange(max(n, 2 * (have[0].shape[0] if have else 0))), hs, theta, dtype,
-                                      scaling)
+        n_made = max(n, 2 * (have[0].shape[0] if have else 0))
+        _TABLES[key] = kl.rope_tables(xp.arange(n_made), hs, theta, dtype, scaling, lengths=1)
     cos, sin = _TABLES[key]
     return cos[:n], sin[:n]
 
@@ -41,9 +57,24 @@ class Rope(Module):
 
     def angles(self, positions, n: int):
         """cos, sin (B, 1, 1, hs) for one position per row: positions (B,) on the device, each below n (a host
-        bound: no copy to the host). Cached decoding makes them once per step for every block."""
+        bound: no copy to the host). Cached decoding makes them once per step for every block. dynamic: each
+        row's position p rotated for a sequence of p + 1 positions (computed on the device, no table)."""
+        if dynamic(self.scaling):
+            cos, sin = kl.rope_tables(positions, self.hs, self.theta, self.dtype, self.scaling, lengths=positions + 1)
+            return cos[:, None, None, :], sin[:, None, None, :]
         cos, sin = rope_table(n, self.hs, self.theta, self.dtype, self.scaling)
         return cos[positions][:, None, None, :], sin[positions][:, None, None, :]
+
+    def prefill_angles(self, lengths, t: int):
+        """cos, sin (J, 1, t, hs) for rows at positions 0 ... t-1 whose sequences are `lengths` (J,) long (host
+        integers, each <= t: right-padded prompts), or None where a row's length changes nothing (every type
+        but dynamic: the table of 0 ... t-1). dynamic: row b rotated for a sequence of lengths[b] positions."""
+        if not dynamic(self.scaling):
+            return None
+        xp = backend.xp()
+        lengths = backend.asarray(lengths, dtype="int64")[:, None]                   # host -> device, (J, 1)
+        cos, sin = kl.rope_tables(xp.arange(t)[None, :], self.hs, self.theta, self.dtype, self.scaling, lengths)
+        return cos[:, None], sin[:, None]                                                    # (J, 1, t, hs)
 
     def forward(self, q, k, angles=None):
         """Rotate q and k: to positions 0 ... S-1 (angles None), or by the given (cos, sin) (Rope.angles)."""

@@ -37,8 +37,8 @@ class TrainConfig:
     intermediate_size: int = opt(0, "MLP width F (0: 4C for gpt2, 8C/3 rounded up to a multiple of 8 for llama)")
     rope_theta: float = opt(10000.0, "llama: the base of the rotary position embeddings")
     rope_scaling: str = opt("", "llama: the rotary frequencies stretched, a JSON object: "
-                            "{\"rope_type\": \"llama3\", \"factor\": 8, ...} or linear (Llama 3.1-3.3; "
-                            "mpi_tp.model.rope_scaling); empty: none")
+                            "{\"rope_type\": \"llama3\", \"factor\": 8, ...} (Llama 3.1-3.3), linear or dynamic "
+                            "(mpi_tp.model.rope_scaling); empty: none")
     qkv_bias: bool = opt(False, "llama: biases on q, k and v (Qwen2)")
     sliding_window: int = opt(0, "llama: a query attends to its W latest positions, itself included (Mistral's "
                               "sliding window); 0: to every earlier position")

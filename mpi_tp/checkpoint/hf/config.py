@@ -20,8 +20,13 @@ Llama (LlamaConfig, model_type "llama"), arch "llama":
     intermediate_size                                       intermediate_size (SwiGLU's width)
     max_position_embeddings                                 block_size (the longest sequence)
     rope_theta (transformers 5: rope_parameters.rope_theta) rope_theta
-    rope_scaling (5: rope_parameters' rope_type ...)        rope_scaling: default, linear, llama3 (Llama 3.1-3.3);
-                                                            any other refused by name (mpi_tp.model.rope_scaling)
+    rope_scaling (5: rope_parameters' rope_type ...)        rope_scaling: default, linear, llama3 (Llama 3.1-3.3),
+                                                            dynamic; any other refused by name
+                                                            (mpi_tp.model.rope_scaling)
+    dynamic: max_position_embeddings                        its original_max_position_embeddings L0 (transformers'
+                                                            dynamic reads it there), block_size = ceil(factor L0)
+                                                            (transformers sets no limit; mpi_tp's cache needs one);
+                                                            an export writes L0 back as max_position_embeddings
     rms_norm_eps                                            norm_eps
     tie_word_embeddings                                     tie_word_embeddings (false: lm_head)
     hidden_act: silu; attention_bias, mlp_bias: false; head_dim: hidden_size / num_attention_heads
@@ -47,6 +52,7 @@ compute what transformers computes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 
@@ -155,6 +161,9 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
                               "dimension of a head)")
     key = "rope_parameters" if rope.get("rope_type", "default") != "default" else "rope_scaling"   # (4: rope_scaling)
     scaling = rope if key == "rope_parameters" else hf.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        L0 = hf.get("max_position_embeddings")                # what transformers' dynamic reads as L0
+        scaling = {**scaling, "original_max_position_embeddings": L0}
     try:
         scaling = check_rope_scaling(scaling)
     except RopeScalingError as e:
@@ -163,6 +172,8 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
     sizes = _sizes(hf, folder, (("vocab_size", "vocab_size"), ("block_size", "max_position_embeddings"),
                                 ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
                                 ("n_embd", "hidden_size"), ("intermediate_size", "intermediate_size")))
+    if scaling is not None and scaling["rope_type"] == "dynamic":
+        sizes["block_size"] = math.ceil(scaling["factor"] * sizes["block_size"])
     C, H = sizes["n_embd"], sizes["n_head"]
     if hf.get("head_dim") not in (None, C // H) or C % H:
         raise _refuse(folder, f"head_dim = {hf.get('head_dim')} is not supported (mpi_tp's head size is "
@@ -239,12 +250,15 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict:
                 "output_router_logits": cfg.moe_aux_weight > 0, "router_aux_loss_coef": cfg.moe_aux_weight,
                 "router_jitter_noise": 0.0, "sliding_window": None}
     if cfg.llama:
+        scaling, positions = dict(cfg.rope_scaling or {}), cfg.block_size
+        if scaling.get("rope_type") == "dynamic":      # transformers' dynamic reads L0 as max_position_embeddings
+            positions = scaling.pop("original_max_position_embeddings")
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
                 "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layer,
                 "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
-                "head_dim": cfg.n_embd // cfg.n_head, "max_position_embeddings": cfg.block_size,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-                "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
+                "head_dim": cfg.n_embd // cfg.n_head, "max_position_embeddings": positions,
+                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling or None,
+                "rope_parameters": {"rope_type": "default", **scaling, "rope_theta": cfg.rope_theta},
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
                 "attention_dropout": cfg.dropout, "tie_word_embeddings": cfg.tied}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
