@@ -1,4 +1,4 @@
-"""Sliding-window attention (GPTConfig.sliding_window, W: query t sees keys t - W < s <= t; mpi_tp.core.attention_span).
+"""Sliding-window attention (GPTConfig.sliding_window, S_w: query t sees keys t - S_w < s <= t; mpi_tp.core.attention_span).
 
 The kernels against a reference written here from the rule alone (a full (S, S) band of -inf and a plain
 softmax, float64): the dense, blocked and online forms at windows 1 ... S and none, with uneven tiles and a
@@ -26,7 +26,7 @@ S = 13
 
 
 def reference(q, k, v, window, mask=None, scale=1.0):
-    """softmax(q k^T / sqrt(hs) + band) v, the band from the rule (t - W < s <= t), a plain (S, S) computation."""
+    """softmax(q k^T / sqrt(hs) + band) v, the band from the rule (t - S_w < s <= t), a plain (S, S) computation."""
     t, s = np.arange(q.shape[-2])[:, None], np.arange(k.shape[-2])[None, :]
     seen = (s <= t) & ((t - s < window) if window is not None else True)
     att = np.where(seen, q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1]), -np.inf)
@@ -82,8 +82,8 @@ def test_windowed_gradients_match_finite_differences(name):
 
 
 def test_a_window_skips_the_tiles_it_cannot_see():
-    """With W = 2 and tiles of 3, a strip computes at most two key tiles (and the blocked form's blocks start
-    at the window): the work is O(S W), not O(S^2)."""
+    """With S_w = 2 and tiles of 3, a strip computes at most two key tiles (and the blocked form's blocks start
+    at the window): the work is O(S S_w), not O(S^2)."""
     tiles = list(ko._tiles(30, 3, 2, np.float64, np))
     assert len(tiles) == 10 + 9 and all(c.start >= r.start - 3 for r, c, _ in tiles)
     assert all(lo >= a - 2 for a, _, lo in ka._blocks(30, 3, 2))
@@ -101,7 +101,7 @@ def test_ring_attention_with_a_window_equals_the_serial_kernel(world, window):
     out, c = ring_forward(mine(q), mine(k), mine(v), split, window=window)
     assert_close(out, mine(ref), 1e-12, "ring output", comm=world)
     for name, a, b in zip(("dq", "dk", "dv"), ring_backward(mine(dout), c), ka.attention_backward(dout, cache)):
-        assert_close(a, mine(b), 1e-12, f"ring {name}", scale=1.0, comm=world)   # (W = 1: dq is 0)
+        assert_close(a, mine(b), 1e-12, f"ring {name}", scale=1.0, comm=world)   # (S_w = 1: dq is 0)
     topo.free()
 
 
@@ -125,9 +125,9 @@ def losses_of(config, topo=None, steps=3, **kw):
 
 def test_the_window_is_the_model_s():
     full, _ = losses_of(cfg(None, 0.0), steps=1)
-    assert losses_of(cfg(12, 0.0), steps=1)[0] == full          # W = S: every earlier position, the same bits
+    assert losses_of(cfg(12, 0.0), steps=1)[0] == full          # S_w = S: every earlier position, the same bits
     assert losses_of(cfg(4, 0.0), steps=1)[0] != full           # a shorter window changes the loss
-    _, model = losses_of(cfg(1, 0.0), steps=0)                   # W = 1: each position attends to itself alone
+    _, model = losses_of(cfg(1, 0.0), steps=0)                   # S_w = 1: each position attends to itself alone
     attn = model.h[0].attn
     x = np.random.default_rng(0).standard_normal((2, 12, 16))
     q, k, v = attn.project_qkv(x)

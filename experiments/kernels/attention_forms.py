@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from gemm_shapes import median_s, write_rows  # noqa: E402
 from mpi_tp.core import kernels_attention as ka  # noqa: E402
+from mpi_tp.core import kernels_online as ko  # noqa: E402
 from mpi_tp.core.runtime import keep_freed_memory, machine_text  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "attention_forms.jsonl")
@@ -59,7 +60,7 @@ def forms(rows):
         reps = 5 if S < 2048 else 3
         got = {}
         for name, fwd, bwd in (("blocked", ka.attention_forward, ka.attention_backward),
-                               ("online", ka.online_attention_forward, ka.online_attention_backward)):
+                               ("online", ko.online_attention_forward, ko.online_attention_backward)):
             out, cache = fwd(q, k, v)
             kept = sum(a.nbytes for a in cache if isinstance(a, numpy.ndarray) and a is not q and a is not k
                        and a is not v)

@@ -1,10 +1,10 @@
-"""Which keys a query attends to: the causal ones, and with a sliding window only the latest W of them.
+"""Which keys a query attends to: the causal ones, and with a sliding window only the latest S_w of them.
 
-Legend (docs/notation.md): t a query's position, s a key's, W the window (GPTConfig.sliding_window; None:
+Legend (docs/notation.md): t a query's position, s a key's, S_w the window (GPTConfig.sliding_window; None:
 no window). Query t sees key s when
 
     s <= t                  causal
-    t - s < W               within the window: the W latest positions, t itself included (Mistral's rule,
+    t - s < S_w               within the window: the S_w latest positions, t itself included (Mistral's rule,
                             transformers' sliding_window)
 
 The kernels work on tiles: the queries t0 ... t0 + n - 1 against the keys s0 ... s0 + m - 1 (positions in

@@ -2,9 +2,9 @@
 dropout, their masks (the caller draws each tile's mask when the tile is computed, and again in the backward).
 
 Legend (docs/notation.md): B = batch, H = heads, S = sequence, hs = head size; Q = the tile's side
-(kernels_attention.QUERY_BLOCK); t a query's position, s a key's, W the sliding window (attention_span).
+(kernels_attention.QUERY_BLOCK); t a query's position, s a key's, S_w the sliding window (attention_span).
 
-    tiles of Q x Q, the keys a strip of queries sees (up to the diagonal; with W, from its window's first key):
+    tiles of Q x Q, the keys a strip of queries sees (up to the diagonal; with S_w, from its window's first key):
 
         each tile's scores merged into each row's running max m, sum l and output o (online_block),
         out = o / l; kept for the backward: out and lse = m + log l (B, H, S), not the probabilities;

@@ -14,8 +14,12 @@ Under context parallelism (cp) each rank holds its two chunks of the sequence, S
 and v are computed for those, rotated to their global positions, and the softmax runs as ring
 attention over the cp group (mpi_tp.parallel.ring_attention), keeping no (S, S) array. Without cp, a
 sequence of ONLINE_FROM positions or more runs the same online softmax on one rank, tile by tile
-(mpi_tp.core.kernels_attention.online_attention_forward): the cache keeps the output and the rows'
+(mpi_tp.core.kernels_online.online_attention_forward): the cache keeps the output and the rows'
 log-sum-exp instead of the probabilities (selective recomputation has nothing left to drop there).
+Both draw the dropout masks by tile (mpi_tp.model.dropout.TileMasks: a strip of query rows at a time
+on one rank, a chunk pair at a time on the ring), in the forward and again in the backward: no
+(S, S) mask either. A sliding window (cfg.sliding_window, S_w) limits each query to its S_w latest keys
+in every form (mpi_tp.core.attention_span); the tiles and ring pairs outside it are not computed.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ class ParallelAttention(Module):
         bias = not cfg.llama
         self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias or cfg.qkv_bias, seed=seed)
         self.rope = Rope(self.hs, cfg.rope_theta, dtype, cfg.rope_scaling) if cfg.llama else None
-        self.window = cfg.sliding_window                   # W: a query sees its W latest keys (None: all earlier)
+        self.window = cfg.sliding_window                   # S_w: a query sees its S_w latest keys (None: all earlier)
         cols = [len(q) * self.hs for q in self.layout.q]   # the output projection's rows follow the query heads
         self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed, bias=bias,
                                       std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)

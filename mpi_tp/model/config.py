@@ -38,7 +38,7 @@ class GPTConfig:
     tie_word_embeddings: bool | None = None   # output layer = wte; None: True (gpt2, always), False (llama)
     rope_scaling: dict | None = None   # llama: the rotary frequencies stretched (mpi_tp.model.rope_scaling)
     qkv_bias: bool = False        # llama: biases on q, k and v (Qwen2)
-    sliding_window: int | None = None   # llama: W, a query sees its W latest positions, itself included (Mistral);
+    sliding_window: int | None = None   # llama: S_w, a query sees its S_w latest positions, itself included (Mistral);
     #                                     None: every earlier position
     # Mixture of experts (mpi_tp.model.moe); moe_experts = 0 is the dense model.
     moe_experts: int = 0          # E: experts in each MoE block
@@ -126,9 +126,9 @@ class GPTConfig:
         if not self.llama and (self.rope_scaling is not None or self.qkv_bias or self.sliding_window is not None):
             raise ConfigError("rope_scaling, qkv_bias and sliding_window are llama options (arch gpt2 has learned "
                               "positions, biases everywhere and full causal attention)")
-        W = self.sliding_window
-        if W is not None and (isinstance(W, bool) or not isinstance(W, int) or W < 1):
-            raise ConfigError(f"sliding_window = {W!r}: a query's window is a whole number of positions >= 1 "
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ConfigError(f"sliding_window = {window!r}: a query's window is a whole number of positions >= 1 "
                               "(itself included), or none")
         if self.llama:
             from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling

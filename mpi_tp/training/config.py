@@ -40,7 +40,7 @@ class TrainConfig:
                             "{\"rope_type\": \"llama3\", \"factor\": 8, ...} (Llama 3.1-3.3), linear or dynamic "
                             "(mpi_tp.model.rope_scaling); empty: none")
     qkv_bias: bool = opt(False, "llama: biases on q, k and v (Qwen2)")
-    sliding_window: int = opt(0, "llama: a query attends to its W latest positions, itself included (Mistral's "
+    sliding_window: int = opt(0, "llama: a query attends to its S_w latest positions, itself included (Mistral's "
                               "sliding window); 0: to every earlier position")
     norm_eps: float = opt(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)")
     untie_embeddings: bool = opt(False, "llama: give the output layer its own table lm_head (the default)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]          # the repository
-AREAS = ("regions", "sequence", "layouts", "data_parallel", "pipeline", "context", "moe", "recompute", "inference",
+AREAS = ("regions", "sequence", "layouts", "data_parallel", "pipeline", "context", "attention", "moe", "recompute", "inference",
          "checkpoint", "precision", "zero", "build", "verify")
 
 
