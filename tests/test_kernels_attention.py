@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mpi_tp.core import kernels_attention as ka
+from mpi_tp.core import kernels_online as ko
 
 SHAPES = {"mha": ((2, 3, 23, 4), (2, 3, 23, 4)), "gqa": ((2, 2, 3, 23, 4), (2, 2, 1, 23, 4))}
 
@@ -27,7 +28,7 @@ def test_blocked_equals_dense(heads, mask, block):
 
 
 FORMS = {"blocked": (ka.attention_forward, ka.attention_backward),
-         "online": (ka.online_attention_forward, ka.online_attention_backward)}
+         "online": (ko.online_attention_forward, ko.online_attention_backward)}
 
 
 @pytest.mark.parametrize("form", list(FORMS))

@@ -247,16 +247,18 @@ def test_attention_keeps_the_fp32_cache_narrowed(fmt, online):
     bit); the cache the fp32 kernel's at 16 bits (the softmax output, or the online softmax's output, in
     16 bits, its log-sum-exp in fp32, as Megatron keeps them); dq, dk, dv within attention_bounds."""
     from mpi_tp.core import kernels_attention as ka
+    from mpi_tp.core import kernels_online as ko
     dtype, ulp, _ = FORMATS[fmt]
-    forward, backward = ((ka.online_attention_forward, ka.online_attention_backward) if online
+    forward, backward = ((ko.online_attention_forward, ko.online_attention_backward) if online
                          else (kern.attention_forward, kern.attention_backward))
     rng = np.random.default_rng(5)
     q, k, v, dout = (rng.standard_normal((2, 3, 20, 8)).astype(np.float32).astype(dtype) for _ in range(4))
     mask = rng.random((2, 3, 20, 20)) > 0.2
-    out, cache = forward(q, k, v, mask, 1.25, block=8)
-    ref, cache32 = forward(f32(q), f32(k), f32(v), mask, 1.25, block=8)
+    drop = (lambda r, c: mask[..., r, c]) if online else mask          # the online form asks tile by tile
+    out, cache = forward(q, k, v, drop, 1.25, block=8)
+    ref, cache32 = forward(f32(q), f32(k), f32(v), drop, 1.25, block=8)
     assert out.dtype == dtype and np.array_equal(f32(out), f32(ref.astype(dtype)))
-    assert_fp32_cache_narrowed(cache, cache32, (q, k, v, mask, 1.25), dtype)
+    assert_fp32_cache_narrowed(cache, cache32, (q, k, v, drop, 1.25), dtype)
     if online:
         assert cache[3] is out                                   # the output, kept once
     probs = kern.attention_forward(f32(q), f32(k), f32(v), block=8)[1][3]

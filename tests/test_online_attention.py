@@ -1,4 +1,4 @@
-"""The online softmax (mpi_tp.core.kernels_attention.online_attention_*): attention tile by tile without
+"""The online softmax (mpi_tp.core.kernels_online.online_attention_*): attention tile by tile without
 the (S, S) probabilities. The kernel equals the dense one (float64, 1e-12) with uneven tiles, grouped-query
 shapes and dropout masks of every broadcast shape (its finite differences: tests/test_kernels_attention.py);
 the model runs it from ONLINE_FROM positions (lowered to 8 here) and then equals the serial model run densely
@@ -11,6 +11,7 @@ import pytest
 import steps as steps_helper
 
 from mpi_tp.core import kernels_attention as ka
+from mpi_tp.core import kernels_online as ko
 from mpi_tp.core.testing import assert_close, gather_full
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.gpt import GPT
@@ -31,10 +32,12 @@ def test_online_equals_dense(heads, mask, block):
     q, k, v, dout = rng.standard_normal(qs), rng.standard_normal(ks), rng.standard_normal(ks), rng.standard_normal(qs)
     m = None if mask is None else rng.random(qs[:-1] + (qs[-2],) if mask == "full" else (23, 23)) > 0.3
     dense, dc = ka.attention_forward(q, k, v, m, 1.4)
-    online, oc = ka.online_attention_forward(q, k, v, m, 1.4, block=block)
+    tiles = []                                         # each tile's mask is asked for by its slices
+    online, oc = ko.online_attention_forward(q, k, v, None if m is None else
+                                             lambda r, c: tiles.append(1) or m[..., r, c], 1.4, block=block)
     assert np.abs(online - dense).max() < 1e-12
     assert not any(a is not None and getattr(a, "shape", ())[-2:] == (23, 23) and a.dtype != bool for a in oc)
-    for a, b in zip(ka.online_attention_backward(dout, oc), ka.attention_backward(dout, dc)):
+    for a, b in zip(ko.online_attention_backward(dout, oc), ka.attention_backward(dout, dc)):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-12
 
 
@@ -59,8 +62,8 @@ def test_the_model_online_equals_the_serial_model_dense(world, arch, monkeypatch
     ref = {p.name: p.data for p in ref.parameters()}
     monkeypatch.setattr(ka, "ONLINE_FROM", 8)
     calls = []
-    backward = ka.online_attention_backward
-    monkeypatch.setattr(ka, "online_attention_backward", lambda *a: calls.append(1) or backward(*a))
+    backward = ko.online_attention_backward
+    monkeypatch.setattr(ko, "online_attention_backward", lambda *a: calls.append(1) or backward(*a))
     T = world.Get_size()
     for sp, recompute in ([(False, "none"), (True, "selective")] if T > 1 else [(False, "none"), (False, "selective")]):
         topo = Topology.create(world, tp=T)
@@ -87,3 +90,33 @@ def test_the_online_caches_hold_what_the_formula_counts(monkeypatch, dropout, re
     want = activations.activation_terms(32, 2, 32, 4, dropout=dropout > 0, recompute=recompute, value_bytes=8)
     assert "softmax output" not in want and "attention log-sum-exp" in want
     assert activations.measured_terms(model.h[0]) == want
+
+
+def test_the_online_softmax_draws_its_dropout_masks_by_tile(monkeypatch):
+    """With dropout the online path never draws (B, H, S, S): each strip of query rows is drawn once over the
+    keys it sees (Masks.tile), forward and backward the same bits (the model's numbers: the test above), and
+    the pass's peak memory stays below one whole mask's bytes, which the kernel used to hold."""
+    import tracemalloc
+
+    from mpi_tp.model.dropout import Masks
+    monkeypatch.setattr(ka, "ONLINE_FROM", 64)
+    drawn = []
+    tile = Masks.tile
+    monkeypatch.setattr(Masks, "tile", lambda self, *a: drawn.append(a[-1] * a[-3]) or tile(self, *a))
+    monkeypatch.setattr(Masks, "head_masks", lambda *a: pytest.fail("a whole (S, S) mask drawn"))
+    B, S, H = 1, 1024, 2
+    x = np.random.default_rng(0).integers(0, 256, (B, S + 1))
+
+    def peak(dropout):                                 # bytes allocated at most during one forward + backward
+        model = GPT(GPTConfig(n_layer=1, n_head=H, n_embd=16, block_size=S, dropout=dropout), dtype="float32", seed=0)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        model.forward(x[:, :-1], x[:, 1:])
+        model.backward()
+        out = tracemalloc.get_traced_memory()[1] - before
+        tracemalloc.stop()
+        return out
+    more = peak(0.1) - peak(0.0)
+    strips = S // ka.QUERY_BLOCK
+    assert len(drawn) == 2 * strips and max(drawn) <= ka.QUERY_BLOCK * S     # forward + backward, a strip each
+    assert more < B * H * S * S / 4, f"dropout adds {more} bytes to the peak: a whole mask is {B * H * S * S}"

@@ -175,11 +175,12 @@ def test_text_pieces_join_into_the_whole_text():
 
 
 def test_parse_completion_defaults_and_errors():
-    req, stream, timeout = parse_completion(b'{"prompt": "h\\u00e9", "stop": ["\\n"]}', BLOCK)
-    assert (req.prompt, req.stop, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, stream, timeout) == \
+    c = parse_completion(b'{"prompt": "h\\u00e9", "stop": ["\\n"], "seed": 0}', BLOCK)
+    (req,) = c.requests
+    assert (req.prompt, req.stop, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, c.stream, c.timeout) == \
            ("hé".encode(), (b"\n",), 64, 1.0, 1.0, 0, 0, False, 0.0)
-    assert parse_completion(b'{"prompt": "x", "timeout": 2.5}', BLOCK)[2] == 2.5
-    assert parse_completion(rb'{"prompt": "x", "stop": ["ab", "\u00e9"]}', BLOCK)[0].stop == (b"ab", "é".encode())
+    assert parse_completion(b'{"prompt": "x", "timeout": 2.5}', BLOCK).timeout == 2.5
+    assert parse_completion(rb'{"prompt": "x", "stop": ["ab", "\u00e9"]}', BLOCK).requests[0].stop == (b"ab", "é".encode())
     for body, says in [('{"prompt": "x", "stream": 1}', "stream must be true or false"),
                        ('{"prompt": "x", "max_tokens": true}', "max_tokens must be an integer"),
                        ('{"prompt": "x", "seed": -1}', "seed must be an integer from 0 to 2^64 - 1"),
@@ -195,7 +196,7 @@ def test_parse_completion_defaults_and_errors():
                        ('{"prompt": "x", "temperature": 1e308}', "temperature must be a number from 0 to 100"),
                        ('{"prompt": "x", "max_tokens": 1000000000000000000}', "max_tokens must be at most"),
                        ('{"prompt": "\\ud800"}', "valid Unicode"),
-                       ('{"prompt": ["x"]}', "prompt must be a string"),
+                       ('{"prompt": [["x"]]}', "prompt must be a string"),
                        ('{"prompt": "x", "top_p": 0}', "top_p"),
                        ('{"prompt": "x", "max_tokens": 4097}', "max_tokens must be at most 4096"),
                        ('"x"', "JSON object"), ("[" * 100000, "not valid JSON")]:

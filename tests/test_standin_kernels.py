@@ -13,12 +13,12 @@ import numpy
 import pytest
 from test_standin import cupy  # noqa: F401 (the fixture: the stand-in as the backend for one test)
 
-from mpi_tp.core import kernels, kernels_attention, standin
+from mpi_tp.core import kernels, kernels_online, standin
 from mpi_tp.core.standin.state import StrictnessError
 
 SHAPE = (2, 5, 24)                               # (B, S, C)
 LAUNCHES = {"gelu_forward": 1, "gelu_backward": 1, "layernorm_forward": 6, "layernorm_backward": 7,
-            "attention_forward": 10, "attention_backward": 11}
+            "attention_forward": 9, "attention_backward": 11}
 
 
 def run_all(x, dout, w, b) -> tuple[dict, dict]:
@@ -63,8 +63,8 @@ def test_the_online_softmax_fuses_its_tiles_and_gives_the_numpy_paths_numbers(cu
     q, k, v, dout = (rng.standard_normal((2, 3, 5, 4)).astype(dtype) for _ in range(4))
 
     def run(xp):
-        out, cache = kernels_attention.online_attention_forward(*(xp.asarray(a) for a in (q, k, v)), block=2)
-        return [out, cache[4]] + list(kernels_attention.online_attention_backward(xp.asarray(dout), cache))
+        out, cache = kernels_online.online_attention_forward(*(xp.asarray(a) for a in (q, k, v)), block=2)
+        return [out, cache[4]] + list(kernels_online.online_attention_backward(xp.asarray(dout), cache))
     reference = run(numpy)
     standin.counters.reset()
     got = [cupy.asnumpy(a) for a in run(cupy)]

@@ -1,163 +1,76 @@
-"""The hostile mix against `mpi-tp serve`: bad bodies, odd numbers and headers, slow and vanishing clients, a burst.
+"""The hostile mix against `mpi-tp serve`: bad bodies, odd numbers and headers, slow and vanishing clients
+(streaming or not), a burst, deadlines.
 
-    python experiments/serving/serve_hostile.py                      # trains a small model first (about 15 s)
-    python experiments/serving/serve_hostile.py --checkpoint C       # about 1 minute
+    python experiments/serving/serve_hostile.py                      # trains a small model first (about 5 s)
+    python experiments/serving/serve_hostile.py --checkpoint C       # about 2 minutes
 
-One 2-rank server (`--max-batch 4`; `--max-queue 4 --read-timeout 10` where serve has them) gets each case in
-turn, then a good request (greedy, 8 tokens: 200; after the client that left mid-stream, within
-2 s: its row must stop rather than run to its 2000 tokens) and GET /health (200). A case
-passes when its answer is one of the expected ones, both checks pass and the server still runs.
-A server that died (or stopped answering) is reported so and restarted for the next case; every
-socket operation has a timeout, so no case hangs. Writes experiments/serving/results/serve_hostile.md
-(a table) and serve_hostile.jsonl (one line per case, then one with the machine, the command
-and the servers' RSS at the start and the end). Also run by serve_load.py after its load part.
+One 2-rank server (`--max-batch 4`; `--max-queue 4 --read-timeout 10` where serve has them) gets each case
+in turn, then a good request (greedy, 8 tokens: 200; after the clients that left, within 2 s: their rows
+must stop rather than run to their 2000 tokens) and GET /health (200). A second one, the same with
+`--request-timeout 1` where serve has it, gets the cases of a server-wide deadline. A case passes when
+its answer is one of the expected ones, both checks pass and the server still runs. A server that died
+(or stopped answering) is reported so and restarted for the next case; every socket operation has a
+timeout, so no case hangs (the clients' acts: hostile_clients.py). Writes
+experiments/serving/results/serve_hostile.md (a table) and serve_hostile.jsonl (one line per case, then
+one with the machine, the command, every good request answered or not, and each server's flags, RSS at
+its start and end, restarts and whether it ran to the end). Also run by serve_load.py after its load part.
 """
+from __future__ import annotations
+
 import argparse
 import contextlib
 import http.client
 import json
 import os
-import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
 
 import serve_harness as sl
+from hostile_clients import (
+    abandon,
+    burst,
+    disconnect,
+    error_of,
+    post,
+    raw,
+    slow_sender,
+)
+from hostile_deadlines import deadline, outlives, queued_deadline
 
 OUT = os.path.join(sl.HERE, "results", "serve_hostile")
 GOOD = {"prompt": "The ", "max_tokens": 8, "temperature": 0}
+MAX_BATCH, QUEUE, REQUEST_TIMEOUT = 4, 4, 1.0
 
 
-def post(body, length=None, extra=b""):
-    """The bytes of a POST /v1/completions: body (bytes or an object as JSON), Content-Length as given or true."""
-    body = body if isinstance(body, bytes) else json.dumps(body).encode()
-    length = str(len(body)).encode() if length is None else length
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + length + b"\r\n" + extra + b"\r\n" + body)
+class Case(NamedTuple):
+    name: str
+    sent: str
+    expected: str
+    act: Callable                      # server -> (answer, detail, as expected)
+    good_within: float | None = None   # seconds the good request after it may take (rows it left must be freed)
 
 
-def raw(server, data, timeout=30.0):
-    """Send bytes, read until the server closes: (status, or 'closed' / 'timeout' / 'refused'; headers; body)."""
-    got = b""
-    try:
-        with socket.create_connection((server.host, server.port), timeout=5) as s:
-            s.settimeout(timeout)
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):    # the answer may already be there
-                s.sendall(data)
-            while chunk := s.recv(1 << 16):
-                got += chunk
-    except ConnectionRefusedError:
-        return "refused", {}, ""
-    except TimeoutError:
-        if not got:
-            return "timeout", {}, ""
-    except ConnectionResetError:
-        pass
-    head, _, body = got.partition(b"\r\n\r\n")
-    head = head.decode("latin-1").split("\r\n")
-    if not got or not head[0].startswith("HTTP/"):
-        return "closed", {}, ""
-    return int(head[0].split()[1]), dict(h.split(": ", 1) for h in head[1:] if ": " in h), body.decode(errors="replace")
+def send(body, expected, length=None, extra=b""):
+    """An act: these bytes on a raw socket; as expected when the status is one of `expected`."""
+    def act(server):
+        status, _, answer = raw(server, post(body, length, extra))
+        kind, message = error_of(answer)
+        if kind is None:               # not an error: the completion's text
+            with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):
+                message = "text " + json.dumps(json.loads(answer)["choices"][0]["text"])
+        return status, message if len(message) < 100 else message[:97] + "...", status in expected
+    return act
 
 
-def slow_sender(server, seconds):
-    """Headers one byte a second, for up to `seconds`: (what the server did, detail)."""
-    data, t0 = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 1000, time.monotonic()
-    try:
-        with socket.create_connection((server.host, server.port), timeout=5) as s:
-            for i, byte in enumerate(data):
-                if time.monotonic() - t0 > seconds:
-                    return "open", f"still open after {i} bytes in {seconds:.0f} s", False
-                if select.select([s], [], [], 0)[0]:               # the server wrote something, or closed
-                    answer = s.recv(4096)
-                    status = int(answer.split()[1]) if answer.startswith(b"HTTP/") else "closed"
-                    return status, f"after {i} bytes, {time.monotonic() - t0:.1f} s", status in ("closed", 408)
-                s.sendall(bytes([byte]))
-                time.sleep(1)
-    except OSError as e:
-        return "closed", f"{type(e).__name__} after {time.monotonic() - t0:.1f} s", True
-    return "open", "sent the whole header", False
-
-
-def running(server):
-    """Rows generating now (mpi_tp_running_rows from /metrics), else requests in progress (/health), else None."""
-    m = sl.metrics(server)
-    if m is not None and any(k.startswith("mpi_tp_running_rows") for k in m):
-        return "running_rows", sum(v for k, v in m.items() if k.startswith("mpi_tp_running_rows"))
-    with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
-        return "in_progress", json.loads(sl.get(server, "/health")[2])["in_progress"]
-    return "unknown", None
-
-
-def disconnect(server, tokens=2000, events=2):
-    """Read `events` text events of a long streamed request, close the socket; then wait for 0 running."""
-    conn, r = http.client.HTTPConnection(server.host, server.port, timeout=30), None
-    try:
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "The ", "max_tokens": tokens, "stream": True}))
-        r, seen = conn.getresponse(), 0
-        if r.status != 200:
-            return r.status, "no stream", False
-        while seen < events and (line := r.readline()):
-            seen += line.startswith(b"data: ")
-    except (OSError, http.client.HTTPException) as e:
-        return type(e).__name__, "", False
-    finally:
-        if r is not None:
-            r.close()                  # the response holds the socket (Connection: close): this closes it
-        conn.close()
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 5:
-        what, n = running(server)
-        if n == 0:
-            return "closed", f"{what} 0 after {time.monotonic() - t0:.1f} s", True
-        time.sleep(0.2)
-    return "closed", f"{what} still {n} after 5 s", False
-
-
-def burst(server, n):
-    """n non-streamed requests at once: ('200 x a, 429 x b', detail on Retry-After)."""
-    results, gate = [None] * n, threading.Barrier(n)
-
-    def one(i):
-        gate.wait()
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-        try:
-            conn.request("POST", "/v1/completions", json.dumps({"prompt": "The ", "max_tokens": 64, "seed": i}))
-            r = conn.getresponse()
-            r.read()
-            results[i] = (r.status, r.getheader("Retry-After"))
-        except (OSError, http.client.HTTPException) as e:
-            results[i] = (type(e).__name__, None)
-        finally:
-            conn.close()
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    count = Counter(str(r[0]) if r else "no answer" for r in results)
-    retry = sorted({str(r[1]) for r in results if r and r[0] == 429})
-    ok = count["429"] > 0 and set(count) <= {"200", "429"} and "None" not in retry
-    return ", ".join(f"{k} x {v}" for k, v in sorted(count.items())), f"Retry-After: {', '.join(retry) or '-'}", ok
-
-
-def cases(queue, has_queue, slow_seconds):
-    """(name, what is sent, the expected answers, a callable: server -> (answer, detail, as expected))."""
-    def send(body, expected, length=None, extra=b""):
-        def act(server):
-            status, _, answer = raw(server, post(body, length, extra))
-            with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):    # the error's message, or the text
-                j = json.loads(answer)
-                answer = j["error"]["message"] if "error" in j else "text " + json.dumps(j["choices"][0]["text"])
-            return status, answer if len(answer) < 100 else answer[:97] + "...", status in expected
-        return act
+def cases(has_queue, slow_seconds):
+    """The first server's cases, in order."""
     big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
-    return [
+    return [Case(*c) for c in [
         ("malformed JSON", '{"prompt": "a",', "400", send(b'{"prompt": "a",', {400})),
         ("a JSON array", '[{"prompt": "a"}]', "400", send(b'[{"prompt": "a"}]', {400})),
         ("prompt 3", '{"prompt": 3}', "400", send({"prompt": 3}, {400})),
@@ -185,10 +98,37 @@ def cases(queue, has_queue, slow_seconds):
         ("slow sender", f"headers at 1 byte/s for up to {slow_seconds:.0f} s", "closed (or 408)",
          lambda s: slow_sender(s, slow_seconds)),
         ("disconnect mid-stream", "a 2000-token stream: 2 events read, then the socket closed",
-         "running rows 0 within 5 s; the good request within 2 s (the abandoned row stops)", disconnect),
-        ("burst", f"{3 * queue} requests at once, 64 tokens each (3 x max-queue {queue}"
+         "running rows 0 within 5 s; the good request within 2 s (the abandoned row stops)", disconnect, 2.0),
+        ("disconnects, not streamed", f"{MAX_BATCH + 2} requests for 2000 tokens each, not streamed: "
+         f"{MAX_BATCH} (every row), then 2 queued; every socket closed 0.3 s later",
+         f"cancelled +{MAX_BATCH + 2} and 499 +{MAX_BATCH + 2}, none refused; no row running or queued within "
+         "5 s; fewer tokens in all than 2000; the good request within 2 s", lambda s: abandon(s, MAX_BATCH, 2), 2.0),
+        ("deadline, not streamed", '2000 tokens, "timeout": 0.5',
+         "504 of type timeout naming the 0.5 s deadline within 2.5 s; deadlines_total +1",
+         lambda s: deadline(s, False, 0.5), 2.0),
+        ("deadline, streamed", '2000 tokens, "timeout": 0.5, "stream": true',
+         "text events, then an error event of type timeout naming the 0.5 s deadline, then [DONE], within "
+         "2.5 s; deadlines_total +1", lambda s: deadline(s, True, 0.5), 2.0),
+        ("deadline in the queue", f"{MAX_BATCH} requests for 2000 tokens with \"timeout\": 1.5 (every row), then "
+         'one with "timeout": 0.3', "504 after 0 tokens for the queued one within 1.3 s, then 504 x "
+         f"{MAX_BATCH}; deadlines_total +{MAX_BATCH + 1}", lambda s: queued_deadline(s, MAX_BATCH), 2.0),
+        ("burst", f"{3 * QUEUE} requests at once, 64 tokens each (3 x max-queue {QUEUE}"
          + ("" if has_queue else ": serve has none") + ")",
-         "200s and some 429s, each with Retry-After", lambda s: burst(s, 3 * queue)),
+         "200s and some 429s, each with Retry-After", lambda s: burst(s, 3 * QUEUE)),
+    ]]
+
+def timed_cases():
+    """The cases of a server started with --request-timeout (REQUEST_TIMEOUT seconds)."""
+    t = f"{REQUEST_TIMEOUT:g}"
+    return [
+        Case("--request-timeout, not streamed", "2000 tokens, no timeout field",
+             f"504 of type timeout naming the server's {t} s deadline; deadlines_total +1",
+             lambda s: deadline(s, False, None, expect=REQUEST_TIMEOUT), 2.0),
+        Case("--request-timeout, streamed", "2000 tokens streamed, no timeout field",
+             f"text events, then an error event of type timeout naming the {t} s deadline, then [DONE]",
+             lambda s: deadline(s, True, None, expect=REQUEST_TIMEOUT), 2.0),
+        Case("a body's timeout over it", '2000 tokens, "timeout": 60', "200 with all 2000 tokens (past "
+             f"the server's {t} s)", lambda s: outlives(s, 60)),
     ]
 
 
@@ -205,19 +145,36 @@ def after(server):
 
 
 def run(checkpoint, options, logs, slow_seconds=20.0, out=OUT):
-    queue = 4
-    flags = ["--max-batch", "4"] + (["--max-queue", str(queue)] if "--max-queue" in options else [])
+    """Every case against its server (the --request-timeout ones against a second), then the report."""
+    flags = ["--max-batch", str(MAX_BATCH)] + (["--max-queue", str(QUEUE)] if "--max-queue" in options else [])
     flags += ["--read-timeout", "10"] if "--read-timeout" in options else []     # the slow sender outlasts it
-    server, rows, head = sl.Server(checkpoint, flags, logs), [], {**sl.stamp(), "flags": flags}
-    head["rss_start"], restarts = server.rss(), 0
+    head, rows = {**sl.stamp(), "servers": []}, []
+    rows += run_server(checkpoint, flags, cases("--max-queue" in options, slow_seconds), logs, head["servers"])
+    if "--request-timeout" in options:
+        timed = flags + ["--request-timeout", f"{REQUEST_TIMEOUT:g}"]
+        rows += run_server(checkpoint, timed, timed_cases(), logs, head["servers"])
+    else:
+        rows += [{"case": c.name, "sent": c.sent, "expected": c.expected, "got": "not run",
+                  "detail": "serve has no --request-timeout", "pass": False} for c in timed_cases()]
+    head["good"] = [sum(r.get("good") == 200 for r in rows), sum("good" in r for r in rows)]
+    head["alive"] = all(s["restarts"] == 0 and s["alive_at_end"] for s in head["servers"])
+    write(rows, head, out)
+    return rows
+
+
+def run_server(checkpoint, flags, its_cases, logs, servers):
+    """One server through its cases (restarted after a case it did not live through): the table's rows.
+    Appends the server's flags, RSS at its start and end, restarts and end to `servers`."""
+    server, rows = sl.Server(checkpoint, flags, logs), []
+    servers.append(info := {"flags": flags, "rss_start": server.rss(), "restarts": 0})
     try:
-        for name, sent, expected, act in cases(queue, "--max-queue" in options, slow_seconds):
-            row = {"case": name, "sent": sent, "expected": expected}
+        for case in its_cases:
+            row = {"case": case.name, "sent": case.sent, "expected": case.expected}
             if server is None:
                 rows.append({**row, "got": "not run", "pass": False})
                 continue
             try:
-                got, detail, ok = act(server)
+                got, detail, ok = case.act(server)
             except Exception as e:  # noqa: BLE001 -- a fault of this script: said in the table, and the next case still runs
                 got, detail, ok = "client error", f"{type(e).__name__}: {e}", False
             good, seconds, health = after(server)
@@ -226,11 +183,11 @@ def run(checkpoint, options, logs, slow_seconds=20.0, out=OUT):
                     server.proc.wait(timeout=5)
             state = "up" if server.alive() and health == 200 else "died" if not server.alive() else "not answering"
             ok = ok and good == 200 and health == 200 and state == "up"
-            if name == "disconnect mid-stream":
-                ok = ok and seconds < 2         # ~0.05 s alone; the rest of 2000 tokens takes 3-8 s here
+            if case.good_within is not None:       # ~0.05 s alone; behind a row run to 2000 tokens 3-8 s here
+                ok = ok and seconds < case.good_within
             rows.append({**row, "got": got, "detail": detail, "good": good, "good_s": seconds, "health": health,
                          "server": state, "pass": bool(ok)})
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {got} {detail} | good {good} in {seconds} s, "
+            print(f"{'ok  ' if ok else 'FAIL'} {case.name}: {got} {detail} | good {good} in {seconds} s, "
                   f"/health {health}, server {state}", flush=True)
             if got == 500:             # the server's own word on it
                 said = [line for line in server.log_tail(20).splitlines() if "error answering" in line]
@@ -240,15 +197,13 @@ def run(checkpoint, options, logs, slow_seconds=20.0, out=OUT):
                 errors = [line for line in rows[-1]["log"].splitlines() if "Error" in line or "Abort" in line]
                 rows[-1]["detail"] = "; ".join(filter(None, [detail, errors[0].strip() if errors else ""]))
                 server.stop()
-                server, restarts = None, restarts + 1
+                server, info["restarts"] = None, info["restarts"] + 1
                 print("restarting the server", flush=True)
                 with contextlib.suppress(RuntimeError):
                     server = sl.Server(checkpoint, flags, logs)
     finally:
-        head.update(rss_end=server.rss() if server else None, restarts=restarts)
-        if server:
-            server.stop()
-    write(rows, head, out)
+        info.update(rss_end=server.rss() if server else None, alive_at_end=bool(server and server.alive()))
+        info["exit"] = server.stop() if server else None
     return rows
 
 
@@ -260,14 +215,21 @@ def write(rows, head, out):
 
     def mib(r):
         return f"{r['rss_mib']} MiB (peak {r['hwm_mib']})" if r else "-"
+
+    def server(i, s):
+        return (f"server {i + 1}: `mpiexec -n 2 ... serve --port 0 {' '.join(s['flags'])}`; RSS of both ranks at "
+                f"the start {mib(s['rss_start'])}, at the end {mib(s['rss_end'])}"
+                + (f" (of the one started last: {s['restarts']} restart(s))" if s["restarts"] else "")
+                + f"; {'alive at the end' if s['alive_at_end'] else 'not alive at the end'}, exit {s['exit']}  ")
+    passed, (good, asked) = sum(r["pass"] for r in rows), head["good"]
     lines = [f"# mpi-tp serve: the hostile mix\n\n{head['machine']}; mpi_tp at {head['commit']}; {head['time']}  ",
-             f"`{head['command']}`  ",
-             f"server: `mpiexec -n 2 ... serve --port 0 {' '.join(head['flags'])}`; RSS of both ranks at the start "
-             + f"{mib(head['rss_start'])}, at the end {mib(head['rss_end'])}"
-             + (f" (of the server started last: {head['restarts']} restart(s))\n" if head["restarts"] else "\n"),
-             "After each case: a good request (streamed, greedy, 8 tokens: 200, and within 2 s after the disconnect)"
-             + " and GET /health (200); a server that died is restarted for the next case.\n",
-             f"{sum(r['pass'] for r in rows)} of {len(rows)} cases pass.\n",
+             f"`{head['command']}`  ", *(server(i, s) for i, s in enumerate(head["servers"])), "",
+             "After each case: a good request (streamed, greedy, 8 tokens: 200; within 2 s after the cases whose"
+             " clients left or whose deadline passed) and GET /health (200); a server that died is restarted for the"
+             " next case. The --request-timeout cases ran against server 2.\n",
+             f"{passed} of {len(rows)} cases pass. Every good request answered: "
+             f"{'yes' if good == asked else 'no'} ({good} of {asked}). The job alive through every case and at "
+             f"the end: {'yes' if head['alive'] else 'no'}.\n",
              "| case | sent | expected | got | detail | then: good request | /health | server | result |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -277,7 +239,8 @@ def write(rows, head, out):
         lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}.md and .jsonl: {sum(r['pass'] for r in rows)} of {len(rows)} cases pass")
+    print(f"wrote {out}.md and .jsonl: {passed} of {len(rows)} cases pass; good requests {good} of {asked}; "
+          f"job alive: {head['alive']}")
 
 
 def main():

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from mpi_tp.checkpoint.model import load_model, model_tokenizer
 from mpi_tp.commands.common import add_model_arguments, model_dtype, use_backend
+from mpi_tp.core.runtime import collective_setup
 from mpi_tp.inference.serving.server import Stop, serve
 
 
@@ -42,12 +44,34 @@ def _seconds(value: str) -> float:
     return x
 
 
+def served_name(path: str) -> str:
+    """The model's short name from its path: the folder's (or file's) name, above an mpi_tp run's
+    checkpoints/ or step-N/ folders (runs/X/checkpoints/step-2 -> X)."""
+    parts = [p for p in os.path.abspath(path).split(os.sep) if p]
+    while len(parts) > 1 and re.fullmatch(r"checkpoints|step-[0-9]+", parts[-1]):
+        parts.pop()
+    return parts[-1] if parts else "model"
+
+
+def chat_template(args):
+    """The chat template: --chat-template's file, else the Hugging Face folder's (the checkpoint's, or the
+    --tokenizer folder's), else None."""
+    from mpi_tp.text.chat import folder_chat_template, special_tokens, template_file
+    folders = [f for f in (args.checkpoint, args.tokenizer) if os.path.isdir(f) and
+               os.path.isfile(os.path.join(f, "tokenizer_config.json"))]
+    if args.chat_template:
+        return template_file(args.chat_template, special_tokens(folders[0]) if folders else {})
+    return next((t for t in map(folder_chat_template, folders) if t is not None), None)
+
+
 def cmd_serve(args, comm) -> int:
     stop = Stop().install()          # before the (slow) load: a Ctrl-C then still ends the job cleanly
     use_backend(args, comm)          # before any array is made
     model, ck = load_model(args.checkpoint, comm, model_dtype(args))
     tokenizer = model_tokenizer(args.tokenizer, ck, comm)
-    return serve(model, comm, name=os.path.normpath(args.checkpoint), host=args.host, port=args.port,
+    template = collective_setup(lambda: chat_template(args) if comm.Get_rank() == 0 else None, comm=comm)
+    return serve(model, comm, name=args.served_model_name or served_name(args.checkpoint), host=args.host,
+                 port=args.port, chat_template=template,
                  max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, stop=stop, batching=args.batching,
                  max_queue=args.max_queue, max_connections=args.max_connections, read_timeout=args.read_timeout,
                  request_timeout=args.request_timeout,
@@ -55,10 +79,10 @@ def cmd_serve(args, comm) -> int:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-style /v1/completions)",
+    s = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-style /v1/completions, /v1/chat/completions)",
                        description="Serve a saved model over HTTP at tensor-parallel size = world size: "
                                    "mpiexec -n T mpi-tp serve --checkpoint C. Rank 0 answers POST "
-                                   "/v1/completions, GET /v1/models and GET /health; every rank computes. "
+                                   "/v1/completions, POST /v1/chat/completions, GET /v1/models and GET /health; every rank computes. "
                                    "SIGTERM, SIGUSR1 or Ctrl-C finishes the batch in flight and exits 0 (Open "
                                    "MPI's mpiexec: send it SIGUSR1).")
     s.add_argument("--checkpoint", required=True, help="checkpoint folder, a step-N folder, or a Hugging Face "
@@ -81,5 +105,10 @@ def add_parser(sub) -> None:
     s.add_argument("--request-timeout", type=float, default=0.0,
                    help="seconds a completion may take from its arrival, unless its body's timeout says: past it, "
                         "504 (streaming: the text so far, then an error event) and its row freed (default 0: none)")
+    s.add_argument("--served-model-name", default=None, help="the name requests' `model` must give and GET "
+                   "/v1/models lists (default: the checkpoint folder's name, above checkpoints/ and step-N/)")
+    s.add_argument("--chat-template", default=None, help="a file of Jinja text rendering chat messages for "
+                   "/v1/chat/completions (default: the Hugging Face folder's tokenizer_config.json chat_template; "
+                   "none: chat requests are refused)")
     add_model_arguments(s)
     s.set_defaults(run=cmd_serve)

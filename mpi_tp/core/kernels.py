@@ -24,7 +24,6 @@ from mpi_tp.core import kernels_half as half
 from mpi_tp.core.backend import array_module
 from mpi_tp.core.blas import matmul
 from mpi_tp.core.kernels_attention import (  # noqa: F401
-    _causal_bias,
     _sum_to,
     attention_backward,
     attention_forward,

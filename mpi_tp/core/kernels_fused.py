@@ -14,7 +14,7 @@ checks the new counts):
     GELU forward       11 -> 1                 GELU backward      13 -> 1
     LayerNorm forward  11 -> 6                 LayerNorm backward 11 -> 7   (the row and column
                                                                             reductions stay their own)
-    attention forward  12 -> 10                attention backward 12 -> 11  (one query block; the
+    attention forward  11 -> 9                 attention backward 12 -> 11  (one query block; the
                                                                             softmax's shift and exp, its scale,
                                                                             its backward's tail; the online
                                                                             softmax's tiles the same way)

@@ -109,3 +109,48 @@ def generic_words(key: tuple[int, int], ctr1, ctr2, ctr3, start: int, stop: int,
     shape = out.shape[:-2]
     words = out.reshape(*shape, -1).view(xp.uint16)                         # (..., 16 blocks), little-endian
     return words[..., skip:skip + stop - start]
+
+
+def stream_rows(key: tuple[int, int], ctr1, ctr2, ctr3, starts, width: int, xp=numpy, at_least=None):
+    """Words start ... start + width - 1 of the streams (ctr1, ctr2, ctr3) for each of `starts` (ascending
+    ints): (*shape, len(starts), width); with `at_least`, bool as in `stream_words`. The rows of a tile
+    of a row-major array (a tile of the attention masks: mpi_tp.model.dropout), without drawing the words
+    between them. NumPy: one C Philox per stream, advanced from row to row; other xp: `philox4x64`."""
+    starts = [int(s) for s in starts]
+    if xp is not numpy:
+        words = _generic_rows(key, ctr1, ctr2, ctr3, starts, width, xp)
+        return words if at_least is None else words >= xp.uint16(at_least)
+    shape = numpy.broadcast_shapes(*(numpy.shape(c) for c in (ctr1, ctr2, ctr3)))
+    streams = zip(*(numpy.broadcast_to(numpy.asarray(c, dtype=numpy.uint64), shape).reshape(-1).tolist()
+                    for c in (ctr1, ctr2, ctr3)))
+    out = numpy.empty((int(numpy.prod(shape)), len(starts), width), bool if at_least is not None else numpy.uint16)
+    for j, (w1, w2, w3) in enumerate(streams):
+        bits, at = None, 0                                  # `at`: the block the generator draws next
+        for i, start in enumerate(starts):
+            b0, b1 = _blocks(start, start + width)
+            if bits is None or b0 < at:
+                counter = ((w3 << 192 | w2 << 128 | w1 << 64 | b0) - 1) % (1 << 256)   # numpy adds 1 first
+                bits = numpy.random.Philox(counter=counter, key=key[0] | key[1] << 64)
+            elif b0 > at:
+                bits.advance(b0 - at)
+            skip = start - b0 * WORDS_PER_BLOCK
+            words = bits.random_raw(4 * (b1 - b0)).astype("<u8", copy=False).view("<u2")[skip:skip + width]
+            at = b1
+            if at_least is None:
+                out[j, i] = words
+            else:
+                numpy.greater_equal(words, numpy.uint16(at_least), out=out[j, i])
+    return out.reshape(*shape, len(starts), width)
+
+
+def _generic_rows(key, ctr1, ctr2, ctr3, starts, width: int, xp):
+    """`stream_rows` by `philox4x64` on xp arrays, every row of every stream at once."""
+    first = numpy.asarray(starts, dtype=numpy.int64) // WORDS_PER_BLOCK
+    n = max(_blocks(s, s + width)[1] - b for s, b in zip(starts, first.tolist()))
+    ctr0 = xp.asarray(first.astype(numpy.uint64))[:, None] + xp.arange(n, dtype=xp.uint64)   # (rows, blocks)
+    ctr1, ctr2, ctr3 = (xp.asarray(c, dtype=xp.uint64)[..., None, None] for c in (ctr1, ctr2, ctr3))
+    out = xp.stack(philox4x64(ctr0, ctr1, ctr2, ctr3, key, xp), axis=-1)    # (..., rows, blocks, 4)
+    words = out.reshape(*out.shape[:-2], -1).view(xp.uint16)                # (..., rows, 16 blocks)
+    skip = xp.asarray(numpy.asarray(starts, dtype=numpy.int64) - first * WORDS_PER_BLOCK)
+    cols = skip[:, None] + xp.arange(width)                                 # (rows, width)
+    return xp.take_along_axis(words, xp.broadcast_to(cols, words.shape[:-1] + (width,)), axis=-1)

@@ -42,6 +42,20 @@ def sample(model, prompt: bytes | list, n_new: int, temperature: float = 0.8, to
     return bytes(tokens) if isinstance(prompt, (bytes, bytearray)) else tokens
 
 
+def log_probabilities(logits, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` and the k likeliest tokens' (id, log-probability), likeliest first (ties:
+    the lower id first), from one row's logits (V,): log-softmax, log p_i = z_i - logsumexp(z). The model's own
+    distribution, before any temperature, top_k or top_p (what OpenAI's and vLLM's logprobs give).
+    The server has the whole row on rank 0 already (the decoder gathers the vocabulary split to choose the
+    token), so this reads it there: k + 1 values come out of V."""
+    z = numpy.asarray(logits, dtype=numpy.float64)
+    m = z.max()
+    lse = m + numpy.log(numpy.exp(z - m).sum())
+    top = numpy.argpartition(-z, k - 1)[:k] if 0 < k < z.size else numpy.arange(z.size if k else 0)
+    top = top[numpy.lexsort((top, -z[top]))]                      # by value, then by id
+    return float(z[token] - lse), [(int(i), float(z[i] - lse)) for i in top]
+
+
 def printable(data: bytes) -> str:
     """Sampled bytes as text for a terminal: invalid UTF-8 and control characters (but newlines
     and tabs) are shown as escapes rather than sent raw."""

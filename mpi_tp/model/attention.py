@@ -24,9 +24,10 @@ import math
 from mpi_tp.core import backend
 from mpi_tp.core import kernels as kern
 from mpi_tp.core import kernels_attention as ka
+from mpi_tp.core import kernels_online as ko
 from mpi_tp.core.module import Module
 from mpi_tp.model.config import GPTConfig
-from mpi_tp.model.dropout import context_head_masks
+from mpi_tp.model.dropout import TileMasks
 from mpi_tp.model.forward_pass import NO_PASS, Pass
 from mpi_tp.model.heads import head_layout
 from mpi_tp.model.parallel_linear import RowParallelLinear
@@ -58,6 +59,7 @@ class ParallelAttention(Module):
         bias = not cfg.llama
         self.qkv = QKVParallelLinear(name, C, self.hs, self.layout, topo, dtype, bias=bias or cfg.qkv_bias, seed=seed)
         self.rope = Rope(self.hs, cfg.rope_theta, dtype, cfg.rope_scaling) if cfg.llama else None
+        self.window = cfg.sliding_window                   # W: a query sees its W latest keys (None: all earlier)
         cols = [len(q) * self.hs for q in self.layout.q]   # the output projection's rows follow the query heads
         self.proj = RowParallelLinear(f"{name}/proj", C, C, tp, dtype, sizes=cols, seed=seed, bias=bias,
                                       std=0.02 / math.sqrt(2 * cfg.n_layer), sp=sp)
@@ -93,15 +95,18 @@ class ParallelAttention(Module):
             return self._ring_forward(x, ps)
         q, k, v = self.project_qkv(x, sp=ps.sp)                          # S: the whole sequence, also under sp
         B, _, S, _ = q.shape
-        mask = (ps.masks.head_masks(B, S, self.heads, self.layer)        # bool (B, H_i, S, S): this
-                if ps.masks is not None else None)                       # rank's heads only
         gq, gk, gv = self.grouped(q, k, v)
-        online = S >= ka.ONLINE_FROM     # long sequences: the online softmax, no (S, S) array kept
-        y, cache = (ka.online_attention_forward if online else kern.attention_forward)(
-            gq, gk, gv, self._grouped_mask(mask), ps.scale)
-        if self.recompute and not online:   # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
-            cache = (gq, gk, gv, ps.masks)
-        self.save_cache(cache, "online" if online else "dense")
+        if S >= ka.ONLINE_FROM:      # long sequences: the online softmax, no (S, S) array kept, masks by tile
+            y, cache = ko.online_attention_forward(gq, gk, gv, self._tile_masks(B, ps, S), ps.scale,
+                                                   window=self.window)
+            self.save_cache(cache, "online")
+        else:
+            mask = (ps.masks.head_masks(B, S, self.heads, self.layer)    # bool (B, H_i, S, S): this
+                    if ps.masks is not None else None)                   # rank's heads only
+            y, cache = kern.attention_forward(gq, gk, gv, self._grouped_mask(mask), ps.scale, window=self.window)
+            if self.recompute:       # selective recomputation: keep q, k, v, not the (B, H_i, S, S) arrays
+                cache = (gq, gk, gv, ps.masks)
+            self.save_cache(cache, "dense")
         y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)   # (B, S, H_i hs)
         return self.proj.forward(y, ps.sp)                               # row split + g -> (B, S, C)
                                                                          # (sp: reduce-scatter -> (B, S_i, C))
@@ -117,23 +122,32 @@ class ParallelAttention(Module):
         q, k, v = self.project_qkv(x, angles, ps.sp)                     # (B, heads, S_r, hs)
         B, _, S, _ = q.shape
         gq, gk, gv = self.grouped(q, k, v)
-        y, cache = ring_forward(gq, gk, gv, cp, self._ring_masks(B, ps), ps.scale)
-        self.save_cache(cache[:6] + (ps,), "ring")                       # the masks are drawn again
+        y, cache = ring_forward(gq, gk, gv, cp, self._ring_masks(B, ps), ps.scale, self.window)
+        self.save_cache(cache[:7] + (ps,), "ring")                       # the masks are drawn again
         y = self.ungroup(y).transpose(0, 2, 1, 3).reshape(B, S, self.H_i * self.hs)
         return self.proj.forward(y, ps.sp)
 
-    def _ring_masks(self, B, ps: Pass):
-        """mask_of(src, rows, cols) for ring attention: this rank's rows of the serial model's masks, at
-        rank src's key positions; None without dropout."""
+    def _tile_masks(self, B, ps: Pass, S):
+        """mask_of(rows, cols) for the online softmax: the tile's dropout masks, a strip of query rows drawn
+        at a time (TileMasks); None without dropout."""
         if ps.masks is None:
             return None
-        rows = self._grouped_mask(context_head_masks(ps.masks, B, self.heads, self.layer, ps.cp))
-        keys = {}
+        tiles = TileMasks(ps.masks, B, S, self.heads, self.layer, lambda t, n: ko.strip_keys(t, t + n, self.window))
+        return lambda rows, cols: self._grouped_mask(tiles(rows, cols))
+
+    def _ring_masks(self, B, ps: Pass):
+        """mask_of(src, rows, cols) for ring attention: the serial model's masks at this rank's query rows and
+        rank src's key rows, each pair drawn by itself (TileMasks); None without dropout."""
+        if ps.masks is None:
+            return None
+        cp = ps.cp
+        tiles = TileMasks(ps.masks, B, cp.S, self.heads, self.layer)
+
+        def offset(rank, local):                     # global minus local position of the run holding `local`
+            return next(g - a for a, b, g, _ in cp.runs(rank) if a <= local < b)
 
         def mask_of(src, r, c):
-            if src not in keys:
-                keys[src] = backend.asarray(ps.cp.positions_of(src))
-            return rows[..., r, :][..., keys[src][c]]
+            return self._grouped_mask(tiles(r, c, offset(None, r.start), offset(src, c.start)))
         return mask_of
 
     def _grouped_mask(self, mask):
@@ -149,16 +163,16 @@ class ParallelAttention(Module):
             dy = dy.reshape(B, self.H_kv_i, self.H_i // self.H_kv_i, S, self.hs)
         cache, kind = self.take_cache()
         if kind == "online":
-            return self._qkv_backward(*ka.online_attention_backward(dy, cache), B, S, dout.dtype)
+            return self._qkv_backward(*ko.online_attention_backward(dy, cache), B, S, dout.dtype)
         if kind == "ring":           # ring attention's backward, with the forward's masks drawn again
             ps = cache[-1]
-            return self._qkv_backward(*ring_backward(dy, cache[:6] + (self._ring_masks(B, ps), ps.scale)), B, S,
+            return self._qkv_backward(*ring_backward(dy, cache[:7] + (self._ring_masks(B, ps), ps.scale)), B, S,
                                       dout.dtype)
         if self.recompute:           # the attention core again, with the same dropout masks (keyed, redrawn)
             q, k, v, masks = cache
             mask = None if masks is None else masks.head_masks(B, S, self.heads, self.layer)
             _, cache = kern.attention_forward(q, k, v, self._grouped_mask(mask),
-                                              1.0 if masks is None else masks.scale)
+                                              1.0 if masks is None else masks.scale, window=self.window)
         dq, dk, dv = kern.attention_backward(dy, cache)                  # dq like q, dk and dv like k and v
         return self._qkv_backward(dq, dk, dv, B, S, dout.dtype)
 

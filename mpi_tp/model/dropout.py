@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy
 
 from mpi_tp.core import backend
-from mpi_tp.core.philox import split_key, stream_words
+from mpi_tp.core.philox import split_key, stream_rows, stream_words
 
 WORD = 1 << 16                   # each element compares one 16-bit word of its stream
 ATTENTION = 1                    # the site of the attention probabilities (see above)
@@ -128,6 +128,14 @@ class Masks:
         """Attention-probability masks, bool (B, H_i, S, S), for the global heads `heads` only."""
         return self.keep(B, layer, ATTENTION, 0, S * S, heads).reshape(B, len(heads), S, S)
 
+    def tile(self, B, S, heads, layer, t0, n, s0, m):
+        """The part of head_masks(B, S, heads, layer) at queries t0 ... t0 + n - 1 and keys s0 ... s0 + m - 1,
+        bool (B, H_i, n, m), drawn alone (the same bits: each element is named by its position)."""
+        rows = numpy.arange(self.row0, self.row0 + B, dtype=numpy.uint64)[:, None]
+        ctr2 = site_word(layer, ATTENTION, numpy.asarray(list(heads)))[None, :]
+        return stream_rows(split_key(self.seed), rows, ctr2, self.step, range(t0 * S + s0, (t0 + n) * S + s0, S), m,
+                           xp=backend.xp(), at_least=self.threshold)
+
     def apply(self, x, mask):
         """x * mask / (1 - p): a fresh array of x's dtype (mask bool, broadcastable to x)."""
         out = x * mask
@@ -147,10 +155,28 @@ def region_mask(masks: Masks, y, sp, layer, site, cp=None):
     return runs[0] if len(runs) == 1 else backend.xp().concatenate(runs, axis=1)
 
 
-def context_head_masks(masks: Masks, B, heads, layer, cp):
-    """Attention-probability masks of this rank's query positions against every key, bool (B, H_i, S_r, S):
-    the serial model's rows at this rank's two chunks (context parallelism; ring attention slices them)."""
-    S = cp.S
-    runs = [masks.keep(B, layer, ATTENTION, a * S, b * S, heads).reshape(B, len(heads), b - a, S)
-            for a, b in cp.global_runs(slice(0, cp.length()))]
-    return backend.xp().concatenate(runs, axis=2)
+class TileMasks:
+    """The attention dropout of one layer drawn tile by tile, for the online softmax (mpi_tp.core.kernels_online)
+    and ring attention: no (S, S) mask is held. Called as mask_of(rows, cols) with the tile's query and key
+    slices at global positions (offsets t0 and s0 added to local ones: a context-parallel rank's runs). A
+    strip of query rows is drawn once, over the keys its queries see (`span`: (lo, hi) of the strip's rows),
+    and its tiles are slices of it; without `span` each tile is drawn by itself (ring attention: a rank's
+    tiles are whole chunk pairs, each computed once per pass)."""
+
+    def __init__(self, masks: Masks, B: int, S: int, heads, layer: int, span=None):
+        self.masks, self.B, self.S, self.heads, self.layer, self.span = masks, B, S, list(heads), layer, span
+        self.strip = (None, None, None)                  # (rows, lo, the strip's mask)
+
+    def __call__(self, rows: slice, cols: slice, t0: int = 0, s0: int = 0):
+        n, m = rows.stop - rows.start, cols.stop - cols.start
+        t, s = t0 + rows.start, s0 + cols.start
+        if self.span is None:
+            return self.draw(t, n, s, m)
+        if self.strip[0] != (t, n):
+            lo, hi = self.span(t, n)
+            self.strip = ((t, n), lo, self.draw(t, n, lo, hi - lo))
+        _, lo, strip = self.strip
+        return strip[..., s - lo:s - lo + m]
+
+    def draw(self, t, n, s, m):
+        return self.masks.tile(self.B, self.S, self.heads, self.layer, t, n, s, m)

@@ -9,13 +9,14 @@ ones from rank r - 1 (Isend / Irecv), then computes the attention of its queries
 holds while the next one is in flight. A query's softmax is over every key it sees, in blocks that
 arrive one by one, so each block's scores are merged into a running maximum m, sum l and output o
 (the online softmax of Milakov and Gimelshein 2018, FlashAttention's merge; the block's arithmetic is
-mpi_tp.core.kernels_attention.online_block, which one rank runs alone for long sequences):
+mpi_tp.core.kernels_online.online_block, which one rank runs alone for long sequences):
 
     m' = max(m, max_j s_j)      l' = l e^(m - m') + sum_j e^(s_j - m')      o' = o e^(m - m') + e^(s - m') v
 
 and at the end out = o / l, with lse = m + log l kept for the backward pass. Which (query chunk, key
 chunk) pairs are computed follows from the chunk order alone: a later key chunk than the query
-chunk is skipped, the same chunk is causal (the triangle), an earlier one is whole.
+chunk is skipped, the same chunk is causal (the triangle), an earlier one is whole (with a sliding window,
+the pairs wholly outside it are skipped too and its edge masked: mpi_tp.core.attention_span).
 
 Backward (FlashAttention's, block by block): p = e^(s - lse) again from q, k and lse (no (S, S) array
 is kept), delta = rowsum(dout * out), ds = p (dp - delta). The keys and values go around the ring once more,
@@ -44,19 +45,23 @@ from __future__ import annotations
 import math
 
 from mpi_tp.core.backend import array_module
-from mpi_tp.core.kernels_attention import _sum_to, online_block, online_block_backward
+from mpi_tp.core import attention_span as span
+from mpi_tp.core.kernels_attention import _sum_to
+from mpi_tp.core.kernels_online import online_block, online_block_backward
 from mpi_tp.core.precision import computed, stored
 
 TAG = 31
 
 
-def blocks(split, src: int, rank: int | None = None):
-    """(query rows, key rows, diagonal) of every computed pair of `rank`'s queries (default this rank's) and
-    rank src's keys."""
-    for qa, qb, _, cq in split.runs(rank):
-        for ka, kb, _, ck in split.runs(src):
-            if ck <= cq:
-                yield slice(qa, qb), slice(ka, kb), ck == cq
+def blocks(split, src: int, window=None, dtype=None, xp=None, rank: int | None = None):
+    """(query rows, key rows, bias) of every computed pair of `rank`'s queries (default this rank's) and rank
+    src's keys: the pairs where some query sees some key (mpi_tp.core.attention_span, by their global
+    positions), bias None for a pair seen whole (dtype and xp: the bias's; None: the pairs alone)."""
+    for qa, qb, gq, _ in split.runs(rank):
+        for ka, kb, gk, _ in split.runs(src):
+            if span.sees(gq, qb - qa, gk, kb - ka, window):
+                bias = None if xp is None else span.tile_bias(gq, qb - qa, gk, kb - ka, window, dtype, xp)
+                yield slice(qa, qb), slice(ka, kb), bias
 
 
 def _pass_on(group, kv, src_next: int, split, xp):
@@ -95,10 +100,11 @@ def _wait(group, pending) -> None:
         group.stats.count(key)
 
 
-def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
+def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0, window: int | None = None):
     """Causal attention of this rank's queries over the whole sequence. q (..., S_r, hs), k and v
     (..., S_r, hs) (leading axes broadcast: grouped-query attention). mask_of(src, rows, cols), if
-    given, is the bool dropout mask of this rank's query rows against rank src's key rows.
+    given, is the bool dropout mask of this rank's query rows against rank src's key rows. window: a
+    query sees its `window` latest keys only (the pairs outside it are skipped; every block still travels).
     Returns out (like q) and the cache for ring_backward. 16-bit inputs: see the module docstring."""
     xp, scale = array_module(q), 1.0 / math.sqrt(q.shape[-1])
     qs = computed(q) * scale
@@ -107,16 +113,16 @@ def ring_forward(q, k, v, split, mask_of=None, drop_scale: float = 1.0):
     mine = xp.stack((k, v))                                  # (2, ..., S_r, hs): one message, q's format
     for src, kv in _around(split, mine, xp):
         kv_c = computed(kv)                                  # widened once per block, not per tile
-        for rows, cols, diag in blocks(split, src):
-            online_block(qs, kv_c[0], kv_c[1], rows, cols, diag, m, l, o,
+        for rows, cols, bias in blocks(split, src, window, qs.dtype, xp):
+            online_block(qs, kv_c[0], kv_c[1], rows, cols, bias, m, l, o,
                          None if mask_of is None else mask_of(src, rows, cols), drop_scale)
     out = stored(o / l[..., None], q.dtype)                 # rounded once (16 bits)
-    return out, (q, k, v, out, m + xp.log(l), split, mask_of, drop_scale)
+    return out, (q, k, v, out, m + xp.log(l), split, window, mask_of, drop_scale)
 
 
 def ring_backward(dout, cache):
     """dq, dk, dv (like q, k and v) of ring_forward's output gradient dout."""
-    q, k, v, out, lse, split, mask_of, drop_scale = cache
+    q, k, v, out, lse, split, window, mask_of, drop_scale = cache
     xp, group = array_module(q), split.group
     n, r, scale = group.size, group.rank, 1.0 / math.sqrt(q.shape[-1])
     q_c = computed(q)
@@ -136,8 +142,8 @@ def ring_backward(dout, cache):
     for src, kv in _around(split, mine, xp, hand_on):
         dkv = grads["held"] = computed(grads["held"])
         kv_c = computed(kv)
-        for rows, cols, diag in blocks(split, src):
-            online_block_backward(qs, q_c, kv_c[0], kv_c[1], rows, cols, diag, lse, delta, dout_c, dq, dkv[0], dkv[1],
+        for rows, cols, bias in blocks(split, src, window, qs.dtype, xp):
+            online_block_backward(qs, q_c, kv_c[0], kv_c[1], rows, cols, bias, lse, delta, dout_c, dq, dkv[0], dkv[1],
                                   None if mask_of is None else mask_of(src, rows, cols), drop_scale)
     dkv = stored(grads["held"], k.dtype)                       # this rank's own, home after the Z-th hop
     return stored(dq, q.dtype), _sum_to(dkv[0], k.shape), _sum_to(dkv[1], v.shape)

@@ -33,9 +33,10 @@ again in the backward pass). The paper's sum: S B C (34 + 5 H S / C) bytes at T 
 S B C (10 + 24/T + 5 H S / (C T)) with TP, S B C (34 + 5 H S / C) / T with TP + SP.
 Selective recomputation keeps neither the softmax output nor its dropout (the attention core
 is run again); full recomputation keeps only the block's input, S B C values (1/T under SP).
-From S = ONLINE_FROM positions attention runs the online softmax (mpi_tp.core.kernels_attention),
+From S = ONLINE_FROM positions attention runs the online softmax (mpi_tp.core.kernels_online),
 which keeps the output (S B C / T) and each row's log-sum-exp (H S B / T) instead of the softmax
-output, and its dropout mask when there is one (under selective recomputation too).
+output, and no dropout mask: each tile's is drawn from its positions' counters when the tile is
+computed, in the forward and again in the backward (mpi_tp.model.dropout.TileMasks).
 
 `activation_terms` gives either count term by term; `measured_terms` reads the same terms off a
 block's caches after a forward (mpi_tp.model.block.Block), for the experiment and the bench.
@@ -71,7 +72,7 @@ TERMS = (
     Term("softmax output", "HSSB", 1, False, True, True, True, core=True, online=False),
     Term("attention output", "SBC", 1, False, True, False, True, online=True),
     Term("attention log-sum-exp", "HSB", 1, False, True, False, True, online=True, statistic=True),
-    Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True),
+    Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True, online=False),
     Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True),
     Term("v", "SBC", 1, False, True, True, True),
     Term("attention projection input", "SBC", 1, False, True, True, True),
@@ -142,10 +143,9 @@ def measured_terms(block) -> dict:
     attn = block.attn._cache[0]
     add("q, k", attn[0], attn[1])
     add("v", attn[2])
-    if block.attn._cache[1] == "online":                # the online softmax: output, lse, dropout mask
+    if block.attn._cache[1] == "online":                # the online softmax: output and lse (masks: by tile)
         add("attention output", attn[3])
         add("attention log-sum-exp", attn[4])
-        add("softmax dropout mask", attn[5])
     elif not block.attn.recompute:
         add("softmax output", attn[3])
         add("softmax dropout mask", attn[4])

@@ -18,14 +18,16 @@ import socket
 import sys
 import threading
 import time
-import uuid
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from mpi_tp.core.failpoints import answer_error
-from mpi_tp.inference.api import BadRequest, TextOut, parse_completion
-from mpi_tp.inference.serving.scheduler import CLOSED, DONE, Job, log
+from mpi_tp.inference.api import BadRequest, parse_chat, parse_completion
+from mpi_tp.inference.serving.answer import Answer
+from mpi_tp.inference.serving.scheduler import CLOSED, DONE, Failed, Job, Token, log
 
 MAX_BODY = 1 << 20                     # bytes of JSON a request may send (413 above)
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GONE = 499                             # the status counted for a client that left before its answer
 
 
@@ -114,22 +116,25 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         app, self.started, path = self.server.app, False, self.path.split("?", 1)[0].rstrip("/") or "/"
         routes = {"/health": ("GET", app.health), "/v1/models": ("GET", app.models),
-                  "/metrics": ("GET", None), "/v1/completions": ("POST", None)}
-        # the completions counter counts completions; the rest apart, by path (a path not served: "other")
-        self.counted_as = None if (path, self.command) == ("/v1/completions", "POST") else \
-            path if path in routes else "other"
+                  "/metrics": ("GET", None), COMPLETIONS: ("POST", None), CHAT: ("POST", None)}
+        model = urllib.parse.unquote(path[len("/v1/models/"):]) if path.startswith("/v1/models/") else None
+        if model is not None:
+            routes[path] = ("GET", lambda: app.model(model))
+        # the completions counter counts completions (chat's too); the rest apart, by path (not served: "other")
+        self.counted_as = None if path in (COMPLETIONS, CHAT) and self.command == "POST" else \
+            "/v1/models/{id}" if model is not None else path if path in routes else "other"
         try:
             if self.command != "POST":
                 self.server.watch(self.connection, False)
             if path not in routes:
-                return self._error(404, f"no such path {path}: POST /v1/completions, GET /v1/models, GET /health, "
-                                        "GET /metrics")
+                return self._error(404, f"no such path {path}: POST {COMPLETIONS}, POST {CHAT}, GET /v1/models, "
+                                        "GET /v1/models/{id}, GET /health, GET /metrics")
             method, answer = routes[path]
             if self.command != method:
                 return self._error(405, f"{path} takes {method}, not {self.command}", Allow=method)
             if path == "/metrics":
                 return self._text(200, app.metrics_text(self.server.open))
-            return self._json(*answer()) if answer else self._complete(app)
+            return self._json(*answer()) if answer else self._complete(app, path == CHAT)
         except OSError:
             pass                                # the client left, stalled or was cut off: nobody to answer
         except Exception as e:                  # a bug: said in the log and to the client; the job lives on
@@ -141,7 +146,7 @@ class Handler(BaseHTTPRequestHandler):
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_GET
 
-    def _complete(self, app):
+    def _complete(self, app, chat: bool):
         n = self.headers.get("Content-Length", "")
         if not re.fullmatch(r"[0-9]{1,12}", n.strip()):            # ASCII digits: not "²", "-5" or "1e3"
             return self._error(411, "send the JSON body with a Content-Length header (a decimal byte count)")
@@ -156,34 +161,42 @@ class Handler(BaseHTTPRequestHandler):
         if len(raw) < n:
             return None                                  # cut off (the deadline, or the client left)
         try:
-            job = Job(*parse_completion(raw, app.block_size, app.vocab_size, app.tokenizer))
+            c = parse_chat(raw, app.block_size, app.vocab_size, app.tokenizer, app.chat_template, app.name) if chat \
+                else parse_completion(raw, app.block_size, app.vocab_size, app.tokenizer, app.name)
         except BadRequest as e:
-            return self._error(400, str(e))
-        said = app.scheduler.submit(job)
+            return self._error(e.status, str(e))
+        if len(c.requests) > app.scheduler.max_queue:
+            return self._error(400, f"{len(c.requests)} choices (prompts x n) are more than this server queues at "
+                                    f"once (--max-queue {app.scheduler.max_queue}): send fewer")
+        results = queue.SimpleQueue()                    # every choice's items, as (index, item)
+        jobs = [Job(r, i, results, c.timeout, c.logprobs) for i, r in enumerate(c.requests)]
+        said = app.scheduler.submit(jobs)
         if said == "full":
             return self._error(429, f"the queue is full ({app.scheduler.max_queue} requests wait); retry later",
                                "rate_limit_error", **{"Retry-After": 1})
         if said == "stopping":
             return self._error(503, "the server is shutting down", "server_error")
         try:
-            self._answer(app, job)
+            self._answer(app, c, jobs)
         except Exception as e:                           # the client went away, or a failure here: nobody will
-            job.cancelled = True                         # read the row, which leaves the batch at the next step
+            for job in jobs:                             # read the rows, which leave the batch at the next step
+                job.cancelled = True
             if isinstance(e, OSError):
                 app.metrics.answered(GONE)
             raise
         finally:
             app.scheduler.finished()
 
-    def _next(self, job: Job, deadline: float | None):
-        """The job's next item. A client gone is a ConnectionError, looked for at every item (so within one
-        decode step, streaming or not) and every 0.25 s between; past the deadline (time.monotonic), Deadline."""
+    def _next(self, results: queue.SimpleQueue, deadline: float | None):
+        """The request's next (index, item). A client gone is a ConnectionError, looked for at every item (so
+        within one decode step, streaming or not) and every 0.25 s between; past the deadline
+        (time.monotonic), Deadline."""
         while True:
             wait = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
             if wait <= 0:
                 raise Deadline()
             try:
-                item = job.items.get(timeout=wait)
+                item = results.get(timeout=wait)
             except queue.Empty:
                 item = None
             if self._client_gone():
@@ -198,15 +211,16 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def _answer(self, app, job: Job):
-        """The job's answer; past its deadline, what is said instead: a 504 before anything was sent, else an
+    def _answer(self, app, c, jobs: list[Job]):
+        """The request's answer; past its deadline, what is said instead: a 504 before anything was sent, else an
         error event after the text streamed so far."""
-        seconds = job.timeout or app.request_timeout
+        seconds = c.timeout or app.request_timeout
         self.sent = 0
         try:
-            return self._generate(app, job, job.arrived + seconds if seconds else None)
+            return self._generate(app, c, jobs, jobs[0].arrived + seconds if seconds else None)
         except Deadline:
-            job.cancelled = True                          # its row leaves the batch at the next decode step
+            for job in jobs:
+                job.cancelled = True                      # its rows leave the batch at the next decode step
             app.metrics.count("deadlines")
             why = f"the request's deadline of {seconds:g} s passed after {self.sent} tokens"
             log(why)
@@ -215,41 +229,40 @@ class Handler(BaseHTTPRequestHandler):
             self._event({"error": {"message": why, "type": "timeout"}})
             return self._event("[DONE]")
 
-    def _generate(self, app, job: Job, deadline: float | None):
-        item = self._next(job, deadline)
+    def _generate(self, app, c, jobs: list[Job], deadline: float | None):
+        out, results = Answer(c, app.name, app.tokenizer), jobs[0].items
+        i, item = self._next(results, deadline)
         if item is CLOSED:
             return self._error(503, "the server shut down before this request's turn", "server_error")
-        cid, created, n = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), 0
-        text, pieces = TextOut(job.request.stop), []
-
-        def chunk(piece: str, reason=None) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": app.name,
-                    "choices": [{"index": 0, "text": piece, "finish_reason": reason}]}
-        if job.stream:
+        if c.stream:
             self._start(200, "text/event-stream", **{"Cache-Control": "no-cache"})
-        while item is not DONE and not isinstance(item, tuple):
-            n, piece = n + 1, text.add(item)
-            self.sent = n
-            answer_error(job.request.seed, n)
-            if piece and job.stream:
-                self._event(chunk(piece))
-            pieces.append(piece)
-            item = self._next(job, deadline)
-        if isinstance(item, tuple):                      # ("error", message): this request failed on rank 0
-            log(f"request {cid} failed after {n} tokens: {item[1]}")
-            if not job.stream:
-                return self._error(500, f"generation failed after {n} tokens: {item[1]}", "server_error")
-            self._event({"error": {"message": f"generation failed after {n} tokens: {item[1]}",
-                                   "type": "server_error"}})
-            return self._event("[DONE]")
-        pieces.append(text.finish())
-        p, reason = len(job.request.prompt), "stop" if text.stopped else "length"
-        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
-        if not job.stream:
-            return self._json(200, {**chunk("".join(pieces), reason), "usage": usage})
-        if pieces[-1]:
-            self._event(chunk(pieces[-1]))
-        self._event({**chunk("", reason), "usage": usage})
+            for chunk in out.opening():
+                self._event(chunk)
+        while True:
+            if isinstance(item, Token):
+                chunk, self.sent = out.add(i, item), self.sent + 1
+                answer_error(jobs[i].request.seed, len(out.choices[i].ids))
+                if chunk and c.stream:
+                    self._event(chunk)
+            elif item is DONE:
+                for chunk in out.finish(i):
+                    if c.stream:
+                        self._event(chunk)
+                if out.live == 0:
+                    break
+            else:                                       # Failed on rank 0, or CLOSED (a stop began before its turn)
+                why = item.message if isinstance(item, Failed) else "the server shut down before its turn"
+                for job in jobs:
+                    job.cancelled = True
+                log(f"request {out.id} failed after {out.tokens} tokens (choice {i}): {why}")
+                message = f"generation failed after {out.tokens} tokens: {why}"
+                if not c.stream:
+                    return self._error(500, message, "server_error")
+                self._event({"error": {"message": message, "type": "server_error"}})
+                return self._event("[DONE]")
+            i, item = self._next(results, deadline)
+        if not c.stream:
+            return self._json(200, out.body())
         self._event("[DONE]")
 
     def _start(self, status: int, content_type: str, **headers):

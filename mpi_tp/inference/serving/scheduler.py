@@ -1,12 +1,13 @@
 """Rank 0's scheduler: admission, batching and cancellation, on the one thread that calls MPI.
 
-HTTP threads `submit` checked requests as Jobs: into a bounded queue ("full"
-past --max-queue: the client gets 429 with Retry-After), or refused while
-stopping. The scheduler's loop then runs one decode step per iteration:
+HTTP threads `submit` checked requests as Jobs, one per choice (n choices of
+each prompt: a row each, with its own seed), together into a bounded queue
+("full" past --max-queue: the client gets 429 with Retry-After), or refused
+while stopping. The scheduler's loop then runs one decode step per iteration:
 
 1. every running row gets its next token from the last logits (rank 0 samples
-   it: generate.Row), whose text goes to its Job's items for the HTTP thread
-   to send; a row that is done (max_tokens, a stop sequence, an error in its
+   it: generate.Row; the log-probabilities too, if its request asked), which
+   goes to its Job's items for the HTTP thread to send; a row that is done (max_tokens, a stop sequence, an error in its
    sampling) or whose client went away (Job.cancelled) leaves the batch;
 2. waiting Jobs join in the freed rows: at every step ("continuous", the
    default: a request's prefill runs beside the others' decoding, and nobody
@@ -28,9 +29,11 @@ import queue
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from mpi_tp.inference.decode import compaction
 from mpi_tp.inference.generate import Row, step_command
+from mpi_tp.inference.sampling import log_probabilities
 from mpi_tp.inference.serving.protocol import Batch, broadcast_command
 
 DONE, CLOSED = "done", "closed"        # a job's last item: generated in full / shut down before it began
@@ -40,20 +43,47 @@ def log(message: str) -> None:
     print(f"mpi-tp serve: {message}", file=sys.stderr, flush=True)
 
 
-class Job:
-    """One request, between its HTTP thread and the scheduler."""
+class Token(NamedTuple):
+    """A choice's next token, for its HTTP thread: its text (UTF-8 bytes, maybe b"" while a character waits for
+    its other half), its id, and (logprobs asked) its log-probability and the likeliest tokens' (id, value)."""
+    piece: bytes
+    id: int
+    logprob: float | None = None
+    top: list | None = None
 
-    def __init__(self, request, stream: bool, timeout: float = 0.0):
-        self.request, self.stream, self.timeout = request, stream, timeout     # timeout: seconds, 0: the server's
-        self.items = queue.SimpleQueue()      # each token's text (bytes), then DONE, ("error", message) or CLOSED
+
+class Failed(NamedTuple):
+    """A choice that failed on rank 0 (its sampling raised): why."""
+    message: str
+
+
+class Job:
+    """One choice of a request, between its HTTP thread and the scheduler. A request's choices share one queue
+    of (index, item): each token (a Token), then DONE, Failed or CLOSED."""
+
+    def __init__(self, request, index: int = 0, items: queue.SimpleQueue | None = None, timeout: float = 0.0,
+                 logprobs: int | None = None):
+        self.request, self.index, self.timeout, self.logprobs = request, index, timeout, logprobs
+        self.items = items or queue.SimpleQueue()
         self.cancelled = False                # set by the HTTP thread when the client goes away
         self.arrived, self.last = time.monotonic(), None
+
+    def put(self, item) -> None:
+        self.items.put((self.index, item))
 
 
 class ServedRow(Row):
     def __init__(self, ident, job: Job, tokenizer):
         super().__init__(ident, job.request, tokenizer)
-        self.job = job
+        self.job, self.token = job, None
+
+    def take(self, logits) -> int:
+        """As Row.take; the token (its logprobs too, if the request asked) kept for the HTTP thread."""
+        token = super().take(logits)
+        if token >= 0:
+            k = self.job.logprobs
+            self.token = Token(self.piece, token, *(log_probabilities(logits, token, k) if k is not None else ()))
+        return token
 
     @property
     def done(self) -> bool:
@@ -69,25 +99,26 @@ class Scheduler:
         self.max_batch, self.max_queue, self.batching, self.wait = max_batch, max_queue, batching, batch_wait_ms / 1e3
         self.batch, self.rows, self.ids = Batch(model, max_batch), [], itertools.count()
         self.waiting, self.cond = collections.deque(), threading.Condition()
-        self.accepting, self.active = True, 0          # active: jobs whose HTTP thread has not finished
+        self.accepting, self.active = True, 0          # active: requests whose HTTP thread has not finished
         self.stats = {"requests_served": 0, "steps": 0, "largest_batch": 0}
 
     # ------------------------------------------------------------- HTTP threads
 
-    def submit(self, job: Job) -> str:
-        """'queued', 'full' (the queue is at --max-queue) or 'stopping'."""
+    def submit(self, jobs: list[Job]) -> str:
+        """A request's jobs (its choices) queued together: 'queued', 'full' (they would pass --max-queue) or
+        'stopping'."""
         with self.cond:
             if not self.accepting or self.stop.requested:
                 return "stopping"
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) + len(jobs) > self.max_queue:
                 return "full"
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self.active += 1
             self.cond.notify_all()
             return "queued"
 
     def finished(self) -> None:
-        """A submitted job's HTTP thread is done with it (answered, or its client left)."""
+        """A submitted request's HTTP thread is done with it (answered, or its client left)."""
         with self.cond:
             self.active -= 1
             self.cond.notify_all()
@@ -128,13 +159,13 @@ class Scheduler:
             if token >= 0:
                 self.metrics.token(job.last is None, now - (job.last or job.arrived))
                 job.last = now
-                job.items.put(row.piece)
+                job.put(row.token)
             if row.done and not job.cancelled:
-                ended.append((job, ("error", row.error) if row.error else DONE))
-                self.stats["requests_served"] += row.error is None
+                ended.append((job, Failed(row.error) if row.error else DONE))
+                self.stats["requests_served"] += row.error is None and job.index == 0   # (once a request)
         self.rows = [self.rows[i] for i in compaction(len(self.rows), cmd["leave"])]
         for job, last in ended:                            # after the rows are updated: a client that
-            job.items.put(last)                            # reads /metrics next sees its row gone
+            job.put(last)                                  # reads /metrics next sees its row gone
         joins = [ServedRow(next(self.ids), job, self.tokenizer) for job in self._admit(self.max_batch - len(self.rows),
                                                                        bool(self.rows))]
         if not cmd["tokens"] and not joins:
@@ -171,4 +202,4 @@ class Scheduler:
         with self.cond:
             self.accepting = False
             while self.waiting:
-                self.waiting.popleft().items.put(CLOSED)
+                self.waiting.popleft().put(CLOSED)

@@ -1,4 +1,4 @@
-"""serve(): a model behind the completions API, every rank of the tensor-parallel group computing.
+"""serve(): a model behind the completions and chat completions APIs, every rank of the tensor-parallel group computing.
 
 Rank 0 listens (http.py), queues and schedules (scheduler.py) and broadcasts one command per decode
 step (protocol.py); the other ranks follow those commands. SIGTERM / SIGUSR1 / SIGINT (MPICH's mpiexec
@@ -35,10 +35,13 @@ class Stop:
 
 
 class App:
-    """What the HTTP threads see of the server: the scheduler, the metrics, and the model's name."""
+    """What the HTTP threads see of the server: the scheduler, the metrics, the model's name (what requests'
+    `model` must say) and its chat template (None: chat requests are refused)."""
 
-    def __init__(self, model, comm, name: str, scheduler: Scheduler, metrics: Metrics, stop: Stop):
-        self.name, self.block_size, self.tp, self.created = name, model.cfg.block_size, comm.Get_size(), int(time.time())
+    def __init__(self, model, comm, name: str, scheduler: Scheduler, metrics: Metrics, stop: Stop,
+                 chat_template=None):
+        self.name, self.chat_template = name, chat_template
+        self.block_size, self.tp, self.created = model.cfg.block_size, comm.Get_size(), int(time.time())
         self.vocab_size, self.tokenizer = model.cfg.vocab_size, scheduler.tokenizer
         self.scheduler, self.metrics, self.stop = scheduler, metrics, stop
 
@@ -51,8 +54,15 @@ class App:
                                     "batching": s.batching, **s.stats}
 
     def models(self) -> tuple[int, dict]:
-        return 200, {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
-                                                 "owned_by": "mpi_tp", "block_size": self.block_size}]}
+        return 200, {"object": "list", "data": [self.model(self.name)[1]]}
+
+    def model(self, ident: str) -> tuple[int, dict]:
+        """GET /v1/models/{ident}: the served model, or 404."""
+        if ident != self.name:
+            return 404, {"error": {"message": f"no model {ident!r} here: this server serves {self.name!r}",
+                                   "type": "invalid_request_error", "code": "model_not_found"}}
+        return 200, {"id": self.name, "object": "model", "created": self.created, "owned_by": "mpi_tp",
+                     "block_size": self.block_size, "chat": self.chat_template is not None}
 
     def metrics_text(self, open_connections: int) -> str:
         return self.metrics.render({**self.scheduler.gauges(), "open_connections": open_connections})
@@ -61,15 +71,16 @@ class App:
 def serve(model, comm, name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           batch_wait_ms: float = 20.0, stop: Stop | None = None, batching: str = "continuous",
           max_queue: int = 64, max_connections: int = 256, read_timeout: float = 30.0, tokenizer=None,
-          request_timeout: float = 0.0) -> int:
+          request_timeout: float = 0.0, chat_template=None) -> int:
     """Serve until SIGTERM / SIGINT; collective over comm (the model's tensor-parallel group).
-    tokenizer: the prompts' and answers' (default bytes: mpi_tp.text.tokenizer)."""
+    name: the model's, as requests name it; tokenizer: the prompts' and answers' (default bytes:
+    mpi_tp.text.tokenizer); chat_template: a mpi_tp.text.chat.ChatTemplate (None: no chat)."""
     stop = stop or Stop().install()
     collective_setup(Decoder, model, 1, comm=comm)     # a model the decoder cannot run: say so now
     metrics = Metrics()
     scheduler = Scheduler(model, comm, metrics, stop, max_batch, max_queue, batching, batch_wait_ms,
                           tokenizer or ByteTokenizer())
-    app = App(model, comm, name, scheduler, metrics, stop)
+    app = App(model, comm, name, scheduler, metrics, stop, chat_template)
     app.request_timeout = request_timeout      # seconds a request may take unless it says (0: no limit)
 
     def bind():
