@@ -17,7 +17,16 @@ import os
 import numpy as np
 import pytest
 from decoding import join_step_leave
-from test_hf import IDS, LLAMA_SIZES, LLAMA_TOL, greedy_oracle, loaded, needs_oracle, shared_dir  # noqa: F401
+from test_hf import (  # noqa: F401
+    IDS,
+    LLAMA_SIZES,
+    LLAMA_TOL,
+    greedy_oracle,
+    loaded,
+    needs_mpiexec,
+    needs_oracle,
+    shared_dir,
+)
 
 from mpi_tp.core.testing import all_true, assert_close, from_rank0
 from mpi_tp.inference.decode import Decoder
@@ -166,3 +175,23 @@ def test_rows_of_their_own_lengths_decode_as_the_full_forward(world):
     assert max(len(r) for r in rows) > S and dec.cache.k[0].shape[2] == CFG.sliding_window
     assert all_true(worst < 1e-10, world), worst
     topo.free()
+
+
+@needs_oracle
+@needs_mpiexec
+def test_serve_answers_a_greedy_request_with_transformers_tokens(tmp_path):
+    """`mpi-tp serve` (tp 2) on a Mistral folder: a 10-byte prompt (past the window) and 12 greedy tokens."""
+    from serving import Server
+    folder = str(tmp_path / "mistral")
+    prompt = "SLIDING WI"                              # bytes below the vocabulary's 97
+    _, (want,) = greedy_oracle(hf_folder(folder, "mistral", seed=7), [np.frombuffer(prompt.encode(), np.uint8)
+                                                                      .astype(np.int64)], NEW, ())
+    s = Server(folder, tmp_path, "--max-batch", "2")
+    try:
+        status, got = s.call("/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                                                 "return_token_ids": True})
+        assert status == 200, got
+        assert got["choices"][0]["token_ids"] == want, (got, want)
+        assert "KV cache holds" in s.stderr() + s.stdout()
+    finally:
+        assert s.stop() == 0
