@@ -7,9 +7,10 @@
 Rank i holds H_kv_i of the H_kv key/value heads (H_kv = H, the query heads, but for
 grouped-query attention; uneven splits included; mpi_tp.model.heads), so its
 cache is 2 x L x slots x H_kv_i x N x hs values, allocated once for N = S = block_size
-positions (N = min(W, S) with a sliding window, below): H_kv_i / H_kv of the whole, and with grouped-query attention H_kv / H of a
-multi-head model's (when H_kv < T each rank keeps the one key/value head its
-query heads read, a replica of the other holders'). Llama's keys are kept
+positions (N = min(W, S) with a sliding window, below): H_kv_i / H_kv of the whole,
+and with grouped-query attention H_kv / H of a multi-head model's (when
+H_kv < T each rank keeps the one key/value head its query heads read, a
+replica of the other holders'). Llama's keys are kept
 rotated to their positions (mpi_tp.model.rope): a query rotated to its own
 position then attends to them as in the training forward. A row is one sequence; rows 0 .. cache.rows - 1 are
 running, each with its own length (`lengths[b]`: its columns 0 .. lengths[b] - 1
