@@ -195,3 +195,19 @@ def test_serve_answers_a_greedy_request_with_transformers_tokens(tmp_path):
         assert "KV cache holds" in s.stderr() + s.stdout()
     finally:
         assert s.stop() == 0
+
+
+@needs_oracle
+def test_mixtral_with_a_window_equals_transformers(tmp_path):
+    """Mixtral's sliding_window (refused before issue 42) imports as the window: the logits past it and greedy
+    tokens of prompts longer than it equal transformers'."""
+    from test_hf_mixtral import eager, mixtral_folder
+    folder = str(tmp_path / "mixtral")
+    mixtral_folder(folder, seed=2, sliding_window=W)
+    logits, tokens = greedy_oracle(eager(folder), PROMPTS, NEW, (7, 22))
+    model = loaded(folder, Topology.serial())
+    assert model.cfg.sliding_window == W and model.cfg.moe_experts == 4
+    for S in (7, 22):
+        assert_close(model.full_logits(IDS[:, :S]), logits[S], LLAMA_TOL, f"mixtral logits at S={S}")
+    got = generate(model, [Request(tuple(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
+    assert [list(g) for g in got] == tokens
