@@ -77,7 +77,7 @@ def test_original_gpt2_names_and_buffers(tmp_path):
 
 
 REFUSED_CONFIGS = [
-    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"model_type": "phi3"}, "model_type 'phi3'"),
     ({"activation_function": "relu"}, "activation_function 'relu'"),
     ({"activation_function": "gelu"}, "activation_function 'gelu'"),
     ({"layer_norm_epsilon": -1}, "layer_norm_epsilon = -1"),

@@ -137,7 +137,6 @@ def test_what_mixtral_cannot_compute_is_refused_in_one_line(tmp_path, cfg, says)
 
 @needs_oracle
 @pytest.mark.parametrize("overrides, says", [
-    (dict(sliding_window=8), "sliding_window = 8 is not supported"),
     (dict(router_jitter_noise=0.1), "router_jitter_noise = 0.1 is not supported"),
 ])
 def test_what_mpi_tp_cannot_import_is_refused_in_one_line(tmp_path, overrides, says):

@@ -24,7 +24,7 @@ import shutil
 
 from mpi_tp import checkpoint as ckpt_io
 from mpi_tp.checkpoint.format import put_in_place
-from mpi_tp.checkpoint.hf import is_hf_folder
+from mpi_tp.checkpoint.hf import hf_config, is_hf_folder
 from mpi_tp.checkpoint.hf.write import (
     DEFAULT_SHARD_BYTES,
     EXPORT_DTYPES,
@@ -35,6 +35,7 @@ from mpi_tp.checkpoint.model import load_model
 from mpi_tp.commands.common import add_format_arguments, model_dtype
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.core.runtime import collective_setup, rank0_print
+from mpi_tp.model.config import GPTConfig
 
 
 def import_folder(folder: str, out: str, comm, dtype: str | None = None, overwrite: bool = False) -> str:
@@ -81,7 +82,7 @@ def export_hf(args) -> int:
     with ckpt_io.Checkpoint(args.checkpoint) as ck:
         files = export(ck, args.out, args.overwrite, int(args.max_shard_mb * 10**6), args.dtype)
         dtype = export_dtype(ck, args.dtype).name
-    kind = "LlamaForCausalLM" if ck.meta["config"].get("arch") == "llama" else "GPT2LMHeadModel"
+    kind = hf_config(GPTConfig(**ck.meta["config"]), dtype)["architectures"][0]
     print(f"wrote {args.out}: {', '.join(files)} (Hugging Face {kind}, {dtype}) from {ck.dir} (step {ck.step})")
     return 0
 

@@ -72,7 +72,8 @@ def online_block_backward(qs, q, k, v, rows, cols, bias, lse, delta, dout, dq, d
     dp = g @ v[..., cols, :].swapaxes(-1, -2)
     kept = p
     if mask is not None:
-        kept = p * mask * drop_scale
+        kept = p * mask                                                  # one temporary of the tile's size
+        kept *= drop_scale
         dp *= mask
         dp *= drop_scale
     n = cols.stop - cols.start

@@ -143,11 +143,12 @@ class Decoder:
             ids[b, :len(p)] = p                                              # right padding
         last = numpy.array([len(p) - 1 for p in prompts])
         where = rows if isinstance(rows, slice) else backend.asarray(rows)  # the cache rows, on the device
+        keep = cache.prefill_columns(last + 1, t)                            # (a window shorter than t)
         x = model.embedding.lookup(backend.asarray(ids), slice(0, t))           # host -> device: the ids
         angles = model.h[0].attn.rope.prefill_angles(last + 1, t) if model.h and model.cfg.llama else None
         with model.moe_dropless():      # experts: exact one position at a time only without capacity
             for j, block in enumerate(model.h):
-                x = x + attend_prefill(block.attn, block.ln_1.forward(x), cache, j, where, angles)
+                x = x + attend_prefill(block.attn, block.ln_1.forward(x), cache, j, where, angles, keep)
                 x = x + block.mlp.forward(block.ln_2.forward(x))
         cache.lengths[rows] = last + 1
         at = backend.asarray(last) if (last != t - 1).any() else None

@@ -31,8 +31,16 @@ Llama (LlamaConfig, model_type "llama"), arch "llama":
     tie_word_embeddings                                     tie_word_embeddings (false: lm_head)
     hidden_act: silu; attention_bias, mlp_bias: false; head_dim: hidden_size / num_attention_heads
 
+Mistral (MistralConfig, model_type "mistral"), arch "llama": Llama's fields (the same tensor names), and
+
+    sliding_window (absent: 4096, MistralConfig's default; null: none)   sliding_window W: a query at position t
+                                                            sees keys t - W < s <= t; None (full causal attention)
+                                                            when null or at least max_position_embeddings
+
 Qwen2 (Qwen2Config, model_type "qwen2"), arch "llama" with qkv_bias: Llama's fields, biases on q, k and v
-(tied or not); use_sliding_window (or a sliding_attention layer) refused.
+(tied or not); a window as transformers sets it: sliding_window when use_sliding_window, in the layers
+layer_types names sliding_attention (absent: layers max_window_layers and up). mpi_tp's window is the same in
+every layer: all layers sliding (max_window_layers 0) or none; a mix is refused by name.
 
 Mixtral (MixtralConfig, model_type "mixtral"), arch "llama" with a mixture of experts in every block:
 Llama's fields above, and
@@ -43,7 +51,7 @@ Llama's fields above, and
     intermediate_size                           each expert's width (SwiGLU: w1 gate, w3 up, w2 down)
     (dropless)                                  moe_capacity 0: every assignment computed
     router_aux_loss_coef (if output_router_logits)   moe_aux_weight (training only; 0 otherwise)
-    router_jitter_noise: 0; sliding_window: null or at least max_position_embeddings
+    router_jitter_noise: 0; sliding_window                    sliding_window (as Mistral's; absent: null)
 
 Anything else that changes the numbers (another model type, activation, attention scaling, biases,
 rope scaling, cross-attention, ...) is refused with one line naming it: a model that loads must
@@ -63,7 +71,8 @@ from mpi_tp.model.routing import normalises
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel"),
-                 "mixtral": ("MixtralForCausalLM", "MixtralModel"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Model")}
+                 "mistral": ("MistralForCausalLM", "MistralModel"), "mixtral": ("MixtralForCausalLM", "MixtralModel"),
+                 "qwen2": ("Qwen2ForCausalLM", "Qwen2Model")}
 
 
 class HFConfigError(CheckpointError):
@@ -122,7 +131,7 @@ def gpt_config(hf: dict, folder: str = "") -> GPTConfig:
         raise _refuse(folder, f"architectures {arch} are not supported (mpi_tp imports {ARCHITECTURES[kind][0]})")
     if kind == "gpt2" and hf.get("rope_scaling") is not None:
         raise _refuse(folder, f"rope_scaling {json.dumps(hf['rope_scaling'])} is not supported")
-    cfg = {"llama": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "gpt2": _gpt2}[kind](hf, folder)
+    cfg = {"llama": _llama, "mistral": _mistral, "mixtral": _mixtral, "qwen2": _qwen2, "gpt2": _gpt2}[kind](hf, folder)
     cfg.validate()
     return cfg
 
@@ -191,27 +200,45 @@ def _llama(hf: dict, folder: str) -> GPTConfig:
                      dropout=float(dropout) if isinstance(dropout, (int, float)) and 0 <= dropout < 1 else 0.0)
 
 
+def _window(cfg: GPTConfig, hf: dict, folder: str, W) -> GPTConfig:
+    """cfg with config.json's sliding_window W (an int, or None: full causal); a window at least block_size
+    long never binds: None."""
+    if W is not None and (isinstance(W, bool) or not isinstance(W, int) or W < 1):
+        raise _refuse(folder, f"sliding_window = {W!r}: config.json needs a positive integer or null")
+    return replace(cfg, sliding_window=W if W is not None and W < cfg.block_size else None)
+
+
+def _mistral(hf: dict, folder: str) -> GPTConfig:
+    """Mistral: Llama with a sliding window (MistralConfig's default 4096 when config.json has none)."""
+    return _window(_llama(hf, folder), hf, folder, hf.get("sliding_window", 4096))
+
+
 def _qwen2(hf: dict, folder: str) -> GPTConfig:
-    """Qwen2: Llama with biases on q, k and v; a sliding window (use_sliding_window, layer_types) refused."""
-    layers = hf.get("layer_types") or []
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in layers):
-        raise _refuse(folder, "use_sliding_window / sliding_attention layers are not supported (mpi_tp attends to "
-                              "every earlier position)")
-    return replace(_llama(hf, folder), qkv_bias=True)
+    """Qwen2: Llama with biases on q, k and v, and a window in all layers or none (see the module's docstring)."""
+    cfg = replace(_llama(hf, folder), qkv_bias=True)
+    W = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    L, first = cfg.n_layer, hf.get("max_window_layers", 28)
+    kinds = hf.get("layer_types") or ["sliding_attention" if W is not None and i >= first else "full_attention"
+                                      for i in range(L)]
+    if not isinstance(kinds, list) or len(kinds) != L or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise _refuse(folder, f"layer_types = {json.dumps(kinds)} is not supported (one of full_attention or "
+                              f"sliding_attention for each of the {L} layers)")
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"] if W is not None else []
+    if 0 < len(sliding) < L:
+        raise _refuse(folder, f"layer_types: layers {sliding} are sliding_attention and the others full_attention "
+                              f"(max_window_layers = {first}); mpi_tp's window is the same in every layer: all "
+                              "sliding (max_window_layers 0) or none")
+    return _window(cfg, hf, folder, W if sliding else None)
 
 
 def _mixtral(hf: dict, folder: str) -> GPTConfig:
     _require(hf, folder, (("router_jitter_noise", 0.0, "the router reads the input as it is"),))
-    window, S = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if window is not None and not (isinstance(S, int) and isinstance(window, int) and window >= S):
-        raise _refuse(folder, f"sliding_window = {window!r} is not supported (mpi_tp attends to every earlier "
-                              f"position: a window of null, or at least max_position_embeddings = {S})")
     moe = _sizes(hf, folder, (("moe_experts", "num_local_experts"), ("moe_top_k", "num_experts_per_tok")))
     coef = hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.0
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
         raise _refuse(folder, f"router_aux_loss_coef = {coef!r}: config.json needs a number >= 0")
-    return replace(_llama(hf, folder), **moe, moe_router="softmax", moe_topk_norm="sum", moe_capacity=0.0,
-                   moe_aux_weight=float(coef), moe_z_weight=0.0, moe_every=1)
+    return replace(_window(_llama(hf, folder), hf, folder, hf.get("sliding_window")), **moe, moe_router="softmax",
+                   moe_topk_norm="sum", moe_capacity=0.0, moe_aux_weight=float(coef), moe_z_weight=0.0, moe_every=1)
 
 
 def mixtral_refusal(cfg: GPTConfig) -> str | None:
@@ -231,24 +258,28 @@ def mixtral_refusal(cfg: GPTConfig) -> str | None:
 
 
 def hf_config(cfg: GPTConfig, dtype: str) -> dict:
-    """The config.json of GPT2LMHeadModel, LlamaForCausalLM or (a llama model with experts in every block)
-    MixtralForCausalLM for an mpi_tp GPTConfig (export checks mixtral_refusal first)."""
+    """The config.json of GPT2LMHeadModel or, for a llama model, the first that computes it of Qwen2ForCausalLM
+    (q, k, v biases), MixtralForCausalLM (experts in every block; export checks mixtral_refusal first),
+    MistralForCausalLM (a sliding window) and LlamaForCausalLM. A window goes into Qwen2's and Mixtral's too."""
     common = {"vocab_size": cfg.vocab_size, "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None,
               "use_cache": True, "dtype": dtype, "torch_dtype": dtype}    # transformers 5 reads dtype, 4 torch_dtype
+    W = cfg.sliding_window
     if cfg.llama and cfg.qkv_bias and not cfg.moe_experts:
-        llama = hf_config(replace(cfg, qkv_bias=False), dtype)
+        llama = hf_config(replace(cfg, qkv_bias=False, sliding_window=None), dtype)
         for key in ("attention_bias", "mlp_bias", "pretraining_tp", "head_dim"):      # Qwen2Config has none
             llama.pop(key)
-        return {**llama, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
-                "sliding_window": None, "max_window_layers": cfg.n_layer}
-    if cfg.llama and cfg.moe_experts:
-        llama = hf_config(replace(cfg, moe_experts=0), dtype)
-        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):      # MixtralConfig has none of them
+        return {**llama, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": W
+                is not None, "sliding_window": W, "max_window_layers": cfg.n_layer if W is None else 0}
+    if cfg.llama and (cfg.moe_experts or W is not None):
+        llama = hf_config(replace(cfg, moe_experts=0, sliding_window=None), dtype)
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):      # Mixtral- and MistralConfig have none
             llama.pop(key)
+        if not cfg.moe_experts:
+            return {**llama, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": W}
         return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
                 "output_router_logits": cfg.moe_aux_weight > 0, "router_aux_loss_coef": cfg.moe_aux_weight,
-                "router_jitter_noise": 0.0, "sliding_window": None}
+                "router_jitter_noise": 0.0, "sliding_window": W}
     if cfg.llama:
         scaling, positions = dict(cfg.rope_scaling or {}), cfg.block_size
         if scaling.get("rope_type") == "dynamic":      # transformers' dynamic reads L0 as max_position_embeddings

@@ -138,6 +138,7 @@ def step_bytes(model, B, n) -> dict:
     if wpe is not None:
         weights += B * wpe.data[0].nbytes - wpe.data.nbytes
     attn = model.h[0].attn
+    n = min(n, model.cfg.sliding_window or n)       # a sliding window: its last W positions only
     kv = 2 * len(model.h) * B * attn.H_kv_i * n * attn.hs * model.dtype.itemsize     # the key/value heads
     return {"weights": int(weights), "kv_cache": int(kv)}
 
