@@ -109,3 +109,34 @@ def test_trained_tp2_dp2_exported_loads_in_transformers(tmp_path, arch):
     assert abs(theirs.item() - ours) <= tol * abs(ours), (theirs.item(), ours)
     # transformers' own loss takes the logits to float32 first (ForCausalLMLoss): equal to float32's rounding
     assert abs(out.loss.item() - ours) <= 1e-6 * abs(ours), (out.loss.item(), ours)
+
+
+NEW_KINDS = {"llama3-rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+             "qwen2": dict(qkv_bias=True, tie_word_embeddings=True),
+             "mistral": dict(sliding_window=8)}
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("kind", list(NEW_KINDS))
+def test_fine_tune_today_s_folders(tmp_path, kind):
+    """train --init-from a Llama 3 (rope scaling), Qwen2 (q/k/v biases, tied) or Mistral (sliding window) folder
+    at tp 2: the folder's model is the run's, and the run's checkpoint exports back to the folder's architecture."""
+    import dataclasses
+    cfg = dataclasses.replace(LLAMA, **NEW_KINDS[kind])
+    folder, run = str(tmp_path / kind), str(tmp_path / "run")
+    numpy_folder(folder, cfg)
+    r = mpirun(2, "train", "--init-from", folder, "--tp", "2", "--data", text_below(tmp_path), "--steps", "2",
+               "--batch-size", "2", "--eval-batches", "1", "--dtype", "float64", "--sample-len", "0", "--out", run)
+    assert r.returncode == 0 and "continuing from" in r.stdout, r.stderr
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    want = {"rope_scaling": json.dumps(cfg.rope_scaling) if cfg.rope_scaling else "", "qkv_bias": cfg.qkv_bias,
+            "sliding_window": cfg.sliding_window or 0}
+    assert {k: saved[k] for k in want} == want
+    root = os.path.join(run, "checkpoints")
+    r = mpirun(1, "export", root, str(tmp_path / "back"), "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    original = json.loads((tmp_path / kind / "config.json").read_text())
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["architectures"] == original["architectures"] and back.get("sliding_window") == \
+        original.get("sliding_window")
