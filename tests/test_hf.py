@@ -164,6 +164,24 @@ def oracle_logits(model, lengths=LENGTHS):
         return {S: model(torch.tensor(IDS[:, :S])).logits.numpy() for S in lengths}
 
 
+def random_transformers_folder(path, kind: str, sizes: dict, seed: int, eager: bool = False):
+    """A random-weight transformers {kind}ForCausalLM of config `sizes` in float64, saved by save_pretrained
+    (weights moved off their initialisation by 0.1 randn; eager: the eager attention, which applies a sliding
+    window); returns the model, the oracle."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{kind}Config")(**sizes, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if eager:
+        config._attn_implementation = "eager"
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
 def greedy_oracle(model, prompts, new, lengths):
     """(logits at each of `lengths`, greedy continuations of `prompts`): a transformers model, the oracle."""
     import torch

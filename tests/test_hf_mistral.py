@@ -22,6 +22,7 @@ from test_hf import (  # noqa: F401
     LLAMA_SIZES,
     LLAMA_TOL,
     greedy_oracle,
+    random_transformers_folder,
     loaded,
     needs_mpiexec,
     needs_oracle,
@@ -49,19 +50,8 @@ LENGTHS = (1, 6, 7, 22, 32)
 
 def hf_folder(path, name, seed=0):
     """A random-weight *ForCausalLM of MODELS[name] in float64 with eager attention, saved by save_pretrained."""
-    import torch
-    import transformers
     kind, overrides = MODELS[name]
-    torch.manual_seed(seed)
-    config = getattr(transformers, f"{kind}Config")(**{**LLAMA_SIZES, **overrides}, bos_token_id=None,
-                                                    eos_token_id=None, pad_token_id=None)
-    config._attn_implementation = "eager"
-    model = getattr(transformers, f"{kind}ForCausalLM")(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
+    return random_transformers_folder(path, kind, {**LLAMA_SIZES, **overrides}, seed, eager=True)
 
 
 def oracle(folder, name):

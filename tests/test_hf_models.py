@@ -14,7 +14,16 @@ import os
 
 import numpy as np
 import pytest
-from test_hf import IDS, LLAMA_SIZES, LLAMA_TOL, greedy_oracle, loaded, needs_oracle, shared_dir  # noqa: F401
+from test_hf import (  # noqa: F401
+    IDS,
+    LLAMA_SIZES,
+    LLAMA_TOL,
+    greedy_oracle,
+    loaded,
+    needs_oracle,
+    random_transformers_folder,
+    shared_dir,
+)
 
 from mpi_tp.checkpoint import open_checkpoint
 from mpi_tp.core.errors import UserError
@@ -36,18 +45,8 @@ NEW = 14                                      # 12 + 14 positions: past the llam
 
 def hf_folder(path, name, seed=0):
     """A random-weight *ForCausalLM of MODELS[name] in float64, saved by save_pretrained."""
-    import torch
-    import transformers
     kind, overrides = MODELS[name]
-    torch.manual_seed(seed)
-    sizes = {**LLAMA_SIZES, "num_key_value_heads": 3, **overrides}
-    config = getattr(transformers, f"{kind}Config")(**sizes, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = getattr(transformers, f"{kind}ForCausalLM")(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
+    return random_transformers_folder(path, kind, {**LLAMA_SIZES, "num_key_value_heads": 3, **overrides}, seed)
 
 
 def oracle(folder, name):
