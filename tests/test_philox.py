@@ -73,6 +73,29 @@ def test_a_slice_of_a_stream_is_the_slice_of_the_whole(path):
         np.testing.assert_array_equal(part, whole[..., start:stop], err_msg=f"{path} words {start}:{stop}")
 
 
+@pytest.mark.parametrize("path", ["numpy", "generic"])
+def test_the_rows_of_a_tile_are_the_whole_arrays_rows(path):
+    """stream_rows (a tile of a row-major (S, S) array: the attention masks drawn by tile) equals the slice of one
+    draw of the whole array, bit for bit: rows whose words share a block, rows a block apart, one word wide,
+    descending starts (a generator made again), and the bool masks (NumPy's C Philox advanced from row to
+    row; `generic`: philox4x64 on every row at once, the GPU's path)."""
+    key = philox.split_key(4242)
+    rows, sites = np.array([2, 9])[:, None], np.array([1, 3 << 24])[None, :]
+    S = 37
+    whole = philox.stream_words(key, rows, sites, 5, 0, S * S).reshape(2, 2, S, S)
+    draw = philox.stream_rows if path == "numpy" else (lambda *a, **k: philox._generic_rows(*a[:6], np))
+    for t0, n, s0, m in [(0, 5, 0, 5), (3, 9, 1, 13), (10, 20, 0, 37), (20, 17, 5, 3), (36, 1, 30, 7),
+                         (4, 6, 0, 1), (0, 37, 0, 37)]:
+        got = draw(key, rows, sites, 5, range(t0 * S + s0, (t0 + n) * S + s0, S), m)
+        np.testing.assert_array_equal(got, whole[..., t0:t0 + n, s0:s0 + m], err_msg=f"tile {t0, n, s0, m}")
+    starts = [5 * S, 2 * S + 3, 2 * S + 4]                                   # not ascending, overlapping blocks
+    got = philox.stream_rows(key, rows, sites, 5, starts, 4)
+    flat = whole.reshape(2, 2, -1)
+    np.testing.assert_array_equal(got, np.stack([flat[..., a:a + 4] for a in starts], axis=-2))
+    keep = philox.stream_rows(key, rows, sites, 5, starts, 4, at_least=30000)
+    np.testing.assert_array_equal(keep, got >= 30000)
+
+
 def test_numpy_and_generic_paths_give_the_same_words_and_masks():
     key = philox.split_key(1337)
     rows, heads = np.arange(4, 7)[:, None, None], np.arange(3)[None, :, None]

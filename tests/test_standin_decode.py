@@ -5,7 +5,8 @@
 
 The tensor-parallel model (T = world size, 5 heads and 37 bytes of vocabulary: uneven at 2) decodes
 the same logits at every step, through a window that slides, and generates the same text, greedy and
-sampled; each decoded token reads the device back once (its logits) plus, at T > 1, once for the
+sampled (GPT-2, Llama, and Mistral's sliding window of 3: its cache a ring, its prefill taking each
+row's last columns on the device); each decoded token reads the device back once (its logits) plus, at T > 1, once for the
 vocabulary split's mask, whatever the number of layers, and uploads its ids and positions only.
 A prefill (and each refill of the sliding window) should not grow with the layers either: it does.
 """
@@ -37,14 +38,14 @@ def standin_env(monkeypatch):
 
 
 LLAMA = dict(arch="llama", n_kv_head=1, intermediate_size=44)        # at tp = 2: the kv head replicated
+ARCHS = {"gpt2": {}, "llama": LLAMA, "mistral": dict(LLAMA, sliding_window=3)}   # mistral: a ring of 3 columns
 
 
 def decode(name: str, n_layer: int = 2, arch: str = "gpt2"):
     """On backend `name`: (logits of the prefill and of 14 steps, generated texts, counters of the plain
     decode steps, counters of the prefill and of the window's refills)."""
     backend.use(name, WORLD)
-    cfg = GPTConfig(vocab_size=37, block_size=12, n_layer=n_layer, n_head=5, n_embd=20,
-                    **(LLAMA if arch == "llama" else {}))
+    cfg = GPTConfig(vocab_size=37, block_size=12, n_layer=n_layer, n_head=5, n_embd=20, **ARCHS[arch])
     model = GPT(cfg, Topology.create(WORLD, tp=WORLD.Get_size()), dtype="float64", seed=3).eval()
     dec = Decoder(model, 3)
     standin.counters.reset()
@@ -69,7 +70,7 @@ def traffic(counted: list) -> tuple:
     return syncs, uploads
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_cached_decoding_on_the_standin_equals_numpy(standin_env, arch):
     want, want_text, _, _ = decode("numpy", arch=arch)
     got, text, steps, refills = decode("cupy", arch=arch)

@@ -92,3 +92,27 @@ def test_the_standin_refuses_inside_a_fused_function_what_cupy_cannot_fuse(cupy)
         return a
     with pytest.raises(StrictnessError, match="cupy.fuse"):
         cupy.fuse()(in_place)(x)
+
+
+def test_windowed_online_softmax_and_tile_masks_on_the_standin(cupy):  # noqa: F811
+    """A sliding window (its tiles' biases, the merge's shift where a row has seen nothing) and dropout masks
+    drawn by tile on the device (philox.stream_rows' philox4x64 path, every row at once) give the NumPy
+    path's bits: the masks themselves and the attention forward and backward."""
+    from mpi_tp.core import philox
+    key, rows, sites = philox.split_key(77), numpy.arange(2)[:, None], numpy.arange(3)[None, :]
+    starts = range(3 * 9 + 1, 8 * 9 + 1, 9)                          # rows 3 ... 7 of a (9, 9) mask, keys 1 ... 6
+    host = philox.stream_rows(key, rows, sites, 4, starts, 6, at_least=20000)
+    device = philox.stream_rows(key, rows, sites, 4, starts, 6, xp=cupy, at_least=20000)
+    assert numpy.array_equal(cupy.asnumpy(device), host)
+    rng = numpy.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal((2, 3, 9, 4)) for _ in range(4))
+    mask = rng.random((2, 3, 9, 9)) > 0.3
+
+    def run(xp):
+        drop = xp.asarray(mask)
+        out, cache = kernels_online.online_attention_forward(*(xp.asarray(a) for a in (q, k, v)),
+                                                             lambda r, c: drop[..., r, c], 1.25, block=2, window=3)
+        return [out, cache[4]] + list(kernels_online.online_attention_backward(xp.asarray(dout), cache))
+    reference = run(numpy)
+    got = [cupy.asnumpy(a) for a in run(cupy)]
+    assert all(numpy.array_equal(a, r) for a, r in zip(got, reference))
