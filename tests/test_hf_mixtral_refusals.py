@@ -86,15 +86,18 @@ def test_expert_tensors_checked(tmp_path):
                  dtype=np.float32)
     with pytest.raises(UserError, match=f"holds {block}.experts.3.w1.weight, which"):
         HFFolder(str(tmp_path / "b"))
-    per_expert = {n: None for n in numpy_folder(str(tmp_path / "c"), MOE, dtype=np.float32) if ".block_sparse_moe." in n}
-    experts = "model.layers.0.mlp.experts"
-    fused = {f"model.layers.{i}.mlp.{name}": np.zeros(shape, np.float32) for i in range(2) for name, shape in
-             (("gate.weight", (3, 16)), ("experts.gate_up_proj", (3, 48, 16)), ("experts.down_proj", (3, 16, 24)))}
+    names = numpy_folder(str(tmp_path / "c"), MOE, dtype=np.float32)
+    per_expert = {n: None for n in names if ".block_sparse_moe." in n}          # left out: the fused ones instead
+    rng, experts = np.random.default_rng(1), "model.layers.0.mlp.experts"
+    fused = {f"model.layers.{i}.mlp.{name}": rng.standard_normal(shape).astype(np.float32) for i in range(2)
+             for name, shape in (("gate.weight", (3, 16)), ("experts.gate_up_proj", (3, 48, 16)),
+                                 ("experts.down_proj", (3, 16, 24)))}
     numpy_folder(str(tmp_path / "c"), MOE, tensors={**per_expert, **fused}, dtype=np.float32)
-    with HFFolder(str(tmp_path / "c")) as f:                              # the fused layout, whole: read
-        assert f.fused and f.read("model/h/1/moe/experts/2/up/weight").shape == (16, 24)
-    numpy_folder(str(tmp_path / "d"), MOE, tensors={**per_expert, **fused,
-                                                    f"{experts}.down_proj": np.zeros((2, 16, 24), np.float32)}, dtype=np.float32)
+    with HFFolder(str(tmp_path / "c")) as f:                   # up is rows F:2F of gate_up_proj[e], transposed
+        assert f.fused and np.array_equal(f.read("model/h/1/moe/experts/2/up/weight", 1, 5, 9),
+                                          fused["model.layers.1.mlp.experts.gate_up_proj"][2, 29:33].T)
+    wrong = {f"{experts}.down_proj": np.zeros((2, 16, 24), np.float32)}
+    numpy_folder(str(tmp_path / "d"), MOE, tensors={**per_expert, **fused, **wrong}, dtype=np.float32)
     with pytest.raises(UserError, match=rf"{experts}.down_proj is \(2, 16, 24\), but its config.json makes it "
                                         rf"\(3, 16, 24\)"):
         HFFolder(str(tmp_path / "d"))
