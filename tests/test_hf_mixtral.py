@@ -9,7 +9,8 @@ member of its group, the logits equal transformers' (which runs its norms and ro
 1e-6; the float64 Mixtral throughout, to 1e-9), and greedy generation gives transformers' own
 `generate(do_sample=False)` tokens. The same model saved with its experts fused (transformers 5's
 save_original_format=False) reads the same shards, so the same logits bit for bit. Exported back, the
-folder holds the same tensors bit for bit, transformers loads it, and what Mixtral cannot compute is refused
+folder holds the same tensors bit for bit and transformers loads it; a mixture of experts built in mpi_tp,
+saved at tp = world and exported, gives transformers mpi_tp's logits; what Mixtral cannot compute is refused
 in one line (more in test_hf_mixtral_refusals.py).
 
     mpiexec -n N python -m mpi4py -m pytest -q --with-mpi -m mpi tests/test_hf_mixtral.py     (N = 1 .. 4)
@@ -144,6 +145,43 @@ def test_export_gives_the_folder_back_and_transformers_loads_it(tmp_path):
     assert np.array_equal(want, got)
 
 
+NATIVE = {"topk-softmax-k2-tied": dict(moe_router="topk-softmax", tie_word_embeddings=True),
+          "softmax-sum-k1": dict(moe_top_k=1, moe_topk_norm="sum", moe_z_weight=0.1, moe_aux_weight=0.05)}
+
+
+@needs_oracle
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("variant", list(NATIVE))
+def test_moe_made_here_exported_gives_transformers_our_logits(world, shared_dir, variant):  # noqa: F811
+    """A llama mixture of experts built in mpi_tp (random weights, the same at every size), saved at tp = world
+    and exported: transformers computes its logits (Mixtral's router is the topk-softmax one, and the softmax
+    one with normalised gates; at k = 1 a gate of 1; the aux and z weights are training only)."""
+    from mpi_tp.checkpoint import save
+    from mpi_tp.model.config import GPTConfig
+    from mpi_tp.model.gpt import GPT
+    cfg = GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=6, n_embd=24, arch="llama", n_kv_head=3,
+                    intermediate_size=20, rope_theta=1000.0, norm_eps=1e-6, **{"moe_experts": 4, "moe_top_k": 2,
+                                                                               **NATIVE[variant]})
+    model = GPT(cfg, Topology.create(world), dtype="float64").eval()
+    rng = np.random.default_rng(3)
+    for p in model.parameters():                 # every rank draws every full tensor, keeps its slice
+        p.data[...] = (1.0 if "ln" in p.name else 0.0) + 0.2 * rng.standard_normal(p.global_shape)[p.index()]
+    root, out = os.path.join(shared_dir, "native"), os.path.join(shared_dir, "native-hf")
+    save(root, 0, model, None, {"config": cfg.to_dict()})
+    mine = model.full_logits(IDS)
+
+    def theirs():
+        import torch
+        with open_checkpoint(root) as ck:
+            export(ck, out)
+        hf = eager(out)
+        assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_experts_per_tok == cfg.moe_top_k
+        with torch.no_grad():
+            return hf(torch.tensor(IDS)).logits.numpy()
+    assert_close(mine, from_rank0(theirs, world), LLAMA_TOL, f"{variant} exported at tp={world.Get_size()}",
+                 comm=world)
+
+
 def _exported(tmp_path, **cfg):
     """A one-rank mpi_tp Mixtral-like checkpoint with these config changes, exported (raises what export says)."""
     from dataclasses import replace
@@ -166,6 +204,8 @@ def _exported(tmp_path, **cfg):
     (dict(moe_capacity=1.0), "a capacity (1) that drops assignments"),
     (dict(moe_every=2), "moe_every = 2"),
     (dict(arch="gpt2"), "GPT-2 MLPs"),
+    (dict(moe_gate_scale=2.5), "gates scaled by 2.5"),
+    (dict(moe_top_k=1), "gates not divided by their sum"),          # auto at k = 1: the gate is the probability
 ])
 def test_what_mixtral_cannot_compute_is_refused_in_one_line(tmp_path, cfg, says):
     pytest.importorskip("safetensors")
