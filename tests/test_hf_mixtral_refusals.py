@@ -6,7 +6,8 @@ nothing (a window at least max_position_embeddings long, a jitter of 0, output_r
 and a missing rope_theta or router_aux_loss_coef means MixtralConfig's defaults. An expert tensor missing,
 one past num_local_experts, or a fused expert tensor of the wrong shape is one line naming it. Export: an
 expert bias that training moved (the other MoE forms Mixtral lacks are test_hf_mixtral's) is refused with
-why, leaving nothing behind; a zero bias and the training-only weights export. The mpi-tp commands say either in one line.
+why, leaving nothing behind; a zero bias and the training-only weights export. The mpi-tp commands say
+either in one line.
 
     python -m pytest -q tests/test_hf_mixtral_refusals.py
 """
