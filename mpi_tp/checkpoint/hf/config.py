@@ -45,7 +45,8 @@ every layer: all layers sliding (max_window_layers 0) or none; a mix is refused 
 Mixtral (MixtralConfig, model_type "mixtral"), arch "llama" with a mixture of experts in every block:
 Llama's fields above, and
 
-    num_local_experts, num_experts_per_tok      moe_experts E, moe_top_k k
+    num_local_experts, num_experts_per_tok      moe_experts E, moe_top_k k (k <= E)
+    rope_theta (absent: 1e6, MixtralConfig's)   rope_theta
     (Mixtral's router)                          moe_router softmax, moe_topk_norm sum: softmax over the E
                                                 logits in fp32, the k best, divided by their sum (k = 1: 1)
     intermediate_size                           each expert's width (SwiGLU: w1 gate, w3 up, w2 down)
@@ -67,7 +68,6 @@ from dataclasses import replace
 from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
-from mpi_tp.model.routing import normalises
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel"),
@@ -234,6 +234,12 @@ def _qwen2(hf: dict, folder: str) -> GPTConfig:
 def _mixtral(hf: dict, folder: str) -> GPTConfig:
     _require(hf, folder, (("router_jitter_noise", 0.0, "the router reads the input as it is"),))
     moe = _sizes(hf, folder, (("moe_experts", "num_local_experts"), ("moe_top_k", "num_experts_per_tok")))
+    if moe["moe_top_k"] > moe["moe_experts"]:
+        raise _refuse(folder, f"num_experts_per_tok = {moe['moe_top_k']} exceeds num_local_experts = "
+                              f"{moe['moe_experts']}: a token's k experts are k of the E")
+    rope = hf.get("rope_parameters")
+    if "rope_theta" not in hf and not (isinstance(rope, dict) and "rope_theta" in rope):
+        hf = {**hf, "rope_theta": 1e6}                  # MixtralConfig's default, not Llama's 10000
     coef = hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.0
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
         raise _refuse(folder, f"router_aux_loss_coef = {coef!r}: config.json needs a number >= 0")
@@ -241,25 +247,9 @@ def _mixtral(hf: dict, folder: str) -> GPTConfig:
                    moe_topk_norm="sum", moe_capacity=0.0, moe_aux_weight=float(coef), moe_z_weight=0.0, moe_every=1)
 
 
-def mixtral_refusal(cfg: GPTConfig) -> str | None:
-    """Why MixtralForCausalLM cannot compute this mixture of experts (None: it can)."""
-    if not cfg.llama:
-        return "its experts are GPT-2 MLPs (GELU, biases); Mixtral's are SwiGLU: a llama model exports"
-    why = {"moe_every": (cfg.moe_every == 1, f"moe_every = {cfg.moe_every}: Mixtral's blocks are all MoE blocks"),
-           "moe_shared_experts": (not cfg.moe_shared_experts, "shared experts, which Mixtral has not"),
-           "moe_router": (cfg.moe_router != "sigmoid", "the sigmoid router (DeepSeek-V3's); Mixtral's is a softmax"),
-           "moe_topk_norm": (normalises(cfg.moe_router, cfg.moe_topk_norm, cfg.moe_top_k),
-                             "gates not divided by their sum; Mixtral normalises its k gates (top-1: a gate of 1)"),
-           "moe_gate_scale": (cfg.moe_gate_scale == 1.0, f"gates scaled by {cfg.moe_gate_scale:g}; Mixtral's are not"),
-           "moe_capacity": (cfg.moe_capacity == 0, f"a capacity ({cfg.moe_capacity:g}) that drops assignments; "
-                                                   "Mixtral computes every one (export a model trained dropless)")}
-    bad = [text for ok, text in why.values() if not ok]
-    return "; ".join(bad) if bad else None
-
-
 def hf_config(cfg: GPTConfig, dtype: str) -> dict:
     """The config.json of GPT2LMHeadModel or, for a llama model, the first that computes it of Qwen2ForCausalLM
-    (q, k, v biases), MixtralForCausalLM (experts in every block; export checks mixtral_refusal first),
+    (q, k, v biases), MixtralForCausalLM (experts in every block; export asks mixtral.mixtral_refusal first),
     MistralForCausalLM (a sliding window) and LlamaForCausalLM. A window goes into Qwen2's and Mixtral's too."""
     common = {"vocab_size": cfg.vocab_size, "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None,
               "use_cache": True, "dtype": dtype, "torch_dtype": dtype}    # transformers 5 reads dtype, 4 torch_dtype

@@ -52,6 +52,14 @@ the names transformers' save_pretrained writes and the Hub's Mixtral folders hol
     h/i/moe/experts/e/up/weight (C, F)      moe.experts.e.w3.weight (F, C)              transposed
     h/i/moe/experts/e/down/weight (F, C)    moe.experts.e.w2.weight (C, F)              transposed
 
+Export writes these. transformers 5 fuses each block's experts in memory, and save_pretrained(...,
+save_original_format=False) writes them so (mlp = pre layers.i.mlp; read, never written: `fused`):
+
+    h/i/moe/router/weight (C, E)            mlp.gate.weight (E, C)                      transposed
+    h/i/moe/experts/e/gate/weight (C, F)    mlp.experts.gate_up_proj (E, 2F, C)         [e, 0:F, :] transposed
+    h/i/moe/experts/e/up/weight (C, F)          "                                       [e, F:2F, :] transposed
+    h/i/moe/experts/e/down/weight (F, C)    mlp.experts.down_proj (E, C, F)             [e] transposed
+
 torch.nn.Linear stores (out, in) and computes x W^T: each linear weight is the transpose of
 mpi_tp's (in, out). A rank's column shard of q (its heads) is a block of q_proj's rows, so a
 shard is still one contiguous read. The rotary pairing (rotate_half) and the head order are
@@ -60,7 +68,8 @@ transformers' own (mpi_tp.model.llama): no permutation of q_proj or k_proj.
 A `Piece` says where an mpi_tp tensor lies in a Hugging Face one: the tensor, the axis along
 which it is one part of several (None: it is the whole tensor), the part's offset on that
 axis, and whether the two are stored transposed ((in, out) against (out, in): not in GPT-2;
-a torch.nn.Linear weight would be).
+a torch.nn.Linear weight would be); for fused experts, the expert's index on the tensor's first
+axis (the rest of the Piece then describes the (2F, C) or (C, F) matrix under it).
 """
 from __future__ import annotations
 
@@ -93,6 +102,7 @@ class Piece:
     offset: int = 0             # where the part starts on part_axis
     length: int = 0             # and its length there
     transposed: bool = False    # stored (out, in) there, (in, out) here
+    expert: int | None = None   # fused experts: the index on the tensor's first axis (E)
 
 
 def gpt2_pieces(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, Piece]:
@@ -112,9 +122,9 @@ def gpt2_pieces(cfg: GPTConfig, prefix: str = "transformer.") -> dict[str, Piece
     return out
 
 
-def llama_pieces(cfg: GPTConfig, prefix: str = "model.") -> dict[str, Piece]:
-    """mpi_tp parameter name -> its Piece of a LlamaForCausalLM (MixtralForCausalLM, with experts) folder, for
-    every parameter of the model."""
+def llama_pieces(cfg: GPTConfig, prefix: str = "model.", fused: bool = False) -> dict[str, Piece]:
+    """mpi_tp parameter name -> its Piece of a LlamaForCausalLM (MixtralForCausalLM, with experts; fused: those
+    experts as transformers 5 fuses them) folder, for every parameter of the model."""
     out = {"wte": Piece(f"{prefix}embed_tokens.weight", None), "ln_f/weight": Piece(f"{prefix}norm.weight", None)}
     for n in range(cfg.n_layer):
         moe = cfg.is_moe_block(n)
@@ -125,32 +135,55 @@ def llama_pieces(cfg: GPTConfig, prefix: str = "model.") -> dict[str, Piece]:
             for part in "qkv":
                 out[f"h/{n}/attn/{part}/bias"] = Piece(f"{prefix}layers.{n}.self_attn.{part}_proj.bias", None)
         if moe:
-            block = f"{prefix}layers.{n}.block_sparse_moe"
-            out[f"h/{n}/moe/router/weight"] = Piece(f"{block}.gate.weight", None, transposed=True)
-            for e in range(cfg.moe_experts):
-                for ours, w in MIXTRAL_EXPERT.items():
-                    out[f"h/{n}/moe/experts/{e}/{ours}/weight"] = Piece(f"{block}.experts.{e}.{w}.weight", None,
-                                                                        transposed=True)
+            out.update(_mixtral_block(cfg, f"h/{n}/moe", f"{prefix}layers.{n}", fused))
     if not cfg.tied:
         out["lm_head"] = Piece(TIED_HEAD, None)
     return out
 
 
-def pieces(cfg: GPTConfig, prefix: str | None = None) -> dict[str, Piece]:
-    """mpi_tp parameter name -> its Piece, for the configuration's architecture (prefix None: the usual one)."""
+def _mixtral_block(cfg: GPTConfig, ours: str, theirs: str, fused: bool) -> dict[str, Piece]:
+    """The Pieces of MoE block `ours` ("h/i/moe") in Mixtral's layer `theirs` ("model.layers.i")."""
+    if not fused:
+        block = f"{theirs}.block_sparse_moe"
+        out = {f"{ours}/router/weight": Piece(f"{block}.gate.weight", None, transposed=True)}
+        for e in range(cfg.moe_experts):
+            for mine, w in MIXTRAL_EXPERT.items():
+                out[f"{ours}/experts/{e}/{mine}/weight"] = Piece(f"{block}.experts.{e}.{w}.weight", None,
+                                                                 transposed=True)
+        return out
+    F, experts = cfg.ffn, f"{theirs}.mlp.experts"
+    out = {f"{ours}/router/weight": Piece(f"{theirs}.mlp.gate.weight", None, transposed=True)}
+    for e in range(cfg.moe_experts):                # gate_up_proj[e] (2F, C): gate's F rows, then up's
+        for j, part in enumerate(("gate", "up")):
+            out[f"{ours}/experts/{e}/{part}/weight"] = Piece(f"{experts}.gate_up_proj", 1, j * F, F,
+                                                             transposed=True, expert=e)
+        out[f"{ours}/experts/{e}/down/weight"] = Piece(f"{experts}.down_proj", None, transposed=True, expert=e)
+    return out
+
+
+def pieces(cfg: GPTConfig, prefix: str | None = None, fused: bool = False) -> dict[str, Piece]:
+    """mpi_tp parameter name -> its Piece, for the configuration's architecture (prefix None: the usual one;
+    fused: a Mixtral's experts as transformers 5 fuses them)."""
     prefix = PREFIXES[cfg.arch][0][0] if prefix is None else prefix
-    return llama_pieces(cfg, prefix) if cfg.llama else gpt2_pieces(cfg, prefix)
+    return llama_pieces(cfg, prefix, fused) if cfg.llama else gpt2_pieces(cfg, prefix)
 
 
-def hf_shapes(cfg: GPTConfig, prefix: str | None = None) -> dict[str, tuple]:
+def hf_shapes(cfg: GPTConfig, prefix: str | None = None, fused: bool = False) -> dict[str, tuple]:
     """Every Hugging Face tensor a folder of this configuration holds (a tied lm_head left out): its shape,
-    in the model's order."""
+    in the model's order (fused: a Mixtral's experts as transformers 5 fuses them)."""
     prefix = PREFIXES[cfg.arch][0][0] if prefix is None else prefix
     if cfg.llama:
         from mpi_tp.model.llama import parameter_shapes
-        table = llama_pieces(cfg, prefix)
-        return {table[name].tensor: tuple(reversed(shape)) if table[name].transposed else tuple(shape)
-                for name, shape in parameter_shapes(cfg).items()}
+        table, shapes = llama_pieces(cfg, prefix, fused), {}
+        E, C, F = cfg.moe_experts, cfg.n_embd, cfg.ffn
+        fused_shapes = {"gate_up_proj": (E, 2 * F, C), "down_proj": (E, C, F)}
+        for name, shape in parameter_shapes(cfg).items():
+            piece = table[name]
+            if piece.expert is not None:                         # the whole (E, ...) tensor, once
+                shapes[piece.tensor] = fused_shapes[piece.tensor.rpartition(".")[2]]
+            else:
+                shapes[piece.tensor] = tuple(reversed(shape)) if piece.transposed else tuple(shape)
+        return shapes
     C, V, S, F = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.ffn
     shapes = {f"{prefix}wte.weight": (V, C), f"{prefix}wpe.weight": (S, C),
               f"{prefix}ln_f.weight": (C,), f"{prefix}ln_f.bias": (C,)}
@@ -168,6 +201,8 @@ def hf_shapes(cfg: GPTConfig, prefix: str | None = None) -> dict[str, tuple]:
 def region(piece: Piece, ndim: int, axis: int | None = None, start: int = 0, stop: int = 0) -> tuple:
     """The index into the piece's Hugging Face tensor (ndim axes) that holds the piece or, when axis is
     given, its rows/columns [start, stop) along mpi_tp's axis `axis` (a rank's shard)."""
+    lead = () if piece.expert is None else (piece.expert,)     # a fused expert: its matrix under [e]
+    ndim -= len(lead)
     idx = [slice(None)] * ndim
     flip = (lambda a: ndim - 1 - a) if piece.transposed else (lambda a: a)
     if piece.part_axis is not None:
@@ -177,4 +212,4 @@ def region(piece: Piece, ndim: int, axis: int | None = None, start: int = 0, sto
         a = flip(axis)
         base = idx[a].start or 0
         idx[a] = slice(base + start, base + stop)
-    return tuple(idx)
+    return lead + tuple(idx)

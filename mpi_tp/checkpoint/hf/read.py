@@ -87,8 +87,9 @@ def weight_files(folder: str) -> dict[str, str]:
 
 
 class HFFolder:
-    """A Hugging Face GPT-2 or Llama folder, opened and checked (names, shapes, dtypes: every tensor the model needs
-    is there, nothing is left that mpi_tp would not use); reads like a Checkpoint.
+    """A Hugging Face GPT-2 or Llama folder (Mistral, Qwen2, or Mixtral: its experts one tensor each, or fused),
+    opened and checked (names, shapes, dtypes: every tensor the model needs is there, nothing is left that mpi_tp
+    would not use); reads like a Checkpoint.
 
     meta: {"config": the GPTConfig as a dict, "dtypes": the folder's format (folder_dtype), "source": where it
     came from}; step 0; no optimizer state.
@@ -110,7 +111,9 @@ class HFFolder:
             files = {name: single for name in self._file(single).keys()}
         self.files = files
         self.prefix = self._prefix()
-        self.pieces = pieces(self.cfg, self.prefix)
+        # a Mixtral saved as transformers 5 holds it in memory (save_original_format=False): its experts fused
+        self.fused = bool(self.cfg.moe_experts) and any(n.endswith(".mlp.experts.gate_up_proj") for n in files)
+        self.pieces = pieces(self.cfg, self.prefix, self.fused)
         self.dtypes = self._check()
         self.meta = {"config": self.cfg.to_dict(), "dtypes": folder_dtype(self.dtypes.values()),
                      "source": {"format": "huggingface", "path": os.path.abspath(path),
@@ -140,7 +143,7 @@ class HFFolder:
 
     def _check(self) -> dict[str, str]:
         """{tensor: safetensors dtype}; one HFConfigError for a missing, unexpected or misshapen tensor."""
-        want = hf_shapes(self.cfg, self.prefix)
+        want = hf_shapes(self.cfg, self.prefix, self.fused)
         missing = sorted(set(want) - set(self.files))
         if missing:
             raise HFConfigError(f"Hugging Face model {self.dir} lacks {missing[0]}"

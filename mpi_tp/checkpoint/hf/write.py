@@ -31,7 +31,8 @@ import ml_dtypes
 import numpy
 
 from mpi_tp.checkpoint.format import CheckpointError, put_in_place
-from mpi_tp.checkpoint.hf.config import hf_config, mixtral_refusal
+from mpi_tp.checkpoint.hf.config import hf_config
+from mpi_tp.checkpoint.hf.mixtral import mixtral_refusal
 from mpi_tp.checkpoint.hf.names import hf_shapes, pieces, region
 from mpi_tp.checkpoint.hf.read import INDEX, SINGLE, require_safetensors
 from mpi_tp.core.errors import refuse_to_replace
