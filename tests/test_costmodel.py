@@ -57,13 +57,20 @@ def test_memory_by_hand():
 
 
 def test_korthikanti_16_bit_activations():
+    """Korthikanti et al.'s Table 2 with the scores stored (5 a s^2 b: Megatron's softmax of 2022), and with
+    FlashAttention (the presets' default, attention "auto"): the scores' 5 a s^2 b replaced by the output, 2 s b h
+    bytes split by t, and the fp32 log-sum-exp, 4 a s b bytes split by t."""
     m = PRESETS["dgx-a100"]
-    w = Workload(n_layer=1, n_embd=1024, n_head=16, seq=2048, global_batch=1)
     s, b, h, a = 2048, 1, 1024, 16
-    for t, sp, expect in ((1, False, s * b * h * (34 + 5 * a * s / h)),
-                          (4, False, s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4))),
-                          (4, True, s * b * h * (34 + 5 * a * s / h) / 4)):
-        assert memory_per_rank(m, w, Plan(tp=t, micro_batch=1, sp=sp))["activations"] == pytest.approx(expect)
+    stored = Workload(n_layer=1, n_embd=1024, n_head=16, seq=2048, global_batch=1, attention="stored")
+    flash = Workload(n_layer=1, n_embd=1024, n_head=16, seq=2048, global_batch=1)
+    for t, sp, expect, expect_flash in (
+            (1, False, s * b * h * (34 + 5 * a * s / h), s * b * h * 36 + 4 * a * s * b),
+            (4, False, s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4)), s * b * h * (10 + 26 / 4) + a * s * b),
+            (4, True, s * b * h * (34 + 5 * a * s / h) / 4, (s * b * h * 36 + 4 * a * s * b) / 4)):
+        lay = Plan(tp=t, micro_batch=1, sp=sp)
+        assert memory_per_rank(m, stored, lay)["activations"] == pytest.approx(expect)
+        assert memory_per_rank(m, flash, lay)["activations"] == pytest.approx(expect_flash)
 
 
 def test_tensor_parallel_communication_by_hand():
@@ -260,7 +267,7 @@ def test_worked_example_matches_the_code(capsys):
     assert args.run(args, MPI.COMM_SELF) == 0
     assert capsys.readouterr().out.rstrip("\n") == quoted.group(2)              # the quoted output, verbatim
     m = machine(args.machine)
-    w = Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab)
+    w = Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab, attention=args.attention)
     dp = args.nodes * m.ranks_per_node // (args.tp * args.pp)
     lay = Plan(tp=args.tp, pp=args.pp, dp=dp, micro_batch=args.micro_batch)
     t = step_time(m, w, lay)
@@ -286,20 +293,26 @@ def test_receives_posted_ahead_hide_all_but_the_fill_and_the_drain():
 
 
 def test_context_parallelism_priced_and_planned():
-    """cp = Z: the ring's 3Z - 2 messages of 2 B (S/Z) C / T values per layer and micro-batch on the link its
-    T Z consecutive ranks cross, compute and activations per rank over S / Z, the gradient reduction over Z D;
-    and the planner takes cp > 1 for a sequence too long for one rank's memory (from LONG positions on)."""
+    """cp = Z: each ring step costs max(compute, transfer) (mpi_tp.planning.attention_cost): per layer and
+    micro-batch Z - 1 forward K/V messages against a step's forward block, Z - 1 backward steps with K/V and
+    dK/dV against its backward block, and the last dK/dV hop exposed whole; each message 2 B (S/Z) C / T values
+    on the link its T Z consecutive ranks cross. Compute and activations per rank over S / Z, the gradient
+    reduction over Z D; the planner takes cp > 1 for a sequence too long for one rank's memory."""
     from mpi_tp.planning.memory import memory_per_rank
-    from mpi_tp.planning.planner import LONG
+    from mpi_tp.planning.planner import CP_POSITIONS
     m = cpu(pp_overlap=0.0)
     w = Workload(n_layer=3, n_embd=64, n_head=4, seq=64, global_batch=4)
     one, two = (step_time(m, w, Plan(tp=2, cp=c, micro_batch=2)) for c in (1, 2))
-    kv = 2 * 2 * 32 * 64 / 2 * 4
-    assert one["cp_comm"] == 0 and two["cp_comm"] == pytest.approx(2 * 3 * (4 * 1e-5 + 4 * kv / 1e10))
+    transfer = 1e-5 + 2 * 2 * 32 * 64 / 2 * 4 / 1e10                  # alpha + a K/V block of 2 B s C / T floats
+    block = 4 * 2 * 32 * 16 * 64 * 0.5 / 1e11                            # half a pair: 4 B s (s/2) C / T FLOPs
+    exposed = max(0, transfer - block) + max(0, 2 * transfer - 2 * block) + transfer
+    assert one["cp_comm"] == 0 and two["cp_comm"] == pytest.approx(2 * 3 * exposed)       # M 2, 3 layers
+    slow = step_time(cpu(gemm_flops=1e6), w, Plan(tp=2, cp=2, micro_batch=2))             # compute hides the ring
+    assert slow["cp_comm"] == pytest.approx(2 * 3 * transfer)                            # but the last hop
     assert two["tp_comm"] < one["tp_comm"] and two["compute"] < one["compute"]
     mem1, mem2 = (memory_per_rank(m, w, Plan(cp=c)) for c in (1, 2))
     assert mem2["activations"] < 0.5 * mem1["activations"] and mem2["logits"] == mem1["logits"] / 2
-    long = Workload(n_layer=8, n_embd=1024, n_head=16, seq=LONG * 4, global_batch=8)
+    long = Workload(n_layer=8, n_embd=1024, n_head=16, seq=CP_POSITIONS * 32, global_batch=8, attention="stored")
     r = plan(PRESETS["dgx-a100"], long, nodes=1, top=3)
     assert r["ranked"] and r["ranked"][0]["layout"].cp > 1
     assert not any(x["fits"] for x in r["all"] if x["layout"].cp == 1 and x["layout"].tp == 1 and not x["layout"].recompute

@@ -11,8 +11,8 @@ published layout (full recomputation, no sequence parallelism or ZeRO, as in
 recomputed forward included); and `plan` ranks every layout of that many GPUs:
 "rank" is the place of the published (t, p) among the distinct (t, p) pairs,
 each at its best predicted time (1: the planner's first choice, as `mpi-tp plan` numbers its rows),
-among the schedules and ZeRO stages the runs had (THEIR_SPACE), and "rank_zb" the same in the
-planner's whole search (the zero-bubble schedules and ZeRO-2/3 too).
+among the schedules and ZeRO stages the runs had, without context parallelism (THEIR_SPACE), and
+"rank_zb" the same in the planner's whole search (the zero-bubble schedules, ZeRO-2/3 and cp too).
 """
 import json
 import os
@@ -37,7 +37,8 @@ def published_rows(path=TABLE) -> list[dict]:
 
 
 def layout_of(row) -> tuple[Workload, Plan]:
-    w = Workload(row["layers"], row["hidden"], row["heads"], 2048, row["global_batch"], vocab=row.get("vocab", 51200))
+    w = Workload(row["layers"], row["hidden"], row["heads"], 2048, row["global_batch"], vocab=row.get("vocab", 51200),
+                 attention=row.get("attention", "stored"))     # 2021-22: Megatron's softmax, the scores kept
     t, p = row["t"], row["p"]
     per_chunk = row["layers_per_virtual_stage"]
     virtual = row["layers"] // p // per_chunk if per_chunk else 1
@@ -47,7 +48,7 @@ def layout_of(row) -> tuple[Workload, Plan]:
 
 # What the published runs could choose from: the schedules of their time (none split the backward into B and W)
 # and at most ZeRO-1; the planner today also searches the zero-bubble schedules and ZeRO-2/3 ("rank_zb").
-THEIR_SPACE = {"schedules": ("1f1b", "interleaved"), "zeros": (0, 1)}
+THEIR_SPACE = {"schedules": ("1f1b", "interleaved"), "zeros": (0, 1), "cp_only": 1}   # (no cp before 2023)
 
 
 def _rank(m, w, lay, gpus, even_stages, **space) -> tuple:

@@ -25,7 +25,8 @@ from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import PRESETS, machine, state_bytes, with_precision
 from mpi_tp.planning.plan_table import legend, size_text, table
-from mpi_tp.planning.planner import LONG, SCHEDULES, links_text, plan, price
+from mpi_tp.planning.attention_cost import KINDS
+from mpi_tp.planning.planner import CP_POSITIONS, SCHEDULES, links_text, plan, price
 
 MODEL_FLAGS = ("--layers", "--hidden", "--heads", "--seq", "--global-batch")     # the model: required
 
@@ -44,12 +45,17 @@ def add_parser(sub) -> None:
     for flag in MODEL_FLAGS:                      # required, unless --legend is all that is asked
         p.add_argument(flag, type=int, default=None, help="the model: required (unless --legend alone)")
     p.add_argument("--vocab", type=int, default=51200)
+    p.add_argument("--attention", choices=KINDS, default="auto",
+                   help="the attention kernel priced: flash (no scores kept, the causal half computed, fused), stored "
+                        "(Megatron's softmax of 2021-22: the (S, S) scores computed whole and kept), mpi_tp (this "
+                        "code's CPU kernels); auto: flash on the GPU presets, mpi_tp on a calibrated machine "
+                        "(mpi_tp.planning.attention_cost)")
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
     p.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")
     p.add_argument("--pp", type=int, default=None, help="consider only this number of pipeline stages")
-    p.add_argument("--cp", type=int, default=None, help="consider only this context-parallel size (default: 1 "
-                   f"below {LONG} positions, else any that leaves a rank at least 4 of each sequence)")
+    p.add_argument("--cp", type=int, default=None, help="consider only this context-parallel size (default: any "
+                   f"that leaves each rank at least {CP_POSITIONS} positions of a sequence)")
     p.add_argument("--micro-batch", type=int, default=None, help="consider only this micro-batch size")
     p.add_argument("--no-sp", action="store_true", help="leave out sequence parallelism")
     p.add_argument("--no-zero", action="store_true", help="leave out ZeRO (stages 1 to 3)")
@@ -106,7 +112,8 @@ def _check(args):
     ranks, pinned = args.nodes * m.ranks_per_node, (args.tp or 1) * (args.cp or 1) * (args.pp or 1)
     if ranks % pinned:                 # the world-size rule's own message (dp, or tp, takes the rest)
         Layout.resolve(ranks, tp=args.tp or 0, cp=args.cp or 1, pp=args.pp or 1, dp=0 if args.tp else 1)
-    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab, **moe)
+    return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab,
+                       attention=args.attention, **moe)
 
 
 def _allowed(args) -> dict:

@@ -73,7 +73,7 @@ TERMS = (
     Term("attention output", "SBC", 1, False, True, False, True, online=True),
     Term("attention log-sum-exp", "HSB", 1, False, True, False, True, online=True, statistic=True),
     Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True, online=False),
-    Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True),
+    Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True, online=False),
     Term("v", "SBC", 1, False, True, True, True),
     Term("attention projection input", "SBC", 1, False, True, True, True),
     Term("attention dropout mask", "SBC", 1, True, False, True, True),
@@ -86,12 +86,15 @@ TERMS = (
 
 
 def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = False, dropout: bool = False,
-                     recompute: str = "none", value_bytes: int | None = None, paper: bool = False) -> dict:
+                     recompute: str = "none", value_bytes: int | None = None, paper: bool = False,
+                     online: bool | None = None) -> dict:
     """{term: bytes per layer} on the rank that keeps the most (sizes that divide by T: exact).
 
     paper: Korthikanti et al.'s count (dropout always on; values of value_bytes, default 2 as in the
     paper); else this code's with value_bytes per value (default 4: float32; statistics fp32 at 2) and
-    masks only when dropout is on."""
+    masks only when dropout is on. online: the attention keeps no scores, its output and log-sum-exp
+    instead (the online softmax, FlashAttention, ring attention); None: this code's rule (from
+    ONLINE_FROM positions; never in the paper's count)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute {recompute!r}: one of {RECOMPUTE}")
     if value_bytes is None:
@@ -99,12 +102,14 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
     if paper:
         dropout = True
     units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B, "HSB": H * S * B}
-    online = not paper and S >= ONLINE_FROM
+    if online is None:
+        online = not paper and S >= ONLINE_FROM
     if recompute == "full":                           # the block's input alone
         return {"block input": S * B * C * value_bytes / (T if sp else 1)}
     out = {}
     for t in TERMS:
-        if not (t.paper if paper else t.ours) or (t.mask and not dropout) or t.online not in (None, online):
+        counted = (t.paper if paper else t.ours) or (paper and online and t.online)   # flash's output and lse
+        if not counted or (t.mask and not dropout) or t.online not in (None, online):
             continue
         if t.core and recompute == "selective" and not online:      # (the online cache is kept whole)
             continue
@@ -114,9 +119,9 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
 
 
 def activation_bytes_per_layer(S, B, C, H, T=1, sp=False, dropout=False, recompute="none", value_bytes=None,
-                               paper=False) -> float:
+                               paper=False, online=None) -> float:
     """The sum of activation_terms."""
-    return sum(activation_terms(S, B, C, H, T, sp, dropout, recompute, value_bytes, paper).values())
+    return sum(activation_terms(S, B, C, H, T, sp, dropout, recompute, value_bytes, paper, online).values())
 
 
 def measured_terms(block) -> dict:

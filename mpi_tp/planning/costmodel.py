@@ -56,6 +56,7 @@ import math
 from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
+from mpi_tp.planning import attention_cost as attn
 from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
 from mpi_tp.planning.experts import DISPATCHERS, expert_grid_links, expert_params_rank, mlp_passes, moe_step_terms
 from mpi_tp.planning.links import link, placement, ring_all_gather, ring_all_reduce
@@ -76,6 +77,7 @@ class Workload:
     moe_every: int = 1
     shared_experts: int = 0      # n shared experts (one MLP n wide) beside the routed ones
     capacity: float = 0.0        # moe_capacity c: an expert admits at most c S k / E of a sequence's rows (0: dropless)
+    attention: str = "auto"      # the kernel: "flash", "stored", "mpi_tp" or "auto" (mpi_tp.planning.attention_cost)
 
     @property
     def moe_layers(self) -> int:
@@ -170,10 +172,10 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t
     att_share, mlp_share = math.ceil(a / t) / a, math.ceil(4 * h / t) / (4 * h)
     gemm = fwd_bwd * 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers   # 2 FLOPs per MAC
-    gemm += fwd_bwd * 2 * b * s * w.seq * h * 2 * att_share * layers                       # QK^T and AV
+    gemm += attn.score_flops(m, w, b, s, att_share, layers, lay.recompute)                # QK^T and AV
     gemm += 3 * 2 * b * s * h * V / t / p                      # the tied head, on one stage's share
-    elem = layers * (m.ew_rep * s * b * h / (t if lay.sp else 1) + m.ew_par * s * b * h / t
-                     + m.ew_att * a * s * w.seq * b / t) * (fwd_bwd / 3)
+    elem = layers * (m.ew_rep * s * b * h / (t if lay.sp else 1) + m.ew_par * s * b * h / t) * (fwd_bwd / 3)
+    elem += attn.score_elements(m, w, b, s, t, layers, lay.recompute)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
     compute = micro * (gemm / gemm_rate(m, b * s) + elem / m.elem_rate + overhead)
     alpha, bw = link(links["tp"], m)
@@ -190,10 +192,12 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         tp_comm += terms["tp"] + terms["etp"]
         ep_comm = terms["ep"]
     cp_comm = 0.0
-    if c > 1:                       # the ring: 3Z - 2 messages of K and V (or their gradients) per layer
+    if c > 1:                       # the ring: its messages against the blocks computed meanwhile (attention_cost)
         ca, cbw = link(links["cp"], m)
-        kv = 2 * b * s * h / t * m.bytes_per_value
-        cp_comm = micro * layers * ((3 * c - 2) * ca + (2 * (c - 1) * (1 - m.pp_overlap) + c) * kv / cbw)
+        kv_width = h * getattr(w, "kv_heads", a) / a               # C H_kv / H: the keys' and values' width
+        cp_comm = micro * layers * attn.ring_exposed(m, w, ca, cbw, c, b, s, kv_width, t,
+                                                     attn.step_score_flops(w, b, s, att_share), gemm_rate(m, b * s),
+                                                     lay.recompute)
     # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
     # of a stage's work: what the zero-bubble schedules move into the bubble (mpi_tp.planning.bubble)
     wgrad = 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers + 2 * b * s * h * V / t / p

@@ -29,15 +29,16 @@ stage, P micro-batches under 1F1B, and the last, one micro-batch and the logits;
 schedules keep each deferred W's inputs too); selective recomputation drops the attention core
 (activations.py); full recomputation keeps each layer's input and, during one layer's backward, that
 layer's activations again, never at the same time as the logits (the larger of the two). Plan.recompute:
-False / "none", "selective", True / "full". Context parallelism (cp = Z) leaves S / Z positions on a rank,
-and its ring attention keeps q, k and v but no (S, S) array (the terms of
-selective recomputation at S / Z); the optimizer state is shared over Z D.
+False / "none", "selective", True / "full". Attention that keeps no scores (FlashAttention, the online
+softmax, ring attention: mpi_tp.planning.attention_cost.keeps_scores) keeps its output and log-sum-exp
+instead (activations' online terms, in the paper's count too). Context parallelism (cp = Z) leaves S / Z
+positions on a rank; the optimizer state is shared over Z D.
 """
 from __future__ import annotations
 
 import math
 
-from mpi_tp.planning import activations
+from mpi_tp.planning import activations, attention_cost
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.experts import dense_mlp_bytes, expert_params_rank, mlp_params_rank, moe_block_bytes
 from mpi_tp.planning.machines import Machine, state_bytes
@@ -48,12 +49,12 @@ def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan, recompute: st
     count, or Korthikanti et al.'s for 16-bit Megatron-style training), without recomputation or with
     selective recomputation."""
     S, B, C, H, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, w.n_head, lay.tp
-    ring = "selective" if lay.cp > 1 else recompute     # ring attention keeps no (S, S) array
+    online = not attention_cost.keeps_scores(m, w, S, lay.cp)   # flash, the online softmax, ring attention
     if m.activations == "korthikanti":
-        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=ring, paper=True,
-                                                      value_bytes=m.bytes_per_value)
-    return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=ring,
-                                                  value_bytes=m.bytes_per_value)
+        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=recompute, paper=True,
+                                                      value_bytes=m.bytes_per_value, online=online)
+    return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=recompute,
+                                                  value_bytes=m.bytes_per_value, online=online)
 
 
 def params_per_rank(w: Workload, lay: Plan) -> float:

@@ -21,7 +21,8 @@ from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time
 from mpi_tp.planning.memory import memory_per_rank
 from mpi_tp.planning.plan_table import size_text
 
-LONG = 8192        # context parallelism is considered from this sequence length on (or asked for: --cp)
+CP_POSITIONS = 1024   # context parallelism is considered where each rank keeps at least this many positions of a
+#                       sequence (or asked for: --cp); fewer, and a ring step's block is too small to hide its K/V
 SCHEDULES = ("1f1b", "interleaved", *ZERO_BUBBLE)      # the pipeline schedules priced (ties: the first wins)
 
 
@@ -37,7 +38,7 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                virtual: int | None = None, even_stages: bool = False, ep_only: int | None = None,
                etp_only: int | None = None, dispatcher: str = "alltoall"):
     """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
-    uneven), cp > 1 for sequences of LONG positions or more (at least 4 positions per rank), pp up to the
+    uneven), cp > 1 where each rank keeps CP_POSITIONS positions or more, pp up to the
     layers (stages need not divide them: the largest sets the pace), interleaving (2 chunks a stage, or
     `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, the
     zero-bubble schedules where there are at least as many micro-batches as stages (zb-v: and every chunk
@@ -49,7 +50,7 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
         for cp, pp in ((c, p) for c in divisors(ranks // tp) for p in divisors(ranks // (tp * c))):
-            if (cp_only and cp != cp_only) or (not cp_only and cp > 1 and (w.seq < LONG or w.seq < 4 * cp)):
+            if (cp_only and cp != cp_only) or (not cp_only and cp > 1 and w.seq < CP_POSITIONS * cp):
                 continue
             if pp > w.n_layer or (pp_only and pp != pp_only) or cp > w.seq // 2 or (even_stages and w.n_layer % pp):
                 continue
