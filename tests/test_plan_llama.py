@@ -167,3 +167,13 @@ def test_llama_options_need_llama():
     with pytest.raises(UserError, match="add --arch llama"):
         _workload(["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "8", "--global-batch", "8",
                    "--n-kv-head", "2"])
+
+
+def test_the_docs_hand_worked_llama_numbers():
+    """docs/costmodel.md section 7 works Llama 3.1 8B's parameters, and a rank's share of a block at tp 16, by hand."""
+    from pathlib import Path
+    text = " ".join((Path(__file__).parent.parent / "docs" / "costmodel.md").read_text().split())
+    w = Workload(32, 4096, 32, 8192, 512, 128256, arch="llama", n_kv_head=8, intermediate_size=14336)
+    split, whole = w.layer_split(16)
+    assert f"= {w.params:,} parameters" in text and f"= {split // 16 + whole:,} of a block's" in text
+    assert split % 16 == 0 and whole - 2 * 4096 == 2 * 4096 * 128 == 1_048_576

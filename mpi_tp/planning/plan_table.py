@@ -54,7 +54,9 @@ LEGEND = (
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
                "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
                "sequences (recomputation not counted; an MoE block's MLP counted k a + n times, its active experts'), "
-               "/ step s / the W ranks")),
+               "/ step s / the W ranks"
+               "; other shapes (--arch llama, --n-kv-head, --intermediate-size) add 6 (D M B) S L (P - 12 C^2), P "
+               "a block's GEMM multiply-adds per position")),
     ("of peak", ("that FLOP/s as a fraction of the machine's datasheet peak (a calibrated machine: of its "
                 "measured GEMM rate)")),
 )
