@@ -177,3 +177,16 @@ def test_the_docs_hand_worked_llama_numbers():
     split, whole = w.layer_split(16)
     assert f"= {w.params:,} parameters" in text and f"= {split // 16 + whole:,} of a block's" in text
     assert split % 16 == 0 and whole - 2 * 4096 == 2 * 4096 * 128 == 1_048_576
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_mixture_of_swiglu_experts_counts_as_the_model(arch):
+    """Every other block an MoE block of 4 experts (llama: SwiGLU, 3 C F each), 0 to 2 shared experts."""
+    for n in (0, 1, 2):
+        cfg = GPTConfig(arch=arch, vocab_size=V, block_size=8, n_layer=4, n_head=H, n_embd=C, intermediate_size=F,
+                        n_kv_head=3 if arch == "llama" else None, moe_experts=4, moe_top_k=2, moe_every=2,
+                        moe_shared_experts=n)
+        w = Workload(4, C, H, 8, 8, V, experts=4, top_k=2, moe_every=2, shared_experts=n, arch=arch,
+                     n_kv_head=cfg.n_kv_head, intermediate_size=F)
+        assert w.params == GPT(cfg, Topology.serial()).num_params(), (arch, n)
+    assert Workload(2, C, H, 8, 8, V, arch="llama", intermediate_size=F).expert_params == 3 * C * F
