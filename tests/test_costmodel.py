@@ -57,9 +57,9 @@ def test_memory_by_hand():
 
 
 def test_korthikanti_16_bit_activations():
-    """Korthikanti et al.'s Table 2 with the scores stored (5 a s^2 b: Megatron's softmax of 2022), and with
-    FlashAttention (the presets' default, attention "auto"): the scores' 5 a s^2 b replaced by the output, 2 s b h
-    bytes split by t, and the fp32 log-sum-exp, 4 a s b bytes split by t."""
+    """Korthikanti et al.'s Table 2 with the scores stored (5 H S^2 B: Megatron's softmax of 2022), and with
+    FlashAttention (the presets' default, attention "auto"): the scores' 5 H S^2 B replaced by the output, 2 S B C
+    bytes split by T, and the fp32 log-sum-exp, 4 H S B bytes split by T."""
     m = PRESETS["dgx-a100"]
     s, b, h, a = 2048, 1, 1024, 16
     stored = Workload(n_layer=1, n_embd=1024, n_head=16, seq=2048, global_batch=1, attention="stored")

@@ -6,6 +6,8 @@
     mpi-tp plan ... --emit-config best.json                    # the winner as a config `mpi-tp train` runs
     mpi-tp plan ... --precision bf16                           # values, wire bytes and state at bf16's width
     mpi-tp plan ... --moe-experts 8 --moe-top-k 2 [--ep 4 --etp 1 --moe-dispatcher allgather]   # experts
+    mpi-tp plan ... --arch llama --n-kv-head 8 --intermediate-size 14336    # Llama's shape (plan_shape)
+    mpi-tp plan --model PATH --global-batch 512                # the shape of a config.json or a checkpoint
 
 Every bad input is one line and exit 2 (checked before anything is searched); an empty search says
 what could not be expressed.
@@ -21,6 +23,7 @@ import sys
 from mpi_tp.core.errors import UserError, refuse_to_replace
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.commands.plan_moe import add_moe_arguments, check_moe
+from mpi_tp.commands.plan_shape import add_shape_arguments, apply_model, check_shape
 from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import PRESETS, machine, state_bytes, with_precision
@@ -43,8 +46,10 @@ def add_parser(sub) -> None:
                         "12, the fp32 masters and moments, ZeRO-1 sharding the 12); default: the machine's own "
                         "(presets: Megatron's bf16 with fp32 gradients, 18 bytes; calibrated: fp32)")
     for flag in MODEL_FLAGS:                      # required, unless --legend is all that is asked
-        p.add_argument(flag, type=int, default=None, help="the model: required (unless --legend alone)")
-    p.add_argument("--vocab", type=int, default=51200)
+        p.add_argument(flag, type=int, default=None, help="the model: required (unless --legend alone, or "
+                       "given by --model)")
+    p.add_argument("--vocab", type=int, default=None, help="the vocabulary (default: --model's, else 51200)")
+    add_shape_arguments(p)
     p.add_argument("--attention", choices=KINDS, default="auto",
                    help="the attention kernel priced: flash (no scores kept, the causal half computed, fused), stored "
                         "(Megatron's softmax of 2021-22: the (S, S) scores computed whole and kept), mpi_tp (this "
@@ -90,6 +95,8 @@ def _missing(args) -> list[str]:
 
 
 def _check(args):
+    if args.vocab is None:
+        args.vocab = 51200
     for key in ("nodes", "layers", "hidden", "heads", "seq", "global_batch", "vocab", "top"):
         if getattr(args, key) < 1:
             raise UserError(f"--{key.replace('_', '-')} must be at least 1")
@@ -99,7 +106,7 @@ def _check(args):
     if args.hidden % args.heads:
         raise UserError(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}: every head has "
                         "hidden / heads channels")
-    moe = check_moe(args)
+    moe, shape = check_moe(args), check_shape(args)
     if args.sp and args.no_sp or args.recompute and args.no_recompute or args.zero is not None and args.no_zero:
         raise UserError("a pin and its --no- form together (--sp / --no-sp, --zero / --no-zero, --recompute / "
                         "--no-recompute): give one")
@@ -113,7 +120,7 @@ def _check(args):
     if ranks % pinned:                 # the world-size rule's own message (dp, or tp, takes the rest)
         Layout.resolve(ranks, tp=args.tp or 0, cp=args.cp or 1, pp=args.pp or 1, dp=0 if args.tp else 1)
     return m, Workload(args.layers, args.hidden, args.heads, args.seq, args.global_batch, args.vocab,
-                       attention=args.attention, **moe)
+                       attention=args.attention, **moe, **shape)
 
 
 def _allowed(args) -> dict:
@@ -191,7 +198,7 @@ def train_config(w: Workload, lay: Plan) -> dict:
     """The options of `mpi-tp train` that run layout `lay` of workload `w` (JSON for --config)."""
     micro_batches = w.global_batch // (lay.dp * lay.micro_batch)
     return {"n_layer": w.n_layer, "n_head": w.n_head, "n_embd": w.n_embd, "block_size": w.seq,
-            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
+            **shape_config(w), "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
             "batch_size": lay.micro_batch,
             "micro_batches": micro_batches, "schedule": lay.schedule_name,
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
@@ -199,6 +206,14 @@ def train_config(w: Workload, lay: Plan) -> dict:
             **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every,
                 "moe_shared_experts": w.shared_experts, "moe_dispatcher": lay.dispatcher,
                 "moe_capacity": w.capacity} if w.experts else {})}
+
+
+def shape_config(w: Workload) -> dict:
+    """`mpi-tp train`'s shape options for w beyond GPT-2's defaults (arch, n_kv_head, intermediate_size, tying)."""
+    out = {"intermediate_size": w.ffn} if w.ffn != 4 * w.n_embd or w.llama else {}
+    if w.llama:
+        out.update(arch="llama", n_kv_head=w.kv_heads, **{"tie_embeddings" if w.tied else "untie_embeddings": True})
+    return out
 
 
 def trainable(w: Workload, result: dict) -> tuple[Plan | None, list[str]]:
@@ -229,6 +244,8 @@ def emit_config(path: str, w: Workload, lay: Plan) -> dict:
 
 def cmd_plan(args, comm) -> int:
     from mpi_tp.core.runtime import collective_setup
+    if args.model:
+        collective_setup(apply_model, args, comm=comm)
     missing = _missing(args)
     if missing and args.legend and len(missing) == len(MODEL_FLAGS):
         if comm.Get_rank() == 0:

@@ -53,7 +53,7 @@ RECOMPUTE = ("none", "selective", "full")
 @dataclass(frozen=True)
 class Term:
     name: str
-    unit: str              # "SBC", "HSSB" (H S^2 B), "HSB" or "SB"
+    unit: str              # "SBC", "HSSB" (H S^2 B), "HSB", "SB", "SBF" (S B F) or "SBK" (S B hs max(H_kv, T))
     count: float           # how many units
     mask: bool             # a 1-byte dropout mask (else a value)
     split: bool            # divided by T under plain tensor parallelism (else kept whole)
@@ -62,46 +62,71 @@ class Term:
     core: bool = False     # the attention core: not kept under selective recomputation
     online: bool | None = None   # True: kept only by the online softmax (S >= ONLINE_FROM), False: only without it
     statistic: bool = False      # a per-row statistic: fp32 (4 bytes) at 16 bits, the value width otherwise
+    arch: str | None = None      # kept by this architecture's block only ("gpt2", "llama"), None: by both
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A block's shape beyond C and H (mpi_tp.planning.workload.Workload): H_kv key/value heads (None: H),
+    the MLP's width F (None: 4C) and the architecture (llama: grouped-query k and v, a SwiGLU MLP)."""
+
+    kv_heads: int | None = None
+    ffn: int | None = None
+    llama: bool = False
+
+    @classmethod
+    def of(cls, w) -> "Shape":
+        return cls(w.kv_heads, w.ffn, w.llama)
 
 
 TERMS = (
     Term("LayerNorm inputs", "SBC", 2, False, False, True, True),
     Term("LayerNorm 1/std", "SB", 2, False, False, False, True, statistic=True),
     Term("q/k/v input", "SBC", 1, False, False, True, True),
-    Term("q, k", "SBC", 2, False, True, True, True),
+    Term("q, k", "SBC", 2, False, True, True, True, arch="gpt2"),
+    Term("q", "SBC", 1, False, True, True, True, arch="llama"),
+    Term("k", "SBK", 1, False, True, True, True, arch="llama"),
     Term("softmax output", "HSSB", 1, False, True, True, True, core=True, online=False),
     Term("attention output", "SBC", 1, False, True, False, True, online=True),
     Term("attention log-sum-exp", "HSB", 1, False, True, False, True, online=True, statistic=True),
     Term("softmax dropout mask", "HSSB", 1, True, True, True, True, core=True, online=False),
     Term("softmax dropout output", "HSSB", 1, False, True, True, False, core=True, online=False),
-    Term("v", "SBC", 1, False, True, True, True),
+    Term("v", "SBC", 1, False, True, True, True, arch="gpt2"),
+    Term("v", "SBK", 1, False, True, True, True, arch="llama"),
     Term("attention projection input", "SBC", 1, False, True, True, True),
     Term("attention dropout mask", "SBC", 1, True, False, True, True),
     Term("fc input", "SBC", 1, False, False, True, True),
-    Term("GELU input", "SBC", 4, False, True, True, True),
-    Term("GELU tanh", "SBC", 4, False, True, False, True),
-    Term("MLP projection input", "SBC", 4, False, True, True, True),
+    Term("GELU input", "SBF", 1, False, True, True, True, arch="gpt2"),
+    Term("GELU tanh", "SBF", 1, False, True, False, True, arch="gpt2"),
+    Term("SwiGLU gate, up", "SBF", 2, False, True, True, True, arch="llama"),
+    Term("SwiGLU sigmoid, silu", "SBF", 2, False, True, False, True, arch="llama"),
+    Term("MLP projection input", "SBF", 1, False, True, True, True),
     Term("MLP dropout mask", "SBC", 1, True, False, True, True),
 )
 
 
 def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = False, dropout: bool = False,
                      recompute: str = "none", value_bytes: int | None = None, paper: bool = False,
-                     online: bool | None = None) -> dict:
+                     online: bool | None = None, shape: Shape = Shape()) -> dict:
     """{term: bytes per layer} on the rank that keeps the most (sizes that divide by T: exact).
 
     paper: Korthikanti et al.'s count (dropout always on; values of value_bytes, default 2 as in the
     paper); else this code's with value_bytes per value (default 4: float32; statistics fp32 at 2) and
     masks only when dropout is on. online: the attention keeps no scores, its output and log-sum-exp
     instead (the online softmax, FlashAttention, ring attention); None: this code's rule (from
-    ONLINE_FROM positions; never in the paper's count)."""
+    ONLINE_FROM positions; never in the paper's count). shape: H_kv, F and the architecture (default
+    GPT-2's: H, 4C)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute {recompute!r}: one of {RECOMPUTE}")
     if value_bytes is None:
         value_bytes = 2 if paper else 4
     if paper:
         dropout = True
-    units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B, "HSB": H * S * B}
+    F, H_kv = shape.ffn or 4 * C, shape.kv_heads or H
+    # SBK: k or v, split by key/value heads: H_kv / T heads a rank, or one whole (a replica) when H_kv < T
+    units = {"SBC": S * B * C, "HSSB": H * S * S * B, "SB": S * B, "HSB": H * S * B, "SBF": S * B * F,
+             "SBK": S * B * (C // H) * max(H_kv, T)}
+    arch = "llama" if shape.llama else "gpt2"
     if online is None:
         online = not paper and S >= ONLINE_FROM
     if recompute == "full":                           # the block's input alone
@@ -109,7 +134,7 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
     out = {}
     for t in TERMS:
         counted = (t.paper if paper else t.ours) or (paper and online and t.online)   # flash's output and lse
-        if not counted or (t.mask and not dropout) or t.online not in (None, online):
+        if not counted or (t.mask and not dropout) or t.online not in (None, online) or t.arch not in (None, arch):
             continue
         if t.core and recompute == "selective" and not online:      # (the online cache is kept whole)
             continue
@@ -119,14 +144,14 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
 
 
 def activation_bytes_per_layer(S, B, C, H, T=1, sp=False, dropout=False, recompute="none", value_bytes=None,
-                               paper=False, online=None) -> float:
+                               paper=False, online=None, shape: Shape = Shape()) -> float:
     """The sum of activation_terms."""
-    return sum(activation_terms(S, B, C, H, T, sp, dropout, recompute, value_bytes, paper, online).values())
+    return sum(activation_terms(S, B, C, H, T, sp, dropout, recompute, value_bytes, paper, online, shape).values())
 
 
 def measured_terms(block) -> dict:
-    """{term: bytes} that a dense Block's caches keep after its forward, named as in TERMS; their sum
-    equals block.activation_bytes() (every array accounted for once)."""
+    """{term: bytes} that a dense Block's caches keep after its forward (GPT-2's or Llama's), named as in
+    TERMS; their sum equals block.activation_bytes() (every array accounted for once)."""
     if block.moe:
         raise ValueError("measured_terms reads a dense block (an MoE block keeps routing state too)")
     out = {}
@@ -146,7 +171,12 @@ def measured_terms(block) -> dict:
         add("LayerNorm 1/std", rstd)
     add("q/k/v input", block.attn.qkv._cache[0][0])
     attn = block.attn._cache[0]
-    add("q, k", attn[0], attn[1])
+    llama = block.attn.rope is not None
+    if llama:
+        add("q", attn[0])
+        add("k", attn[1])
+    else:
+        add("q, k", attn[0], attn[1])
     add("v", attn[2])
     if block.attn._cache[1] == "online":                # the online softmax: output and lse (masks: by tile)
         add("attention output", attn[3])
@@ -156,10 +186,16 @@ def measured_terms(block) -> dict:
         add("softmax dropout mask", attn[4])
     add("attention projection input", block.attn.proj._cache[0])
     add("fc input", block.mlp.fc._cache[0][0])
-    gelu_in, tanh = block.mlp._cache[0]
-    add("GELU input", gelu_in)
-    add("GELU tanh", tanh)
-    add("MLP projection input", block.mlp.proj._cache[0])
+    if llama:                                           # gate and up: views of the fused GEMM's output
+        gate, up, sig, silu = block.mlp._cache[0]
+        add("SwiGLU gate, up", gate, up)
+        add("SwiGLU sigmoid, silu", sig, silu)
+        add("MLP projection input", block.mlp.down._cache[0])
+    else:
+        gelu_in, tanh = block.mlp._cache[0]
+        add("GELU input", gelu_in)
+        add("GELU tanh", tanh)
+        add("MLP projection input", block.mlp.proj._cache[0])
     m_a, m_h, _ = block._cache                          # (and the pass's masks key: no array)
     add("attention dropout mask", m_a)
     add("MLP dropout mask", m_h)

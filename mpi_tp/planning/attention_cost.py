@@ -29,7 +29,8 @@ transfer): what is exposed is max(0, transfer - compute), per step
     backward   Z - 1 steps with K/V and dK/dV both           against one step's backward block
                + the last dK/dV hop home, after the last block (nothing left to hide it)
 
-with C_kv = C H_kv / H the keys' width (grouped-query attention; C without it), the link the cp group
+with C_kv = hs max(H_kv, T) the keys' width (grouped-query attention; C without it; a whole key/value head
+on each rank when H_kv < T, mpi_tp.model.heads), the link the cp group
 crosses (its placement: inside a node or across), and one more forward ring when the forward is
 recomputed.
 """

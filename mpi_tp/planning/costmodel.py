@@ -61,40 +61,7 @@ from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
 from mpi_tp.planning.experts import DISPATCHERS, expert_grid_links, expert_params_rank, mlp_passes, moe_step_terms
 from mpi_tp.planning.links import link, placement, ring_all_gather, ring_all_reduce
 from mpi_tp.planning.machines import Machine, state_bytes
-
-
-@dataclass
-class Workload:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    seq: int
-    global_batch: int
-    vocab: int = 256
-    dropout: bool = False        # 1-byte masks among the activations (mpi_tp.planning.activations)
-    experts: int = 0             # E experts in each MoE block (0: dense); block i is one when i % every = every - 1
-    top_k: int = 1               # k experts per token
-    moe_every: int = 1
-    shared_experts: int = 0      # n shared experts (one MLP n wide) beside the routed ones
-    capacity: float = 0.0        # moe_capacity c: an expert admits at most c S k / E of a sequence's rows (0: dropless)
-    attention: str = "auto"      # the kernel: "flash", "stored", "mpi_tp" or "auto" (mpi_tp.planning.attention_cost)
-
-    @property
-    def moe_layers(self) -> int:
-        return self.n_layer // self.moe_every if self.experts else 0
-
-    @property
-    def expert_params(self) -> float:
-        """One expert's MLP: 8 C^2 + 5 C (fc, proj and their biases)."""
-        return 8 * self.n_embd ** 2 + 5 * self.n_embd
-
-    @property
-    def params(self) -> float:
-        """Parameters: 12 L C^2 (+ biases, LayerNorms) + V C + S C (tied embedding, positions)."""
-        L, h = self.n_layer, self.n_embd
-        shared = self.shared_experts * (8 * h * h + 4 * h) + h if self.shared_experts else 0    # one MLP n wide
-        moe = self.moe_layers * ((self.experts - 1) * self.expert_params + shared + h * self.experts)
-        return L * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h + moe
+from mpi_tp.planning.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -170,10 +137,10 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     layers = math.ceil(L / p)                                  # the largest stage sets the pace
     fwd_bwd = 4 if lay.recompute else 3                        # forward counted again when recomputing
     # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t
-    att_share, mlp_share = math.ceil(a / t) / a, math.ceil(4 * h / t) / (4 * h)
-    gemm = fwd_bwd * 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers   # 2 FLOPs per MAC
+    att_share, mlp_share = math.ceil(a / t) / a, math.ceil(w.ffn / t) / w.ffn
+    gemm = fwd_bwd * 2 * b * s * w.layer_macs(t) * layers       # 2 FLOPs per MAC (q/k/v, projection, MLP)
     gemm += attn.score_flops(m, w, b, s, att_share, layers, lay.recompute)                # QK^T and AV
-    gemm += 3 * 2 * b * s * h * V / t / p                      # the tied head, on one stage's share
+    gemm += 3 * 2 * b * s * h * V / t / p                      # the output layer (tied or not), one stage's share
     elem = layers * (m.ew_rep * s * b * h / (t if lay.sp else 1) + m.ew_par * s * b * h / t) * (fwd_bwd / 3)
     elem += attn.score_elements(m, w, b, s, t, layers, lay.recompute)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
@@ -194,14 +161,14 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     cp_comm = 0.0
     if c > 1:                       # the ring: its messages against the blocks computed meanwhile (attention_cost)
         ca, cbw = link(links["cp"], m)
-        kv_width = h * getattr(w, "kv_heads", a) / a               # C H_kv / H: the keys' and values' width
+        kv_width = h / a * max(w.kv_heads, t)          # hs H_kv (/ T a rank; one whole head each when H_kv < T)
         cp_comm = micro * layers * attn.ring_exposed(m, w, ca, cbw, c, b, s, kv_width, t,
                                                      attn.step_score_flops(w, b, s, att_share), gemm_rate(m, b * s),
                                                      lay.recompute)
     # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
     # of a stage's work: what the zero-bubble schedules move into the bubble (mpi_tp.planning.bubble)
-    wgrad = 2 * b * s * (4 * h * h * att_share + 8 * h * h * mlp_share) * layers + 2 * b * s * h * V / t / p
-    wgrad += (mlp_passes(w) - 1) * 2 * b * s * 8 * h * h * mlp_share * moe if moe else 0.0
+    wgrad = 2 * b * s * w.layer_macs(t) * layers + 2 * b * s * h * V / t / p
+    wgrad += (mlp_passes(w) - 1) * 2 * b * s * w.mlp_macs * mlp_share * moe if moe else 0.0
     work = compute + tp_comm + cp_comm + ep_comm
     w_share = micro * wgrad / gemm_rate(m, b * s) / work if work else 0.0
     pp_comm, bubble = 0.0, 0.0
@@ -255,7 +222,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         # ZeRO-2 and 3 reduce-scatter after every micro-batch's backward, each hidden alike; ZeRO-3's gathers
         # are issued a layer ahead, so every pass hides them but for its first layer's
         backward = (compute + tp_comm) / micro * (fwd_bwd - 1) / fwd_bwd
-        last_bucket = min(1.0, (V * h / t + w.seq * h + 2 * h) / params_rank)
+        last_bucket = min(1.0, (V * h / t + w.position_params + w.final_norm_params) / params_rank)
         hideable, window = dp_comm * (1 - last_bucket), backward * (micro if zero >= 2 else 1)
         if zero == 3:
             hideable, window = hideable + gathers * (1 - 1 / layers), compute + tp_comm
@@ -275,21 +242,28 @@ def model_flops_per_step(w: Workload) -> float:
     """The model's FLOPs per training step, forward and backward, recomputation not counted (model
     FLOPs): 72 (D M B) S L C^2 (1 + S / (6 C)) + 6 (D M B) S C V for the global batch of D M B
     sequences (Narayanan et al. 2021, eq. 3 without its recomputed forward); an MoE block's MLP (48 of the
-    72) counted mlp_passes times, its active experts'."""
+    72) counted mlp_passes times, its active experts'. Other shapes (Llama's: grouped-query attention, a
+    SwiGLU MLP, F) add 6 (D M B) S L (P - 12 C^2), P = layer_macs(), a block's multiply-adds per position."""
     DMB, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # the global batch, D M B sequences
-    moe = 48 * DMB * S * w.moe_layers * C * C * (mlp_passes(w) - 1) if w.moe_layers else 0.0
-    return 72 * DMB * S * L * C * C * (1 + S / (6 * C)) + 6 * DMB * S * C * V + moe
+    moe = 6 * DMB * S * w.moe_layers * w.mlp_macs * (mlp_passes(w) - 1) if w.moe_layers else 0.0
+    return 72 * DMB * S * L * C * C * (1 + S / (6 * C)) + 6 * DMB * S * C * V + moe + 6 * shape_macs(w)
 
 
 def hardware_flops_per_step(w: Workload, recompute: bool) -> float:
     """FLOPs executed per step, the recomputed forward included: Narayanan et al. 2021, eq. 3,
     96 (D M B) S L C^2 (1 + S / (6 C) + V / (16 L C)) with full recomputation (how their Table 1
-    counts), the model FLOPs without it."""
+    counts), the model FLOPs without it (other shapes: + 8 (D M B) S L (P - 12 C^2))."""
     if not recompute:
         return model_flops_per_step(w)
     DMB, S, L, C, V = w.global_batch, w.seq, w.n_layer, w.n_embd, w.vocab     # the global batch, D M B sequences
-    moe = 64 * DMB * S * w.moe_layers * C * C * (mlp_passes(w) - 1) if w.moe_layers else 0.0
-    return 96 * DMB * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C)) + moe
+    moe = 8 * DMB * S * w.moe_layers * w.mlp_macs * (mlp_passes(w) - 1) if w.moe_layers else 0.0
+    return 96 * DMB * S * L * C * C * (1 + S / (6 * C) + V / (16 * L * C)) + moe + 8 * shape_macs(w)
+
+
+def shape_macs(w: Workload) -> float:
+    """(D M B) S L (P - 12 C^2): the multiply-adds per step of the blocks' GEMMs beyond GPT-2's 12 C^2 per
+    position (P = layer_macs(), whole; 0 for GPT-2's shape)."""
+    return w.global_batch * w.seq * w.n_layer * (w.layer_macs() - 12 * w.n_embd ** 2)
 
 
 def achieved(m: Machine, w: Workload, lay: Layout, seconds: float) -> dict:

@@ -1,6 +1,6 @@
 """The mixture of experts in the cost model: the experts' grid, their traffic, their memory per rank.
 
-Legend: b the micro-batch, s = S / cp a rank's positions, C channels, F = 4C an expert's width, E experts,
+Legend: b the micro-batch, s = S / cp a rank's positions, C channels, F an expert's width (gpt2: 4C), E experts,
 k per token, n shared experts, t = tp, e = etp (Layout.expert_tp), ep, edp = t cp dp / (e ep) (Layout.edp);
 N_o = b s / t the tokens a rank routes (each rank its own positions: mpi_tp.parallel.expert_tokens);
 a the share of the k N_o assignments admitted (admitted_share: 1 dropless, min(1, c) under a capacity c,
@@ -74,7 +74,7 @@ def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_b
     h, k, t, v = w.n_embd, w.top_k * admitted_share(w), lay.tp, m.bytes_per_value
     e, ep = lay.expert_tp, lay.ep
     extra = mlp_passes(w) - 1                                 # MLP passes beyond the one counted
-    compute = micro * extra * fwd_bwd * 2 * b * s * 8 * h * h * mlp_share * moe_layers / gemm_rate(m, b * s)
+    compute = micro * extra * fwd_bwd * 2 * b * s * w.mlp_macs * mlp_share * moe_layers / gemm_rate(m, b * s)
     ta, tbw = link(links["tp"], m)
     n = b * s * h * v                                         # one micro-batch's activation, whole
     n_o = n / t                                               # a rank's own positions
@@ -98,16 +98,18 @@ def moe_step_terms(m, w, lay, links: dict, micro: float, b: int, s: float, fwd_b
 
 def expert_params_rank(w, lay, moe_layers: int) -> float:
     """The routed experts' parameters on a rank of a stage of moe_layers MoE blocks: E / ep experts (the first
-    E % ep ranks one more), each its 1/etp shard of fc (weight and bias) and proj's weight, proj's bias whole."""
-    C = w.n_embd
-    return moe_layers * math.ceil(w.experts / lay.ep) * ((8 * C * C + 4 * C) / lay.expert_tp + C)
+    E % ep ranks one more), each its 1/etp shard of fc (weight and bias) and proj's weight, proj's bias whole
+    (llama: gate, up and down, no biases)."""
+    return moe_layers * math.ceil(w.experts / lay.ep) * mlp_params_rank(w, lay, 1, lay.expert_tp)
 
 
-def mlp_params_rank(w, lay, width: int = 1) -> float:
-    """A dense MLP `width` expert widths wide on a rank: fc and proj's weight split over tp, proj's bias whole
-    (the shared experts are one such MLP; 0 wide: none)."""
-    C = w.n_embd
-    return width * (8 * C * C + 4 * C) / lay.tp + C if width else 0.0
+def mlp_params_rank(w, lay, width: int = 1, split: int | None = None) -> float:
+    """A dense MLP `width` expert widths wide on a rank: its matrices and fc's bias split over tp (or `split`
+    ranks), proj's bias whole (the shared experts are one such MLP; 0 wide: none)."""
+    if not width:
+        return 0.0
+    bias = w.n_embd * w.biases                                 # proj's, whole
+    return (w.mlp_params(width) - bias) / (split or lay.tp) + bias
 
 
 def moe_block_bytes(m, w, lay) -> float:
@@ -120,7 +122,7 @@ def moe_block_bytes(m, w, lay) -> float:
     s_cp = w.seq / lay.cp
     n_o = lay.micro_batch * s_cp / t                          # own tokens
     rows = e * k_a * n_o                                      # the etp group's rows, on this rank
-    F = 4 * C
+    F = w.ffn
     routed = (n_o * C * v                                     # the input rows it routes
               + n_o * E * f + 3 * n_o * f                     # probabilities; lse, its gradient, a spare
               + n_o * k * (2 * f + 1 + 8)                     # gates twice, admitted, choices
@@ -128,14 +130,15 @@ def moe_block_bytes(m, w, lay) -> float:
               + n_o * k * C * v                               # each choice's output
               + lay.micro_batch * w.seq * k * 8               # the whole sequences' choices
               + rows * 8                                      # the etp order
-              + rows * (C + 3 * F / e) * v)                   # the experts: input rows, GELU in and tanh, proj in
+              + rows * (C + w.mlp_kept * F / e) * v)          # the experts: input rows, mlp_kept F-wide arrays
     if w.shared_experts:                                      # the dense MLP's terms, n wide
         whole = lay.micro_batch * s_cp / (t if lay.sp else 1)
-        routed += whole * C * v + 3 * lay.micro_batch * s_cp * w.shared_experts * F / t * v
+        routed += whole * C * v + w.mlp_kept * lay.micro_batch * s_cp * w.shared_experts * F / t * v
     return routed
 
 
 def dense_mlp_bytes(m, w, lay) -> float:
-    """What a dense block's MLP keeps (the fc input, GELU input and tanh, the projection's input)."""
+    """What a dense block's MLP keeps (the fc input and Workload.mlp_kept F-wide arrays: gpt2 the GELU's input
+    and tanh, the projection's input)."""
     s = lay.micro_batch * w.seq / lay.cp
-    return (s * w.n_embd / (lay.tp if lay.sp else 1) + 3 * s * 4 * w.n_embd / lay.tp) * m.bytes_per_value
+    return (s * w.n_embd / (lay.tp if lay.sp else 1) + w.mlp_kept * s * w.ffn / lay.tp) * m.bytes_per_value

@@ -50,20 +50,25 @@ def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan, recompute: st
     selective recomputation."""
     S, B, C, H, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, w.n_head, lay.tp
     online = not attention_cost.keeps_scores(m, w, S, lay.cp)   # flash, the online softmax, ring attention
+    shape = activations.Shape.of(w)
     if m.activations == "korthikanti":
         return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=recompute, paper=True,
-                                                      value_bytes=m.bytes_per_value, online=online)
+                                                      value_bytes=m.bytes_per_value, online=online, shape=shape)
     return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=recompute,
-                                                  value_bytes=m.bytes_per_value, online=online)
+                                                  value_bytes=m.bytes_per_value, online=online, shape=shape)
 
 
 def params_per_rank(w: Workload, lay: Plan) -> float:
     """Parameters a rank of the first pipeline stage holds: its shards of the split matrices (q/k/v, the
     projections, fc, the vocabulary rows of wte: 12 C^2 + 7 C per layer / T) and, whole, what every
-    tensor-parallel rank replicates (LayerNorms and row biases: 6 C per layer, wpe S C, ln_f 2 C)."""
+    tensor-parallel rank replicates (LayerNorms and row biases: 6 C per layer, wpe S C, ln_f 2 C); Llama
+    shapes: Workload.layer_split (k and v whole, a replica, when H_kv < T; no biases, no wpe), and an
+    untied lm_head's rows when one stage holds the whole model."""
     T, C, layers = lay.tp, w.n_embd, math.ceil(w.n_layer / lay.pp)
-    sharded = layers * (12 * C * C + 7 * C) / T + math.ceil(w.vocab / T) * C
-    replicated = layers * 6 * C + w.seq * C + (2 * C if lay.pp == 1 else 0)
+    split, whole = w.layer_split(T)
+    tables = 1 if w.tied or lay.pp > 1 else 2               # wte, and lm_head on the same (only) stage
+    sharded = layers * split / T + tables * math.ceil(w.vocab / T) * C
+    replicated = layers * whole + w.position_params + (w.final_norm_params if lay.pp == 1 else 0)
     moe = math.ceil(w.moe_layers / lay.pp)            # an MoE block: E / ep experts' etp shards, the shared
     if moe:                                           # ones over tp, a router, instead of one MLP
         sharded += moe * (mlp_params_rank(w, lay, w.shared_experts) - mlp_params_rank(w, lay)) + \
@@ -90,11 +95,12 @@ def unit_params(w: Workload, lay: Plan) -> float:
     positions, whichever holds more), and ZeRO-2/3 hold one unit's whole gradients of before its
     reduce-scatter."""
     C = w.n_embd
-    block = (12 * C * C + 7 * C) / lay.tp + 6 * C
+    split, whole = w.layer_split(lay.tp)
+    block = split / lay.tp + whole
     if w.experts:
         block += expert_params_rank(w, lay, 1) + mlp_params_rank(w, lay, w.shared_experts) - mlp_params_rank(w, lay) \
             + C * w.experts
-    return max(block, math.ceil(w.vocab / lay.tp) * C + w.seq * C)
+    return max(block, math.ceil(w.vocab / lay.tp) * C + w.position_params)
 
 
 def state_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
@@ -138,11 +144,14 @@ def weight_input_bytes(m: Machine, w: Workload, lay: Plan) -> tuple[float, float
                                output gradient dY, whole                2 S B C
         output layer           input X: S B C (1/T under sp); dY, the logits' gradient: S B V / T
 
-    a block: S B C (6 / T_sp + 2 + 12 / T) values, T_sp = T under sequence parallelism, else 1. MoE
-    blocks are counted as dense ones here (what a deferred W of their experts keeps is not priced apart)."""
+    a block: S B C (6 / T_sp + 2 + 12 / T) values, T_sp = T under sequence parallelism, else 1 (other
+    shapes: 12 C is the column layers' output widths and the row layers' input widths, Q + g F + C + F,
+    Q = C + 2 C H_kv / H, g = 2 for SwiGLU's gate and up). MoE blocks are counted as dense ones here (what
+    a deferred W of their experts keeps is not priced apart)."""
     S, B, C, T = w.seq / lay.cp, lay.micro_batch, w.n_embd, lay.tp
     t_sp, v = (T if lay.sp else 1), m.bytes_per_value
-    block = S * B * C * (6 / t_sp + 2 + 12 / T) * v
+    widths = w.qkv_width + (2 if w.llama else 1) * w.ffn + C + w.ffn      # 12 C for gpt2
+    block = S * B * C * (6 / t_sp + 2 + widths / (C * T)) * v
     head = S * B * (C / t_sp + w.vocab / T) * v
     return block, head
 

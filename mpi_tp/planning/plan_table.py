@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
-from mpi_tp.planning.costmodel import Workload
+from mpi_tp.planning.workload import Workload
 
 
 # Every column of the table, as `mpi-tp plan --legend` prints it (docs/costmodel.md shows the same text).
@@ -54,7 +54,9 @@ LEGEND = (
     ("FLOP/s", ("headed TFLOP/s, GFLOP/s or MFLOP/s, whichever keeps the numbers readable: the model's FLOPs "
                "per step, 72 (D M B) S L C^2 (1 + S/(6C)) + 6 (D M B) S C V for the global batch of D M B "
                "sequences (recomputation not counted; an MoE block's MLP counted k a + n times, its active experts'), "
-               "/ step s / the W ranks")),
+               "/ step s / the W ranks"
+               "; other shapes (--arch llama, --n-kv-head, --intermediate-size) add 6 (D M B) S L (P - 12 C^2), P "
+               "a block's GEMM multiply-adds per position")),
     ("of peak", ("that FLOP/s as a fraction of the machine's datasheet peak (a calibrated machine: of its "
                 "measured GEMM rate)")),
 )
@@ -116,7 +118,7 @@ def table(m, w: Workload, nodes: int, result: dict) -> str:
     mem_scale, mem_unit = memory_unit([r["memory"]["total"] for r in result["ranked"]])
     sec, step = time_unit([r["time"]["total"] for r in result["ranked"]])
     header = (f"{m.name}: {nodes} node(s) x {m.ranks_per_node} = {result['ranks']} ranks; model "
-              f"{params_text(w.params)} parameters (L={w.n_layer}, C={w.n_embd}, H={w.n_head}, S={w.seq}, "
+              f"{params_text(w.params)} parameters ({w.shape_text()}, S={w.seq}, "
               f"V={w.vocab}), global batch {w.global_batch} sequences"
               + moe_text(w, result["ranked"][0]["layout"].dispatcher if result["ranked"] else None))
     wide = max([28] + [len(r["layout"].describe()) for r in result["ranked"]])

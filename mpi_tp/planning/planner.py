@@ -81,7 +81,7 @@ def _experts(w: Workload, tp: int, cp: int, dp: int, ep_only: int | None, etp_on
     stage = tp * cp * dp
     out = []
     for etp in ([etp_only] if etp_only else divisors(tp)):
-        if stage % etp or etp > 4 * w.n_embd:
+        if stage % etp or etp > w.ffn:
             continue
         out += [(e, 0 if etp == tp else etp) for e in divisors(stage // etp)
                 if e <= w.experts and (not ep_only or e == ep_only)]
