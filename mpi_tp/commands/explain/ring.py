@@ -44,7 +44,7 @@ def _grid(split, N: int, S: int) -> list[str]:
         for s in range(N):
             src = (r - s) % N
             keys = split.positions_of(src)
-            for rows, cols, diag in blocks(split, src, r):
+            for rows, cols, diag in blocks(split, src, rank=r):
                 for i in range(rows.start, rows.stop):
                     for j in range(cols.start, cols.stop):
                         if keys[j] <= mine[i]:
@@ -59,7 +59,7 @@ def _grid(split, N: int, S: int) -> list[str]:
 
 def _work(split, N: int) -> list[list[int]]:
     """Score entries each rank computes at each ring step, (Z, Z)."""
-    return [[sum((rw.stop - rw.start) * (c.stop - c.start) for rw, c, _ in blocks(split, (r - s) % N, r))
+    return [[sum((rw.stop - rw.start) * (c.stop - c.start) for rw, c, _ in blocks(split, (r - s) % N, rank=r))
              for s in range(N)] for r in range(N)]
 
 
