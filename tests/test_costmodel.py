@@ -328,3 +328,35 @@ def test_other_published_runs():
     assert [r["name"].split(" ")[0] for r in rows] == ["BLOOM-176B"] + ["MT-NLG-530B"] * 3
     assert all(r["rank"] is not None and r["memory_gb"] <= 80 for r in rows), rows
     _shown_in_the_docs(rows)
+
+
+def test_attention_priced_as_its_kernel_runs():
+    """mpi_tp.planning.attention_cost by hand: QK^T and AV are 4 B s S C / T FLOPs a forward; flash computes the
+    causal half, its backward 2.5 forwards (one more recomputing), no elementwise passes and no scores kept;
+    stored the whole square, 3 passes, ew_att H s S B / T elements; mpi_tp one dense block up to QUERY_BLOCK
+    positions, then (S + Q) / 2S of the square. A ring's K/V messages are hs max(H_kv, T) wide."""
+    from mpi_tp.core.kernels_attention import QUERY_BLOCK
+    from mpi_tp.planning import attention_cost as ac
+    m = PRESETS["dgx-h100"]
+    b, S, C, H, T, L = 2, 4096, 1024, 16, 4, 3
+    square = 4 * b * S * S * C / T
+    flash = Workload(n_layer=L, n_embd=C, n_head=H, seq=S, global_batch=4)
+    stored = Workload(n_layer=L, n_embd=C, n_head=H, seq=S, global_batch=4, attention="stored")
+    mine = Workload(n_layer=L, n_embd=C, n_head=H, seq=S, global_batch=4, attention="mpi_tp")
+    assert ac.score_flops(m, flash, b, S, 1 / T, L, False) == pytest.approx(square / 2 * 3.5 * L)
+    assert ac.score_flops(m, flash, b, S, 1 / T, L, True) == pytest.approx(square / 2 * 4.5 * L)
+    assert ac.score_flops(m, stored, b, S, 1 / T, L, False) == pytest.approx(square * 3 * L)
+    assert ac.score_flops(m, mine, b, S, 1 / T, L, False) == pytest.approx(square * (S + QUERY_BLOCK) / (2 * S) * 3 * L)
+    small = Workload(n_layer=L, n_embd=C, n_head=H, seq=QUERY_BLOCK, global_batch=4, attention="mpi_tp")
+    assert ac.computed_share(m, small, QUERY_BLOCK) == 1.0
+    assert ac.score_elements(m, flash, b, S, T, L, False) == 0
+    assert ac.score_elements(m, stored, b, S, T, L, False) == pytest.approx(L * m.ew_att * H * S * S * b / T)
+    assert not ac.keeps_scores(m, flash, S, 1) and ac.keeps_scores(m, stored, S, 1) and not ac.keeps_scores(m, stored, S, 2)
+    assert ac.kind_at(m, stored, S / 2) == "flash"                      # a ring is an online softmax
+    gqa = Workload(n_layer=L, n_embd=C, n_head=H, seq=S, global_batch=4, arch="llama", n_kv_head=2)
+    lay = Plan(tp=4, cp=2, micro_batch=2)
+    slow = cpu(gemm_flops=1e3, ranks_per_node=8)                        # nothing hides; the ring in a node
+    for w, width in ((flash, C), (gqa, C // H * 4)):                   # H_kv 2 < T 4: a whole head a rank
+        got = step_time(slow, w, lay)["cp_comm"]
+        block = slow.intra_alpha + 2 * b * (S / 2) * width / T * slow.bytes_per_value / slow.intra_bw
+        assert got == pytest.approx(2 * L * block), w.arch             # M 2 micro-batches x L x the last hop

@@ -36,7 +36,7 @@ from mpi_tp.model.forward_pass import NO_PASS, Pass
 from mpi_tp.model.heads import head_layout
 from mpi_tp.model.parallel_linear import RowParallelLinear
 from mpi_tp.model.qkv import QKVParallelLinear
-from mpi_tp.model.rope import Rope, rope_table
+from mpi_tp.model.rope import PassAngles, Rope, rope_table
 from mpi_tp.parallel.ring_attention import ring_backward, ring_forward
 from mpi_tp.parallel.topology import Topology
 
@@ -119,10 +119,13 @@ class ParallelAttention(Module):
         """Context parallelism: this rank's positions' q, k, v (rotated to their global positions), the
         softmax over every rank's keys by ring attention."""
         angles, cp = None, ps.cp
-        if self.rope is not None:
-            cos, sin = rope_table(cp.S, self.hs, self.rope.theta, self.rope.dtype, self.rope.scaling)
-            at = backend.asarray(cp.positions)
-            angles = (cos[at], sin[at])
+        if self.rope is not None:                        # made once per pass, shared by every block
+            key = ("rope", self.hs, self.rope.theta, str(self.rope.dtype), repr(self.rope.scaling))
+            if key not in cp.shared:
+                cos, sin = rope_table(cp.S, self.hs, self.rope.theta, self.rope.dtype, self.rope.scaling)
+                at = backend.asarray(cp.positions)
+                cp.shared[key] = PassAngles(cos[at], sin[at])
+            angles = cp.shared[key]
         q, k, v = self.project_qkv(x, angles, ps.sp)                     # (B, heads, S_r, hs)
         B, _, S, _ = q.shape
         gq, gk, gv = self.grouped(q, k, v)

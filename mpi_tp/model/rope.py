@@ -49,6 +49,14 @@ def rope_table(n: int, hs: int, theta: float, dtype, scaling=None):
     return cos[:n], sin[:n]
 
 
+class PassAngles:
+    """cos, sin of a context-parallel rank's positions, made once per micro-batch's pass and shared by every
+    block (ParallelAttention._ring_forward): kept once, like the rope table, not as each block's activation."""
+
+    def __init__(self, cos, sin):
+        self.cos, self.sin = cos, sin
+
+
 class Rope(Module):
     """Rotates q (B, H_i, S, hs) and k (B, K_i, S, hs) to their positions; backward rotates back."""
 
@@ -79,7 +87,7 @@ class Rope(Module):
     def forward(self, q, k, angles=None):
         """Rotate q and k: to positions 0 ... S-1 (angles None), or by the given (cos, sin) (Rope.angles)."""
         S = q.shape[-2]
-        cos, sin = rope_table(S, self.hs, self.theta, self.dtype, self.scaling) if angles is None else angles
+        cos, sin = self._cos_sin(S, angles)
         q, _ = kl.rope_forward(q, cos, sin)
         k, _ = kl.rope_forward(k, cos, sin)
         self.save_cache(S, angles)            # not the table (shared, not an activation): its length
@@ -87,5 +95,10 @@ class Rope(Module):
 
     def backward(self, dq, dk):
         S, angles = self.take_cache()
-        cache = rope_table(S, self.hs, self.theta, self.dtype, self.scaling) if angles is None else angles
+        cache = self._cos_sin(S, angles)
         return kl.rope_backward(dq, cache), kl.rope_backward(dk, cache)
+
+    def _cos_sin(self, S: int, angles):
+        if angles is None:
+            return rope_table(S, self.hs, self.theta, self.dtype, self.scaling)
+        return (angles.cos, angles.sin) if isinstance(angles, PassAngles) else angles

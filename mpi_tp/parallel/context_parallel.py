@@ -50,6 +50,7 @@ class ContextSplit:
                                 f"sequences of at least {n} positions, or a smaller --cp")
         self.group, self.S, self.sizes = group, S, split_sizes(S, n)
         self.starts = offsets(self.sizes)
+        self.shared = {}          # what every block of the pass shares (the rope angles of these positions)
 
     def chunks(self, rank: int | None = None) -> tuple[int, int]:
         r = self.group.rank if rank is None else rank
