@@ -94,6 +94,12 @@ def computed_share(m, w, s: float) -> float:
     return min(1.0, (w.seq + QUERY_BLOCK) / (2 * w.seq))
 
 
+def score_rate(m, w, s: float, gemm: float) -> float:
+    """FLOP/s of the score products: FlashAttention's own (the machine's flash_flops) where the kernel is flash
+    and the machine says it, else the GEMM rate (batched matrix products)."""
+    return m.flash_flops if m.flash_flops and kind_at(m, w, s) == "flash" else gemm
+
+
 def score_elements(m, w, b: float, s: float, t: int, layers: int, recompute: bool) -> float:
     """Elementwise work on the scores (softmax, mask, dropout) per micro-batch: ew_att H s S B / T per
     forward-equivalent pass (3, or 4 recomputing), none for flash (fused into its tiles)."""

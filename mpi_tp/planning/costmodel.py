@@ -139,12 +139,13 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t
     att_share, mlp_share = math.ceil(a / t) / a, math.ceil(w.ffn / t) / w.ffn
     gemm = fwd_bwd * 2 * b * s * w.layer_macs(t) * layers       # 2 FLOPs per MAC (q/k/v, projection, MLP)
-    gemm += attn.score_flops(m, w, b, s, att_share, layers, lay.recompute)                # QK^T and AV
     gemm += 3 * 2 * b * s * h * V / t / p                      # the output layer (tied or not), one stage's share
+    scores = attn.score_flops(m, w, b, s, att_share, layers, lay.recompute)              # QK^T and AV
+    score_rate = attn.score_rate(m, w, s, gemm_rate(m, b * s))
     elem = layers * (m.ew_rep * s * b * h / (t if lay.sp else 1) + m.ew_par * s * b * h / t) * (fwd_bwd / 3)
     elem += attn.score_elements(m, w, b, s, t, layers, lay.recompute)
     overhead = layers * m.layer_overhead * fwd_bwd / 3
-    compute = micro * (gemm / gemm_rate(m, b * s) + elem / m.elem_rate + overhead)
+    compute = micro * (gemm / gemm_rate(m, b * s) + scores / score_rate + elem / m.elem_rate + overhead)
     alpha, bw = link(links["tp"], m)
     n = b * s * h * m.bytes_per_value
     per_layer = (6 if lay.recompute else 4) * ring_all_reduce(n, t, alpha, bw)   # SP: same bytes (RS + AG)
@@ -163,7 +164,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         ca, cbw = link(links["cp"], m)
         kv_width = h / a * max(w.kv_heads, t)          # hs H_kv (/ T a rank; one whole head each when H_kv < T)
         cp_comm = micro * layers * attn.ring_exposed(m, w, ca, cbw, c, b, s, kv_width, t,
-                                                     attn.step_score_flops(w, b, s, att_share), gemm_rate(m, b * s),
+                                                     attn.step_score_flops(w, b, s, att_share), score_rate,
                                                      lay.recompute)
     # W, the weights' gradients (the dW GEMMs: one pass of the layers' and the head's weight GEMMs), as a share
     # of a stage's work: what the zero-bubble schedules move into the bubble (mpi_tp.planning.bubble)

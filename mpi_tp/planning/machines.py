@@ -34,6 +34,7 @@ class Machine:
     ew_att: float = 10.0           # ... per H S^2 B (softmax and friends), split by TP
     activations: str = "mpi_tp"    # "mpi_tp" (our count, float32) or "korthikanti" (16-bit Megatron)
     peak_flops: float = 0.0        # the datasheet peak per rank that papers quote fractions of (0: gemm_flops)
+    flash_flops: float = 0.0       # FlashAttention's sustained FLOP/s (forward and backward; 0: the GEMM rate)
     # [[rows, FLOP/s], ...]: the GEMM rate measured with that many rows (the B S tokens of a
     # micro-batch); when given it replaces gemm_flops, interpolated in log(rows) (empty: constant)
     gemm_curve: list = field(default_factory=list)
@@ -118,13 +119,15 @@ PRESETS = {
                "2104.04473) report 135-163 TFLOP/s per GPU end to end; fused kernels assumed (smaller "
                "elementwise counts than dgx-2h)"),
     "dgx-h100": Machine(
-        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, peak_flops=989e12, elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
+        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, peak_flops=989e12, flash_flops=335e12, elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
         intra_alpha=6e-6, intra_bw=360e9, inter_alpha=8e-6, inter_bw=45e9, bytes_per_value=2,
         opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=20, ew_par=30, ew_att=6,
         activations="korthikanti", dp_overlap=1.0,
         source="8x H100 SXM 80 GB per node, NVSwitch (NVLink4 900 GB/s bidirectional); H100 datasheet: "
                "989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NCCL all-reduce bus bandwidth ~360 GB/s in-node; "
-               "8x 400 Gb/s NDR InfiniBand per node (50 GB/s per GPU); sustained GEMM ~60% of peak"),
+               "8x 400 Gb/s NDR InfiniBand per node (50 GB/s per GPU); sustained GEMM ~60% of peak; "
+               "FlashAttention-2 sustains about 335 TFLOP/s forward and backward at head size 128 (Dao 2023, "
+               "arXiv 2307.08691, its H100 figures): flash_flops"),
 }
 
 
