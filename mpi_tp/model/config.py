@@ -22,8 +22,36 @@ class ConfigError(UserError, ValueError):
     """A model or run configuration that cannot work; the message says what to change."""
 
 
+class ShapeRules:
+    """The defaults an architecture gives its shape, for every class that holds one (GPTConfig; the planner's
+    Workload): fields arch, n_head, n_kv_head, n_embd, intermediate_size, and tie_setting (the tying asked for,
+    None: the architecture's)."""
+
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        """H_kv: key/value heads (n_head unless grouped-query attention)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def ffn(self) -> int:
+        """F: the MLP's width (an expert's too): intermediate_size, or 4C (gpt2), llama_width(C) (llama)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return llama_width(self.n_embd) if self.llama else 4 * self.n_embd
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer is the token table wte (else its own table lm_head): gpt2 always, llama
+        when asked."""
+        return (not self.llama) if self.tie_setting is None else bool(self.tie_setting)
+
+
 @dataclass
-class GPTConfig:
+class GPTConfig(ShapeRules):
     vocab_size: int = 256
     block_size: int = 64      # longest sequence (positions in wpe)
     n_layer: int = 4
@@ -56,26 +84,10 @@ class GPTConfig:
     moe_bias_rate: float = 0.0    # the aux-loss-free balance's bias step (DeepSeek-V3: 0.001); 0: the bias stays 0
     moe_dispatcher: str = "alltoall"    # how tokens reach their experts over ep: "alltoall" or "allgather"
 
-    @property
-    def llama(self) -> bool:
-        return self.arch == "llama"
 
     @property
-    def kv_heads(self) -> int:
-        """H_kv: key/value heads (n_head unless grouped-query attention)."""
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def ffn(self) -> int:
-        """F: the MLP's width (an expert's too)."""
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        return llama_width(self.n_embd) if self.llama else 4 * self.n_embd
-
-    @property
-    def tied(self) -> bool:
-        """Whether the output layer is the token table wte (else its own table lm_head)."""
-        return (not self.llama) if self.tie_word_embeddings is None else bool(self.tie_word_embeddings)
+    def tie_setting(self) -> bool | None:
+        return self.tie_word_embeddings
 
     def resolved(self) -> "GPTConfig":
         """A copy with every None replaced by the value it stands for (to compare two configurations)."""

@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpi_tp.model.config import ARCHS, llama_width
+from mpi_tp.model.config import ARCHS, ShapeRules
 
 
 @dataclass
-class Workload:
+class Workload(ShapeRules):
     n_layer: int
     n_embd: int
     n_head: int
@@ -60,24 +60,8 @@ class Workload:
                              "neither)")
 
     @property
-    def llama(self) -> bool:
-        return self.arch == "llama"
-
-    @property
-    def kv_heads(self) -> int:
-        """H_kv."""
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def ffn(self) -> int:
-        """F, the MLP's width (an expert's too)."""
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        return llama_width(self.n_embd) if self.llama else 4 * self.n_embd
-
-    @property
-    def tied(self) -> bool:
-        return (not self.llama) if self.tie_embeddings is None else bool(self.tie_embeddings)
+    def tie_setting(self) -> bool | None:
+        return self.tie_embeddings
 
     @property
     def qkv_width(self) -> int:
