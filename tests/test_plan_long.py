@@ -43,3 +43,14 @@ def test_the_planner_counts_what_a_cp_rank_keeps(world, arch):
 def max_op():
     from mpi4py import MPI
     return MPI.MAX
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_reports_the_count_at_cp(world):
+    """`mpi-tp bench --cp Z --json`'s activation_bytes_per_layer (block 0's caches, the largest rank) equals its
+    activation_bytes_per_layer_formula at cp = the world size: ring attention's output and log-sum-exp counted
+    (the formula used to count cp as selective recomputation's terms, 1 S B C + H S B short)."""
+    from mpi_tp.commands.bench import step as bench
+    r = bench.run_shape(world, 48, 4, 1, 8 * world.Get_size(), 2, steps=1, warmup=0, cp=world.Get_size())
+    assert all_true(r["activation_bytes_per_layer"] == r["activation_bytes_per_layer_formula"], world), \
+        (r["activation_bytes_per_layer"], r["activation_bytes_per_layer_formula"])

@@ -132,9 +132,9 @@ def run_shape(comm, C, H, L, S, B, steps=10, warmup=3, dtype="float32", seed=0, 
         "memory_measured": accounting.measured(meter, comm),           # by category at the peak (core.memory)
         "activation_bytes_per_layer": acts,                 # block 0's caches after a forward, largest rank
         "activation_bytes_per_layer_formula": activation_bytes_per_layer(
-            S / cp, B, C, H, topo.tp.size, sequence_parallel,
-            recompute=recompute if recompute != "none" or cp == 1 else "selective",
-            value_bytes=dtype_of(dtype).itemsize),             # cp: S / cp positions, no (S, S) array
+            S / cp, B, C, H, topo.tp.size, sequence_parallel, recompute=recompute,
+            value_bytes=dtype_of(dtype).itemsize,               # cp: S / cp positions, ring attention's
+            online=True if cp > 1 else None),                   # output and lse, no (S, S) array
         "comm_per_step": {k: {"calls": v["calls"], "bytes": v["bytes"], "wire_bytes": v["wire_bytes"]}
                           for k, v in topo.stats.snapshot().items()},       # the last step's, by group/kind
     }
