@@ -42,13 +42,11 @@ def online_block(qs, k, v, rows, cols, bias, m, l, o, mask=None, drop_scale=1.0)
     lse = m + log l."""
     xp = array_module(qs)
     s = qs[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2)
-    m_new = xp.maximum(m[..., rows], s.max(axis=-1)) if bias is None else \
-        xp.maximum(m[..., rows], (s + bias).max(axis=-1))
-    if bias is None:
-        shift = m_new
-    else:
+    if bias is not None:
         s += bias
-        shift = xp.where(m_new == -math.inf, 0, m_new)          # a row that has seen nothing yet: e^(-inf) = 0
+    m_new = xp.maximum(m[..., rows], s.max(axis=-1))
+    # a row that has seen no key yet shifts by 0, so its hidden scores give e^(-inf) = 0, not e^(-inf + inf)
+    shift = m_new if bias is None else xp.where(m_new == -math.inf, 0, m_new)
     p = _shifted_exp(s, shift[..., None])
     corr = xp.exp(m[..., rows] - shift)
     l[..., rows] = l[..., rows] * corr + p.sum(axis=-1)
