@@ -96,7 +96,11 @@ class ServedRow(Row):
         token = super().take(logits)
         if token >= 0:
             k = self.job.logprobs
-            self.token = Token(self.piece, token, *(log_probabilities(logits, token, k) if k is not None else ()))
+            try:
+                self.token = Token(self.piece, token, *(log_probabilities(logits, token, k) if k is not None else ()))
+            except Exception as e:  # noqa: BLE001 (rank 0 alone: this request's failure, as Row.take's)
+                self.error = f"{type(e).__name__}: {e}"
+                return -1
         return token
 
     @property
