@@ -28,7 +28,6 @@ from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.machines import PRESETS, machine, state_bytes, with_precision
 from mpi_tp.planning.plan_table import legend, size_text, table
-from mpi_tp.planning.attention_cost import KINDS
 from mpi_tp.planning.planner import CP_POSITIONS, SCHEDULES, links_text, plan, price
 
 MODEL_FLAGS = ("--layers", "--hidden", "--heads", "--seq", "--global-batch")     # the model: required
@@ -50,11 +49,6 @@ def add_parser(sub) -> None:
                        "given by --model)")
     p.add_argument("--vocab", type=int, default=None, help="the vocabulary (default: --model's, else 51200)")
     add_shape_arguments(p)
-    p.add_argument("--attention", choices=KINDS, default="auto",
-                   help="the attention kernel priced: flash (no scores kept, the causal half computed, fused), stored "
-                        "(Megatron's softmax of 2021-22: the (S, S) scores computed whole and kept), mpi_tp (this "
-                        "code's CPU kernels); auto: flash on the GPU presets, mpi_tp on a calibrated machine "
-                        "(mpi_tp.planning.attention_cost)")
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
     p.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")

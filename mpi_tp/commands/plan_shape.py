@@ -17,6 +17,7 @@ import os
 from mpi_tp.checkpoint.format import CheckpointError
 from mpi_tp.core.errors import UserError
 from mpi_tp.model.config import ARCHS, GPTConfig
+from mpi_tp.planning.attention_cost import KINDS
 
 # plan's option -> GPTConfig's field, for what --model fills in when the option is not given
 FROM_MODEL = (("layers", "n_layer"), ("hidden", "n_embd"), ("heads", "n_head"), ("seq", "block_size"),
@@ -27,7 +28,8 @@ MOE_FROM_MODEL = (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_ever
 
 
 def add_shape_arguments(p) -> None:
-    """The shape options on the plan parser (defaults None: the architecture's, or --model's)."""
+    """The shape options on the plan parser (defaults None: the architecture's, or --model's), and the attention
+    kernel the run uses."""
     p.add_argument("--model", metavar="PATH", default=None,
                    help="read the model's shape from a Hugging Face config.json (or its folder) or an mpi_tp "
                         "checkpoint; options given override it (--seq defaults to the model's longest sequence)")
@@ -45,6 +47,11 @@ def add_shape_arguments(p) -> None:
                      help="llama: the output layer its own table lm_head (llama's default)")
     tie.add_argument("--tie-embeddings", dest="tie_embeddings", action="store_true", default=None,
                      help="llama: the output layer tied to the token table wte (as gpt2 always is)")
+    p.add_argument("--attention", choices=KINDS, default="auto",
+                   help="the attention kernel priced: flash (no scores kept, the causal half computed, fused), stored "
+                        "(Megatron's softmax of 2021-22: the (S, S) scores computed whole and kept), mpi_tp (this "
+                        "code's CPU kernels); auto: flash on the GPU presets, mpi_tp on a calibrated machine "
+                        "(mpi_tp.planning.attention_cost)")
 
 
 def model_config(path: str) -> GPTConfig:
