@@ -182,6 +182,17 @@ def random_transformers_folder(path, kind: str, sizes: dict, seed: int, eager: b
     return model
 
 
+def assert_like_oracle(model, oracle, prompts, new, what, world, ids=None):
+    """mpi_tp's model against greedy_oracle's (logits, tokens): its logits at each of the oracle's lengths within
+    LLAMA_TOL (transformers' float32 steps) and its greedy continuations of `prompts` the oracle's, on every rank."""
+    logits, tokens = oracle
+    ids = IDS if ids is None else ids
+    for S in sorted(logits):
+        assert_close(model.full_logits(ids[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
+    got = generate(model, [Request(tuple(p.tolist()), new, temperature=0.0) for p in prompts])
+    assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
+
+
 def greedy_oracle(model, prompts, new, lengths):
     """(logits at each of `lengths`, greedy continuations of `prompts`): a transformers model, the oracle."""
     import torch

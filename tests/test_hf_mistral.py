@@ -21,6 +21,7 @@ from test_hf import (  # noqa: F401
     IDS,
     LLAMA_SIZES,
     LLAMA_TOL,
+    assert_like_oracle,
     greedy_oracle,
     random_transformers_folder,
     loaded,
@@ -66,11 +67,7 @@ def test_logits_and_greedy_tokens_equal_transformers(world, shared_dir, name):  
     logits, tokens = from_rank0(lambda: oracle(folder, name), world)
     model = loaded(folder, Topology.create(world))
     assert model.cfg.sliding_window == W and model.cfg.qkv_bias == name.startswith("qwen2")
-    what = f"{name} at tp={world.Get_size()}"
-    for S in LENGTHS:
-        assert_close(model.full_logits(IDS[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
-    got = generate(model, [Request(tuple(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
-    assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
+    assert_like_oracle(model, (logits, tokens), PROMPTS, NEW, f"{name} at tp={world.Get_size()}", world)
 
 
 @needs_oracle

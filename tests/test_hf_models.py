@@ -18,6 +18,7 @@ from test_hf import (  # noqa: F401
     IDS,
     LLAMA_SIZES,
     LLAMA_TOL,
+    assert_like_oracle,
     greedy_oracle,
     loaded,
     needs_oracle,
@@ -27,8 +28,7 @@ from test_hf import (  # noqa: F401
 
 from mpi_tp.checkpoint import open_checkpoint
 from mpi_tp.core.errors import UserError
-from mpi_tp.core.testing import all_true, assert_close, from_rank0
-from mpi_tp.inference.generate import Request, generate
+from mpi_tp.core.testing import from_rank0
 from mpi_tp.parallel.topology import Topology
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -63,11 +63,7 @@ def test_logits_and_greedy_tokens_equal_transformers(world, shared_dir, name):  
     cfg = model.cfg
     assert cfg.qkv_bias == name.startswith("qwen2") and (cfg.rope_scaling or {}).get("rope_type") == \
         {"llama3-rope": "llama3", "linear-rope": "linear"}.get(name)
-    what = f"{name} at tp={world.Get_size()}"
-    for S in (1, 5, 32):
-        assert_close(model.full_logits(IDS[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
-    got = generate(model, [Request(bytes(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
-    assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
+    assert_like_oracle(model, (logits, tokens), PROMPTS, NEW, f"{name} at tp={world.Get_size()}", world)
 
 
 @needs_oracle

@@ -15,14 +15,21 @@ import os
 
 import numpy as np
 import pytest
-from test_hf import IDS, LLAMA_SIZES, LLAMA_TOL, loaded, needs_oracle, shared_dir  # noqa: F401
+from test_hf import (  # noqa: F401
+    IDS,
+    LLAMA_SIZES,
+    LLAMA_TOL,
+    assert_like_oracle,
+    loaded,
+    needs_oracle,
+    shared_dir,
+)
 
 from mpi_tp.checkpoint.hf.config import gpt_config, hf_config
 from mpi_tp.core import kernels_llama as kl
 from mpi_tp.model.config import ConfigError, GPTConfig
-from mpi_tp.core.testing import all_true, assert_close, from_rank0, max_rel_diff
+from mpi_tp.core.testing import assert_close, from_rank0, max_rel_diff
 from mpi_tp.inference.decode import Decoder
-from mpi_tp.inference.generate import Request, generate
 from mpi_tp.model.rope import Rope, rope_table
 from mpi_tp.model.rope_scaling import RopeScalingError, check_rope_scaling
 from mpi_tp.parallel.topology import Topology
@@ -178,16 +185,11 @@ def test_logits_and_greedy_tokens_equal_transformers(world, shared_dir):  # noqa
     model = loaded(folder, Topology.create(world))
     assert model.cfg.rope_scaling["rope_type"] == "dynamic" and model.cfg.block_size == 48
     what = f"tp={world.Get_size()}"
-    for S in (10, 40):
-        assert_close(model.full_logits(IDS_40[:, :S]), logits[S], LLAMA_TOL, f"logits at S={S}, {what}", comm=world)
+    assert_like_oracle(model, (logits, tokens), PROMPTS, NEW, what, world, ids=IDS_40)
     # the scaling bites: the default rope's logits over 40 positions are far from transformers'
     for attn in (b.attn for b in model.h):
         attn.rope.scaling = None
     assert max_rel_diff(model.full_logits(IDS_40), logits[40]) > 1e3 * LLAMA_TOL
-
-    model = loaded(folder, Topology.create(world))
-    got = generate(model, [Request(bytes(p.tolist()), NEW, temperature=0.0) for p in PROMPTS])
-    assert all_true([list(g) for g in got] == tokens, world), f"greedy tokens differ from transformers, {what}"
     # every step's logits, the two rows batched (5 and 20 long: each rotated for its own length, as alone)
     dec = Decoder(loaded(folder, Topology.create(world)), batch=2)
     got = [dec.prefill([list(p) for p in PROMPTS])]
