@@ -52,13 +52,18 @@ THEIR_SPACE = {"schedules": ("1f1b", "interleaved"), "zeros": (0, 1), "cp_only":
 
 
 def _rank(m, w, lay, gpus, even_stages, **space) -> tuple:
-    """(rank of (lay.tp, lay.pp) among the planner's distinct pairs at their best times, the first five pairs)."""
-    pairs = []
+    """(rank of (lay.tp, lay.pp) among the planner's distinct pairs at their best times, the first five pairs,
+    how much slower the pair's best is than the first's: a fraction)."""
+    pairs, times = [], []
     for x in plan(m, w, gpus // m.ranks_per_node, top=10**9, even_stages=even_stages, **space)["ranked"]:
         pair = (x["layout"].tp, x["layout"].pp)
         if pair not in pairs:
             pairs.append(pair)
-    return (pairs.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in pairs else None), pairs[:5]
+            times.append(x["time"]["total"])
+    if (lay.tp, lay.pp) not in pairs:
+        return None, pairs[:5], None
+    k = pairs.index((lay.tp, lay.pp))
+    return k + 1, pairs[:5], times[k] / times[0] - 1
 
 
 def compare(m=PRESETS["dgx-a100"], rank_layouts=True, path=TABLE, even_stages=True) -> list[dict]:
@@ -76,8 +81,8 @@ def compare(m=PRESETS["dgx-a100"], rank_layouts=True, path=TABLE, even_stages=Tr
              "memory_gb": memory_per_rank(m, w, lay)["total"] / 1e9, "rank": None, "planner_pairs": [],
              "rank_zb": None, "planner_pairs_zb": []}
         if rank_layouts:
-            r["rank"], r["planner_pairs"] = _rank(m, w, lay, row["gpus"], even_stages, **THEIR_SPACE)
-            r["rank_zb"], r["planner_pairs_zb"] = _rank(m, w, lay, row["gpus"], even_stages)
+            r["rank"], r["planner_pairs"], r["behind"] = _rank(m, w, lay, row["gpus"], even_stages, **THEIR_SPACE)
+            r["rank_zb"], r["planner_pairs_zb"], _ = _rank(m, w, lay, row["gpus"], even_stages)
         out.append(r)
     return out
 

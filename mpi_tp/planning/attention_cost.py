@@ -37,6 +37,7 @@ recomputed.
 from __future__ import annotations
 
 from mpi_tp.core.kernels_attention import ONLINE_FROM, QUERY_BLOCK
+from mpi_tp.planning.machines import curve_rate
 
 KINDS = ("auto", "flash", "stored", "mpi_tp")
 FLASH_BACKWARD = 2.5     # FlashAttention's backward: 5 matrix products (S, dP, dV, dQ, dK) to the forward's 2
@@ -95,9 +96,12 @@ def computed_share(m, w, s: float) -> float:
 
 
 def score_rate(m, w, s: float, gemm: float) -> float:
-    """FLOP/s of the score products: FlashAttention's own (the machine's flash_flops) where the kernel is flash
-    and the machine says it, else the GEMM rate (batched matrix products)."""
-    return m.flash_flops if m.flash_flops and kind_at(m, w, s) == "flash" else gemm
+    """FLOP/s of the score products: FlashAttention's own where the kernel is flash and the machine says it (its
+    flash_curve at the rank's s query positions, which are also a ring step's block: small blocks run slower;
+    else flash_flops), else the GEMM rate (batched matrix products)."""
+    if kind_at(m, w, s) != "flash" or not (m.flash_flops or m.flash_curve):
+        return gemm
+    return curve_rate(m.flash_curve, s, m.flash_flops)
 
 
 def score_elements(m, w, b: float, s: float, t: int, layers: int, recompute: bool) -> float:

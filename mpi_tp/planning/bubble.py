@@ -26,19 +26,27 @@ in the V, chunks P - 1 and P sit on rank P - 1, so 2 (P - 1): twice 1F1B's traff
 """
 from __future__ import annotations
 
+import math
+
 ZERO_BUBBLE = ("zb-h1", "zb-v")       # the schedule names mpi_tp.parallel.pipeline.schedules runs
 
 
-def bubble_fraction(schedule: str | None, p: int, v: int, micro: float, w_share: float) -> float:
+def bubble_fraction(schedule: str | None, p: int, v: int, micro: float, w_share: float,
+                    layers: int | None = None) -> float:
     """Idle time per stage over the step's work (the table above); schedule None: 1F1B, or
-    interleaved at v > 1."""
+    interleaved at v > 1. With `layers` (the model's L) the chunks are as mpi_tp.parallel.pipeline.stages
+    cuts them: where they differ by a block, the largest sets the pace, so 1 / v becomes the largest
+    chunk's share of the largest stage, ceil(L / (P v)) / ceil(L / P) (126 blocks on 16 stages: v = 5, 6
+    and 7 idle as v = 4 does)."""
     if p <= 1:
         return 0.0
+    chunks = 2 if schedule == "zb-v" else v
+    share = math.ceil(layers / (p * chunks)) / math.ceil(layers / p) if layers else 1 / chunks
     if schedule == "zb-h1":
         return (p - 1) * max(0.0, 1 - 2 * w_share) / micro
     if schedule == "zb-v":
-        return (p - 1) * max(0.0, 1 - 3 * w_share) / (2 * micro)
-    return (p - 1) / (v * micro)
+        return (p - 1) * max(0.0, 1 - 3 * w_share) * share / micro
+    return (p - 1) * share / micro
 
 
 def forward_hops(schedule: str | None, p: int, v: int) -> int:

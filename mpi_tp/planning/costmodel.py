@@ -39,7 +39,8 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  (then freed), each behind its own backward pass. ZeRO-3: no gather after the
                  update; instead each micro-batch gathers the parameters before its forward and
                  again before its backward, a layer ahead (hidden but the first layer's): at M = 1,
-                 1.5x ZeRO-1's bytes
+                 1.5x ZeRO-1's bytes; a piece (block) at a time, each gather and reduce-scatter a
+                 ring of its own: (L / P + 1) (D - 1) alpha of latency a pass besides the bytes
     optimizer    opt_traffic_per_param x params per rank / mem_bw (ZeRO: / D, its share)
 
 Each group is priced on the slowest link its members cross, under the engine's rank order
@@ -51,16 +52,21 @@ mpi_tp.planning.memory.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning import attention_cost as attn
 from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
-from mpi_tp.planning.experts import DISPATCHERS, expert_grid_links, expert_params_rank, mlp_passes, moe_step_terms
+from mpi_tp.planning.experts import (
+    DISPATCHERS,
+    expert_grid_links,
+    expert_params_rank,
+    mlp_passes,
+    moe_step_terms,
+)
 from mpi_tp.planning.links import link, placement, ring_all_gather, ring_all_reduce
-from mpi_tp.planning.machines import Machine, state_bytes
+from mpi_tp.planning.machines import Machine, curve_rate, state_bytes
 from mpi_tp.planning.workload import Workload
 
 
@@ -110,16 +116,7 @@ def hierarchical_all_reduce(n_bytes: float, p: int, per_node: int, m: Machine) -
 def gemm_rate(m: Machine, rows: float) -> float:
     """FLOP/s of GEMMs with `rows` rows (the B S tokens of a micro-batch): the machine's measured
     curve, interpolated in log(rows) and flat beyond its ends, or gemm_flops without one."""
-    if not m.gemm_curve:
-        return m.gemm_flops
-    points = sorted(m.gemm_curve)
-    if rows <= points[0][0]:
-        return points[0][1]
-    for (r0, f0), (r1, f1) in itertools.pairwise(points):
-        if rows <= r1:
-            x = math.log(rows / r0) / math.log(r1 / r0)
-            return f0 + x * (f1 - f0)
-    return points[-1][1]
+    return curve_rate(m.gemm_curve, rows, m.gemm_flops)
 
 
 def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = False,
@@ -185,7 +182,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         # and the drain's: 2 hops / P of them, nothing computing yet (or any more) to hide behind
         exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * hops / p)
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
-        bubble = bubble_fraction(lay.schedule, p, v, micro, w_share) * work
+        bubble = bubble_fraction(lay.schedule, p, v, micro, w_share, L) * work
     params_rank = w.params / (t * p)
     experts_rank = 0.0               # the rank's E / ep experts' etp shards: reduced over edp
     if w.moe_layers:
@@ -198,6 +195,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     de = lay.edp                                               # the experts' (mpi_tp.parallel.expert_grid)
     per_node = max(1, m.ranks_per_node // (t * p))             # the dp group's ranks on one node
     zero = int(lay.zero)
+    pieces = layers + 1              # ZeRO-3's units on a stage: its blocks, and the embedding or the head
     gather, gathers, dp_comm = 0.0, 0.0, 0.0     # the parameters' all-gathers: after the update; ZeRO-3's per pass
     state = state_bytes(m)           # the gradients' and the weights' bytes per parameter
     for n, g, g_node, (da, dbw) in ((params_rank - experts_rank, d, per_node, dense_link),
@@ -206,14 +204,16 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         if g < 2 or n_bytes == 0:
             continue
         weights = ring_all_gather(n * state["weights"], g, da, dbw)
-        if zero == 3:                # before each micro-batch's forward and again before its backward
-            gathers += 2 * micro * weights
+        if zero == 3:                # before each micro-batch's forward and again before its backward, a piece (a
+            weights += pieces * (g - 1) * da         # block, the embedding or the head) at a time: each its ring's
+            gathers += 2 * micro * weights           # latency (mpi_tp.parallel.fsdp)
         elif zero:                   # ZeRO-1 and 2: after the update (not hidden)
             gather += weights
         if hierarchical_dp and zero < 2:
             dp_comm += hierarchical_all_reduce(n_bytes, g, g_node, m)
         elif zero:                   # the reduce-scatter of the gradients: ZeRO-2 and 3 free them, so every
-            dp_comm += (micro if zero >= 2 else 1) * ring_all_gather(n_bytes, g, da, dbw)   # micro-batch's
+            scatter = ring_all_gather(n_bytes, g, da, dbw) + (pieces * (g - 1) * da if zero == 3 else 0.0)
+            dp_comm += (micro if zero >= 2 else 1) * scatter                                  # micro-batch's
         else:
             dp_comm += ring_all_reduce(n_bytes, g, da, dbw)
     dp_hidden = 0.0

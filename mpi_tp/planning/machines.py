@@ -6,7 +6,9 @@ published figures, each named in its `source`) or from `mpi-tp calibrate`
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
@@ -35,6 +37,10 @@ class Machine:
     activations: str = "mpi_tp"    # "mpi_tp" (our count, float32) or "korthikanti" (16-bit Megatron)
     peak_flops: float = 0.0        # the datasheet peak per rank that papers quote fractions of (0: gemm_flops)
     flash_flops: float = 0.0       # FlashAttention's sustained FLOP/s (forward and backward; 0: the GEMM rate)
+    # [[positions, FLOP/s], ...]: FlashAttention's rate (forward and backward) on that many query positions
+    # against as many keys (a rank's S, or a ring step's S / Z block); replaces flash_flops when given, read as
+    # gemm_curve is (empty: constant)
+    flash_curve: list = field(default_factory=list)
     # [[rows, FLOP/s], ...]: the GEMM rate measured with that many rows (the B S tokens of a
     # micro-batch); when given it replaces gemm_flops, interpolated in log(rows) (empty: constant)
     gemm_curve: list = field(default_factory=list)
@@ -82,9 +88,10 @@ class Machine:
         if bad:
             raise UserError(f"machine file {path!r}: {', '.join(bad)} must be positive numbers (alphas: >= 0)")
         m = cls(**data)
-        if not all(isinstance(pt, list) and len(pt) == 2 and min(pt) > 0 for pt in m.gemm_curve):
-            raise UserError(f"machine file {path!r}: gemm_curve must be [[rows, FLOP/s], ...] with positive "
-                            "numbers")
+        for key, x in (("gemm_curve", "rows"), ("flash_curve", "positions")):
+            if not all(isinstance(pt, list) and len(pt) == 2 and min(pt) > 0 for pt in getattr(m, key)):
+                raise UserError(f"machine file {path!r}: {key} must be [[{x}, FLOP/s], ...] with positive "
+                                "numbers")
         return m
 
     def save(self, path: str) -> None:
@@ -119,16 +126,34 @@ PRESETS = {
                "2104.04473) report 135-163 TFLOP/s per GPU end to end; fused kernels assumed (smaller "
                "elementwise counts than dgx-2h)"),
     "dgx-h100": Machine(
-        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, peak_flops=989e12, flash_flops=335e12, elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
+        name="dgx-h100", ranks_per_node=8, gemm_flops=600e12, peak_flops=989e12, flash_flops=326e12,
+        flash_curve=[[512, 207e12], [1024, 260e12], [2048, 293e12], [4096, 312e12], [8192, 322e12],
+                     [16384, 326e12]], elem_rate=900e9, mem_bw=3.0e12, mem_bytes=80e9,
         intra_alpha=6e-6, intra_bw=360e9, inter_alpha=8e-6, inter_bw=45e9, bytes_per_value=2,
         opt_traffic_per_param=28, state_bytes_per_param=18, ew_rep=20, ew_par=30, ew_att=6,
         activations="korthikanti", dp_overlap=1.0,
         source="8x H100 SXM 80 GB per node, NVSwitch (NVLink4 900 GB/s bidirectional); H100 datasheet: "
                "989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NCCL all-reduce bus bandwidth ~360 GB/s in-node; "
                "8x 400 Gb/s NDR InfiniBand per node (50 GB/s per GPU); sustained GEMM ~60% of peak; "
-               "FlashAttention-2 sustains about 335 TFLOP/s forward and backward at head size 128 (Dao 2023, "
-               "arXiv 2307.08691, its H100 figures): flash_flops"),
+               "FlashAttention-2 at head size 128 on an H100 SXM5 (Shah et al. 2024, arXiv 2407.08608, figures "
+               "5 and 6: forward with the causal mask 191, 260, 298, 319, 333, 335 TFLOP/s and backward 214, "
+               "260, 291, 310, 318, 322 at 512 ... 16K positions), a step's 1 forward and 2.5 backwards "
+               "together, 3.5 / (1 / fwd + 2.5 / bwd): flash_curve (flash_flops its last point)"),
 }
+
+
+def curve_rate(points: list, x: float, flat: float) -> float:
+    """A measured rate at x: the [[x, FLOP/s], ...] points interpolated in log(x), flat beyond their ends;
+    `flat` without points."""
+    if not points:
+        return flat
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, f0), (x1, f1) in itertools.pairwise(points):
+        if x <= x1:
+            return f0 + math.log(x / x0) / math.log(x1 / x0) * (f1 - f0)
+    return points[-1][1]
 
 
 def machine(name_or_path: str) -> Machine:

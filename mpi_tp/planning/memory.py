@@ -38,9 +38,15 @@ from __future__ import annotations
 
 import math
 
+from mpi_tp.parallel.topology import split_sizes
 from mpi_tp.planning import activations, attention_cost
 from mpi_tp.planning.costmodel import Plan, Workload
-from mpi_tp.planning.experts import dense_mlp_bytes, expert_params_rank, mlp_params_rank, moe_block_bytes
+from mpi_tp.planning.experts import (
+    dense_mlp_bytes,
+    expert_params_rank,
+    mlp_params_rank,
+    moe_block_bytes,
+)
 from mpi_tp.planning.machines import Machine, state_bytes
 
 
@@ -174,15 +180,17 @@ def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]
     (B and W together, as 1F1B runs them: A + max(g, r), the logits and the rebuilt block never at the
     same time). Per schedule, P stages, M micro-batches:
 
-        1f1b, interleaved   stage 0: h_ = min(P, M), k = 0; the last stage: h_ = 1, with the logits
+        1f1b                stage 0: h_ = min(P, M), k = 0; the last stage: h_ = 1, with the logits
+        interleaved         chunks of about L / (P v) blocks: stage s holds min(2 (P - s - 1) + (v - 1) P + 1,
+                            M v) of them (its warm-up forwards and the one in flight: interleaved_activations),
+                            stage 0 the most, P + (P - 1) / v stages' worth; the last, with the logits
         zb-h1               stage s: h_ = min(P, M), k = min(s, M - 1) (s W's kept back: the last
                             stage's P - 1 with the output layer's); stage 0 or the last holds the most
         zb-v                rank 0 (chunks 0 and 2P - 1, the logits): min(2P + 2, 2M) chunk
                             micro-batches of L / (2P) blocks between F and W (mpi_tp.parallel.
                             pipeline.zero_bubble.v_bound), each at max(A, W) (how many wait varies
                             along the play), the output layer's W inputs of up to min(M, P) of them,
-                            and the larger of the logits and a rebuilt block
-    (the interleaved schedule holds about 1F1B's activations in chunks of 1 / v: priced as 1F1B's)."""
+                            and the larger of the logits and a rebuilt block"""
     mode = recompute_mode(lay)
     P, M = lay.pp, max(1, w.global_batch // (lay.dp * lay.micro_batch))
     # an MoE block keeps its experts' state in place of the dense MLP's (mpi_tp.planning.experts): spread over
@@ -201,6 +209,8 @@ def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]
         n, held = math.ceil(w.n_layer / (2 * P)), min(2 * P + 2, 2 * M)
         kept = held * n * max(a, w_block) + min(M, P) * w_head
         return (kept + r, 0.0) if r > g else (kept, g)
+    if lay.virtual > 1 and lay.schedule is None:          # interleaved: chunks of about 1 / v of a stage
+        return interleaved_activations(w.n_layer, P, lay.virtual, M, a, r, g)
     n = math.ceil(w.n_layer / P)
     A, split = n * a, lay.schedule == "zb-h1"
 
@@ -217,3 +227,19 @@ def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]
     first = stage(held, 0, 0.0, 0.0)
     last = stage(held, min(P - 1, M - 1), w_head, g) if split else stage(1, 0, w_head, g)
     return last if P == 1 or sum(last) >= sum(first) else first
+
+
+def interleaved_activations(L: int, P: int, v: int, M: int, a: float, r: float, g: float) -> tuple[float, float]:
+    """(activations, logits) at the peak of the interleaved schedule's fullest stage, `a` bytes a block: stage s
+    runs 2 (P - s - 1) + (v - 1) P warm-up forwards (mpi_tp.parallel.pipeline.schedules: the k-th through its
+    chunk (k // P) mod v, the L blocks cut into P v chunks as mpi_tp.parallel.pipeline.stages cuts them) and keeps
+    them with the one in flight; besides, the rebuilt block r (full recomputation) or, on the last stage, the
+    logits g, whichever is larger."""
+    sizes = split_sizes(L, P * v)
+
+    def held(s):                     # the blocks of the stage's first forwards, chunk by chunk
+        h = min(2 * (P - s - 1) + (v - 1) * P + 1, M * v)
+        return sum(min(P, h - k) * sizes[(k // P) % v * P + s] for k in range(0, h, P)) * a
+    first = held(0) + r
+    last = held(P - 1) + max(g, r)
+    return (first, 0.0) if first >= last else (last - (g if g >= r else 0.0), g if g >= r else 0.0)

@@ -16,6 +16,8 @@ Narayanan et al. 2021's Table 1 and other published runs (tests/test_costmodel.p
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mpi_tp.planning.bubble import ZERO_BUBBLE
 from mpi_tp.planning.costmodel import Plan, Workload, achieved, step_time
 from mpi_tp.planning.memory import memory_per_rank
@@ -39,8 +41,8 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                etp_only: int | None = None, dispatcher: str = "alltoall"):
     """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
     uneven), cp > 1 where each rank keeps CP_POSITIONS positions or more, pp up to the
-    layers (stages need not divide them: the largest sets the pace), interleaving (2 chunks a stage, or
-    `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, the
+    layers (stages need not divide them: the largest sets the pace), interleaving (v chunks a stage, 2 up to
+    its layers, or `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, the
     zero-bubble schedules where there are at least as many micro-batches as stages (zb-v: and every chunk
     of its V has a block), dp the rest; micro-batches up to 16 sequences; ZeRO stages 1-3 where dp x cp > 1.
     Pins: tp_only, cp_only, pp_only, micro_only, virtual, ep_only, etp_only (a mixture of experts: etp tp or a
@@ -90,22 +92,31 @@ def _experts(w: Workload, tp: int, cp: int, dp: int, ep_only: int | None, etp_on
 
 def _schedules(w: Workload, pp: int, micro: int, schedules, virtual: int | None) -> list[tuple]:
     """(chunks per stage, zero-bubble schedule or None) pairs to try, of those `schedules` allows: (1, None)
-    1F1B; (v, None) interleaved (2, or `virtual`: then nothing else) where it runs; (1, "zb-h1") and
+    1F1B; (v, None) interleaved, v from 2 to a stage's layers (chunk_counts; or `virtual`: then nothing else) where it runs; (1, "zb-h1") and
     (2, "zb-v") where M >= P, their formulas' steady state (mpi_tp.planning.bubble), zb-v where each of
     the 2 P chunks has a block. One stage: (1, None), unless only pipelined schedules are allowed."""
     if pp == 1:
         return [(1, None)] if "1f1b" in schedules and not virtual else []
-    v = virtual or 2
     found = {"1f1b": (1, None)}
-    if micro % pp == 0 and w.n_layer >= v * pp:
-        found["interleaved"] = (v, None)
+    if micro % pp == 0:          # v from 2 up to a stage's layers (each chunk has a block), or the pin
+        found["interleaved"] = [(v, None) for v in ([virtual] if virtual else chunk_counts(w.n_layer, pp))
+                                if w.n_layer >= v * pp]
     if micro >= pp:
         found["zb-h1"] = (1, "zb-h1")
         if w.n_layer >= 2 * pp:
             found["zb-v"] = (2, "zb-v")
     if virtual:
         schedules = [x for x in schedules if x == "interleaved"]
-    return [found[x] for x in schedules if x in found]
+    out = []
+    for x in (x for x in schedules if x in found):
+        out += found[x] if isinstance(found[x], list) else [found[x]]
+    return out
+
+
+def chunk_counts(L: int, P: int) -> list[int]:
+    """The v >= 2 worth pricing for L blocks on P stages: the fewest chunks for each chunk size c (v = ceil(L /
+    (P c))): a larger v with chunks as large idles as long (the largest chunk sets the pace) for more messages."""
+    return sorted({-(-L // (P * c)) for c in range(1, -(-L // P) + 1)} - {1})
 
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
@@ -113,7 +124,13 @@ def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, t
     """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedules, virtual, even_stages, ep_only."""
     ranks = nodes * m.ranks_per_node
     rows = [price(m, w, lay) for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed)]
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
+    fitting, seen = [], set()
+    for r in sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"]):
+        lay = r["layout"]            # the interleaved schedule at its best v only: v is searched, not a new layout
+        key = replace(lay, virtual=0) if lay.schedule is None and lay.virtual > 1 else lay
+        if key not in seen:
+            seen.add(key)
+            fitting.append(r)
     return {"machine": m.name, "ranks": ranks, "workload": w, "ranked": fitting[:top], "all": rows,
             "why": explain(fitting, rows, m)}
 

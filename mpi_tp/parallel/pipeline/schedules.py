@@ -106,13 +106,14 @@ def schedule(name: str, stages: int, micro_batches: int, virtual: int = 1) -> li
 
 
 def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float = 2.0,
-             t_weight: float | None = None, v_shape: bool = False) -> dict:
+             t_weight: float | None = None, v_shape: bool = False, sizes: list | None = None) -> dict:
     """Play the schedule: each stage runs its actions in order, each as soon as its inputs exist.
 
     F(m, g) needs F(m, g - 1) (the previous chunk's output); B(m, g) needs F(m, g) and B(m, g + 1);
     W(m, g) needs B(m, g). Times are per action of one chunk (divide by v yourself for smaller
     chunks): t_backward is a whole backward's; where the plan has W actions, B takes t_backward -
-    t_weight and W t_weight (default half of it). v_shape: the chunks sit in a V (zb-v).
+    t_weight and W t_weight (default half of it). v_shape: the chunks sit in a V (zb-v). sizes: each
+    global chunk's time as a multiple of those (its blocks, where the chunks differ: stages.layer_ranges).
     Returns {"events": [(stage, action, start, end)], "time", "busy", "bubble"}: busy is each
     stage's working time, and bubble Narayanan et al.'s bubble time fraction, the idle time of the
     step over the ideal (no-bubble) time: (time - busy) / busy, (P - 1) / M for GPipe and 1F1B.
@@ -140,7 +141,7 @@ def simulate(plan: list[list[Action]], t_forward: float = 1.0, t_backward: float
                 if any(n not in done for n in needs):
                     break
                 start = max([clock[s]] + [done[n] for n in needs])
-                end = start + took[a.kind]
+                end = start + took[a.kind] * (sizes[g] if sizes else 1)
                 done[(a.kind, a.micro, g)] = end
                 events.append((s, a, start, end))
                 clock[s], nxt[s], progressed = end, nxt[s] + 1, True
