@@ -5,8 +5,9 @@ dropout on) with each stage's block count checked, and the options' errors throu
 
     mpiexec -n 4 python -m mpi4py -m pytest -p no:cacheprovider -q --with-mpi tests/test_stage_ends.py -m mpi
 """
+import json
+
 import h5py
-import numpy as np
 import pytest
 from jobs import MPIEXEC, mpirun, train_layouts
 from steps import assert_losses, compared, train
@@ -181,3 +182,19 @@ def test_train_with_set_ends_saves_the_serial_models_tensors(tmp_path):
             f.visit(names.append)
             blocks.append(sorted({n.split("/")[2] for n in names if n.startswith("model/h/") and n.count("/") > 2}))
     assert blocks == [["0"], ["1", "2", "3"]], blocks
+
+
+@cli
+@pytest.mark.launcher
+def test_bench_runs_the_set_ends(tmp_path):
+    """`mpi-tp bench --pp 2 --first-stage-layers 1 --last-stage-layers 2` times stages of 1 and 2 blocks; ends
+    that do not add up are one line."""
+    out = tmp_path / "bench.jsonl"
+    r = mpirun(2, "bench", "--pp", "2", "--micro-batches", "2", "--custom", "32,2,3,16,2", "--steps", "1",
+               "--warmup", "0", "--first-stage-layers", "1", "--last-stage-layers", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text().splitlines()[-1])["blocks_per_stage"] == [1, 2]
+    assert "blocks per stage: 1, 2" in r.stdout
+    r = mpirun(2, "bench", "--pp", "2", "--custom", "32,2,3,16,2", "--first-stage-layers", "2",
+               "--last-stage-layers", "2", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("mpi-tp: error:") == 1 and "exactly 3" in r.stderr, r.stderr
