@@ -93,6 +93,28 @@ def test_impossible_ends_are_user_errors(args, message):
         layer_ranges(*args)
 
 
+def test_the_options_check_allows_what_the_split_allows():
+    """TrainConfig's check (in CLI terms) and layer_ranges refuse the same (first, last): one rule."""
+    from mpi_tp.model.config import ConfigError
+    from mpi_tp.training.config import TrainConfig
+    from mpi_tp.training.config_checks import _stage_ends
+    for L, P, v in [(6, 2, 1), (7, 3, 1), (9, 4, 1), (8, 2, 2), (10, 3, 2)]:
+        for first in range(L + 1):
+            for last in range(L + 1):
+                try:
+                    layer_ranges(L, P, v, False, first or None, last or None)
+                    allowed = True
+                except UserError:
+                    allowed = False
+                try:
+                    _stage_ends(TrainConfig(n_layer=L, pp=P, virtual_stages=v, first_stage_layers=first,
+                                            last_stage_layers=last))
+                    checked = True
+                except ConfigError:
+                    checked = False
+                assert allowed == checked, (L, P, v, first, last)
+
+
 # -- a pipelined run against the serial model ---------------------------------------------------------------
 
 def cfg(n_layer):

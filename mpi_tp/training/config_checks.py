@@ -101,28 +101,28 @@ def _precision(cfg) -> None:
 
 def _stage_ends(cfg) -> None:
     """--first-stage-layers / --last-stage-layers, in CLI terms (the rule itself: pipeline.stages.stage_blocks)."""
-    F, La, L, P, v = cfg.first_stage_layers, cfg.last_stage_layers, cfg.n_layer, cfg.pp, cfg.virtual_stages
-    if F < 0 or La < 0:
+    first, last, L, P, v = cfg.first_stage_layers, cfg.last_stage_layers, cfg.n_layer, cfg.pp, cfg.virtual_stages
+    if first < 0 or last < 0:
         raise ConfigError(f"--first-stage-layers and --last-stage-layers must be >= 0 (0: an even share), got "
-                          f"{F} and {La}")
-    given = [f"--{n}-stage-layers {k}" for n, k in (("first", F), ("last", La)) if k]
+                          f"{first} and {last}")
+    given = [f"--{n}-stage-layers {k}" for n, k in (("first", first), ("last", last)) if k]
     if not given:
         return
     if P < 2:
         raise ConfigError(f"{' and '.join(given)}: the blocks of a pipeline's end stages need --pp 2 or more "
                           f"(got --pp {P}); drop them or pipeline the model")
-    for flag, k in (("--first-stage-layers", F), ("--last-stage-layers", La)):
+    for flag, k in (("--first-stage-layers", first), ("--last-stage-layers", last)):
         if 0 < k < v:
             raise ConfigError(f"{flag} {k}: that stage's {v} chunks (--virtual-stages {v}) need a block each; "
                               f"give it at least {v}")
-    if F + La > L:
-        raise ConfigError(f"{' and '.join(given)} add up to {F + La} blocks, more than --n-layer {L}")
-    others = P - 2 + (not F) + (not La)                 # the stages that share what the ends leave
-    if others == 0 and F + La != L:
+    if first + last > L:
+        raise ConfigError(f"{' and '.join(given)} add up to {first + last} blocks, more than --n-layer {L}")
+    others = P - 2 + (not first) + (not last)                 # the stages that share what the ends leave
+    if others == 0 and first + last != L:
         raise ConfigError(f"--pp 2 with {' and '.join(given)}: the two stages hold every block, so they must "
-                          f"add up to --n-layer {L} (got {F + La})")
-    if L - F - La < others * v:
-        raise ConfigError(f"{' and '.join(given)} leave {L - F - La} of --n-layer {L} blocks for the other "
+                          f"add up to --n-layer {L} (got {first + last})")
+    if L - first - last < others * v:
+        raise ConfigError(f"{' and '.join(given)} leave {L - first - last} of --n-layer {L} blocks for the other "
                           f"{others} stage(s) x {v} chunk(s): every chunk needs a block; set the ends to at most "
                           f"{L - others * v} blocks together")
 
