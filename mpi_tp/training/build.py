@@ -205,7 +205,8 @@ def _build(cfg: TrainConfig, comm, corpus, sampler, val_batches, val_tokens, out
     topo = Topology.create(comm, layout=cfg.layout(comm.Get_size()))
     if topo.pp.size > 1 or cfg.virtual_stages > 1:     # this rank's stage of the pipeline: its chunks of the model
         model = build_stage(cfg.model_config(corpus.vocab_size), topo, cfg.model_dtype, cfg.seed, cfg.sequence_parallel, cfg.schedule,
-                              cfg.micro_batches, cfg.virtual_stages, cfg.recompute)
+                            cfg.micro_batches, cfg.virtual_stages, cfg.recompute,
+                            cfg.first_stage_layers or None, cfg.last_stage_layers or None)
     else:
         model = GPT(cfg.model_config(corpus.vocab_size), topo, dtype=cfg.model_dtype, seed=cfg.seed,
                     sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)

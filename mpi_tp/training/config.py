@@ -85,6 +85,12 @@ class TrainConfig:
                         ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
     virtual_stages: int = opt(1, "model chunks per pipeline stage (the interleaved schedule, micro_batches "
                               "then a multiple of pp; zb-v: 2)")
+    first_stage_layers: int = opt(0, "blocks on the first pipeline stage, over all its chunks (0: an even share; "
+                                  "Megatron-Core's --decoder-first-pipeline-num-layers; Llama 3 gives the first "
+                                  "and last stages one block fewer); the other stages share the rest")
+    last_stage_layers: int = opt(0, "blocks on the last pipeline stage (rank pp - 1; under zb-v its chunks are "
+                                 "the model's middle two), over all its chunks (0: an even share; Megatron-Core's "
+                                 "--decoder-last-pipeline-num-layers)")
     dp: int = opt(1, f"data-parallel size (replicas, each on micro_batches x batch_size sequences) ({RULE})")
     ep: int = opt(1, "expert-parallel size: each MoE block's experts divided among ep groups of a stage's "
                   "ranks (ep x etp must divide tp x cp x dp; the world size stays tp x cp x pp x dp)")

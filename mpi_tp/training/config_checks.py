@@ -59,6 +59,7 @@ def check(cfg, world_size: int) -> None:
                           f"{cfg.virtual_stages} chunks: every chunk needs a block")
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
+    _stage_ends(cfg)
     _cp(cfg)
     _moe(cfg)
     _precision(cfg)
@@ -96,6 +97,34 @@ def _precision(cfg) -> None:
         raise ConfigError("--precision bf16 runs on --backend numpy only: CuPy has no bfloat16 dtype "
                           "(cupy/cupy#7527) and mpi_tp does not emulate it; use --precision fp16 (CuPy's "
                           "float16) or fp32 on CuPy")
+
+
+def _stage_ends(cfg) -> None:
+    """--first-stage-layers / --last-stage-layers, in CLI terms (the rule itself: pipeline.stages.stage_blocks)."""
+    first, last, L, P, v = cfg.first_stage_layers, cfg.last_stage_layers, cfg.n_layer, cfg.pp, cfg.virtual_stages
+    if first < 0 or last < 0:
+        raise ConfigError(f"--first-stage-layers and --last-stage-layers must be >= 0 (0: an even share), got "
+                          f"{first} and {last}")
+    given = [f"--{n}-stage-layers {k}" for n, k in (("first", first), ("last", last)) if k]
+    if not given:
+        return
+    if P < 2:
+        raise ConfigError(f"{' and '.join(given)}: the blocks of a pipeline's end stages need --pp 2 or more "
+                          f"(got --pp {P}); drop them or pipeline the model")
+    for flag, k in (("--first-stage-layers", first), ("--last-stage-layers", last)):
+        if 0 < k < v:
+            raise ConfigError(f"{flag} {k}: that stage's {v} chunks (--virtual-stages {v}) need a block each; "
+                              f"give it at least {v}")
+    if first + last > L:
+        raise ConfigError(f"{' and '.join(given)} add up to {first + last} blocks, more than --n-layer {L}")
+    others = P - 2 + (not first) + (not last)                 # the stages that share what the ends leave
+    if others == 0 and first + last != L:
+        raise ConfigError(f"--pp 2 with {' and '.join(given)}: the two stages hold every block, so they must "
+                          f"add up to --n-layer {L} (got {first + last})")
+    if L - first - last < others * v:
+        raise ConfigError(f"{' and '.join(given)} leave {L - first - last} of --n-layer {L} blocks for the other "
+                          f"{others} stage(s) x {v} chunk(s): every chunk needs a block; set the ends to at most "
+                          f"{L - others * v} blocks together")
 
 
 def _cp(cfg) -> None:

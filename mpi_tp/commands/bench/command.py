@@ -24,7 +24,8 @@ from mpi_tp.core.precision import precision
 from mpi_tp.core.runtime import collective_setup, keep_freed_memory, rank0_print
 from mpi_tp.model.config import GPTConfig
 from mpi_tp.parallel.layout import RULE, Layout
-from mpi_tp.parallel.pipeline.schedules import SCHEDULES, schedule
+from mpi_tp.parallel.pipeline.schedules import SCHEDULES, V_SHAPED, schedule
+from mpi_tp.parallel.pipeline.stages import layer_ranges
 
 
 def add_parser(sub) -> None:
@@ -62,6 +63,10 @@ def add_parser(sub) -> None:
     b.add_argument("--micro-batches", type=int, default=4, help="with --pp: micro-batches per step (default 4)")
     b.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     b.add_argument("--virtual-stages", type=int, default=1, help="with --schedule interleaved: chunks per stage")
+    b.add_argument("--first-stage-layers", type=int, default=0, help="with --pp: blocks on the first stage "
+                   "(0: an even share), as `mpi-tp train --first-stage-layers`")
+    b.add_argument("--last-stage-layers", type=int, default=0, help="with --pp: blocks on the last stage "
+                   "(0: an even share), as `mpi-tp train --last-stage-layers`")
     b.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation (--json's memory_measured: the step's peak by category)")
     b.add_argument("--backend", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: GPUs)")
@@ -94,6 +99,8 @@ def _shapes(args, ranks: int) -> list[tuple]:
                                  sp=args.sequence_parallel, virtual=args.virtual_stages)
     if args.cp > 1 and (args.pp > 1 or args.inference or args.moe):
         raise UserError("--cp times training steps without pipeline stages (drop --pp, --inference, --moe)")
+    if args.first_stage_layers < 0 or args.last_stage_layers < 0:
+        raise UserError("--first-stage-layers and --last-stage-layers must be >= 0 (0: an even share)")
     if args.pp > 1:
         if args.micro_batches < 1 or args.virtual_stages < 1:
             raise UserError("--micro-batches and --virtual-stages must be at least 1")
@@ -107,6 +114,9 @@ def _shapes(args, ranks: int) -> list[tuple]:
         GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S).validate(tp)
         if L < args.pp * args.virtual_stages:
             raise UserError(f"{L} layers cannot fill {args.pp} stages x {args.virtual_stages} chunks")
+        if args.first_stage_layers or args.last_stage_layers:          # the pipeline's rule and its message
+            layer_ranges(L, args.pp, args.virtual_stages, args.schedule in V_SHAPED,
+                         args.first_stage_layers or None, args.last_stage_layers or None)
     return shapes
 
 
@@ -137,7 +147,9 @@ def cmd_bench(args, comm) -> int:
             r = run_pipeline_shape(comm, C, H, L, S, B, args.steps, args.warmup, args.dtype,
                                    args.layout.tp, args.pp, args.dp, args.micro_batches,
                                    args.schedule, args.virtual_stages, args.sequence_parallel,
-                                   recompute=args.recompute, overlap_dp=True, zero=args.zero)
+                                   recompute=args.recompute, overlap_dp=True, zero=args.zero,
+                                   first_stage_layers=args.first_stage_layers or None,
+                                   last_stage_layers=args.last_stage_layers or None)
             r["environment"] = env
             rank0_print(print_pipeline(r), comm=comm)
             if args.json and comm.Get_rank() == 0:

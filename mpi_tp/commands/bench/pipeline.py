@@ -66,18 +66,21 @@ def ideal_bubble(comm, stage, durations: dict) -> dict:
 
 def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, micro_batches, schedule,
                        virtual=1, sequence_parallel=False, seed=0, recompute="none", overlap_dp=False,
-                       zero=0) -> dict:
+                       zero=0, first_stage_layers=None, last_stage_layers=None) -> dict:
     """Time `steps` pipelined training steps at one shape (after `warmup` untimed ones).
     overlap_dp: start the data-parallel all-reduces during each chunk's last backward (default:
     after the schedule); zero 1: the distributed optimizer over dp. After the timed steps one more
-    step runs with a MemoryMeter (mpi_tp.core.memory; untimed): memory_measured is its peak by category."""
+    step runs with a MemoryMeter (mpi_tp.core.memory; untimed): memory_measured is its peak by category.
+    first_stage_layers / last_stage_layers: the end stages' blocks (layer_ranges; None: an even share);
+    blocks_per_stage says what each stage held."""
     from mpi_tp.commands.bench.yardsticks import (  # the same yardsticks as `mpi-tp bench`
         gemm_peak,
         model_flops,
     )
     topo = Topology.create(comm, tp=tp, pp=pp, dp=dp)
     stage = build_stage(GPTConfig(n_layer=L, n_head=H, n_embd=C, block_size=S), topo, dtype, seed,
-                          sequence_parallel, schedule, micro_batches, virtual, recompute)
+                        sequence_parallel, schedule, micro_batches, virtual, recompute, first_stage_layers,
+                        last_stage_layers)
     stage.count_activations = True
     reducer = GradReducer(stage, topo.dp, overlap=overlap_dp, distributed=zero >= 1, stage=max(zero, 1))
     opt = AdamW(stage.parameters(), lr=1e-4, reducer=reducer)
@@ -136,6 +139,7 @@ def run_pipeline_shape(comm, C, H, L, S, B, steps, warmup, dtype, tp, pp, dp, mi
     result["dp_overlapped"] = bool(overlap_dp and dp > 1)       # the DP all-reduces ran during the schedule
     result["receives_posted_ahead"] = stage.engine.prepost     # actions ahead (0: post and wait at once)
     result["receive_wait_ms_per_stage"] = [1e3 * w for w in topo.pp.comm.allgather(float(numpy.median(waited)))]
+    result["blocks_per_stage"] = topo.pp.comm.allgather(len(stage.h))
     result["peak_activation_mb_per_stage"] = [b / 2**20 for b in topo.pp.comm.allgather(stage.peak_activation_bytes)]
     topo.free()
     return result
@@ -151,6 +155,7 @@ def print_pipeline(r: dict) -> str:
             f"this run's F/B/W times {r['bubble']['simulated']:.3f}); sent to other stages "
             f"{r['p2p_bytes_per_step']['measured']:,} bytes per step on rank 0 (formula "
             f"{r['p2p_bytes_per_step']['formula']:,})\n"
-            f"  activations held at the peak, per stage: "
+            f"  blocks per stage: {', '.join(map(str, r['blocks_per_stage']))}; activations held at the peak, per "
+            f"stage: "
             f"{', '.join(f'{mb:.1f}' for mb in r['peak_activation_mb_per_stage'])} MB (recompute {r['recompute']})\n"
             f"  {accounting.describe(r['memory_measured'])}")
