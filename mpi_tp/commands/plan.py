@@ -65,10 +65,10 @@ def add_parser(sub) -> None:
                         "sharded over dp x cp)")
     p.add_argument("--recompute", action="store_true", help="only layouts with full activation recomputation")
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
-                   help="only this pipeline schedule (interleaved: chunks of --virtual-stages, default 2; zb-h1, "
-                        "zb-v: the zero-bubble schedules, B and W apart; zb-v two chunks per rank in a V)")
-    p.add_argument("--virtual-stages", type=int, default=None, help="only the interleaved schedule with this "
-                   "many chunks per stage")
+                   help="only this pipeline schedule (interleaved: chunks of --virtual-stages, default: each chunk "
+                        "size tried; zb-h1, zb-v: the zero-bubble schedules, B and W apart; zb-v two chunks per rank "
+                        "in a V)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="only the interleaved schedule, this many chunks a stage")
     add_moe_arguments(p)
     p.add_argument("--explain", metavar="LAYOUT", default=None,
                    help="price one layout and print its terms, e.g. 'tp4 pp12 dp8 b2 +recompute' (as the table "
@@ -121,7 +121,7 @@ def _allowed(args) -> dict:
     """candidates()'s settings from the command line's pins."""
     return dict(micro_only=args.micro_batch, cp_only=args.cp, virtual=args.virtual_stages,
                 schedules=(args.schedule,) if args.schedule else SCHEDULES,
-                ep_only=args.ep, etp_only=args.etp, dispatcher=args.dispatcher,
+                ep_only=args.ep, etp_only=args.etp, dispatcher=args.dispatcher, overlap_tp=args.overlap_tp,
                 sp=(True,) if args.sp else (False,) if args.no_sp else (False, True),
                 zeros=(args.zero,) if args.zero is not None else (0,) if args.no_zero else (0, 1, 2, 3),
                 recomputes=(True,) if args.recompute else (False,) if args.no_recompute else (False, True))
@@ -139,7 +139,8 @@ def _empty(w: Workload, ranks: int, args) -> str:
 
 
 LAYOUT_RE = re.compile(r"tp(\d+)(?: cp(\d+))? pp(\d+) dp(\d+)(?: ep(\d+))?(?: etp(\d+))? b(\d+)"
-                       r"((?: v\d+| zb-h1| zb-v| \+sp| \+zero[0-3]| \+recompute| -overlap)*)")
+                       r"((?: v\d+| zb-h1| zb-v| \+sp| \+zero[0-3]| \+recompute| -overlap| \+tp-overlap"
+                       r"| ends\d+/\d+)*)")
 
 
 def parse_layout(text: str, ranks: int) -> Plan:
@@ -154,8 +155,10 @@ def parse_layout(text: str, ranks: int) -> Plan:
     zb = next((f for f in flags if f in ZERO_BUBBLE), None)
     v = 2 if zb == "zb-v" else next((int(f[1:]) for f in flags if f.startswith("v")), 1)
     zero = next((int(f[5:]) for f in flags if f.startswith("+zero")), 0)
+    first, last = next((tuple(int(n) for n in f[4:].split("/")) for f in flags if f.startswith("ends")), (0, 0))
     lay = Plan(tp=t, cp=c, pp=p, dp=d, ep=e, etp=x, virtual=v, sp="+sp" in flags, zero=zero, micro_batch=b,
-               recompute="+recompute" in flags, overlap_dp="-overlap" not in flags, schedule=zb)
+               recompute="+recompute" in flags, overlap_dp="-overlap" not in flags, schedule=zb,
+               first_stage_layers=first, last_stage_layers=last, overlap_tp="+tp-overlap" in flags)
     wrong = lay.problems()
     if wrong:
         raise UserError(f"--explain {text!r}: " + "; ".join(wrong))
@@ -197,6 +200,8 @@ def train_config(w: Workload, lay: Plan) -> dict:
             "micro_batches": micro_batches, "schedule": lay.schedule_name,
             "virtual_stages": lay.virtual, "sequence_parallel": lay.sp, "zero": lay.zero,
             "recompute": "full" if lay.recompute else "none",
+            **({"first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers}
+               if lay.first_stage_layers or lay.last_stage_layers else {}),
             **({"moe_experts": w.experts, "moe_top_k": w.top_k, "moe_every": w.moe_every,
                 "moe_shared_experts": w.shared_experts, "moe_dispatcher": lay.dispatcher,
                 "moe_capacity": w.capacity} if w.experts else {})}

@@ -28,8 +28,8 @@ MOE_FROM_MODEL = (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_ever
 
 
 def add_shape_arguments(p) -> None:
-    """The shape options on the plan parser (defaults None: the architecture's, or --model's), and the attention
-    kernel the run uses."""
+    """The shape options on the plan parser (defaults None: the architecture's, or --model's), and how the run
+    computes: its attention kernel, and whether its tensor-parallel collectives overlap the GEMMs."""
     p.add_argument("--model", metavar="PATH", default=None,
                    help="read the model's shape from a Hugging Face config.json (or its folder) or an mpi_tp "
                         "checkpoint; options given override it (--seq defaults to the model's longest sequence)")
@@ -52,6 +52,10 @@ def add_shape_arguments(p) -> None:
                         "(Megatron's softmax of 2021-22: the (S, S) scores computed whole and kept), mpi_tp (this "
                         "code's CPU kernels); auto: flash on the GPU presets, mpi_tp on a calibrated machine "
                         "(mpi_tp.planning.attention_cost)")
+    p.add_argument("--overlap-tp", action="store_true",
+                   help="price the tensor-parallel collectives overlapped with the GEMMs as Transformer Engine's "
+                        "userbuffers run them (Megatron --tp-comm-overlap; inside a node, a quarter exposed): for "
+                        "planning a Megatron run; mpi_tp's engine does not overlap them")
 
 
 def model_config(path: str) -> GPTConfig:

@@ -110,8 +110,8 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
                      online: bool | None = None, shape: Shape = Shape()) -> dict:
     """{term: bytes per layer} on the rank that keeps the most (sizes that divide by T: exact).
 
-    paper: Korthikanti et al.'s count (dropout always on; values of value_bytes, default 2 as in the
-    paper); else this code's with value_bytes per value (default 4: float32; statistics fp32 at 2) and
+    paper: Korthikanti et al.'s count (dropout always on for GPT-2's shape, as in the paper's runs, and as
+    `dropout` says for Llama's, which trains without it; values of value_bytes, default 2 as in the paper); else this code's with value_bytes per value (default 4: float32; statistics fp32 at 2) and
     masks only when dropout is on. online: the attention keeps no scores, its output and log-sum-exp
     instead (the online softmax, FlashAttention, ring attention); None: this code's rule (from
     ONLINE_FROM positions; never in the paper's count). shape: H_kv, F and the architecture (default
@@ -120,7 +120,7 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
         raise ValueError(f"recompute {recompute!r}: one of {RECOMPUTE}")
     if value_bytes is None:
         value_bytes = 2 if paper else 4
-    if paper:
+    if paper and not shape.llama:         # the GPT runs the paper counts had dropout; Llama trains without it
         dropout = True
     F, H_kv = shape.ffn or 4 * C, shape.kv_heads or H
     # SBK: k or v, split by key/value heads: H_kv / T heads a rank, or one whole (a replica) when H_kv < T
@@ -133,7 +133,8 @@ def activation_terms(S: int, B: int, C: int, H: int, T: int = 1, sp: bool = Fals
         return {"block input": S * B * C * value_bytes / (T if sp else 1)}
     out = {}
     for t in TERMS:
-        counted = (t.paper if paper else t.ours) or (paper and online and t.online)   # flash's output and lse
+        # flash adds its log-sum-exp to the paper's count; its output is the projection's input, counted already
+        counted = (t.paper if paper else t.ours) or (paper and online and t.online and t.statistic)
         if not counted or (t.mask and not dropout) or t.online not in (None, online) or t.arch not in (None, arch):
             continue
         if t.core and recompute == "selective" and not online:      # (the online cache is kept whole)

@@ -26,27 +26,36 @@ in the V, chunks P - 1 and P sit on rank P - 1, so 2 (P - 1): twice 1F1B's traff
 """
 from __future__ import annotations
 
-import math
+from mpi_tp.parallel.pipeline.stages import layer_ranges
 
 ZERO_BUBBLE = ("zb-h1", "zb-v")       # the schedule names mpi_tp.parallel.pipeline.schedules runs
 
 
 def bubble_fraction(schedule: str | None, p: int, v: int, micro: float, w_share: float,
-                    layers: int | None = None) -> float:
+                    chunks: list | None = None) -> float:
     """Idle time per stage over the step's work (the table above); schedule None: 1F1B, or
-    interleaved at v > 1. With `layers` (the model's L) the chunks are as mpi_tp.parallel.pipeline.stages
-    cuts them: where they differ by a block, the largest sets the pace, so 1 / v becomes the largest
-    chunk's share of the largest stage, ceil(L / (P v)) / ceil(L / P) (126 blocks on 16 stages: v = 5, 6
-    and 7 idle as v = 4 does)."""
+    interleaved at v > 1. With `chunks` (blocks_by_stage: each stage's chunks' blocks) the largest chunk sets
+    the pace where they differ, so 1 / v becomes its share of the largest stage (126 blocks on 16 stages:
+    v = 5, 6 and 7 idle as v = 4 does, chunks of 2 blocks against stages of 8)."""
     if p <= 1:
         return 0.0
-    chunks = 2 if schedule == "zb-v" else v
-    share = math.ceil(layers / (p * chunks)) / math.ceil(layers / p) if layers else 1 / chunks
+    share = 1 / (2 if schedule == "zb-v" else v)
+    if chunks:
+        share = max(max(c) for c in chunks) / max(sum(c) for c in chunks)
     if schedule == "zb-h1":
         return (p - 1) * max(0.0, 1 - 2 * w_share) / micro
     if schedule == "zb-v":
         return (p - 1) * max(0.0, 1 - 3 * w_share) * share / micro
     return (p - 1) * share / micro
+
+
+def blocks_by_stage(n_layer: int, lay) -> list[list[int]]:
+    """[stage][local chunk] -> its blocks, as the engine cuts the model (mpi_tp.parallel.pipeline.stages: chunks
+    differing by a block, the extra ones first, or the end stages' blocks set: Plan.first_stage_layers and
+    last_stage_layers)."""
+    ranges = layer_ranges(n_layer, lay.pp, lay.virtual, lay.schedule == "zb-v", lay.first_stage_layers or None,
+                          lay.last_stage_layers or None)
+    return [[len(r) for r in stage] for stage in ranges]
 
 
 def forward_hops(schedule: str | None, p: int, v: int) -> int:

@@ -13,7 +13,9 @@ with micro-batches of B sequences, M = global batch / (D B) of them per step
                  6 with recomputation), ring: 2 (T-1) alpha + 2 (T-1)/T n beta, beta = 1 / bw;
                  sequence parallelism: each all-reduce an all-gather + a reduce-scatter (the same
                  bytes), plus the column layers' inputs gathered again in the backward pass (2
-                 all-gathers of B S C per layer: what keeps their activations at 1/T)
+                 all-gathers of B S C per layer: what keeps their activations at 1/T); a run that
+                 overlaps them with the GEMMs (Plan.overlap_tp: Transformer Engine's userbuffers,
+                 inside a node) pays 1 / TP_OVERLAP_SPLITS of them
     pipeline     bubble (P - 1) / (v M) of the compute (zb-h1: (P - 1)(1 - 2w) / M, zb-v: (P - 1)(1 - 3w)
                  / (2M), w the weights' gradients' share: mpi_tp.planning.bubble), plus the activation
                  messages (receives are posted ahead: pp_overlap of a transfer hides behind compute,
@@ -57,7 +59,7 @@ from dataclasses import dataclass
 
 from mpi_tp.parallel.layout import Layout
 from mpi_tp.planning import attention_cost as attn
-from mpi_tp.planning.bubble import ZERO_BUBBLE, bubble_fraction, forward_hops
+from mpi_tp.planning.bubble import ZERO_BUBBLE, blocks_by_stage, bubble_fraction, forward_hops
 from mpi_tp.planning.experts import (
     DISPATCHERS,
     expert_grid_links,
@@ -70,6 +72,12 @@ from mpi_tp.planning.machines import Machine, curve_rate, state_bytes
 from mpi_tp.planning.workload import Workload
 
 
+# Transformer Engine's userbuffer overlap, as NeMo's H100 configurations set it (userbuffers_bf16_h100_*: the forward's
+# reduce-scatters pipelined in num_splits=4 chunks against the row GEMM, the last one exposed; the all-gathers ring-
+# exchanged and the backward's bulk-overlapped against GEMMs, hidden but for the SMs they take): a quarter exposed
+TP_OVERLAP_SPLITS = 4
+
+
 @dataclass(frozen=True)
 class Plan(Layout):
     """A layout to price: the parallel sizes (mpi_tp.parallel.layout.Layout) and how a step runs on them."""
@@ -79,6 +87,10 @@ class Plan(Layout):
     overlap_dp: bool = True      # data-parallel all-reduce during the last backward pass (--no-overlap-dp)
     schedule: str | None = None  # "zb-h1" (v = 1) or "zb-v" (v = 2); None: 1F1B, or interleaved at v > 1
     dispatcher: str = "alltoall"  # how an MoE block's rows reach their experts: "alltoall" or "allgather"
+    overlap_tp: bool = False     # tensor-parallel collectives cut and run against the GEMMs' chunks, as Transformer
+    #                              Engine's userbuffers do (Megatron --tp-comm-overlap; not this engine)
+    first_stage_layers: int = 0  # blocks of the first / last pipeline stage set by hand (0: the engine's split;
+    last_stage_layers: int = 0   # mpi_tp.parallel.pipeline.stages, `train --first-stage-layers`)
 
     @property
     def schedule_name(self) -> str:
@@ -99,6 +111,9 @@ class Plan(Layout):
         """'tp4 pp12 dp8 b2 v2 +sp +zero1 +recompute': the layout's words, the micro-batch after the grid
         (a zero-bubble schedule's name where v would stand: 'tp4 pp12 dp8 b2 zb-v +zero3')."""
         extra = (["+recompute"] if self.recompute else []) + ([] if self.overlap_dp or self.dp == 1 else ["-overlap"])
+        extra += ["+tp-overlap"] if self.overlap_tp else []
+        if self.first_stage_layers or self.last_stage_layers:
+            extra.append(f"ends{self.first_stage_layers}/{self.last_stage_layers}")
         flags = self.flags()
         if self.schedule:
             flags = [self.schedule] + [f for f in flags if f != f"v{self.virtual}"]
@@ -131,7 +146,8 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     t, p, d, b, c = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.cp
     s = w.seq / c                                              # positions per rank (context parallelism)
     micro = w.global_batch / (d * b)                           # micro-batches per replica and step
-    layers = math.ceil(L / p)                                  # the largest stage sets the pace
+    chunks = blocks_by_stage(L, lay) if p > 1 else [[L]]
+    layers = max(sum(c) for c in chunks)                       # the largest stage sets the pace
     fwd_bwd = 4 if lay.recompute else 3                        # forward counted again when recomputing
     # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t
     att_share, mlp_share = math.ceil(a / t) / a, math.ceil(w.ffn / t) / w.ffn
@@ -149,6 +165,8 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     if lay.sp:
         per_layer += 2 * ring_all_gather(n, t, alpha, bw)         # the column layers' inputs, again
     tp_comm = micro * layers * per_layer
+    if lay.overlap_tp and links["tp"] == "node":   # userbuffers (they need the node's NVLink): one of each
+        tp_comm /= TP_OVERLAP_SPLITS               # collective's chunks exposed
     moe = math.ceil(w.moe_layers / p)                          # this stage's MoE blocks (at most)
     ep_comm = 0.0
     if moe:                          # the experts' GEMMs, dispatch, etp and tp traffic (mpi_tp.planning.experts)
@@ -182,7 +200,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
         # and the drain's: 2 hops / P of them, nothing computing yet (or any more) to hide behind
         exposed = messages * (1 - m.pp_overlap) + m.pp_overlap * min(messages, 2 * hops / p)
         pp_comm = messages * (pa + (0.0 if lay.sp else ring_all_gather(n, t, alpha, bw))) + exposed * transfer
-        bubble = bubble_fraction(lay.schedule, p, v, micro, w_share, L) * work
+        bubble = bubble_fraction(lay.schedule, p, v, micro, w_share, chunks) * work
     params_rank = w.params / (t * p)
     experts_rank = 0.0               # the rank's E / ep experts' etp shards: reduced over edp
     if w.moe_layers:

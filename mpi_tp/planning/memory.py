@@ -15,7 +15,8 @@ weights, gradients and optimizer state (2, 2, 12 at 16 bits; 4, 4, 8 in fp32), U
 parameters (the largest block, or the embedding table, whichever holds more):
 
     zero 0    (w + g + k) Psi
-    zero 1    (w + g) Psi + (k + g) Psi / D         the whole gradient buffer and the averaged share
+    zero 1    (w + g) Psi + (k + g) Psi / D         the whole gradient buffer and the averaged share (on the
+                                                    presets, Megatron's: the share a view of the buffer, k Psi / D)
     zero 2    w Psi + (g + k) Psi / D + g U         only the share, and one unit's gradients before its
                                                     reduce-scatter
     zero 3    (w + g + k) Psi / D + (w + g) U       one unit's parameters gathered at a time, and its
@@ -38,8 +39,8 @@ from __future__ import annotations
 
 import math
 
-from mpi_tp.parallel.topology import split_sizes
 from mpi_tp.planning import activations, attention_cost
+from mpi_tp.planning.bubble import blocks_by_stage
 from mpi_tp.planning.costmodel import Plan, Workload
 from mpi_tp.planning.experts import (
     dense_mlp_bytes,
@@ -58,8 +59,9 @@ def activation_bytes_per_layer(m: Machine, w: Workload, lay: Plan, recompute: st
     online = not attention_cost.keeps_scores(m, w, S, lay.cp)   # flash, the online softmax, ring attention
     shape = activations.Shape.of(w)
     if m.activations == "korthikanti":
-        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, recompute=recompute, paper=True,
-                                                      value_bytes=m.bytes_per_value, online=online, shape=shape)
+        return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=recompute,
+                                                      paper=True, value_bytes=m.bytes_per_value, online=online,
+                                                      shape=shape)
     return activations.activation_bytes_per_layer(S, B, C, H, T, lay.sp, w.dropout, recompute=recompute,
                                                   value_bytes=m.bytes_per_value, online=online, shape=shape)
 
@@ -70,7 +72,8 @@ def params_per_rank(w: Workload, lay: Plan) -> float:
     tensor-parallel rank replicates (LayerNorms and row biases: 6 C per layer, wpe S C, ln_f 2 C); Llama
     shapes: Workload.layer_split (k and v whole, a replica, when H_kv < T; no biases, no wpe), and an
     untied lm_head's rows when one stage holds the whole model."""
-    T, C, layers = lay.tp, w.n_embd, math.ceil(w.n_layer / lay.pp)
+    T, C = lay.tp, w.n_embd
+    layers = sum(blocks_by_stage(w.n_layer, lay)[0]) if lay.pp > 1 else w.n_layer
     split, whole = w.layer_split(T)
     tables = 1 if w.tied or lay.pp > 1 else 2               # wte, and lm_head on the same (only) stage
     sharded = layers * split / T + tables * math.ceil(w.vocab / T) * C
@@ -118,8 +121,11 @@ def state_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
     unit = unit_params(w, lay) if zero >= 2 else 0.0
     experts = expert_share(w, lay)
     share = (psi - experts) / D + experts / lay.edp          # a rank's share: experts' over edp
+    # ZeRO-1 here keeps the averaged share beside the whole buffer; Megatron's distributed optimizer (the presets'
+    # 16-bit Megatron-style training) reduce-scatters into the buffer itself, its share a view
+    kept = 0.0 if m.activations == "korthikanti" else gb * share
     return {"parameters": wb * share + wb * unit if zero >= 3 else wb * psi,
-            "gradients": {0: gb * psi, 1: gb * psi + gb * share}.get(zero, gb * share + gb * unit),
+            "gradients": {0: gb * psi, 1: gb * psi + kept}.get(zero, gb * share + gb * unit),
             "optimizer": kb * share if zero else kb * psi}
 
 
@@ -205,41 +211,41 @@ def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]
         a += moe * n_moe / n_blocks
     w_block, w_head = weight_input_bytes(m, w, lay)
     g = logits_bytes(m, w, lay)
+    chunks = blocks_by_stage(w.n_layer, lay) if P > 1 else [[w.n_layer]]
     if lay.schedule == "zb-v":
-        n, held = math.ceil(w.n_layer / (2 * P)), min(2 * P + 2, 2 * M)
+        n, held = max(chunks[0]), min(2 * P + 2, 2 * M)
         kept = held * n * max(a, w_block) + min(M, P) * w_head
         return (kept + r, 0.0) if r > g else (kept, g)
     if lay.virtual > 1 and lay.schedule is None:          # interleaved: chunks of about 1 / v of a stage
-        return interleaved_activations(w.n_layer, P, lay.virtual, M, a, r, g)
-    n = math.ceil(w.n_layer / P)
-    A, split = n * a, lay.schedule == "zb-h1"
+        return interleaved_activations(chunks, M, a, r, g)
+    split = lay.schedule == "zb-h1"
 
-    def stage(held, waiting, h, g):
-        """(activations, logits) at the stage's peak."""
-        W = n * w_block + h
+    def stage(n, held, waiting, h, g):
+        """(activations, logits) at the peak of a stage of n blocks."""
+        A, W = n * a, n * w_block + h
         if split:
             now = max((A + g, g), (A + h + r, 0.0), (W - w_block + a + r, 0.0), (W, 0.0))
         else:
             now = (A + max(g, r), g if g >= r else 0.0)
         return (held - waiting - 1) * A + waiting * W + now[0] - now[1], now[1]
 
-    held = min(P, M)
-    first = stage(held, 0, 0.0, 0.0)
-    last = stage(held, min(P - 1, M - 1), w_head, g) if split else stage(1, 0, w_head, g)
+    held, first_n, last_n = min(P, M), sum(chunks[0]), sum(chunks[-1])
+    first = stage(first_n, held, 0, 0.0, 0.0)
+    last = stage(last_n, held, min(P - 1, M - 1), w_head, g) if split else stage(last_n, 1, 0, w_head, g)
     return last if P == 1 or sum(last) >= sum(first) else first
 
 
-def interleaved_activations(L: int, P: int, v: int, M: int, a: float, r: float, g: float) -> tuple[float, float]:
-    """(activations, logits) at the peak of the interleaved schedule's fullest stage, `a` bytes a block: stage s
-    runs 2 (P - s - 1) + (v - 1) P warm-up forwards (mpi_tp.parallel.pipeline.schedules: the k-th through its
-    chunk (k // P) mod v, the L blocks cut into P v chunks as mpi_tp.parallel.pipeline.stages cuts them) and keeps
-    them with the one in flight; besides, the rebuilt block r (full recomputation) or, on the last stage, the
-    logits g, whichever is larger."""
-    sizes = split_sizes(L, P * v)
+def interleaved_activations(chunks: list, M: int, a: float, r: float, g: float) -> tuple[float, float]:
+    """(activations, logits) at the peak of the interleaved schedule's fullest stage, `a` bytes a block, `chunks`
+    each stage's chunks' blocks (bubble.blocks_by_stage): stage s runs 2 (P - s - 1) + (v - 1) P warm-up forwards
+    (mpi_tp.parallel.pipeline.schedules: the k-th through its chunk (k // P) mod v) and keeps them with the one in
+    flight; besides, the rebuilt block r (full recomputation) or, on the last stage, the logits g, whichever is
+    larger."""
+    P, v = len(chunks), len(chunks[0])
 
     def held(s):                     # the blocks of the stage's first forwards, chunk by chunk
         h = min(2 * (P - s - 1) + (v - 1) * P + 1, M * v)
-        return sum(min(P, h - k) * sizes[(k // P) % v * P + s] for k in range(0, h, P)) * a
+        return sum(min(P, h - k) * chunks[s][(k // P) % v] for k in range(0, h, P)) * a
     first = held(0) + r
     last = held(P - 1) + max(g, r)
     return (first, 0.0) if first >= last else (last - (g if g >= r else 0.0), g if g >= r else 0.0)

@@ -20,14 +20,16 @@ LEGEND = (
                "ranks (shown when not T; a stage's T Z D ranks laid out as etp x ep x edp); vN: N chunks per stage (the interleaved schedule); "
                "zb-h1, zb-v: the zero-bubble schedules (zb-v: two chunks per rank in a V); +sp sequence parallelism; "
                "+zeroN ZeRO stage N (1: optimizer state, 2: and gradients, 3: and parameters sharded over D); "
-               "+recompute full activation recomputation")),
+               "+recompute full activation recomputation; +tp-overlap tensor-parallel collectives overlapped with "
+               "the GEMMs (--overlap-tp); endsF/L: the first and last stage's blocks, the short stages at the ends")),
     ("step s", "predicted seconds per training step (step ms: milliseconds, when every row is under 0.1 s; "
                "the next eight columns in the same unit): the sum of the next eight columns"),
     ("compute", ("the M micro-batches' GEMMs (at the GEMM rate for B S rows), elementwise work and per-layer "
                 "overhead, on the largest stage and the rank with the most heads")),
     ("tp comm", ("tensor-parallel all-reduces: 4 per layer and micro-batch (6 with recomputation) of B S C "
                 "values, ring 2 (T-1) alpha + 2 (T-1)/T n beta (+sp: as all-gathers and reduce-scatters, and "
-                "2 more all-gathers of the column layers' inputs); MoE blocks: etp's all-gather and reduce-scatter of "
+                "2 more all-gathers of the column layers' inputs; +tp-overlap: a quarter of them); MoE blocks: "
+                "etp's all-gather and reduce-scatter of "
                 "the rows its experts compute and the output gathered over T, in place of the MLP's 2")),
     ("cp comm", ("context parallelism's ring: 3Z - 2 messages of K and V (or their gradients) per layer and "
                 "micro-batch, 2 B (S/Z) C / T values each; the machine's pp_overlap of the K/V messages hidden "
@@ -38,7 +40,8 @@ LEGEND = (
                 "ep times those bytes")),
     ("pp comm", ("activations sent between pipeline stages (1/T of B S C each, all-gathered on arrival "
                 "without +sp; the machine's pp_overlap of each transfer hidden, but in the fill and drain)")),
-    ("bubble", ("pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm; zb-h1 "
+    ("bubble", ("pipeline stages idle at the start and end of a step: (P-1)/(v M) of compute + tp comm (1/v: "
+                "the largest chunk's share of the largest stage where they differ by a block); zb-h1 "
                 "(P-1)(1-2w)/M, zb-v (P-1)(1-3w)/(2M), w the share of the weights' gradients (1/3: (P-1)/(3M), 0)")),
     ("dp comm", ("the gradient all-reduce over the D replicas (float32; an expert shard's over the edp = T Z D / "
                 "(etp ep) holding it, on the link they cross), "

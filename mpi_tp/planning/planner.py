@@ -38,16 +38,19 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                pp_only: int | None = None, micro_only: int | None = None, sp=(False, True), zeros=(0, 1, 2, 3),
                recomputes=(False, True), cp_only: int | None = None, schedules=SCHEDULES,
                virtual: int | None = None, even_stages: bool = False, ep_only: int | None = None,
-               etp_only: int | None = None, dispatcher: str = "alltoall"):
+               etp_only: int | None = None, dispatcher: str = "alltoall", overlap_tp: bool = False):
     """Layouts to price, every one the engine trains: tp up to the heads (and max_tp; heads need not divide:
     uneven), cp > 1 where each rank keeps CP_POSITIONS positions or more, pp up to the
     layers (stages need not divide them: the largest sets the pace), interleaving (v chunks a stage, 2 up to
     its layers, or `virtual`) where the micro-batches are a multiple of the stages and every chunk has a block, the
     zero-bubble schedules where there are at least as many micro-batches as stages (zb-v: and every chunk
     of its V has a block), dp the rest; micro-batches up to 16 sequences; ZeRO stages 1-3 where dp x cp > 1.
-    Pins: tp_only, cp_only, pp_only, micro_only, virtual, ep_only, etp_only (a mixture of experts: etp tp or a
-    divisor of it, ep x etp dividing tp x cp x dp, ep at most the experts; dispatcher: theirs); schedules (of SCHEDULES), sp, zeros, recomputes: the settings allowed; even_stages: only stage counts that divide the layers (the search space of papers
-    that had only those)."""
+    The end stages a block lighter where that costs no time (_ends). Pins: tp_only, cp_only, pp_only, micro_only,
+    virtual, ep_only, etp_only (a mixture of experts: etp tp or a divisor of it, ep x etp dividing tp x cp x dp, ep
+    at most the experts; dispatcher: theirs); schedules (of SCHEDULES), sp, zeros, recomputes: the settings
+    allowed; even_stages: only stage counts that divide the layers (the search space of papers that had only
+    those); overlap_tp: price the tensor-parallel collectives as Transformer Engine overlaps them
+    (Plan.overlap_tp)."""
     for tp in divisors(ranks):
         if tp > w.n_head or (max_tp and tp > max_tp) or (tp_only and tp != tp_only):
             continue
@@ -67,12 +70,22 @@ def candidates(w: Workload, ranks: int, per_node: int, max_tp: int | None = None
                 micro = w.global_batch // (dp * b)
                 for (v, zb), (ep, etp) in ((x, e) for x in _schedules(w, pp, micro, schedules, virtual)
                                            for e in _experts(w, tp, cp, dp, ep_only, etp_only)):
-                    for seq in (sp if tp > 1 else (False,)):
+                    for seq, ends in ((q, e) for q in (sp if tp > 1 else (False,)) for e in _ends(w, pp, v)):
                         for zero in (zeros if dp * cp > 1 else (0,)):
                             for recompute in recomputes:
                                 yield Plan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, virtual=v, sp=seq,
                                            zero=zero, micro_batch=b, recompute=recompute, schedule=zb,
-                                           dispatcher=dispatcher)
+                                           dispatcher=dispatcher, first_stage_layers=ends,
+                                           last_stage_layers=ends, overlap_tp=overlap_tp and tp > 1)
+
+
+def _ends(w: Workload, pp: int, v: int) -> tuple:
+    """The end stages' blocks to try: the engine's split (0), and, where at least two stages come a block short
+    anyway (n P - L >= 2, n = ceil(L / P)) and a stage lies between, those short stages at the ends (n - 1
+    blocks each: Llama 3's placement, the first stage's activations and the last's logits on the lighter
+    ones) at the same pace."""
+    n = -(-w.n_layer // pp)
+    return (0, n - 1) if pp >= 3 and n * pp - w.n_layer >= 2 and n - 1 >= v else (0,)
 
 
 def _experts(w: Workload, tp: int, cp: int, dp: int, ep_only: int | None, etp_only: int | None) -> list[tuple]:
@@ -92,7 +105,8 @@ def _experts(w: Workload, tp: int, cp: int, dp: int, ep_only: int | None, etp_on
 
 def _schedules(w: Workload, pp: int, micro: int, schedules, virtual: int | None) -> list[tuple]:
     """(chunks per stage, zero-bubble schedule or None) pairs to try, of those `schedules` allows: (1, None)
-    1F1B; (v, None) interleaved, v from 2 to a stage's layers (chunk_counts; or `virtual`: then nothing else) where it runs; (1, "zb-h1") and
+    1F1B; (v, None) interleaved, v from 2 to a stage's layers (chunk_counts; or `virtual`: then nothing else)
+    where it runs; (1, "zb-h1") and
     (2, "zb-v") where M >= P, their formulas' steady state (mpi_tp.planning.bubble), zb-v where each of
     the 2 P chunks has a block. One stage: (1, None), unless only pipelined schedules are allowed."""
     if pp == 1:
@@ -121,13 +135,15 @@ def chunk_counts(L: int, P: int) -> list[int]:
 
 def plan(m, w: Workload, nodes: int, top: int = 10, max_tp: int | None = None, tp: int | None = None,
          pp: int | None = None, **allowed) -> dict:
-    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedules, virtual, even_stages, ep_only."""
+    """allowed: candidates()'s micro_only, sp, zeros, recomputes, cp_only, schedules, virtual, even_stages, ep_only,
+    overlap_tp."""
     ranks = nodes * m.ranks_per_node
     rows = [price(m, w, lay) for lay in candidates(w, ranks, m.ranks_per_node, max_tp, tp, pp, **allowed)]
     fitting, seen = [], set()
-    for r in sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"]):
-        lay = r["layout"]            # the interleaved schedule at its best v only: v is searched, not a new layout
-        key = replace(lay, virtual=0) if lay.schedule is None and lay.virtual > 1 else lay
+    for r in sorted((r for r in rows if r["fits"]), key=lambda r: (r["time"]["total"], r["memory"]["total"])):
+        lay = r["layout"]            # the interleaved schedule at its best v, the ends at their best (the lighter
+        key = replace(lay, first_stage_layers=0, last_stage_layers=0)  # at a tie): searched, not new layouts
+        key = replace(key, virtual=0) if lay.schedule is None and lay.virtual > 1 else key
         if key not in seen:
             seen.add(key)
             fitting.append(r)
