@@ -46,7 +46,7 @@ def test_memory_by_hand():
     sbh, as2b, sb = 32 * 8 * 64, 4 * 32 * 32 * 8, 32 * 8          # S B C, H S^2 B, S B
     # two layers of 4-byte values: S B C (4 + 16/T), the LayerNorms' 1/std 2 S B, H S^2 B / T
     assert mem["activations"] == 2 * 4 * (sbh * (4 + 16 / 2) + 2 * sb + as2b / 2)
-    assert mem["logits"] == 8 * 32 * 256 / 2 * 4 * 2
+    assert mem["logits"] == 8 * 32 * 256 / 2 * 4 * 2 + 2 * sbh * 4             # the logits, ln_f's and the head's input
     sp = memory_per_rank(cpu(), w, Plan(tp=2, micro_batch=8, sp=True))
     assert sp["activations"] == 2 * 4 * (sbh * 20 + 2 * sb + as2b) / 2           # sequence parallel: all / T
     zero = memory_per_rank(cpu(), w, Plan(tp=2, dp=4, micro_batch=2, zero=1))

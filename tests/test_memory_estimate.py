@@ -53,7 +53,7 @@ def _parts(m, w, lay, recompute="none"):
     A = S * B * C * v / t_sp if recompute == "full" else activation_bytes_per_layer(m, w, lay, recompute)
     W = S * B * C * (6 / t_sp + 2 + 12 / T) * v           # norms 4 + column inputs 2 (/T sp), row dY 2, 12 / T
     head = S * B * (C / t_sp + w.vocab / T) * v
-    return A, W, head, B * S * w.vocab / T * (v + max(v, 4))
+    return A, W, head, B * S * w.vocab / T * (v + max(v, 4)) + 2 * S * B * C / t_sp * v   # + ln_f's, the head's inputs
 
 
 def test_full_recomputation_keeps_the_rebuilt_layer_or_the_logits_not_both():

@@ -54,3 +54,21 @@ def test_bench_reports_the_count_at_cp(world):
     r = bench.run_shape(world, 48, 4, 1, 8 * world.Get_size(), 2, steps=1, warmup=0, cp=world.Get_size())
     assert all_true(r["activation_bytes_per_layer"] == r["activation_bytes_per_layer_formula"], world), \
         (r["activation_bytes_per_layer"], r["activation_bytes_per_layer_formula"])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_planner_s_stage_is_what_a_step_holds(world):
+    """The planner's activations and logits for a one-stage layout (memory_per_rank: the layers' count times the
+    layers, the logits, and the final norm's and the output layer's inputs) against the peak of live activation
+    arrays over a bench step (mpi_tp.core.memory.MemoryMeter, the largest rank) at cp = the world size: within 1%
+    (the per-row statistics of the final norm are what is left out). experiments/planner/long_seq_memory.py does
+    the same at S = 2048 ... 8192."""
+    from mpi_tp.commands.bench import step as bench
+    from mpi_tp.planning.memory import memory_per_rank
+    Z = world.Get_size()
+    for S, B in ((16 * Z, 2), (64 * Z, 1)):
+        r = bench.run_shape(world, 48, 4, 2, S, B, steps=1, warmup=0, cp=Z)
+        mem = memory_per_rank(CPU, Workload(2, 48, 4, S, B, vocab=GPTConfig().vocab_size), Plan(cp=Z, micro_batch=B))
+        measured = r["memory_measured"]["max"]["activations"]
+        assert all_true(abs(mem["activations"] + mem["logits"] - measured) <= 0.01 * measured, world), \
+            (S, B, mem["activations"] + mem["logits"], measured)

@@ -37,7 +37,9 @@ def test_bf16_halves_values_and_keeps_fp32_masters():
     # activations: every value at 2 bytes, the LayerNorms' 1/std (2 S B per layer) at 4 either way
     sb = 32 * 8
     assert bf16["activations"] - 2 * 2 * 4 * sb == pytest.approx((fp32["activations"] - 2 * 2 * 4 * sb) / 2)
-    assert bf16["logits"] == fp32["logits"] * 6 / 8                      # bf16 logits, the softmax in fp32
+    rows, head = 32 * 8, 2 * 32 * 8 * 64                                 # the output layer's inputs: 2 S B C
+    assert fp32["logits"] == rows * 256 / 2 * 8 + head * 4
+    assert bf16["logits"] == rows * 256 / 2 * 6 + head * 2                # bf16 logits, the softmax in fp32
 
 
 def test_wire_bytes_follow_the_precision():

@@ -141,8 +141,12 @@ def memory_per_rank(m: Machine, w: Workload, lay: Plan) -> dict:
 
 
 def logits_bytes(m: Machine, w: Workload, lay: Plan) -> float:
-    """One micro-batch's logits at the value width and the cross-entropy's softmax in fp32 (or wider)."""
-    return lay.micro_batch * w.seq / lay.cp * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4))
+    """What the output layer keeps for one micro-batch: its logits at the value width and the cross-entropy's
+    softmax in fp32 (or wider), and the final norm's normalised input and the output layer's input, 2 S B C
+    values (1/T under sp)."""
+    rows = lay.micro_batch * w.seq / lay.cp
+    head = 2 * rows * w.n_embd / (lay.tp if lay.sp else 1) * m.bytes_per_value
+    return rows * w.vocab / lay.tp * (m.bytes_per_value + max(m.bytes_per_value, 4)) + head
 
 
 def weight_input_bytes(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]:
