@@ -133,8 +133,8 @@ def test_end_stages_set_by_hand():
                  intermediate_size=14336, attention="flash")
     plain, ends = Plan(tp=8, pp=16, dp=1, micro_batch=1), Plan(tp=8, pp=16, dp=1, micro_batch=1,
                                                                first_stage_layers=7, last_stage_layers=7)
-    assert blocks_by_stage(126, plain) == [[8]] * 14 + [[7]] * 2
-    assert blocks_by_stage(126, ends) == [[7]] + [[8]] * 14 + [[7]]
+    assert blocks_by_stage(126, plain) == ((8,),) * 14 + ((7,),) * 2
+    assert blocks_by_stage(126, ends) == ((7,),) + ((8,),) * 14 + ((7,),)
     assert step_time(m, w, ends)["total"] == step_time(m, w, plain)["total"]          # the same pace
     a = stage_activations(m, w, plain)[0]
     assert stage_activations(m, w, ends)[0] == pytest.approx(a * 7 / 8)                # the first stage: 7 of 8

@@ -26,6 +26,8 @@ in the V, chunks P - 1 and P sit on rank P - 1, so 2 (P - 1): twice 1F1B's traff
 """
 from __future__ import annotations
 
+import functools
+
 from mpi_tp.parallel.pipeline.stages import layer_ranges
 
 ZERO_BUBBLE = ("zb-h1", "zb-v")       # the schedule names mpi_tp.parallel.pipeline.schedules runs
@@ -49,13 +51,18 @@ def bubble_fraction(schedule: str | None, p: int, v: int, micro: float, w_share:
     return (p - 1) * share / micro
 
 
-def blocks_by_stage(n_layer: int, lay) -> list[list[int]]:
+def blocks_by_stage(n_layer: int, lay) -> tuple:
     """[stage][local chunk] -> its blocks, as the engine cuts the model (mpi_tp.parallel.pipeline.stages: chunks
     differing by a block, the extra ones first, or the end stages' blocks set: Plan.first_stage_layers and
     last_stage_layers)."""
-    ranges = layer_ranges(n_layer, lay.pp, lay.virtual, lay.schedule == "zb-v", lay.first_stage_layers or None,
-                          lay.last_stage_layers or None)
-    return [[len(r) for r in stage] for stage in ranges]
+    return _blocks(n_layer, lay.pp, lay.virtual, lay.schedule == "zb-v", lay.first_stage_layers or None,
+                   lay.last_stage_layers or None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocks(n_layer: int, pp: int, virtual: int, v_shape: bool, first: int | None, last: int | None) -> tuple:
+    """blocks_by_stage's cut, once per shape (a search prices thousands of layouts on a few cuts)."""
+    return tuple(tuple(len(r) for r in stage) for stage in layer_ranges(n_layer, pp, virtual, v_shape, first, last))
 
 
 def forward_hops(schedule: str | None, p: int, v: int) -> int:
