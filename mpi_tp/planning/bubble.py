@@ -54,7 +54,7 @@ def bubble_fraction(schedule: str | None, p: int, v: int, micro: float, w_share:
 def blocks_by_stage(n_layer: int, lay) -> tuple:
     """[stage][local chunk] -> its blocks, as the engine cuts the model (mpi_tp.parallel.pipeline.stages: chunks
     differing by a block, the extra ones first, or the end stages' blocks set: Plan.first_stage_layers and
-    last_stage_layers)."""
+    last_stage_layers; one stage: all of them)."""
     return _blocks(n_layer, lay.pp, lay.virtual, lay.schedule == "zb-v", lay.first_stage_layers or None,
                    lay.last_stage_layers or None)
 

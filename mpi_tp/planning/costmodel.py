@@ -146,7 +146,7 @@ def step_time(m: Machine, w: Workload, lay: Layout, hierarchical_dp: bool = Fals
     t, p, d, b, c = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.cp
     s = w.seq / c                                              # positions per rank (context parallelism)
     micro = w.global_batch / (d * b)                           # micro-batches per replica and step
-    chunks = blocks_by_stage(L, lay) if p > 1 else [[L]]
+    chunks = blocks_by_stage(L, lay)
     layers = max(sum(c) for c in chunks)                       # the largest stage sets the pace
     fwd_bwd = 4 if lay.recompute else 3                        # forward counted again when recomputing
     # the rank with the most heads (and MLP columns) sets the pace when they do not divide by t

@@ -73,7 +73,7 @@ def params_per_rank(w: Workload, lay: Plan) -> float:
     shapes: Workload.layer_split (k and v whole, a replica, when H_kv < T; no biases, no wpe), and an
     untied lm_head's rows when one stage holds the whole model."""
     T, C = lay.tp, w.n_embd
-    layers = sum(blocks_by_stage(w.n_layer, lay)[0]) if lay.pp > 1 else w.n_layer
+    layers = sum(blocks_by_stage(w.n_layer, lay)[0])
     split, whole = w.layer_split(T)
     tables = 1 if w.tied or lay.pp > 1 else 2               # wte, and lm_head on the same (only) stage
     sharded = layers * split / T + tables * math.ceil(w.vocab / T) * C
@@ -215,7 +215,7 @@ def stage_activations(m: Machine, w: Workload, lay: Plan) -> tuple[float, float]
         a += moe * n_moe / n_blocks
     w_block, w_head = weight_input_bytes(m, w, lay)
     g = logits_bytes(m, w, lay)
-    chunks = blocks_by_stage(w.n_layer, lay) if P > 1 else [[w.n_layer]]
+    chunks = blocks_by_stage(w.n_layer, lay)
     if lay.schedule == "zb-v":
         n, held = max(chunks[0]), min(2 * P + 2, 2 * M)
         kept = held * n * max(a, w_block) + min(M, P) * w_head
